@@ -1,0 +1,80 @@
+"""Argument checks for `pi_attention`: every bad input becomes a ValueError naming the argument."""
+
+from __future__ import annotations
+
+import torch
+
+from .pattern import GATED_VARIANTS, VARIANTS
+
+SUPPORTED_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_arguments(
+    q, k, v, gate, *, window, period, causal, variant, prior, logit_clamp, eps, scale, dropout_p
+) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor of shape [B, H, T, D], got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape [B, H, T, D] (4 dims), got {tuple(t.shape)}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            allowed = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+            raise ValueError(f"{name} has dtype {t.dtype}; allowed: {allowed}")
+    if k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(
+            f"q, k and v must share one shape [B, H, T, D]; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k and v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k and v must be on one device; got {q.device}, {k.device}, {v.device}")
+    if q.shape[2] < 1 or q.shape[3] < 1:
+        raise ValueError(f"q must have T >= 1 and D >= 1, got shape {tuple(q.shape)}")
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    if not _is_int(window) or window < 0:
+        raise ValueError(f"window must be an int >= 0, got {window!r}")
+    if not _is_int(period) or period < 1:
+        raise ValueError(f"period must be an int >= 1, got {period!r}")
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be True or False, got {causal!r}")
+    if not 0.0 < eps < 0.5:
+        raise ValueError(f"eps must lie in (0, 0.5), got {eps!r}")
+    if logit_clamp is not None and not logit_clamp > 0:
+        raise ValueError(f"logit_clamp must be > 0 or None, got {logit_clamp!r}")
+    if scale is not None and not scale > 0:
+        raise ValueError(f"scale must be > 0 or None (None means 1/sqrt(D)), got {scale!r}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p!r}")
+    if variant == "fixed" and not 0.0 < prior < 1.0:
+        raise ValueError(f"prior must lie in (0, 1) for variant 'fixed', got {prior!r}")
+    _check_gate(q, gate, variant)
+
+
+def _check_gate(q: torch.Tensor, gate, variant: str) -> None:
+    if variant not in GATED_VARIANTS:
+        if gate is not None:
+            raise ValueError(
+                f"gate is only used by variants {GATED_VARIANTS}; variant {variant!r} takes gate=None"
+            )
+        return
+    if gate is None:
+        raise ValueError(f"variant {variant!r} needs gate, a tensor [B, H, T] with values in (0, 1)")
+    if not isinstance(gate, torch.Tensor):
+        raise ValueError(f"gate must be a torch.Tensor of shape [B, H, T], got {type(gate).__name__}")
+    if tuple(gate.shape) != tuple(q.shape[:3]):
+        raise ValueError(f"gate must have shape [B, H, T] = {tuple(q.shape[:3])}, got {tuple(gate.shape)}")
+    if gate.device != q.device:
+        raise ValueError(f"gate must be on the device of q ({q.device}), got {gate.device}")
+    if not gate.is_floating_point():
+        raise ValueError(f"gate must be a floating-point tensor, got {gate.dtype}")
+    # A device-to-host sync; worth it, since a gate outside (0, 1) silently yields NaN or a wrong prior.
+    with torch.no_grad():
+        if not bool(((gate > 0) & (gate < 1)).all()):
+            lo, hi = gate.min().item(), gate.max().item()
+            raise ValueError(f"gate values must lie in the open interval (0, 1); got min {lo}, max {hi}")
