@@ -1,0 +1,27 @@
+"""The `piattn` command: one subcommand per job; each lives beside the code it runs."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# subcommand -> (module with `add_arguments(parser)` and `run(args) -> int`, one-line help)
+COMMANDS = {
+    "reach": ("piattn.analysis.report", "reachability, coverage and minimum depth; writes the figure"),
+    "demo": ("piattn.demo", "the main job on built-in data: analysis, then a quick backend comparison"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="piattn", description="π-Attention toolkit")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(p)
+    args = parser.parse_args(argv)
+    return importlib.import_module(args._module).run(args) or 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,50 @@
+"""Shared test helpers: inputs for pi_attention, forward+backward runs, per-dtype comparisons."""
+
+from __future__ import annotations
+
+import torch
+
+import piattn
+from piattn.ops.pi.pattern import GATED_VARIANTS
+
+# Absolute/relative tolerances of a backend against "reference" (which itself accumulates in fp32 for
+# low precision). Low precision inputs are rounded the same way for both, so the error comes from the
+# order of fp32 sums and from rounding the result once.
+TOLERANCES = {
+    torch.float64: dict(atol=1e-10, rtol=1e-10),
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+    torch.float16: dict(atol=3e-3, rtol=3e-3),
+}
+
+
+def make_inputs(B, H, T, D, *, variant="adaptive", dtype=torch.float64, device="cpu", seed=0,
+                requires_grad=True):
+    """q, k, v [B, H, T, D] ~ N(0, 1) and a gate [B, H, T] in (0.02, 0.98) (None if the variant has none)."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, T, D, generator=g, dtype=torch.float64).to(device, dtype) for _ in range(3))
+    gate = None
+    if variant in GATED_VARIANTS:
+        gate = (0.02 + 0.96 * torch.rand(B, H, T, generator=g, dtype=torch.float64)).to(device, dtype)
+    tensors = [t for t in (q, k, v, gate) if t is not None]
+    for t in tensors:
+        t.requires_grad_(requires_grad)
+    return q, k, v, gate
+
+
+def forward_backward(q, k, v, gate, dy_seed=1, **kwargs):
+    """Run pi_attention and backprop a fixed random cotangent: (y, dq, dk, dv, dgate or None)."""
+    y = piattn.pi_attention(q, k, v, gate, **kwargs)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(dy_seed), dtype=torch.float64)
+    inputs = [t for t in (q, k, v, gate) if t is not None]
+    grads = torch.autograd.grad(y, inputs, dy.to(y.device, y.dtype))
+    grads = list(grads) + ([None] if gate is None else [])
+    return (y, *grads)
+
+
+def assert_close(name: str, expected: torch.Tensor, actual: torch.Tensor, dtype: torch.dtype | None = None):
+    """torch.testing.assert_close with the tolerance of `dtype`; names the tensor in the failure message."""
+    tol = TOLERANCES[dtype or expected.dtype]
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert torch.isfinite(actual).all(), f"{name}: non-finite values"
+    torch.testing.assert_close(actual.double(), expected.double(), **tol, msg=lambda m: f"{name}: {m}")
