@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 
 # subcommand -> (module with `add_arguments(parser)` and `run(args) -> int`, one-line help)
 COMMANDS = {
@@ -13,12 +14,15 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="piattn", description="π-Attention toolkit")
     sub = parser.add_subparsers(dest="command", required=True)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
-        importlib.import_module(module).add_arguments(p)
+        if name == chosen:  # import only the module that runs: start-up stays fast
+            importlib.import_module(module).add_arguments(p)
     args = parser.parse_args(argv)
     return importlib.import_module(args._module).run(args) or 0
 

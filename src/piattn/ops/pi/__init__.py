@@ -6,16 +6,19 @@ how they compute, never in what.
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.util
 import os
 from collections.abc import Callable
 
-import torch
+# Aliased: importing the submodule `.torch` rebinds the package attribute `torch` to that submodule.
+import torch as _torch
 
 from .pattern import Pattern
 from .validate import check_arguments
 
-# name -> (module, function); a backend whose module fails to import is simply not offered.
+# name -> (module, function). Modules load on first use, so that `import piattn` stays cheap.
 _BACKEND_SOURCES = {
     "reference": ("reference", "pi_attention_reference"),
     "torch": ("torch", "pi_attention_torch"),
@@ -24,37 +27,37 @@ _BACKEND_SOURCES = {
 }
 
 
-def _load(name: str) -> Callable | None:
+def _runnable(name: str) -> bool:
+    """Whether this install can run backend `name` (its dependencies exist; nothing is imported)."""
+    if name == "triton":
+        has_device = _torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+        return has_device and importlib.util.find_spec("triton") is not None
+    if name == "flex":
+        return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
+    return True
+
+
+BACKENDS: tuple[str, ...] = ("auto", *(name for name in _BACKEND_SOURCES if _runnable(name)))
+
+
+@functools.cache
+def _implementation(name: str) -> Callable:
     module, fn = _BACKEND_SOURCES[name]
-    try:
-        return getattr(importlib.import_module(f"{__name__}.{module}"), fn)
-    except ImportError:
-        return None
+    return getattr(importlib.import_module(f"{__name__}.{module}"), fn)
 
 
-def _available() -> dict[str, Callable]:
-    found = {name: fn for name in _BACKEND_SOURCES if (fn := _load(name)) is not None}
-    if "triton" in found and not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
-        del found["triton"]  # Triton needs a GPU, or its CPU interpreter
-    return found
-
-
-_IMPLS = _available()
-BACKENDS: tuple[str, ...] = ("auto", *_IMPLS)
-
-
-def choose_backend(device: torch.device, dtype: torch.dtype) -> str:
+def choose_backend(device: _torch.device, dtype: _torch.dtype) -> str:
     """The backend "auto" resolves to: the fused Triton kernel on CUDA when present, else "torch"."""
-    if device.type == "cuda" and "triton" in _IMPLS and dtype != torch.float64:
+    if device.type == "cuda" and "triton" in BACKENDS and dtype != _torch.float64:
         return "triton"
     return "torch"
 
 
 def pi_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    gate: torch.Tensor | None = None,
+    q: _torch.Tensor,
+    k: _torch.Tensor,
+    v: _torch.Tensor,
+    gate: _torch.Tensor | None = None,
     *,
     window: int = 4,
     period: int = 16,
@@ -66,7 +69,7 @@ def pi_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
-) -> torch.Tensor:
+) -> _torch.Tensor:
     """π-Attention: each query attends to a local window plus the keys ±period away, under one softmax.
 
     Args:
@@ -102,8 +105,8 @@ def pi_attention(
     if dropout_p > 0:
         # One mask layout for every backend, so that equal seeds give equal results across backends.
         n_slots = Pattern(window, period, causal).n_slots
-        keep = torch.rand(B, H, T, n_slots, device=q.device) >= dropout_p
-    return _IMPLS[backend](
+        keep = _torch.rand(B, H, T, n_slots, device=q.device) >= dropout_p
+    return _implementation(backend)(
         q, k, v, gate, window=window, period=period, causal=causal, variant=variant, prior=prior,
         logit_clamp=logit_clamp, eps=eps, scale=D**-0.5 if scale is None else scale,
         dropout_keep=keep, dropout_p=dropout_p,

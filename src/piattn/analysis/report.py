@@ -1,0 +1,153 @@
+"""`piattn reach`: coverage, span and minimum depth of local vs π-Attention, and the seed's Fig. rf_app.
+
+    piattn reach --n 48 --window 4 --period 16 --layers 6 [--bidirectional] [--out PATH.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .reachability import (
+    attainable_span,
+    coverage,
+    min_depth,
+    reachability_mask,
+    span,
+    span_bound,
+    spans_by_depth,
+)
+
+DEFAULT_OUT = Path("runs/reach/receptive_field.png")
+
+
+def default_lags(n: int, window: int, period: int) -> list[int]:
+    """Lags that show where the skip helps, fails to help, or only the skip reaches (all >= 1)."""
+    lags = {1, window + 1, period - 1, period, period + window, 2 * period, n - 1}
+    return sorted(d for d in lags if d >= 1)
+
+
+def reach_summary(n: int, window: int, period: int, layers: int, causal: bool = True,
+                  lags: list[int] | None = None) -> dict:
+    """Plain numbers (JSON-friendly) comparing local-only attention with π-Attention.
+
+    {"n", "window", "period", "layers", "causal",
+     "coverage": {"local", "pi"}             fraction of all n² cells reachable after `layers` layers,
+     "span": {"local", "pi"}                 largest |i - j| reachable on this length-n sequence,
+     "attainable_span": {"local", "pi"}      kL and L·max(k, π): the span on a long enough sequence,
+     "span_bound": {"local", "pi"}           kL and the seed's L(k + π) (Eq. rf_pi),
+     "min_depth": [{"lag", "local", "pi"}]   fewest layers carrying each lag (None: never)}
+    """
+    local = reachability_mask(n, window, None, layers, causal)
+    pi = reachability_mask(n, window, period, layers, causal)
+    lags = default_lags(n, window, period) if lags is None else lags
+    return {
+        "n": n, "window": window, "period": period, "layers": layers, "causal": causal,
+        "coverage": {"local": coverage(local), "pi": coverage(pi)},
+        "span": {"local": span(local), "pi": span(pi)},
+        "attainable_span": {"local": attainable_span(layers, window, None),
+                            "pi": attainable_span(layers, window, period)},
+        "span_bound": {"local": span_bound(layers, window, None), "pi": span_bound(layers, window, period)},
+        "min_depth": [{"lag": d, "local": min_depth(d, window, None, causal),
+                       "pi": min_depth(d, window, period, causal)} for d in lags],
+    }
+
+
+def format_summary(s: dict) -> str:
+    """The summary as a small text table."""
+    n, k, p, L = s["n"], s["window"], s["period"], s["layers"]
+    cov, sp, att, bound = s["coverage"], s["span"], s["attainable_span"], s["span_bound"]
+
+    def depth(x):
+        return "never" if x is None else str(x)
+
+    lines = [
+        f"π-Attention reachability: n={n}, window k={k}, period π={p}, L={L} layers, "
+        f"{'causal' if s['causal'] else 'bidirectional'}",
+        f"coverage: local {cov['local']:.1%} → π {cov['pi']:.1%} of all n² = {n * n} cells"
+        + (f" (all causal pairs j ≤ i: {(n + 1) / (2 * n):.1%})" if s["causal"] else ""),
+        "",
+        f"{'':44}{'local':>8}{'π':>8}",
+        f"{'coverage':44}{cov['local']:>8.1%}{cov['pi']:>8.1%}",
+        f"{f'span measured on n={n} (at most n−1 = {n - 1})':44}{sp['local']:>8}{sp['pi']:>8}",
+        f"{'span on a long sequence: kL | L·max(k,π)':44}{att['local']:>8}{att['pi']:>8}",
+        f"{'span bound: kL | L(k+π) (seed Eq. rf_pi)':44}{bound['local']:>8}{bound['pi']:>8}",
+        "  (a layer moves a path by one hop, local or skip, so L(k+π) bounds the span but is never reached)",
+        "",
+        "minimum depth for lag d (layers)",
+        f"{'d':>6}{'local ⌈d/k⌉':>14}{'π':>8}",
+    ]
+    lines += [f"{r['lag']:>6}{depth(r['local']):>14}{depth(r['pi']):>8}" for r in s["min_depth"]]
+    return "\n".join(lines)
+
+
+def plot_receptive_field(n: int, window: int, period: int, layers: int, out: str | Path,
+                         causal: bool = True) -> Path:
+    """Write the seed's Fig. rf_app to `out` (PNG): (a) local and (b) π reachability after `layers` layers
+    (dark = key j can influence query i), (c) span vs depth L = 1 … layers, measured on this length-n
+    sequence, with the bounds kL and L(k + π). Needs matplotlib (the `plot` extra)."""
+    try:
+        # a bare Figure renders with Agg and leaves pyplot's global backend and figure list alone
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError("the figure needs matplotlib: pip install piattn[plot]") from e
+
+    local = reachability_mask(n, window, None, layers, causal)
+    pi = reachability_mask(n, window, period, layers, causal)
+    depths = list(range(1, layers + 1))
+    mode = "causal" if causal else "bidirectional"
+
+    fig = Figure(figsize=(14, 4.6), layout="constrained")
+    axes = fig.subplots(1, 3)
+    for ax, mask, label in ((axes[0], local, f"(a) local, k={window}"),
+                            (axes[1], pi, f"(b) π-Attention, k={window}, π={period}")):
+        ax.imshow(mask.numpy(), cmap="Greys", vmin=0, vmax=1, interpolation="nearest")
+        ax.set_title(f"{label}\nL={layers}, {mode}: {coverage(mask):.1%} of n²")
+        ax.set_xlabel("key j (source)")
+        ax.set_ylabel("query i")
+
+    ax = axes[2]
+    ax.plot(depths, spans_by_depth(n, window, None, layers, causal), "o-", label="local, measured")
+    ax.plot(depths, spans_by_depth(n, window, period, layers, causal), "s-", label="π, measured")
+    ax.plot(depths, [span_bound(d, window, None) for d in depths], "--", label="bound kL")
+    ax.plot(depths, [span_bound(d, window, period) for d in depths], "--", label="bound L(k+π) (seed)")
+    ax.plot(depths, [attainable_span(d, window, period) for d in depths], ":",
+            label="L·max(k,π) (long sequence)")
+    ax.axhline(n - 1, color="grey", lw=0.8, ls=":", label=f"n−1 = {n - 1} (sequence end)")
+    ax.set_title(f"(c) span R(L), measured on n={n}")
+    ax.set_xlabel("depth L (layers)")
+    ax.set_ylabel("largest reachable |i − j|")
+    ax.set_xticks(depths)
+    ax.legend(fontsize=8)
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--n", type=int, default=48, help="sequence length (default 48)")
+    parser.add_argument("--window", type=int, default=4, help="local window k (default 4)")
+    parser.add_argument("--period", type=int, default=16, help="skip distance π (default 16)")
+    parser.add_argument("--layers", type=int, default=6, help="depth L (default 6)")
+    parser.add_argument("--bidirectional", action="store_true", help="bidirectional instead of causal")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"figure path (default {DEFAULT_OUT})")
+
+
+def run(args: argparse.Namespace) -> int:
+    causal = not args.bidirectional
+    try:
+        summary = reach_summary(args.n, args.window, args.period, args.layers, causal)
+    except ValueError as e:
+        print(f"piattn reach: error: {e}", file=sys.stderr)
+        return 2
+    print(format_summary(summary))
+    try:
+        path = plot_receptive_field(args.n, args.window, args.period, args.layers, args.out, causal)
+    except ImportError as e:
+        print(f"\nno figure: {e}")
+        return 0
+    print(f"\nfigure: {path}")
+    return 0

@@ -1,0 +1,127 @@
+"""Measuring the operator on this machine: time and peak memory growth, each case in a fresh process.
+
+A fresh process per case keeps one backend's allocator state and caches from colouring the next, and makes
+the peak resident-set growth (Linux VmHWM after resetting it) a clean figure for that case alone.
+
+    python -m piattn.benchmarking --backend torch --T 8192 --mode fwd+bwd   # prints one JSON line
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import piattn
+
+# "sdpa" is dense scaled-dot-product attention (causal), the quadratic baseline.
+CASES = ("reference", "torch", "triton", "flex", "sdpa")
+MODES = ("fwd", "fwd+bwd")
+
+
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not found in /proc/self/status")
+
+
+def _reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0). False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _call(case: str, q, k, v, gate, window: int, period: int):
+    if case == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return piattn.pi_attention(q, k, v, gate, window=window, period=period, backend=case)
+
+
+def measure(case: str, *, B: int, H: int, T: int, D: int, dtype: torch.dtype = torch.float32,
+            mode: str = "fwd+bwd", window: int = 4, period: int = 16, repeats: int = 5,
+            device: str = "cpu") -> dict:
+    """Time (median ms over `repeats` after one warm-up) and peak memory growth (MiB, first call) of one case."""
+    torch.manual_seed(0)
+    grad = mode == "fwd+bwd"
+    q, k, v = (torch.randn(B, H, T, D, dtype=dtype, device=device, requires_grad=grad) for _ in range(3))
+    gate = (0.05 + 0.9 * torch.rand(B, H, T, device=device)).to(dtype).requires_grad_(grad)
+    dy = torch.randn(B, H, T, D, dtype=dtype, device=device)
+
+    def step():
+        y = _call(case, q, k, v, gate, window, period)
+        if grad:
+            y.backward(dy)
+        if device != "cpu":
+            torch.cuda.synchronize()
+
+    peak_mib = None
+    if device == "cpu" and _reset_peak_rss():
+        before = _rss_kib("VmRSS")
+        step()
+        peak_mib = (_rss_kib("VmHWM") - before) / 1024
+    else:
+        step()
+    times = []
+    for _ in range(repeats):
+        for t in (q, k, v, gate):
+            t.grad = None
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return dict(case=case, mode=mode, B=B, H=H, T=T, D=D, dtype=str(dtype).removeprefix("torch."),
+                window=window, period=period, ms=times[len(times) // 2], ms_min=times[0],
+                peak_mib=peak_mib, threads=torch.get_num_threads())
+
+
+def measure_isolated(case: str, **kwargs) -> dict:
+    """`measure` in a fresh Python process; returns its result, or {"error": ...} if the process failed."""
+    args = [sys.executable, "-m", "piattn.benchmarking", "--backend", case]
+    for key, value in kwargs.items():
+        args += [f"--{key}", str(value).removeprefix("torch.")]
+    proc = subprocess.run(args, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return dict(case=case, **{k: str(v) for k, v in kwargs.items()},
+                    error=proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def machine_info() -> dict:
+    return dict(machine=platform.machine(), processor=platform.processor() or platform.machine(),
+                cpu_count=torch.get_num_threads(), python=platform.python_version(),
+                torch=torch.__version__, piattn=piattn.__version__, platform=platform.platform())
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", choices=CASES, required=True)
+    p.add_argument("--mode", choices=MODES, default="fwd+bwd")
+    p.add_argument("--B", type=int, default=1)
+    p.add_argument("--H", type=int, default=8)
+    p.add_argument("--T", type=int, default=8192)
+    p.add_argument("--D", type=int, default=64)
+    p.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), default="float32")
+    p.add_argument("--window", type=int, default=4)
+    p.add_argument("--period", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--device", default="cpu")
+    a = p.parse_args(argv)
+    result = measure(a.backend, B=a.B, H=a.H, T=a.T, D=a.D, dtype=getattr(torch, a.dtype), mode=a.mode,
+                     window=a.window, period=a.period, repeats=a.repeats, device=a.device)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""The π-Attention pattern U(i) = N_r(i) ∪ N_π(i) (Eqs. Nr, Npi, U) as a FlexAttention mask_mod.
+
+Offsets j - i: causal {0, -1, …, -window} ∪ {-period}; bidirectional {-window, …, window} ∪ {±period}.
+A skip offset that is already local (period <= window) adds nothing to the pattern.
+"""
+
+from __future__ import annotations
+
+from .local import MaskMod, local_mask
+
+
+def check_period(period: int) -> None:
+    if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+        raise ValueError(f"period must be an integer >= 1, got {period!r}")
+
+
+def pi_mask(window: int, period: int, causal: bool = True) -> MaskMod:
+    """mask_mod(b, h, q_idx, kv_idx) -> bool: the local window of `local_mask` plus the key(s) at ±period.
+
+    Elementwise tensor ops only (see `local_mask`), so it works under vmap and compiled flex_attention.
+    """
+    check_period(period)
+    local = local_mask(window, causal)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        offset = kv_idx - q_idx
+        skip = (offset == -period) if causal else (offset.abs() == period)
+        return local(b, h, q_idx, kv_idx) | skip
+
+    mask_mod.__name__ = f"pi_w{window}_p{period}_{'causal' if causal else 'bidirectional'}"
+    return mask_mod

@@ -1,0 +1,230 @@
+"""FlexAttention backend: the π pattern as a block-sparse mask, clamp and prior as a score_mod.
+
+`torch.nn.attention.flex_attention` fuses scores, softmax and P·V into one compiled kernel (Triton on
+CUDA, C++ on CPU) and skips every key block that the block mask leaves empty. The π pattern is very
+sparse (|U| = window + 2 keys per causal query) while flex works in tiles of `block_size` × `block_size`,
+so most of the computed scores are thrown away: the smaller the block, the less waste, down to the
+smallest tile the kernel accepts (see `flex_pi_attention`).
+
+    mask_mod : key offset kv - q in {-window … 0} ∪ {-period} (causal), {-window … window} ∪ {±period}
+    score_mod: z = clamp(q·k·scale) + log max(α, ε) on local keys, + log max(1 - α, ε) on skip keys
+
+Variant "separate" runs flex twice, once over the local keys and once over the skip keys, and mixes the
+two normalised outputs with α outside the kernel. Gradients reach the gate through the captured prior
+tensor (flex's backward scatters into captured buffers) or, for "separate", through the mixing.
+
+Limits (torch's or this backend's), each a ValueError naming the alternative:
+- CPU: forward only (torch's flex has no CPU backward).
+- float64: not supported by flex's kernels.
+- dropout_p > 0: flex cannot apply the per-slot keep mask that every other backend shares.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from .pattern import Pattern, log_priors
+
+DEFAULT_BLOCK_SIZE = 128  # flex's own default tile
+# Distinct shapes, dtypes and patterns each compile one kernel; dynamo's default limit (8) would send
+# the ninth to flex's unfused eager path, which materialises the full [T, T] score matrix.
+_RECOMPILE_LIMIT = 128
+
+
+@functools.cache
+def _compiled_flex():
+    """flex_attention under torch.compile (the fused kernel), built once per process."""
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _mask_mod(window: int, period: int, causal: bool, part: str):
+    """mask_mod(b, h, q_idx, kv_idx) -> bool: kv_idx is in U(q_idx); part "all", "local" or "skip"."""
+
+    def local(b, h, q_idx, kv_idx):
+        d = q_idx - kv_idx  # the key lies d positions before the query
+        return (d >= 0) & (d <= window) if causal else (d >= -window) & (d <= window)
+
+    def skip(b, h, q_idx, kv_idx):
+        d = q_idx - kv_idx
+        return d == period if causal else (d == period) | (d == -period)
+
+    def both(b, h, q_idx, kv_idx):
+        return local(b, h, q_idx, kv_idx) | skip(b, h, q_idx, kv_idx)
+
+    return {"all": both, "local": local, "skip": skip}[part]
+
+
+def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool [nq, nk] -> counts int32 [1, 1, nq], indices int32 [1, 1, nq, nk], set columns first."""
+    counts = blocks.sum(-1, dtype=torch.int32)
+    indices = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return counts[None, None], indices[None, None]
+
+
+@functools.lru_cache(maxsize=64)
+def block_mask(
+    T: int, window: int, period: int, causal: bool, device: torch.device, block_size: int, part: str = "all"
+) -> BlockMask:
+    """The BlockMask of U (or of its "local" / "skip" part) for T queries and keys, shared by every batch
+    and head, cached per argument tuple.
+
+    Built from the offsets rather than with `create_block_mask`, which evaluates mask_mod on all T²
+    pairs: here each (query, offset) pair marks its tile once, O(T·|U|) work and O((T / block_size)²)
+    memory. Tiles whose every pair is in U are "full" (flex skips mask_mod there), the other marked tiles
+    "partial", as `create_block_mask` would classify them.
+    """
+    pat = Pattern(window, period, causal)
+    offsets = {"all": pat.offsets, "local": pat.local_offsets, "skip": pat.skip_offsets}[part]
+    nb = -(-T // block_size)
+    q_pos = torch.arange(T, device=device)[:, None]
+    kv_pos = q_pos + torch.tensor(offsets, dtype=torch.long, device=device)
+    valid = (kv_pos >= 0) & (kv_pos < T)
+    tile = (q_pos // block_size * nb + kv_pos // block_size)[valid]
+    # Offsets are distinct, so every (query, key) pair is counted once.
+    pairs = torch.zeros(nb * nb, dtype=torch.long, device=device).index_add_(0, tile, torch.ones_like(tile))
+    pairs = pairs.view(nb, nb)
+    full = pairs == block_size * block_size
+    kv_num, kv_idx = _ordered((pairs > 0) & ~full)
+    full_num, full_idx = _ordered(full)
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
+        mask_mod=_mask_mod(window, period, causal, part), seq_lengths=(T, T),
+    )
+
+
+def _score_mod(window: int, logit_clamp: float | None, priors: torch.Tensor | None):
+    """score_mod(score, b, h, q_idx, kv_idx): clamp the scaled score, then add the slot's log prior.
+
+    priors: fp32 [B, H, T, 2], the (local, skip) log priors of each query, or None (no prior). Flex fails
+    to compile, or to differentiate, a captured tensor read more than once, hence one tensor for both
+    priors, read once with is_skip as the last index.
+    """
+
+    def mod(score, b, h, q_idx, kv_idx):
+        if logit_clamp is not None:
+            # min/max rather than .clamp, which rounds wrongly for bf16 on CPU.
+            score = torch.minimum(torch.maximum(score, torch.tensor(-logit_clamp)), torch.tensor(logit_clamp))
+        if priors is None:
+            return score
+        is_skip = (torch.abs(q_idx - kv_idx) > window).to(torch.int32)
+        return score + priors[b, h, q_idx, is_skip]
+
+    return mod
+
+
+def _kernel_options(device: torch.device, block_size: int) -> dict | None:
+    """Triton tile sizes for sparse blocks smaller than flex's default tiles (which must divide them)."""
+    if device.type != "cuda" or block_size >= DEFAULT_BLOCK_SIZE:
+        return None
+    tiles = ("fwd_BLOCK_M", "fwd_BLOCK_N", "bwd_BLOCK_M1", "bwd_BLOCK_N1", "bwd_BLOCK_M2", "bwd_BLOCK_N2")
+    return dict.fromkeys(tiles, block_size)
+
+
+def _check_supported(q, k, v, gate) -> None:
+    if q.dtype == torch.float64:
+        raise ValueError(
+            "backend 'flex' does not support float64 q, k, v (FlexAttention's kernels do not); use backend "
+            "'torch' or 'reference'"
+        )
+    inputs = [t for t in (q, k, v, gate) if t is not None]
+    if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        raise ValueError(
+            "backend 'flex' on CPU is forward-only (torch's FlexAttention has no CPU backward); use backend "
+            "'torch', or run under torch.no_grad()"
+        )
+
+
+def flex_pi_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gate: torch.Tensor | None,
+    *,
+    window: int,
+    period: int,
+    causal: bool,
+    variant: str,
+    prior: float,
+    logit_clamp: float | None,
+    eps: float,
+    scale: float,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> torch.Tensor:
+    """π-Attention through FlexAttention with sparse tiles of `block_size` rows and columns.
+
+    q, k, v [B, H, T, D] (fp32, bf16 or fp16), gate [B, H, T] or None -> [B, H, T, D]. On CUDA, a
+    block_size below 128 also sets the kernel's own tiles to it; Triton's matrix products need at least
+    16, the smallest block size to try. Arguments as in `pi_attention_reference` (no dropout).
+    """
+    _check_supported(q, k, v, gate)
+    if q.device.type == "cpu":
+        # flex refuses CPU inputs that require grad even under no_grad; detaching there changes nothing.
+        q, k, v = q.detach(), k.detach(), v.detach()
+    T = q.shape[2]
+    options = _kernel_options(q.device, block_size)
+
+    def run(part: str, priors: torch.Tensor | None = None) -> torch.Tensor:
+        mask = block_mask(T, window, period, causal, q.device, block_size, part)
+        mod = _score_mod(window, logit_clamp, priors)
+        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+            return _compiled_flex()(
+                q, k, v, score_mod=mod, block_mask=mask, scale=scale, kernel_options=options
+            )
+
+    if variant == "separate":
+        return _separate(run, gate, Pattern(window, period, causal), T).to(q.dtype)
+    if variant == "union":
+        return run("all")
+    log_local, log_skip = log_priors(variant, None if gate is None else gate.float(), prior, eps)
+    if variant == "adaptive":
+        return run("all", torch.stack([log_local, log_skip], -1))
+    # "fixed": the same kernel as "adaptive", with one prior pair broadcast to every query (no copy).
+    pair = torch.tensor([log_local, log_skip], dtype=torch.float32, device=q.device)
+    return run("all", pair.expand(*q.shape[:3], 2))
+
+
+def _separate(run, gate: torch.Tensor, pat: Pattern, T: int) -> torch.Tensor:
+    """Variant 1: α·(local branch) + (1 - α)·(skip branch), the local branch alone where no skip key exists.
+
+    Flex returns zeros for a query whose keys are all masked; the where() keeps that row, and its
+    gradient, out of the mix whatever the kernel puts there.
+    """
+    y_local = run("local").float()
+    if not pat.skip_offsets:
+        return y_local
+    has_skip = pat.valid(T, gate.device)[:, pat.n_local :].any(-1)  # [T]
+    y_skip = torch.where(has_skip[:, None], run("skip").float(), 0.0)
+    a = torch.where(has_skip, gate.float(), 1.0).unsqueeze(-1)
+    return a * y_local + (1 - a) * y_skip
+
+
+def pi_attention_flex(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    gate: torch.Tensor | None,
+    *,
+    window: int,
+    period: int,
+    causal: bool,
+    variant: str,
+    prior: float,
+    logit_clamp: float | None,
+    eps: float,
+    scale: float,
+    dropout_keep: torch.Tensor | None,
+    dropout_p: float,
+) -> torch.Tensor:
+    """q, k, v [B, H, T, D], gate [B, H, T] or None -> [B, H, T, D]: `flex_pi_attention`, block size 128."""
+    if dropout_keep is not None:
+        raise ValueError(
+            f"backend 'flex' does not support dropout (got dropout_p={dropout_p}): FlexAttention cannot "
+            "apply the per-slot keep mask; use backend 'torch' or 'reference', or dropout_p=0"
+        )
+    return flex_pi_attention(
+        q, k, v, gate, window=window, period=period, causal=causal, variant=variant, prior=prior,
+        logit_clamp=logit_clamp, eps=eps, scale=scale,
+    )

@@ -1,0 +1,454 @@
+"""Fused Triton backend: one forward kernel, two deterministic backward kernels (ops/pi/TRITON.md).
+
+B·H is flattened to N; every kernel works on [N, T, D] rows. A program owns a tile of BLOCK_T rows and
+walks the rows it needs in chunks of BLOCK_K: the local band through `tl.dot` on the chunk with a band
+mask, and each skip offset as one shifted, contiguous block of rows with a row-wise dot.
+
+Saved for backward: the inputs and `stats` [2, N, T] fp32, per query the offsets c_local, c_skip such that
+the weight of a local slot is exp(z - c_local) and that of a skip slot exp(z - c_skip) (z the clamped,
+scaled score). They hold the log-sum-exp, the priors and, for "separate", the mixing coefficients.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .pattern import Pattern
+
+# Kernel MODE: constant priors ("union", "fixed"), priors from the gate ("adaptive"), two groups ("separate").
+_CONSTANT, _ADAPTIVE, _SEPARATE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+# Running-max start: finite, so that exp(m_old - m_new) is never exp(-inf + inf) in all-masked chunks.
+_NEG = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _load_rows(ptr, base, rows, ok, offs_d, D: tl.constexpr):
+    """rows [R] of a [*, T, D] tensor at `base` -> [R, D], zeros where not ok."""
+    return tl.load(ptr + base + rows[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
+
+
+@triton.jit
+def _dot(a, b, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b with fp32 accumulation. UPCAST: fp32 operands, for Triton's CPU interpreter, whose bf16 dots
+    multiply bit patterns; the operands are already rounded to the input dtype, so the products agree."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _clamp(z, clamp, HAS_CLAMP: tl.constexpr):
+    if HAS_CLAMP:
+        z = tl.minimum(tl.maximum(z, -clamp), clamp)
+    return z
+
+
+@triton.jit
+def _keep_factor(KEEP, n, T, qrows, slot, ok, keep_scale, N_SLOTS: tl.constexpr):
+    """1/(1-p) where the dropout mask keeps (query, slot), else 0; qrows and slot broadcast together."""
+    kept = tl.load(KEEP + (n * T + qrows) * N_SLOTS + slot, mask=ok, other=0)
+    return tl.where(kept != 0, keep_scale, 0.0)
+
+
+
+@triton.jit
+def _band(rows, cols, row_ok, col_ok, window, right):
+    """[len(rows), len(cols)]: key cols[j] is a local slot of query rows[i]; also that slot's offset."""
+    rel = cols[None, :] - rows[:, None]
+    return (rel >= -window) & (rel <= right) & row_ok[:, None] & col_ok[None, :], rel
+
+
+@triton.jit
+def _pi_fwd_kernel(
+    Q, K, V, GATE, KEEP, OUT, C_LOC, C_SKIP,
+    T, n_tiles, window, period, scale, clamp, log_local, log_skip, eps, keep_scale,
+    CAUSAL: tl.constexpr, N_SKIP: tl.constexpr, N_SLOTS: tl.constexpr, MODE: tl.constexpr,
+    HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr, D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Q, K, V, OUT [N, T, D]; GATE [N, T]; KEEP uint8 [N, T, N_SLOTS]; C_LOC, C_SKIP fp32 [N, T]."""
+    pid = tl.program_id(0)
+    n = (pid // n_tiles).to(tl.int64)
+    start = (pid % n_tiles) * BLOCK_T
+    base = n * T * D
+    right = 0 if CAUSAL else window
+    rows = start + tl.arange(0, BLOCK_T)  # [BT] query positions
+    row_ok = rows < T
+    offs_d = tl.arange(0, D)
+    q = _load_rows(Q, base, rows, row_ok, offs_d, D)  # [BT, D]
+
+    # Local band: key rows [start - window, start + BLOCK_T + right), each loaded once; online softmax.
+    m_loc = tl.full([BLOCK_T], _NEG, tl.float32)
+    l_loc = tl.zeros([BLOCK_T], tl.float32)
+    acc = tl.zeros([BLOCK_T, D], tl.float32)
+    for c in range(0, tl.cdiv(BLOCK_T + window + right, BLOCK_K)):
+        cols = start - window + c * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK] key positions
+        col_ok = (cols >= 0) & (cols < T)
+        k = _load_rows(K, base, cols, col_ok, offs_d, D)  # [BK, D]
+        v = _load_rows(V, base, cols, col_ok, offs_d, D)  # [BK, D]
+        band, rel = _band(rows, cols, row_ok, col_ok, window, right)  # [BT, BK]
+        z = _clamp(_dot(q, tl.trans(k), DOT_PREC, UPCAST) * scale, clamp, HAS_CLAMP)
+        z = tl.where(band, z, float("-inf"))  # [BT, BK]
+        m_new = tl.maximum(m_loc, tl.max(z, 1))
+        alpha = tl.exp(m_loc - m_new)
+        p = tl.exp(z - m_new[:, None])  # exactly 0 off the band, since m_new is finite
+        l_loc = l_loc * alpha + tl.sum(p, 1)
+        if HAS_DROPOUT:
+            p = p * _keep_factor(KEEP, n, T, rows[:, None], rel + window, band, keep_scale, N_SLOTS)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PREC, UPCAST)
+        m_loc = m_new
+
+    if MODE != _CONSTANT:
+        a = tl.load(GATE + n * T + rows, mask=row_ok, other=0.5).to(tl.float32)  # [BT] α
+    if MODE == _SEPARATE:
+        # The skip group gets a softmax of its own; the local one is complete.
+        y_loc = acc / l_loc[:, None]
+        m = tl.full([BLOCK_T], _NEG, tl.float32)
+        l_all = tl.zeros([BLOCK_T], tl.float32)
+        acc = tl.zeros([BLOCK_T, D], tl.float32)
+        shift = 0.0
+    else:
+        # One softmax: the local state goes on; skip logits are taken relative to the local prior.
+        if MODE == _ADAPTIVE:
+            log_local = tl.log(tl.maximum(a, eps))
+            log_skip = tl.log(tl.maximum(1.0 - a, eps))
+        shift = log_skip - log_local
+        m = m_loc
+        l_all = l_loc
+
+    # Skip slots: offset -period (slot n_local), then +period (slot n_local + 1, bidirectional only).
+    for r in tl.static_range(N_SKIP):
+        cols = rows + (2 * r - 1) * period  # [BT] one key per query, a contiguous block of rows
+        ok = row_ok & (cols >= 0) & (cols < T)
+        k = _load_rows(K, base, cols, ok, offs_d, D)  # [BT, D]
+        v = _load_rows(V, base, cols, ok, offs_d, D)  # [BT, D]
+        z = _clamp(tl.sum(q.to(tl.float32) * k.to(tl.float32), 1) * scale, clamp, HAS_CLAMP) + shift
+        m_new = tl.maximum(m, tl.where(ok, z, _NEG))
+        alpha = tl.exp(m - m_new)
+        p = tl.where(ok, tl.exp(z - m_new), 0.0)  # [BT]
+        l_all = l_all * alpha + p
+        if HAS_DROPOUT:
+            p = p * _keep_factor(KEEP, n, T, rows, window + right + 1 + r, ok, keep_scale, N_SLOTS)
+        acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)
+        m = m_new
+
+    if MODE == _SEPARATE:
+        has_skip = l_all > 0  # a valid skip contributes at least exp(0) = 1
+        a_eff = tl.where(has_skip, a, 1.0)  # the local branch alone where no skip key exists
+        l_skip = tl.where(has_skip, l_all, 1.0)
+        y = a_eff[:, None] * y_loc + (1.0 - a_eff)[:, None] * (acc / l_skip[:, None])
+        c_loc = m_loc + tl.log(l_loc) - tl.log(a_eff)
+        c_skip = tl.where(has_skip, m + tl.log(l_skip) - tl.log(1.0 - a), 0.0)
+    else:
+        y = acc / l_all[:, None]
+        c_loc = m + tl.log(l_all)  # the log-sum-exp less the local prior
+        c_skip = c_loc - shift
+    tl.store(OUT + base + rows[:, None] * D + offs_d[None, :], y.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(C_LOC + n * T + rows, c_loc, mask=row_ok)
+    tl.store(C_SKIP + n * T + rows, c_skip, mask=row_ok)
+
+
+@triton.jit
+def _dq_band_terms(
+    q, dy, K, V, KEEP, n, base, T, start, c, rows, row_ok, offs_d, c_loc, window, right, scale, clamp,
+    keep_scale, N_SLOTS: tl.constexpr, HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    D: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Chunk c of a query tile's band: raw scores z, weights w, dW = dY·V (dropped) [BT, BK], keys [BK, D]."""
+    cols = start - window + c * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK] key positions
+    col_ok = (cols >= 0) & (cols < T)
+    k = _load_rows(K, base, cols, col_ok, offs_d, D)  # [BK, D]
+    v = _load_rows(V, base, cols, col_ok, offs_d, D)  # [BK, D]
+    band, rel = _band(rows, cols, row_ok, col_ok, window, right)
+    z = _dot(q, tl.trans(k), DOT_PREC, UPCAST) * scale
+    w = tl.where(band, tl.exp(_clamp(z, clamp, HAS_CLAMP) - c_loc[:, None]), 0.0)
+    dw = _dot(dy, tl.trans(v), DOT_PREC, UPCAST)
+    if HAS_DROPOUT:
+        dw = dw * _keep_factor(KEEP, n, T, rows[:, None], rel + window, band, keep_scale, N_SLOTS)
+    return z, w, dw, k
+
+
+@triton.jit
+def _dq_skip_terms(
+    q, dy, K, V, KEEP, n, base, T, rows, row_ok, offs_d, offset, slot, c_skip, scale, clamp, keep_scale,
+    N_SLOTS: tl.constexpr, HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr, D: tl.constexpr,
+):
+    """The skip slot at `offset` of each query: raw score z, weight w, dW [BT], its key [BT, D], validity."""
+    cols = rows + offset
+    ok = row_ok & (cols >= 0) & (cols < T)
+    k = _load_rows(K, base, cols, ok, offs_d, D)
+    v = _load_rows(V, base, cols, ok, offs_d, D)
+    z = tl.sum(q.to(tl.float32) * k.to(tl.float32), 1) * scale
+    w = tl.where(ok, tl.exp(_clamp(z, clamp, HAS_CLAMP) - c_skip), 0.0)
+    dw = tl.sum(dy.to(tl.float32) * v.to(tl.float32), 1)
+    if HAS_DROPOUT:
+        dw = dw * _keep_factor(KEEP, n, T, rows, slot, ok, keep_scale, N_SLOTS)
+    return z, w, dw, k, ok
+
+
+@triton.jit
+def _pi_bwd_dq_kernel(
+    Q, K, V, GATE, KEEP, DY, C_LOC, C_SKIP, DQ, DELTA_LOC, DELTA_SKIP, DGATE,
+    T, n_tiles, window, period, scale, clamp, eps, keep_scale,
+    CAUSAL: tl.constexpr, N_SKIP: tl.constexpr, N_SLOTS: tl.constexpr, MODE: tl.constexpr,
+    HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_DGATE: tl.constexpr, D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """dQ [N, T, D], dα [N, T] and Δ_local, Δ_skip [N, T] (for the dK/dV kernel) of a tile of queries.
+
+    Pass 1 sums σ = Σ_m w·dW per group, pass 2 forms dlogit = w·(dW - Δ) and dQ = Σ dlogit·K·scale.
+    """
+    pid = tl.program_id(0)
+    n = (pid // n_tiles).to(tl.int64)
+    start = (pid % n_tiles) * BLOCK_T
+    base = n * T * D
+    right = 0 if CAUSAL else window
+    rows = start + tl.arange(0, BLOCK_T)  # [BT] query positions
+    row_ok = rows < T
+    offs_d = tl.arange(0, D)
+    q = _load_rows(Q, base, rows, row_ok, offs_d, D)  # [BT, D]
+    dy = _load_rows(DY, base, rows, row_ok, offs_d, D)  # [BT, D]
+    c_loc = tl.load(C_LOC + n * T + rows, mask=row_ok, other=0.0)  # [BT]
+    c_skip = tl.load(C_SKIP + n * T + rows, mask=row_ok, other=0.0)  # [BT]
+    n_chunks = tl.cdiv(BLOCK_T + window + right, BLOCK_K)
+    n_local = window + right + 1
+
+    sig_loc = tl.zeros([BLOCK_T], tl.float32)
+    for c in range(0, n_chunks):
+        z, w, dw, k = _dq_band_terms(q, dy, K, V, KEEP, n, base, T, start, c, rows, row_ok, offs_d, c_loc,
+                                     window, right, scale, clamp, keep_scale, N_SLOTS, HAS_CLAMP,
+                                     HAS_DROPOUT, D, BLOCK_K, DOT_PREC, UPCAST)
+        sig_loc += tl.sum(w * dw, 1)
+    sig_skip = tl.zeros([BLOCK_T], tl.float32)
+    has_skip = rows < 0
+    for r in tl.static_range(N_SKIP):
+        z, w, dw, k, ok = _dq_skip_terms(q, dy, K, V, KEEP, n, base, T, rows, row_ok, offs_d,
+                                         (2 * r - 1) * period, n_local + r, c_skip, scale, clamp, keep_scale,
+                                         N_SLOTS, HAS_CLAMP, HAS_DROPOUT, D)
+        sig_skip += w * dw
+        has_skip = has_skip | ok
+
+    if MODE == _SEPARATE:
+        # Each group is a softmax of its own scaled by its coefficient: Δ_g = σ_g / coef_g = Σ_g p·dW.
+        a = tl.load(GATE + n * T + rows, mask=row_ok, other=0.5).to(tl.float32)
+        delta_loc = sig_loc / tl.where(has_skip, a, 1.0)
+        delta_skip = tl.where(has_skip, sig_skip / (1.0 - a), 0.0)
+    else:
+        delta_loc = sig_loc + sig_skip
+        delta_skip = delta_loc
+    tl.store(DELTA_LOC + n * T + rows, delta_loc, mask=row_ok)
+    tl.store(DELTA_SKIP + n * T + rows, delta_skip, mask=row_ok)
+
+    dq = tl.zeros([BLOCK_T, D], tl.float32)
+    g_loc = tl.zeros([BLOCK_T], tl.float32)  # Σ_local dlogit, for dα
+    for c in range(0, n_chunks):
+        z, w, dw, k = _dq_band_terms(q, dy, K, V, KEEP, n, base, T, start, c, rows, row_ok, offs_d, c_loc,
+                                     window, right, scale, clamp, keep_scale, N_SLOTS, HAS_CLAMP,
+                                     HAS_DROPOUT, D, BLOCK_K, DOT_PREC, UPCAST)
+        ds = w * (dw - delta_loc[:, None])  # [BT, BK]
+        g_loc += tl.sum(ds, 1)
+        if HAS_CLAMP:
+            ds = tl.where(tl.abs(z) <= clamp, ds, 0.0)  # torch.clamp passes the gradient inside [-L, L]
+        dq += _dot(ds.to(k.dtype), k, DOT_PREC, UPCAST)
+    g_skip = tl.zeros([BLOCK_T], tl.float32)
+    for r in tl.static_range(N_SKIP):
+        z, w, dw, k, ok = _dq_skip_terms(q, dy, K, V, KEEP, n, base, T, rows, row_ok, offs_d,
+                                         (2 * r - 1) * period, n_local + r, c_skip, scale, clamp, keep_scale,
+                                         N_SLOTS, HAS_CLAMP, HAS_DROPOUT, D)
+        ds = w * (dw - delta_skip)  # [BT]
+        g_skip += ds
+        if HAS_CLAMP:
+            ds = tl.where(tl.abs(z) <= clamp, ds, 0.0)
+        dq += ds[:, None] * k.to(tl.float32)
+    tl.store(DQ + base + rows[:, None] * D + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+             mask=row_ok[:, None])
+
+    if HAS_DGATE:
+        a = tl.load(GATE + n * T + rows, mask=row_ok, other=0.5).to(tl.float32)
+        if MODE == _SEPARATE:
+            # y = α·local + (1 - α)·skip where a skip exists: dα = Σ_local p·dW - Σ_skip p·dW.
+            dgate = tl.where(has_skip, delta_loc - delta_skip, 0.0)
+        else:
+            # Local logits carry log max(α, ε), skip logits log max(1 - α, ε).
+            dgate = tl.where(a >= eps, g_loc / a, 0.0) - tl.where(1.0 - a >= eps, g_skip / (1.0 - a), 0.0)
+        tl.store(DGATE + n * T + rows, dgate, mask=row_ok)
+
+
+@triton.jit
+def _pi_bwd_dkdv_kernel(
+    Q, K, V, KEEP, DY, C_LOC, C_SKIP, DELTA_LOC, DELTA_SKIP, DK, DV,
+    T, n_tiles, window, period, scale, clamp, keep_scale,
+    CAUSAL: tl.constexpr, N_SKIP: tl.constexpr, N_SLOTS: tl.constexpr,
+    HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr, D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """dK, dV [N, T, D] of a tile of keys, gathered from every query that sees them (no atomics).
+
+    Key j is local to the queries j - right … j + window and the skip of j + period (and j - period).
+    """
+    pid = tl.program_id(0)
+    n = (pid // n_tiles).to(tl.int64)
+    start = (pid % n_tiles) * BLOCK_T
+    base = n * T * D
+    right = 0 if CAUSAL else window
+    keys = start + tl.arange(0, BLOCK_T)  # [BT] key positions
+    key_ok = keys < T
+    offs_d = tl.arange(0, D)
+    k = _load_rows(K, base, keys, key_ok, offs_d, D)  # [BT, D]
+    v = _load_rows(V, base, keys, key_ok, offs_d, D)  # [BT, D]
+    dk = tl.zeros([BLOCK_T, D], tl.float32)
+    dv = tl.zeros([BLOCK_T, D], tl.float32)
+
+    for c in range(0, tl.cdiv(BLOCK_T + window + right, BLOCK_K)):
+        qrows = start - right + c * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK] query positions
+        q_ok = (qrows >= 0) & (qrows < T)
+        q = _load_rows(Q, base, qrows, q_ok, offs_d, D)  # [BK, D]
+        dy = _load_rows(DY, base, qrows, q_ok, offs_d, D)  # [BK, D]
+        c_loc = tl.load(C_LOC + n * T + qrows, mask=q_ok, other=0.0)  # [BK]
+        delta = tl.load(DELTA_LOC + n * T + qrows, mask=q_ok, other=0.0)  # [BK]
+        rel = keys[:, None] - qrows[None, :]  # [BT, BK] key offset from its query
+        band = (rel >= -window) & (rel <= right) & key_ok[:, None] & q_ok[None, :]
+        z = _dot(k, tl.trans(q), DOT_PREC, UPCAST) * scale  # [BT, BK]
+        w = tl.where(band, tl.exp(_clamp(z, clamp, HAS_CLAMP) - c_loc[None, :]), 0.0)
+        dw = _dot(v, tl.trans(dy), DOT_PREC, UPCAST)  # [BT, BK]
+        if HAS_DROPOUT:
+            kf = _keep_factor(KEEP, n, T, qrows[None, :], rel + window, band, keep_scale, N_SLOTS)
+            dv += _dot((w * kf).to(dy.dtype), dy, DOT_PREC, UPCAST)
+            dw = dw * kf
+        else:
+            dv += _dot(w.to(dy.dtype), dy, DOT_PREC, UPCAST)
+        ds = w * (dw - delta[None, :])
+        if HAS_CLAMP:
+            ds = tl.where(tl.abs(z) <= clamp, ds, 0.0)
+        dk += _dot(ds.to(q.dtype), q, DOT_PREC, UPCAST)
+
+    n_local = window + right + 1
+    for r in tl.static_range(N_SKIP):
+        qrows = keys - (2 * r - 1) * period  # [BT] the query whose slot n_local + r is this key
+        ok = key_ok & (qrows >= 0) & (qrows < T)
+        q = _load_rows(Q, base, qrows, ok, offs_d, D).to(tl.float32)  # [BT, D]
+        dy = _load_rows(DY, base, qrows, ok, offs_d, D).to(tl.float32)  # [BT, D]
+        c_skip = tl.load(C_SKIP + n * T + qrows, mask=ok, other=0.0)
+        delta = tl.load(DELTA_SKIP + n * T + qrows, mask=ok, other=0.0)
+        z = tl.sum(q * k.to(tl.float32), 1) * scale
+        w = tl.where(ok, tl.exp(_clamp(z, clamp, HAS_CLAMP) - c_skip), 0.0)  # [BT]
+        dw = tl.sum(dy * v.to(tl.float32), 1)
+        if HAS_DROPOUT:
+            kf = _keep_factor(KEEP, n, T, qrows, n_local + r, ok, keep_scale, N_SLOTS)
+            dv += (w * kf)[:, None] * dy
+            dw = dw * kf
+        else:
+            dv += w[:, None] * dy
+        ds = w * (dw - delta)
+        if HAS_CLAMP:
+            ds = tl.where(tl.abs(z) <= clamp, ds, 0.0)
+        dk += ds[:, None] * q
+
+    out = base + keys[:, None] * D + offs_d[None, :]
+    tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=key_ok[:, None])
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
+
+
+def _tiles(D: int, halo: int, elem_size: int) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_K, num_warps) for head dim D (a power of two), band halo and input element size.
+
+    BLOCK_K = 32 keeps the band's wasted columns low for the usual small windows; wide windows take 64 when
+    the chunk rows are short enough ([64, D] K and V chunks, double-buffered, stay well inside shared memory).
+    """
+    block_k = 64 if halo >= 64 and D * elem_size <= 256 else 32
+    return 64, block_k, 4 if D <= 64 else 8
+
+
+class _PiAttentionTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, gate, window, period, causal, variant, prior, logit_clamp, eps, scale,
+                dropout_keep, dropout_p):
+        B, H, T, D = q.shape
+        N = B * H
+        pat = Pattern(window, period, causal)
+        q, k, v = (x.contiguous() for x in (q, k, v))
+        gate_c = None if gate is None else gate.contiguous()
+        keep = None if dropout_keep is None else dropout_keep.contiguous().view(torch.uint8)
+        block_t, block_k, num_warps = _tiles(D, pat.n_local - 1, q.element_size())
+        n_tiles = triton.cdiv(T, block_t)
+        out = torch.empty_like(q)
+        stats = torch.empty(2, N, T, dtype=torch.float32, device=q.device)  # c_local, c_skip
+        if variant == "fixed":
+            log_local, log_skip = math.log(max(prior, eps)), math.log(max(1 - prior, eps))
+        else:
+            log_local = log_skip = 0.0
+        mode = {"separate": _SEPARATE, "adaptive": _ADAPTIVE}.get(variant, _CONSTANT).value
+        upcast = q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+        common = dict(
+            CAUSAL=causal, N_SKIP=len(pat.skip_offsets), N_SLOTS=pat.n_slots,
+            HAS_CLAMP=logit_clamp is not None, HAS_DROPOUT=keep is not None, D=D, BLOCK_T=block_t,
+            BLOCK_K=block_k, DOT_PREC="ieee" if q.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
+            num_warps=num_warps, num_stages=2,
+        )
+        clamp = 0.0 if logit_clamp is None else float(logit_clamp)
+        keep_scale = 1.0 / (1.0 - dropout_p)
+        # Unused pointers (no gate, no dropout) still need a tensor: q stands in, the kernel never reads it.
+        _pi_fwd_kernel[(N * n_tiles,)](
+            q, k, v, q if gate_c is None else gate_c, q if keep is None else keep, out, stats[0], stats[1],
+            T, n_tiles, window, period, scale, clamp, log_local, log_skip, eps, keep_scale,
+            MODE=mode, **common,
+        )
+        ctx.save_for_backward(q, k, v, gate_c, keep, stats)
+        ctx.args = (window, period, mode, eps, scale, clamp, keep_scale, n_tiles, common)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        q, k, v, gate, keep, stats = ctx.saved_tensors
+        window, period, mode, eps, scale, clamp, keep_scale, n_tiles, common = ctx.args
+        B, H, T, D = q.shape
+        N = B * H
+        dy = dy.contiguous()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        delta = torch.empty(2, N, T, dtype=torch.float32, device=q.device)  # Δ_local, Δ_skip
+        want_dgate = gate is not None and ctx.needs_input_grad[3]
+        dgate = torch.empty(N, T, dtype=torch.float32, device=q.device) if want_dgate else None
+        q_or = lambda t: q if t is None else t  # noqa: E731  (stand-in for pointers the kernel never reads)
+        grid = (N * n_tiles,)
+        # Δ is written by the dQ kernel and read by the dK/dV kernel: stream order makes it ready.
+        _pi_bwd_dq_kernel[grid](
+            q, k, v, q_or(gate), q_or(keep), dy, stats[0], stats[1], dq, delta[0], delta[1], q_or(dgate),
+            T, n_tiles, window, period, scale, clamp, eps, keep_scale,
+            MODE=mode, HAS_DGATE=want_dgate, **common,
+        )
+        _pi_bwd_dkdv_kernel[grid](
+            q, k, v, q_or(keep), dy, stats[0], stats[1], delta[0], delta[1], dk, dv,
+            T, n_tiles, window, period, scale, clamp, keep_scale, **common,
+        )
+        dgate = None if dgate is None else dgate.view(B, H, T).to(gate.dtype)
+        return dq, dk, dv, dgate, *(None,) * 10
+
+
+def pi_attention_triton(q, k, v, gate, *, window, period, causal, variant, prior, logit_clamp, eps, scale,
+                        dropout_keep, dropout_p):
+    """Same contract as `pi_attention_reference`: q, k, v [B, H, T, D] -> [B, H, T, D] in q's dtype.
+
+    fp32, bf16 and fp16 inputs; scores, softmax and outputs accumulate in fp32 (fp32 inputs use full-precision
+    dots, no TF32). `tl.dot` needs a power-of-two head dim of at least 16: other D (8, 48, 96, …) are
+    zero-padded to the next one here, which leaves every dot product unchanged, and the padding is
+    sliced off the output (and, through autograd, off the gradients). D up to 256.
+    """
+    if q.dtype == torch.float64:
+        raise ValueError('backend "triton" runs fp32, bf16 and fp16; for fp64 use backend "torch" or "reference"')
+    D = q.shape[-1]
+    d_pad = max(16, triton.next_power_of_2(D))
+    if d_pad > 256:
+        raise ValueError(f'backend "triton" supports head dims up to 256, got {D}; use backend "torch"')
+    if d_pad != D:
+        q, k, v = (F.pad(x, (0, d_pad - D)) for x in (q, k, v))
+    y = _PiAttentionTriton.apply(q, k, v, gate, window, period, causal, variant, prior, logit_clamp, eps, scale,
+                                 dropout_keep, dropout_p)
+    return y if d_pad == D else y[..., :D]
