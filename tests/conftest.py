@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Without a GPU, Triton kernels run in Triton's CPU interpreter. Set before piattn or triton is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture

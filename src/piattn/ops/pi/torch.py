@@ -1,103 +1,171 @@
-"""Fast eager backend: blocked matrix products for the window, shifted views for the skips, and a
+"""Fast eager backend: blocked matrix products for the window, shifted rows for the skips, and a
 hand-derived backward (ops/pi/README.md, "Backward").
 
-Queries are cut into blocks of `block` rows. A block's local keys are the `block + halo` rows of the padded
-key sequence that start where the block starts (halo = window, or 2·window when bidirectional), so one
-batched matrix product per block gives every local score; a strided view picks the band out of it.
-The same view scatters weights back for P·V and the backward products.
+Queries are cut into blocks of `block` rows. A block's local keys are its own rows plus a halo of `window`
+rows before it (and after it, when bidirectional), so one batched matrix product per block gives every
+local score and a strided view picks the band out of it; the same view scatters weights back for the
+products with V (forward) and with dY, Q, K (backward).
 
-Per-slot tensors are kept slot-major, [N, |U|, T] with N = B·H, so that softmax and reductions over the
-few slots of a query run over contiguous rows of T. Saved for backward: the inputs and two such tensors
+The work runs over chunks of a few blocks, each chunk carried from scores to outputs before the next
+starts: every step in a query's computation is row-local, and a chunk's temporaries (key windows, score
+blocks) stay in cache instead of streaming through memory once per step.
+
+Per-slot tensors are slot-major, [N, |U|, T] with N = B·H, so that softmax and reductions over the few
+slots of a query run over contiguous rows of T. Saved for backward: the inputs and two such tensors
 (weights and clamp mask; three for "separate"), never a [B, H, T, |U|, D] copy.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .pattern import Pattern, log_priors
 
-DEFAULT_BLOCK = 32
+BLOCK = 32  # query rows per matrix product: 32 keeps the wasted band work small (see the benchmark)
+CHUNK_BYTES = 1 << 20  # size of one chunk of Q rows: small enough that a chunk's temporaries stay in cache
 
 
-class _Blocks:
-    """Geometry of the blocked local band for one call: T queries in `nb` blocks of `block` rows.
+class _Chunk:
+    """Query rows [start, stop) of a [N, T, ·] sequence, cut into `nb` blocks of `block` rows.
 
-    Block b owns rows b·block … b·block + block - 1; its key window adds `left` rows before and `right`
-    rows after (window and 0 when causal, window and window when bidirectional), zeros outside [0, T).
+    Block b owns rows start + b·block …; its key window adds `left` rows before and `right` after
+    (window and 0 when causal, window and window when bidirectional), zeros outside [0, T).
     """
 
-    def __init__(self, T: int, window: int, causal: bool, block: int = DEFAULT_BLOCK):
-        self.T = T
-        self.left, self.right = window, (0 if causal else window)
-        self.n_local = self.left + self.right + 1
-        self.block = max(block, self.left, self.right, 1)
-        self.nb = -(-T // self.block)
-        self.span = self.block + self.left + self.right  # key rows seen by one query block
+    def __init__(self, start: int, stop: int, T: int, left: int, right: int, block: int):
+        self.start, self.stop, self.T = start, stop, T
+        self.left, self.right, self.block = left, right, block
+        self.nb = -(-(stop - start) // block)
+        self.end = start + self.nb * block  # padded end (may exceed stop on the last chunk)
+        self.span = block + left + right
+        self.n_local = left + right + 1
 
-    def pad_queries(self, x: torch.Tensor) -> torch.Tensor:
-        """[N, T, C] -> [N, nb, block, C] (zero rows past T; a view when T is a multiple of block)."""
-        N, T, C = x.shape
-        if self.nb * self.block != T:
-            x = F.pad(x, (0, 0, 0, self.nb * self.block - T))
-        return x.view(N, self.nb, self.block, C)
+    @property
+    def rows(self) -> slice:
+        return slice(self.start, self.stop)
 
-    def key_windows(self, x: torch.Tensor) -> torch.Tensor:
-        """[N, T, D] -> [N, nb, span, D]: each block's rows with their halo, zeros outside [0, T)."""
-        N, _, D = x.shape
+    def blocks(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, T, C] -> this chunk's rows as [N, nb, block, C] (zero rows past T; a view when possible)."""
+        N, _, C = x.shape
+        if self.end <= self.T:
+            return x[:, self.start : self.end].unflatten(1, (self.nb, self.block))
+        out = x.new_zeros(N, self.nb * self.block, C)
+        out[:, : self.stop - self.start] = x[:, self.rows]
+        return out.view(N, self.nb, self.block, C)
+
+    def windows(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, T, D] -> [N, nb, span, D]: each block's rows with their halos, zeros outside [0, T)."""
+        N, T, D = x.shape
         out = x.new_empty(N, self.nb, self.span, D)
         own = out[:, :, self.left : self.left + self.block]
-        own.copy_(self.pad_queries(x))
+        own.copy_(self.blocks(x))
         if self.left:
-            out[:, 0, : self.left] = 0
             out[:, 1:, : self.left] = own[:, :-1, self.block - self.left :]
+            lo = max(self.start - self.left, 0)
+            out[:, 0, : self.left - (self.start - lo)] = 0
+            out[:, 0, self.left - (self.start - lo) : self.left] = x[:, lo : self.start]
         if self.right:
-            out[:, -1, self.left + self.block :] = 0
             out[:, :-1, self.left + self.block :] = own[:, 1:, : self.right]
+            n = max(min(self.end + self.right, T) - self.end, 0)
+            out[:, -1, self.left + self.block : self.left + self.block + n] = x[:, self.end : self.end + n]
+            out[:, -1, self.left + self.block + n :] = 0
         return out
 
-    def fold_windows(self, g: torch.Tensor) -> torch.Tensor:
-        """Adjoint of `key_windows`: [N, nb, span, D] -> [N, T, D], halo rows added to their owners."""
-        N, _, _, D = g.shape
-        out = g[:, :, self.left : self.left + self.block].clone()
-        if self.left:
-            out[:, :-1, self.block - self.left :] += g[:, 1:, : self.left]
-        if self.right:
-            out[:, 1:, : self.right] += g[:, :-1, self.left + self.block :]
-        return out.view(N, self.nb * self.block, D)[:, : self.T]
+    def fold_into(self, g: torch.Tensor, out: torch.Tensor) -> None:
+        """Adjoint of `windows`: add g [N, nb, span, D] into the rows of out [N, T, D] it came from."""
+        if self.left:  # a block's left halo is the previous block's last rows
+            g[:, :-1, self.block : self.block + self.left] += g[:, 1:, : self.left]
+            lo = max(self.start - self.left, 0)
+            out[:, lo : self.start] += g[:, 0, self.left - (self.start - lo) : self.left]
+        if self.right:  # and its right halo the next block's first rows
+            g[:, 1:, self.left : self.left + self.right] += g[:, :-1, self.left + self.block :]
+            n = max(min(self.end + self.right, self.T) - self.end, 0)
+            out[:, self.end : self.end + n] += g[:, -1, self.left + self.block : self.left + self.block + n]
+        own = g[:, :, self.left : self.left + self.block].flatten(1, 2)
+        out[:, self.rows] += own[:, : self.stop - self.start]
 
     def band(self, full: torch.Tensor) -> torch.Tensor:
-        """View [N, nb, block, span] -> [N, nb, block, n_local]: element (r, m) is full[r, r + m]."""
-        N = full.shape[0]
+        """View [N, nb, block, span] (contiguous) -> [N, nb, block, n_local]: (r, m) is full[r, r + m]."""
         s = full.stride()
-        return full.as_strided((N, self.nb, self.block, self.n_local), (s[0], s[1], s[2] + 1, 1))
+        return full.as_strided((full.shape[0], self.nb, self.block, self.n_local), (s[0], s[1], s[2] + 1, 1))
 
     def extract(self, full: torch.Tensor, out: torch.Tensor) -> None:
-        """Copy the band of `full` [N, nb, block, span] (contiguous) into out [N, n_local, T]."""
+        """Copy the band of `full` [N, nb, block, span] into out [N, n_local, stop - start]."""
         band = self.band(full).permute(0, 3, 1, 2).flatten(2)  # [N, n_local, nb·block]
-        out.copy_(band[..., : self.T])
+        out.copy_(band[..., : self.stop - self.start])
 
-    def scatter(self, w: torch.Tensor) -> torch.Tensor:
-        """w [N, n_local, T] -> [N, nb, block, span] with w on the band and zeros elsewhere."""
-        N = w.shape[0]
-        full = w.new_zeros(N, self.nb, self.block, self.span)
-        if self.nb * self.block != self.T:
-            w = F.pad(w, (0, self.nb * self.block - self.T))
-        self.band(full).copy_(w.view(N, self.n_local, self.nb, self.block).permute(0, 2, 3, 1))
+    def scatter(self, w: torch.Tensor, zeros: dict) -> torch.Tensor:
+        """w [N, n_local, stop - start] -> [N, nb, block, span]: w on the band, zeros elsewhere.
+
+        The result lives in a buffer from `zeros` (one per shape, reused by later calls): only band
+        cells are ever written to it, so everything off the band stays zero without a fresh fill.
+        """
+        N, M, L = w.shape
+        shape = (N, self.nb, self.block, self.span)
+        full = zeros.get(shape)
+        if full is None:
+            full = zeros[shape] = w.new_zeros(shape)
+        if L != self.nb * self.block:
+            w = torch.nn.functional.pad(w, (0, self.nb * self.block - L))
+        self.band(full).copy_(w.unflatten(2, (self.nb, self.block)).permute(0, 2, 3, 1))
         return full
 
 
-def _shift_pairs(T: int, offset: int) -> tuple[slice, slice]:
-    """Query rows i and key rows i + offset, both inside [0, T)."""
-    n = max(T - abs(offset), 0)
-    if offset < 0:
-        return slice(T - n, T), slice(0, n)
-    return slice(0, n), slice(T - n, T)
+def _chunks(T: int, window: int, causal: bool, N: int, D: int, itemsize: int):
+    """Work plan: (heads, chunk) pairs covering all N·T query rows, each about CHUNK_BYTES of Q.
+
+    A chunk is either a group of whole heads or a run of rows of one head, so that its rows of any
+    [N, T, D] tensor form one contiguous block and batched products need no copies.
+    """
+    block = max(BLOCK, window)  # a halo must fit inside one neighbouring block
+    right = 0 if causal else window
+    row_bytes = D * itemsize
+    if T * row_bytes >= CHUNK_BYTES:
+        rows = max(block, CHUNK_BYTES // row_bytes // block * block)
+        return [(slice(n, n + 1), _Chunk(s, min(s + rows, T), T, window, right, block))
+                for n in range(N) for s in range(0, T, rows)]
+    heads = max(1, CHUNK_BYTES // (T * row_bytes))
+    whole = _Chunk(0, T, T, window, right, block)
+    return [(slice(n, min(n + heads, N)), whole) for n in range(0, N, heads)]
+
+
+def _skip_rows(c: _Chunk, offset: int) -> tuple[slice, slice, slice]:
+    """For queries of chunk c whose key i + offset lies in [0, T): (query rows, key rows, chunk-relative rows)."""
+    lo, hi = max(c.start, -offset), min(c.stop, c.T - offset)
+    hi = max(hi, lo)
+    return slice(lo, hi), slice(lo + offset, hi + offset), slice(lo - c.start, hi - c.start)
+
+
+def _slot_scores(a, b, c: _Chunk, pat: Pattern, out) -> None:
+    """out[:, m, i - start] = a[i] · b[i + offset_m] for i in the chunk (a, b [N, T, D]; out [N, M, L]).
+
+    Skip slots whose key lies outside [0, T) are left untouched.
+    """
+    c.extract(c.blocks(a) @ c.windows(b).transpose(-1, -2), out[:, : pat.n_local])
+    for m, o in enumerate(pat.skip_offsets, start=pat.n_local):
+        rows, keys, rel = _skip_rows(c, o)
+        out[:, m, rel] = torch.linalg.vecdot(a[:, rows], b[:, keys])
+
+
+def _apply_weights(w, x, c: _Chunk, pat: Pattern, out, zeros: dict) -> None:
+    """out[i] = Σ_m w[:, m, i - start] · x[i + offset_m] for i in the chunk (w [N, M, L], x, out [N, T, D])."""
+    y = (c.scatter(w[:, : pat.n_local], zeros) @ c.windows(x)).flatten(1, 2)
+    out[:, c.rows] = y[:, : c.stop - c.start]
+    for m, o in enumerate(pat.skip_offsets, start=pat.n_local):
+        rows, keys, rel = _skip_rows(c, o)
+        out[:, rows].addcmul_(w[:, m, rel, None], x[:, keys])
+
+
+def _apply_weights_transposed(w, x, c: _Chunk, pat: Pattern, out, zeros: dict) -> None:
+    """out[i + offset_m] += w[:, m, i - start] · x[i] for i in the chunk: the adjoint of `_apply_weights`."""
+    c.fold_into(c.scatter(w[:, : pat.n_local], zeros).transpose(-1, -2) @ c.blocks(x), out)
+    for m, o in enumerate(pat.skip_offsets, start=pat.n_local):
+        rows, keys, rel = _skip_rows(c, o)
+        out[:, keys].addcmul_(w[:, m, rel, None], x[:, rows])
 
 
 def _weights(logits: torch.Tensor, variant: str, gate: torch.Tensor | None, n_local: int):
-    """Softmax of the fused logits [N, M, T] over slots. Returns (w, probs, coef): w = coef·probs.
+    """Softmax of the fused logits [N, M, L] over slots. Returns (w, probs, coef): w = coef·probs.
 
     One group (every slot) for all variants but "separate", which normalises local and skip slots
     apart and mixes them with coef = (α, 1 − α), or (1, 0) where no skip key exists.
@@ -115,7 +183,7 @@ def _weights(logits: torch.Tensor, variant: str, gate: torch.Tensor | None, n_lo
 
 
 def _softmax_backward(dw, w, probs, coef, n_local):
-    """d logits [N, M, T] from d weights; also dL/dα through coef for "separate" ([N, T], else None)."""
+    """d logits [N, M, L] from d weights; also dL/dα through coef for "separate" ([N, L], else None)."""
     if coef is None:
         return w * (dw - (w * dw).sum(1, keepdim=True)), None
     d_logits = torch.empty_like(dw)
@@ -130,53 +198,19 @@ def _softmax_backward(dw, w, probs, coef, n_local):
     return d_logits, (dcoef[0] - dcoef[1]) * has_skip
 
 
-def _slot_scores(a: torch.Tensor, b: torch.Tensor, geo: _Blocks, pat: Pattern, out: torch.Tensor) -> None:
-    """out[:, m, i] = a[i] · b[i + offset_m]   (a, b [N, T, D] -> out [N, M, T]; invalid slots untouched)."""
-    T = a.shape[1]
-    geo.extract(geo.pad_queries(a) @ geo.key_windows(b).transpose(-1, -2), out[:, : pat.n_local])
-    for m, o in enumerate(pat.skip_offsets, start=pat.n_local):
-        rows, keys = _shift_pairs(T, o)
-        out[:, m, rows] = torch.linalg.vecdot(a[:, rows], b[:, keys])
-
-
-def _apply_weights(w: torch.Tensor, x: torch.Tensor, geo: _Blocks, pat: Pattern) -> torch.Tensor:
-    """out[i] = Σ_m w[:, m, i] · x[i + offset_m]   (w [N, M, T], x [N, T, D] -> [N, T, D])."""
-    N, T, D = x.shape
-    out = (geo.scatter(w[:, : pat.n_local]) @ geo.key_windows(x)).view(N, -1, D)[:, :T]
-    for m, o in enumerate(pat.skip_offsets, start=pat.n_local):
-        rows, keys = _shift_pairs(T, o)
-        out[:, rows].addcmul_(w[:, m, rows, None], x[:, keys])
-    return out
-
-
-def _apply_weights_transposed(w: torch.Tensor, x: torch.Tensor, geo: _Blocks, pat: Pattern) -> torch.Tensor:
-    """out[j] = Σ_{i, m: i + offset_m = j} w[:, m, i] · x[i]   (the adjoint of `_apply_weights` in x)."""
-    N, T, D = x.shape
-    out = geo.fold_windows(geo.scatter(w[:, : pat.n_local]).transpose(-1, -2) @ geo.pad_queries(x))
-    for m, o in enumerate(pat.skip_offsets, start=pat.n_local):
-        rows, keys = _shift_pairs(T, o)
-        out[:, keys].addcmul_(w[:, m, rows, None], x[:, rows])
-    return out
-
-
-def _gate_grad(d_logits, d_coef, gate, variant, eps, n_local):
-    """dL/dα (Eqs. ddelta_da, dalpha_da): local logits carry log max(α, ε), skips log max(1 − α, ε)."""
+def _gate_grad(d_logits, d_coef, a, variant, eps, n_local):
+    """dL/dα [N, L] (Eqs. ddelta_da, dalpha_da): local logits carry log max(α, ε), skips log max(1 − α, ε)."""
     if variant == "separate":
-        g = torch.zeros_like(d_logits[:, 0]) if d_coef is None else d_coef
-    else:
-        a = gate.reshape(d_logits.shape[0], -1).to(d_logits.dtype)
-        g = d_logits[:, :n_local].sum(1) * (a >= eps) / a
-        if d_logits.shape[1] > n_local:
-            g = g - d_logits[:, n_local:].sum(1) * ((1 - a) >= eps) / (1 - a)
-    return g.reshape(gate.shape).to(gate.dtype)
+        return torch.zeros_like(a) if d_coef is None else d_coef
+    g = d_logits[:, :n_local].sum(1) * (a >= eps) / a
+    if d_logits.shape[1] > n_local:
+        g = g - d_logits[:, n_local:].sum(1) * ((1 - a) >= eps) / (1 - a)
+    return g
 
 
-def _slot_major(keep: torch.Tensor | None, p: float, dtype: torch.dtype) -> torch.Tensor | None:
-    """Dropout keep mask [B, H, T, M] (bool) -> weight multiplier keep / (1 - p), [B·H, M, T]."""
-    if keep is None:
-        return None
-    B, H, T, M = keep.shape
-    return keep.reshape(B * H, T, M).transpose(1, 2).to(dtype) / (1 - p)
+def _chunk_addend(x, heads: slice, rows: slice):
+    """A log-prior, float or [N, T] tensor, as an addend for the per-slot logits [n, ·, L] of a chunk."""
+    return x if isinstance(x, float) else x[heads, rows].unsqueeze(1)
 
 
 class PiAttentionFunction(torch.autograd.Function):
@@ -184,65 +218,90 @@ class PiAttentionFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, gate, window, period, causal, variant, prior, logit_clamp, eps, scale,
                 dropout_keep, dropout_p):
         B, H, T, D = q.shape
+        N = B * H
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         pat = Pattern(window, period, causal)
-        geo = _Blocks(T, window, causal)
-        qf, kf, vf = (x.reshape(B * H, T, D).to(acc) for x in (q, k, v))
-        gf = None if gate is None else gate.reshape(B * H, T).to(acc)
-
-        z = torch.empty(B * H, pat.n_slots, T, dtype=acc, device=q.device)
-        _slot_scores(qf, kf, geo, pat, z)
-        z *= scale
-        clamp_pass = None
-        if logit_clamp is not None:
-            clamp_pass = z.abs() <= logit_clamp
-            z.clamp_(-logit_clamp, logit_clamp)
+        qf, kf, vf = (x.reshape(N, T, D).to(acc) for x in (q, k, v))
+        gf = None if gate is None else gate.reshape(N, T).to(acc)
         log_local, log_skip = log_priors(variant, gf, prior, eps)
-        z[:, : pat.n_local] += _unsqueeze(log_local)
-        z[:, pat.n_local :] += _unsqueeze(log_skip)
-        z.masked_fill_(~pat.valid(T, q.device).T, float("-inf"))
+        valid = pat.valid(T, q.device).T  # [M, T]
+        keep = _keep_multiplier(dropout_keep, dropout_p, acc)
 
-        w, probs, coef = _weights(z, variant, gf, pat.n_local)
-        del z
-        keep = _slot_major(dropout_keep, dropout_p, acc)
-        y = _apply_weights(w if keep is None else w * keep, vf, geo, pat)
+        y = torch.empty(N, T, D, dtype=acc, device=q.device)
+        w = torch.empty(N, pat.n_slots, T, dtype=acc, device=q.device)
+        probs = w if variant != "separate" or not pat.skip_offsets else torch.empty_like(w)
+        coef = None if probs is w else torch.empty_like(w)
+        clamp_pass = None if logit_clamp is None else torch.empty(w.shape, dtype=torch.bool, device=q.device)
+        zeros = {}
+        for h, c in _chunks(T, window, causal, N, D, qf.element_size()):
+            r = c.rows
+            z = torch.empty(h.stop - h.start, pat.n_slots, c.stop - c.start, dtype=acc, device=q.device)
+            _slot_scores(qf[h], kf[h], c, pat, z)
+            z *= scale
+            if logit_clamp is not None:
+                clamp_pass[h, :, r] = z.abs() <= logit_clamp
+                z.clamp_(-logit_clamp, logit_clamp)
+            z[:, : pat.n_local] += _chunk_addend(log_local, h, r)
+            z[:, pat.n_local :] += _chunk_addend(log_skip, h, r)
+            z.masked_fill_(~valid[:, r], float("-inf"))
+            wc, pc, cc = _weights(z, variant, None if gf is None else gf[h, r], pat.n_local)
+            w[h, :, r] = wc
+            if coef is not None:
+                probs[h, :, r], coef[h, :, r] = pc, cc
+            _apply_weights(wc if keep is None else wc * keep[h, :, r], vf[h], c, pat, y[h], zeros)
 
-        ctx.save_for_backward(q, k, v, gate, w, probs, coef, clamp_pass, dropout_keep)
+        ctx.save_for_backward(q, k, v, gate, w, None if probs is w else probs, coef, clamp_pass, dropout_keep)
         ctx.cfg = (window, period, causal, variant, eps, scale, dropout_p)
         return y.view(B, H, T, D).to(q.dtype)
 
     @staticmethod
     def backward(ctx, dy):
         q, k, v, gate, w, probs, coef, clamp_pass, keep = ctx.saved_tensors
+        probs = w if probs is None else probs
         window, period, causal, variant, eps, scale, dropout_p = ctx.cfg
         B, H, T, D = q.shape
+        N = B * H
         acc = w.dtype
         pat = Pattern(window, period, causal)
-        geo = _Blocks(T, window, causal)
-        qf, kf, vf = (x.reshape(B * H, T, D).to(acc) for x in (q, k, v))
-        dyf = dy.reshape(B * H, T, D).to(acc)
-        keep = _slot_major(keep, dropout_p, acc)
+        qf, kf, vf = (x.reshape(N, T, D).to(acc) for x in (q, k, v))
+        dyf = dy.reshape(N, T, D).to(acc)
+        gf = None if gate is None else gate.reshape(N, T).to(acc)
+        keep = _keep_multiplier(keep, dropout_p, acc)
+        want_gate = ctx.needs_input_grad[3]
 
-        dw = torch.zeros_like(w)  # dL/dW = dY · V over U(i); invalid skip slots stay 0
-        _slot_scores(dyf, vf, geo, pat, dw)
-        dv = _apply_weights_transposed(w if keep is None else w * keep, dyf, geo, pat)
-        if keep is not None:
-            dw *= keep
-
-        d_logits, d_coef = _softmax_backward(dw, w, probs, coef, pat.n_local)
-        dgate = None
-        if ctx.needs_input_grad[3]:
-            dgate = _gate_grad(d_logits, d_coef, gate, variant, eps, pat.n_local)
-        ds = d_logits if clamp_pass is None else d_logits * clamp_pass
-        ds *= scale
-        dq = _apply_weights(ds, kf, geo, pat)
-        dk = _apply_weights_transposed(ds, qf, geo, pat)
+        dq = torch.empty_like(qf)
+        dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
+        dgate = torch.empty_like(gf) if want_gate else None
+        zeros = {}
+        for h, c in _chunks(T, window, causal, N, D, qf.element_size()):
+            r = c.rows
+            wc, pc = w[h, :, r], probs[h, :, r]
+            dw = torch.zeros_like(wc)  # dL/dW = dY · V over U(i); invalid skip slots stay 0
+            _slot_scores(dyf[h], vf[h], c, pat, dw)
+            if keep is not None:
+                wc_kept = wc * keep[h, :, r]
+                dw *= keep[h, :, r]
+            _apply_weights_transposed(wc if keep is None else wc_kept, dyf[h], c, pat, dv[h], zeros)
+            d_logits, d_coef = _softmax_backward(dw, wc, pc, None if coef is None else coef[h, :, r],
+                                                 pat.n_local)
+            if want_gate:
+                dgate[h, r] = _gate_grad(d_logits, d_coef, gf[h, r], variant, eps, pat.n_local)
+            if clamp_pass is not None:
+                d_logits *= clamp_pass[h, :, r]
+            d_logits *= scale
+            _apply_weights(d_logits, kf[h], c, pat, dq[h], zeros)
+            _apply_weights_transposed(d_logits, qf[h], c, pat, dk[h], zeros)
         return (dq.view(B, H, T, D).to(q.dtype), dk.view(B, H, T, D).to(k.dtype),
-                dv.view(B, H, T, D).to(v.dtype), dgate) + (None,) * 10
+                dv.view(B, H, T, D).to(v.dtype), None if dgate is None else dgate.view_as(gate).to(gate.dtype),
+                ) + (None,) * 10
 
 
-def _unsqueeze(x):
-    return x.unsqueeze(1) if isinstance(x, torch.Tensor) else x
+def _keep_multiplier(keep: torch.Tensor | None, p: float, dtype: torch.dtype) -> torch.Tensor | None:
+    """Dropout keep mask [B, H, T, M] (bool) -> weight multiplier keep / (1 - p), slot-major [B·H, M, T]."""
+    if keep is None:
+        return None
+    B, H, T, M = keep.shape
+    return keep.reshape(B * H, T, M).transpose(1, 2).to(dtype) / (1 - p)
 
 
 def pi_attention_torch(q, k, v, gate, *, window, period, causal, variant, prior, logit_clamp, eps, scale,
