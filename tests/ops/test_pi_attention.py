@@ -7,12 +7,12 @@ import math
 
 import pytest
 import torch
-from appendix_module import AppendixPiAttention
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from utils import TOLERANCES, assert_close, forward_backward, make_inputs
 
 import piattn
+from appendix_module import AppendixPiAttention
+from utils import TOLERANCES, assert_close, forward_backward, make_inputs
 
 VARIANTS = ("union", "separate", "fixed", "adaptive")
 # (T, window, period): odd T, T < period, window 0, period 1, period <= window, period == T - 1.

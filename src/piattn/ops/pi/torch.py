@@ -105,7 +105,7 @@ class _Chunk:
         full = zeros.get(shape)
         if full is None:
             full = zeros[shape] = w.new_zeros(shape)
-        if L != self.nb * self.block:
+        if self.nb * self.block != L:
             w = torch.nn.functional.pad(w, (0, self.nb * self.block - L))
         self.band(full).copy_(w.unflatten(2, (self.nb, self.block)).permute(0, 2, 3, 1))
         return full
