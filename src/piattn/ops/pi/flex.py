@@ -181,9 +181,10 @@ def flex_pi_attention(
     log_local, log_skip = log_priors(variant, None if gate is None else gate.float(), prior, eps)
     if variant == "adaptive":
         return run("all", torch.stack([log_local, log_skip], -1))
-    # "fixed": the same kernel as "adaptive", with one prior pair broadcast to every query (no copy).
+    # "fixed": one prior pair for every query, copied out so that the kernel of "adaptive" (compiled for
+    # contiguous priors) serves it too.
     pair = torch.tensor([log_local, log_skip], dtype=torch.float32, device=q.device)
-    return run("all", pair.expand(*q.shape[:3], 2))
+    return run("all", pair.expand(*q.shape[:3], 2).contiguous())
 
 
 def _separate(run, gate: torch.Tensor, pat: Pattern, T: int) -> torch.Tensor:

@@ -127,16 +127,16 @@ def _pi_fwd_kernel(
     for r in tl.static_range(N_SKIP):
         cols = rows + (2 * r - 1) * period  # [BT] one key per query, a contiguous block of rows
         ok = row_ok & (cols >= 0) & (cols < T)
-        k = _load_rows(K, base, cols, ok, offs_d, D)  # [BT, D]
-        v = _load_rows(V, base, cols, ok, offs_d, D)  # [BT, D]
-        z = _clamp(tl.sum(q.to(tl.float32) * k.to(tl.float32), 1) * scale, clamp, HAS_CLAMP) + shift
-        m_new = tl.maximum(m, tl.where(ok, z, _NEG))
+        k_s = _load_rows(K, base, cols, ok, offs_d, D)  # [BT, D]
+        v_s = _load_rows(V, base, cols, ok, offs_d, D)  # [BT, D]
+        z_s = _clamp(tl.sum(q.to(tl.float32) * k_s.to(tl.float32), 1) * scale, clamp, HAS_CLAMP) + shift
+        m_new = tl.maximum(m, tl.where(ok, z_s, _NEG))
         alpha = tl.exp(m - m_new)
-        p = tl.where(ok, tl.exp(z - m_new), 0.0)  # [BT]
-        l_all = l_all * alpha + p
+        p_s = tl.where(ok, tl.exp(z_s - m_new), 0.0)  # [BT]
+        l_all = l_all * alpha + p_s
         if HAS_DROPOUT:
-            p = p * _keep_factor(KEEP, n, T, rows, window + right + 1 + r, ok, keep_scale, N_SLOTS)
-        acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)
+            p_s = p_s * _keep_factor(KEEP, n, T, rows, window + right + 1 + r, ok, keep_scale, N_SLOTS)
+        acc = acc * alpha[:, None] + p_s[:, None] * v_s.to(tl.float32)
         m = m_new
 
     if MODE == _SEPARATE:
@@ -229,10 +229,10 @@ def _pi_bwd_dq_kernel(
     sig_skip = tl.zeros([BLOCK_T], tl.float32)
     has_skip = rows < 0
     for r in tl.static_range(N_SKIP):
-        z, w, dw, k, ok = _dq_skip_terms(q, dy, K, V, KEEP, n, base, T, rows, row_ok, offs_d,
-                                         (2 * r - 1) * period, n_local + r, c_skip, scale, clamp, keep_scale,
-                                         N_SLOTS, HAS_CLAMP, HAS_DROPOUT, D)
-        sig_skip += w * dw
+        z_s, w_s, dw_s, k_s, ok = _dq_skip_terms(q, dy, K, V, KEEP, n, base, T, rows, row_ok, offs_d,
+                                                 (2 * r - 1) * period, n_local + r, c_skip, scale, clamp,
+                                                 keep_scale, N_SLOTS, HAS_CLAMP, HAS_DROPOUT, D)
+        sig_skip += w_s * dw_s
         has_skip = has_skip | ok
 
     if MODE == _SEPARATE:
@@ -259,14 +259,14 @@ def _pi_bwd_dq_kernel(
         dq += _dot(ds.to(k.dtype), k, DOT_PREC, UPCAST)
     g_skip = tl.zeros([BLOCK_T], tl.float32)
     for r in tl.static_range(N_SKIP):
-        z, w, dw, k, ok = _dq_skip_terms(q, dy, K, V, KEEP, n, base, T, rows, row_ok, offs_d,
-                                         (2 * r - 1) * period, n_local + r, c_skip, scale, clamp, keep_scale,
-                                         N_SLOTS, HAS_CLAMP, HAS_DROPOUT, D)
-        ds = w * (dw - delta_skip)  # [BT]
-        g_skip += ds
+        z_s, w_s, dw_s, k_s, ok = _dq_skip_terms(q, dy, K, V, KEEP, n, base, T, rows, row_ok, offs_d,
+                                                 (2 * r - 1) * period, n_local + r, c_skip, scale, clamp,
+                                                 keep_scale, N_SLOTS, HAS_CLAMP, HAS_DROPOUT, D)
+        ds_s = w_s * (dw_s - delta_skip)  # [BT]
+        g_skip += ds_s
         if HAS_CLAMP:
-            ds = tl.where(tl.abs(z) <= clamp, ds, 0.0)
-        dq += ds[:, None] * k.to(tl.float32)
+            ds_s = tl.where(tl.abs(z_s) <= clamp, ds_s, 0.0)
+        dq += ds_s[:, None] * k_s.to(tl.float32)
     tl.store(DQ + base + rows[:, None] * D + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=row_ok[:, None])
 
@@ -333,23 +333,23 @@ def _pi_bwd_dkdv_kernel(
     for r in tl.static_range(N_SKIP):
         qrows = keys - (2 * r - 1) * period  # [BT] the query whose slot n_local + r is this key
         ok = key_ok & (qrows >= 0) & (qrows < T)
-        q = _load_rows(Q, base, qrows, ok, offs_d, D).to(tl.float32)  # [BT, D]
-        dy = _load_rows(DY, base, qrows, ok, offs_d, D).to(tl.float32)  # [BT, D]
+        q_s = _load_rows(Q, base, qrows, ok, offs_d, D).to(tl.float32)  # [BT, D]
+        dy_s = _load_rows(DY, base, qrows, ok, offs_d, D).to(tl.float32)  # [BT, D]
         c_skip = tl.load(C_SKIP + n * T + qrows, mask=ok, other=0.0)
-        delta = tl.load(DELTA_SKIP + n * T + qrows, mask=ok, other=0.0)
-        z = tl.sum(q * k.to(tl.float32), 1) * scale
-        w = tl.where(ok, tl.exp(_clamp(z, clamp, HAS_CLAMP) - c_skip), 0.0)  # [BT]
-        dw = tl.sum(dy * v.to(tl.float32), 1)
+        delta_s = tl.load(DELTA_SKIP + n * T + qrows, mask=ok, other=0.0)
+        z_s = tl.sum(q_s * k.to(tl.float32), 1) * scale
+        w_s = tl.where(ok, tl.exp(_clamp(z_s, clamp, HAS_CLAMP) - c_skip), 0.0)  # [BT]
+        dw_s = tl.sum(dy_s * v.to(tl.float32), 1)
         if HAS_DROPOUT:
-            kf = _keep_factor(KEEP, n, T, qrows, n_local + r, ok, keep_scale, N_SLOTS)
-            dv += (w * kf)[:, None] * dy
-            dw = dw * kf
+            kf_s = _keep_factor(KEEP, n, T, qrows, n_local + r, ok, keep_scale, N_SLOTS)
+            dv += (w_s * kf_s)[:, None] * dy_s
+            dw_s = dw_s * kf_s
         else:
-            dv += w[:, None] * dy
-        ds = w * (dw - delta)
+            dv += w_s[:, None] * dy_s
+        ds_s = w_s * (dw_s - delta_s)
         if HAS_CLAMP:
-            ds = tl.where(tl.abs(z) <= clamp, ds, 0.0)
-        dk += ds[:, None] * q
+            ds_s = tl.where(tl.abs(z_s) <= clamp, ds_s, 0.0)
+        dk += ds_s[:, None] * q_s
 
     out = base + keys[:, None] * D + offs_d[None, :]
     tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=key_ok[:, None])
