@@ -101,3 +101,14 @@ def test_bad_arguments_are_named():
 
 def test_registry_names_the_layer():
     assert piattn.layers.ATTENTION["pi"] is piattn.PiAttention
+
+
+def test_bf16_layer_with_saturated_gate_runs():
+    """A bf16 sigmoid at 1.0 must still give a gate inside (0, 1) (the squeeze is done in fp32)."""
+    layer = piattn.PiAttention(32, 4).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.gate[2].bias.fill_(50.0)
+    x = torch.randn(1, 20, 32, dtype=torch.bfloat16)
+    a = layer.gate_values(x)
+    assert a.dtype == torch.float32 and bool((a < 1).all())
+    assert torch.isfinite(layer(x)).all()

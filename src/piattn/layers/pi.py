@@ -55,7 +55,9 @@ class PiAttention(nn.Module):
         """x [B, T, d] -> α̃ [B, H, T] in [ε, 1 − ε] (Eq. app_gate), or None for ungated variants."""
         if self.gate is None:
             return None
-        return self.gate(x).transpose(1, 2) * (1 - 2 * self.eps) + self.eps
+        a = self.gate(x).transpose(1, 2)
+        # At least fp32: in bf16, ε + (1 − 2ε)·σ rounds to exactly 1 once σ > 0.998, outside (0, 1).
+        return a.to(torch.promote_types(a.dtype, torch.float32)) * (1 - 2 * self.eps) + self.eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, d_model] -> [B, T, d_model]."""

@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from .local import MaskMod, local_mask
-from .pi import pi_mask
+from .pi import pi_mask, skip_mask
 
-__all__ = ["MaskMod", "dense_mask", "local_mask", "pi_mask"]
+__all__ = ["MaskMod", "dense_mask", "local_mask", "pi_mask", "skip_mask"]
 
 
 def dense_mask(mask_mod: MaskMod, n: int, device: torch.device | str | None = None) -> torch.Tensor:

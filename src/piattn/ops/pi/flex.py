@@ -26,6 +26,7 @@ import functools
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from ...masks import local_mask, pi_mask, skip_mask
 from .pattern import Pattern, log_priors
 
 DEFAULT_BLOCK_SIZE = 128  # flex's own default tile
@@ -42,19 +43,9 @@ def _compiled_flex():
 
 def _mask_mod(window: int, period: int, causal: bool, part: str):
     """mask_mod(b, h, q_idx, kv_idx) -> bool: kv_idx is in U(q_idx); part "all", "local" or "skip"."""
-
-    def local(b, h, q_idx, kv_idx):
-        d = q_idx - kv_idx  # the key lies d positions before the query
-        return (d >= 0) & (d <= window) if causal else (d >= -window) & (d <= window)
-
-    def skip(b, h, q_idx, kv_idx):
-        d = q_idx - kv_idx
-        return d == period if causal else (d == period) | (d == -period)
-
-    def both(b, h, q_idx, kv_idx):
-        return local(b, h, q_idx, kv_idx) | skip(b, h, q_idx, kv_idx)
-
-    return {"all": both, "local": local, "skip": skip}[part]
+    if part == "local":
+        return local_mask(window, causal)
+    return (pi_mask if part == "all" else skip_mask)(window, period, causal)
 
 
 def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +55,7 @@ def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts[None, None], indices[None, None]
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=32)  # a mask holds O((T / block_size)²) indices: 64 MiB at T = 32K, block 16
 def block_mask(
     T: int, window: int, period: int, causal: bool, device: torch.device, block_size: int, part: str = "all"
 ) -> BlockMask:
@@ -98,14 +89,14 @@ def block_mask(
 def _score_mod(window: int, logit_clamp: float | None, priors: torch.Tensor | None):
     """score_mod(score, b, h, q_idx, kv_idx): clamp the scaled score, then add the slot's log prior.
 
-    priors: fp32 [B, H, T, 2], the (local, skip) log priors of each query, or None (no prior). Flex fails
-    to compile, or to differentiate, a captured tensor read more than once, hence one tensor for both
-    priors, read once with is_skip as the last index.
+    priors: fp32 [B, H, T, 2], the (local, skip) log priors of each query, or None (no prior). One tensor
+    for both priors, read once with is_skip as the last index: two captured tensors, or one read twice,
+    are known ways to break flex's compilation.
     """
 
     def mod(score, b, h, q_idx, kv_idx):
         if logit_clamp is not None:
-            # min/max rather than .clamp, which rounds wrongly for bf16 on CPU.
+            # min/max rather than .clamp, which is known to give wrong bf16 results in flex on CPU.
             score = torch.minimum(torch.maximum(score, torch.tensor(-logit_clamp)), torch.tensor(logit_clamp))
         if priors is None:
             return score
