@@ -3,6 +3,7 @@ and every CPU backend against the reference (forward and all gradients, gate inc
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -277,3 +278,15 @@ def test_tolerance_table_covers_supported_dtypes():
     from piattn.ops.pi.validate import SUPPORTED_DTYPES
 
     assert set(TOLERANCES) == set(SUPPORTED_DTYPES)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 300, 5000], ids=["one-block-chunks", "row-runs", "head-groups"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
+@pytest.mark.parametrize("variant", ["adaptive", "separate"])
+def test_torch_chunking_is_invisible(chunk_bytes, causal, variant, monkeypatch, nan_poison):
+    """Long sequences run in chunks with halos crossing chunk borders; small chunks exercise that path."""
+    eager = importlib.import_module("piattn.ops.pi.torch")
+    monkeypatch.setattr(eager, "CHUNK_BYTES", chunk_bytes)
+    kw = dict(window=5, period=21, causal=causal, variant=variant)
+    inputs = make_inputs(2, 3, 83, 4, variant=variant, seed=7)
+    _compare(forward_backward(*inputs, backend="reference", **kw), forward_backward(*inputs, backend="torch", **kw))

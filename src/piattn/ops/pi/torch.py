@@ -21,8 +21,8 @@ import torch
 
 from .pattern import Pattern, log_priors
 
-BLOCK = 32  # query rows per matrix product: 32 keeps the wasted band work small (see the benchmark)
-CHUNK_BYTES = 1 << 20  # size of one chunk of Q rows: small enough that a chunk's temporaries stay in cache
+BLOCK = 16  # query rows per matrix product: few enough that the band wastes little work (see benchmarks)
+CHUNK_BYTES = 1 << 22  # Q bytes per chunk: large enough to amortise per-op overhead, small enough for cache
 
 
 class _Chunk:
