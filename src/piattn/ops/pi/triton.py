@@ -57,12 +57,28 @@ def _keep_factor(KEEP, n, T, qrows, slot, ok, keep_scale, N_SLOTS: tl.constexpr)
     return tl.where(kept != 0, keep_scale, 0.0)
 
 
-
 @triton.jit
 def _band(rows, cols, row_ok, col_ok, window, right):
     """[len(rows), len(cols)]: key cols[j] is a local slot of query rows[i]; also that slot's offset."""
     rel = cols[None, :] - rows[:, None]
     return (rel >= -window) & (rel <= right) & row_ok[:, None] & col_ok[None, :], rel
+
+
+@triton.jit
+def _skip_logit(x, Y, base, rows, row_ok, offs_d, offset, T, scale, D: tl.constexpr):
+    """Raw scores [R] of x's rows [R, D] with the rows `offset` further on in Y (one contiguous block),
+    and whether those rows exist. A query tile passes (q, K), a key tile (k, Q)."""
+    cols = rows + offset
+    ok = row_ok & (cols >= 0) & (cols < T)
+    y = _load_rows(Y, base, cols, ok, offs_d, D)  # [R, D]
+    return tl.sum(x.to(tl.float32) * y.to(tl.float32), 1) * scale, ok
+
+
+@triton.jit
+def _add_rows(acc, w, X, base, rows, offset, ok, offs_d, D: tl.constexpr):
+    """acc [BT, D] + w[:, None] · X[rows + offset] (rows masked by ok)."""
+    x = _load_rows(X, base, rows + offset, ok, offs_d, D)
+    return acc + w[:, None] * x.to(tl.float32)
 
 
 @triton.jit
@@ -79,10 +95,24 @@ def _pi_fwd_kernel(
     start = (pid % n_tiles) * BLOCK_T
     base = n * T * D
     right = 0 if CAUSAL else window
+    n_local = window + right + 1
     rows = start + tl.arange(0, BLOCK_T)  # [BT] query positions
     row_ok = rows < T
     offs_d = tl.arange(0, D)
     q = _load_rows(Q, base, rows, row_ok, offs_d, D)  # [BT, D]
+
+    # Skip scores first, so that the skip keys are never live beside the accumulator. Slot n_local is the
+    # key i - period, slot n_local + 1 the key i + period (bidirectional); absent slots stay masked.
+    z0 = tl.zeros([BLOCK_T], tl.float32)
+    z1 = tl.zeros([BLOCK_T], tl.float32)
+    ok0 = rows < 0
+    ok1 = rows < 0
+    if N_SKIP >= 1:
+        z0, ok0 = _skip_logit(q, K, base, rows, row_ok, offs_d, -period, T, scale, D)
+        z0 = _clamp(z0, clamp, HAS_CLAMP)
+    if N_SKIP == 2:
+        z1, ok1 = _skip_logit(q, K, base, rows, row_ok, offs_d, period, T, scale, D)
+        z1 = _clamp(z1, clamp, HAS_CLAMP)
 
     # Local band: key rows [start - window, start + BLOCK_T + right), each loaded once; online softmax.
     m_loc = tl.full([BLOCK_T], _NEG, tl.float32)
@@ -90,7 +120,8 @@ def _pi_fwd_kernel(
     acc = tl.zeros([BLOCK_T, D], tl.float32)
     for c in range(0, tl.cdiv(BLOCK_T + window + right, BLOCK_K)):
         cols = start - window + c * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK] key positions
-        col_ok = (cols >= 0) & (cols < T)
+        # The last chunk overhangs the tile's band: rows past it are not fetched.
+        col_ok = (cols >= 0) & (cols < T) & (cols < start + BLOCK_T + right)
         k = _load_rows(K, base, cols, col_ok, offs_d, D)  # [BK, D]
         v = _load_rows(V, base, cols, col_ok, offs_d, D)  # [BK, D]
         band, rel = _band(rows, cols, row_ok, col_ok, window, right)  # [BT, BK]
@@ -108,49 +139,45 @@ def _pi_fwd_kernel(
     if MODE != _CONSTANT:
         a = tl.load(GATE + n * T + rows, mask=row_ok, other=0.5).to(tl.float32)  # [BT] α
     if MODE == _SEPARATE:
-        # The skip group gets a softmax of its own; the local one is complete.
-        y_loc = acc / l_loc[:, None]
-        m = tl.full([BLOCK_T], _NEG, tl.float32)
-        l_all = tl.zeros([BLOCK_T], tl.float32)
-        acc = tl.zeros([BLOCK_T, D], tl.float32)
-        shift = 0.0
+        # α·softmax(local) + (1 - α)·softmax(skip), the local branch alone where no skip key exists.
+        has_skip = ok0 | ok1
+        a_eff = tl.where(has_skip, a, 1.0)
+        m = tl.maximum(tl.where(ok0, z0, _NEG), tl.where(ok1, z1, _NEG))
+        p0 = tl.where(ok0, tl.exp(z0 - m), 0.0)
+        p1 = tl.where(ok1, tl.exp(z1 - m), 0.0)
+        l_skip = tl.where(has_skip, p0 + p1, 1.0)
+        acc = acc * (a_eff / l_loc)[:, None]
+        w0 = (1.0 - a_eff) * p0 / l_skip
+        w1 = (1.0 - a_eff) * p1 / l_skip
+        c_loc = m_loc + tl.log(l_loc) - tl.log(a_eff)
+        c_skip = tl.where(has_skip, m + tl.log(l_skip) - tl.log(1.0 - a), 0.0)
     else:
-        # One softmax: the local state goes on; skip logits are taken relative to the local prior.
+        # One softmax over both groups; skip logits taken relative to the local prior.
         if MODE == _ADAPTIVE:
             log_local = tl.log(tl.maximum(a, eps))
             log_skip = tl.log(tl.maximum(1.0 - a, eps))
         shift = log_skip - log_local
-        m = m_loc
-        l_all = l_loc
-
-    # Skip slots: offset -period (slot n_local), then +period (slot n_local + 1, bidirectional only).
-    for r in tl.static_range(N_SKIP):
-        cols = rows + (2 * r - 1) * period  # [BT] one key per query, a contiguous block of rows
-        ok = row_ok & (cols >= 0) & (cols < T)
-        k_s = _load_rows(K, base, cols, ok, offs_d, D)  # [BT, D]
-        v_s = _load_rows(V, base, cols, ok, offs_d, D)  # [BT, D]
-        z_s = _clamp(tl.sum(q.to(tl.float32) * k_s.to(tl.float32), 1) * scale, clamp, HAS_CLAMP) + shift
-        m_new = tl.maximum(m, tl.where(ok, z_s, _NEG))
-        alpha = tl.exp(m - m_new)
-        p_s = tl.where(ok, tl.exp(z_s - m_new), 0.0)  # [BT]
-        l_all = l_all * alpha + p_s
-        if HAS_DROPOUT:
-            p_s = p_s * _keep_factor(KEEP, n, T, rows, window + right + 1 + r, ok, keep_scale, N_SLOTS)
-        acc = acc * alpha[:, None] + p_s[:, None] * v_s.to(tl.float32)
-        m = m_new
-
-    if MODE == _SEPARATE:
-        has_skip = l_all > 0  # a valid skip contributes at least exp(0) = 1
-        a_eff = tl.where(has_skip, a, 1.0)  # the local branch alone where no skip key exists
-        l_skip = tl.where(has_skip, l_all, 1.0)
-        y = a_eff[:, None] * y_loc + (1.0 - a_eff)[:, None] * (acc / l_skip[:, None])
-        c_loc = m_loc + tl.log(l_loc) - tl.log(a_eff)
-        c_skip = tl.where(has_skip, m + tl.log(l_skip) - tl.log(1.0 - a), 0.0)
-    else:
-        y = acc / l_all[:, None]
+        z0 += shift
+        z1 += shift
+        m = tl.maximum(m_loc, tl.maximum(tl.where(ok0, z0, _NEG), tl.where(ok1, z1, _NEG)))
+        alpha = tl.exp(m_loc - m)
+        p0 = tl.where(ok0, tl.exp(z0 - m), 0.0)
+        p1 = tl.where(ok1, tl.exp(z1 - m), 0.0)
+        l_all = l_loc * alpha + p0 + p1
+        acc = acc * (alpha / l_all)[:, None]
+        w0 = p0 / l_all
+        w1 = p1 / l_all
         c_loc = m + tl.log(l_all)  # the log-sum-exp less the local prior
         c_skip = c_loc - shift
-    tl.store(OUT + base + rows[:, None] * D + offs_d[None, :], y.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+    if HAS_DROPOUT:
+        w0 = w0 * _keep_factor(KEEP, n, T, rows, n_local, ok0, keep_scale, N_SLOTS)
+        w1 = w1 * _keep_factor(KEEP, n, T, rows, n_local + 1, ok1, keep_scale, N_SLOTS)
+    if N_SKIP >= 1:
+        acc = _add_rows(acc, w0, V, base, rows, -period, ok0, offs_d, D)
+    if N_SKIP == 2:
+        acc = _add_rows(acc, w1, V, base, rows, period, ok1, offs_d, D)
+    out = base + rows[:, None] * D + offs_d[None, :]
+    tl.store(OUT + out, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None])
     tl.store(C_LOC + n * T + rows, c_loc, mask=row_ok)
     tl.store(C_SKIP + n * T + rows, c_skip, mask=row_ok)
 
@@ -159,11 +186,12 @@ def _pi_fwd_kernel(
 def _dq_band_terms(
     q, dy, K, V, KEEP, n, base, T, start, c, rows, row_ok, offs_d, c_loc, window, right, scale, clamp,
     keep_scale, N_SLOTS: tl.constexpr, HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    D: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """Chunk c of a query tile's band: raw scores z, weights w, dW = dY·V (dropped) [BT, BK], keys [BK, D]."""
     cols = start - window + c * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK] key positions
-    col_ok = (cols >= 0) & (cols < T)
+    col_ok = (cols >= 0) & (cols < T) & (cols < start + BLOCK_T + right)
     k = _load_rows(K, base, cols, col_ok, offs_d, D)  # [BK, D]
     v = _load_rows(V, base, cols, col_ok, offs_d, D)  # [BK, D]
     band, rel = _band(rows, cols, row_ok, col_ok, window, right)
@@ -180,17 +208,14 @@ def _dq_skip_terms(
     q, dy, K, V, KEEP, n, base, T, rows, row_ok, offs_d, offset, slot, c_skip, scale, clamp, keep_scale,
     N_SLOTS: tl.constexpr, HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr, D: tl.constexpr,
 ):
-    """The skip slot at `offset` of each query: raw score z, weight w, dW [BT], its key [BT, D], validity."""
-    cols = rows + offset
-    ok = row_ok & (cols >= 0) & (cols < T)
-    k = _load_rows(K, base, cols, ok, offs_d, D)
-    v = _load_rows(V, base, cols, ok, offs_d, D)
-    z = tl.sum(q.to(tl.float32) * k.to(tl.float32), 1) * scale
+    """The skip slot at `offset` of each query: raw score z, weight w, dW (dropped) and validity, all [BT]."""
+    z, ok = _skip_logit(q, K, base, rows, row_ok, offs_d, offset, T, scale, D)
     w = tl.where(ok, tl.exp(_clamp(z, clamp, HAS_CLAMP) - c_skip), 0.0)
+    v = _load_rows(V, base, rows + offset, ok, offs_d, D)  # [BT, D]
     dw = tl.sum(dy.to(tl.float32) * v.to(tl.float32), 1)
     if HAS_DROPOUT:
         dw = dw * _keep_factor(KEEP, n, T, rows, slot, ok, keep_scale, N_SLOTS)
-    return z, w, dw, k, ok
+    return z, w, dw, ok
 
 
 @triton.jit
@@ -203,13 +228,15 @@ def _pi_bwd_dq_kernel(
 ):
     """dQ [N, T, D], dα [N, T] and Δ_local, Δ_skip [N, T] (for the dK/dV kernel) of a tile of queries.
 
-    Pass 1 sums σ = Σ_m w·dW per group, pass 2 forms dlogit = w·(dW - Δ) and dQ = Σ dlogit·K·scale.
+    dlogit = w·(dW - Δ) with Δ = Σ_m w·dW over the slot's softmax group, summed exactly from the slots
+    (pass 1 over the band), then dQ = Σ_m dlogit·K·scale (pass 2).
     """
     pid = tl.program_id(0)
     n = (pid // n_tiles).to(tl.int64)
     start = (pid % n_tiles) * BLOCK_T
     base = n * T * D
     right = 0 if CAUSAL else window
+    n_local = window + right + 1
     rows = start + tl.arange(0, BLOCK_T)  # [BT] query positions
     row_ok = rows < T
     offs_d = tl.arange(0, D)
@@ -218,25 +245,33 @@ def _pi_bwd_dq_kernel(
     c_loc = tl.load(C_LOC + n * T + rows, mask=row_ok, other=0.0)  # [BT]
     c_skip = tl.load(C_SKIP + n * T + rows, mask=row_ok, other=0.0)  # [BT]
     n_chunks = tl.cdiv(BLOCK_T + window + right, BLOCK_K)
-    n_local = window + right + 1
+
+    # Skip slots first and as [BT] vectors only: their rows are not live during the band passes.
+    z0 = tl.zeros([BLOCK_T], tl.float32)
+    w0 = tl.zeros([BLOCK_T], tl.float32)
+    dw0 = tl.zeros([BLOCK_T], tl.float32)
+    z1, w1, dw1 = z0, w0, dw0
+    ok0 = rows < 0
+    ok1 = rows < 0
+    if N_SKIP >= 1:
+        z0, w0, dw0, ok0 = _dq_skip_terms(q, dy, K, V, KEEP, n, base, T, rows, row_ok, offs_d, -period,
+                                          n_local, c_skip, scale, clamp, keep_scale, N_SLOTS, HAS_CLAMP,
+                                          HAS_DROPOUT, D)
+    if N_SKIP == 2:
+        z1, w1, dw1, ok1 = _dq_skip_terms(q, dy, K, V, KEEP, n, base, T, rows, row_ok, offs_d, period,
+                                          n_local + 1, c_skip, scale, clamp, keep_scale, N_SLOTS, HAS_CLAMP,
+                                          HAS_DROPOUT, D)
+    has_skip = ok0 | ok1
 
     sig_loc = tl.zeros([BLOCK_T], tl.float32)
     for c in range(0, n_chunks):
         z, w, dw, k = _dq_band_terms(q, dy, K, V, KEEP, n, base, T, start, c, rows, row_ok, offs_d, c_loc,
                                      window, right, scale, clamp, keep_scale, N_SLOTS, HAS_CLAMP,
-                                     HAS_DROPOUT, D, BLOCK_K, DOT_PREC, UPCAST)
+                                     HAS_DROPOUT, D, BLOCK_T, BLOCK_K, DOT_PREC, UPCAST)
         sig_loc += tl.sum(w * dw, 1)
-    sig_skip = tl.zeros([BLOCK_T], tl.float32)
-    has_skip = rows < 0
-    for r in tl.static_range(N_SKIP):
-        z_s, w_s, dw_s, k_s, ok = _dq_skip_terms(q, dy, K, V, KEEP, n, base, T, rows, row_ok, offs_d,
-                                                 (2 * r - 1) * period, n_local + r, c_skip, scale, clamp,
-                                                 keep_scale, N_SLOTS, HAS_CLAMP, HAS_DROPOUT, D)
-        sig_skip += w_s * dw_s
-        has_skip = has_skip | ok
-
+    sig_skip = w0 * dw0 + w1 * dw1
     if MODE == _SEPARATE:
-        # Each group is a softmax of its own scaled by its coefficient: Δ_g = σ_g / coef_g = Σ_g p·dW.
+        # Each group is a softmax of its own times its coefficient: Δ_g = σ_g / coef_g = Σ_g p·dW.
         a = tl.load(GATE + n * T + rows, mask=row_ok, other=0.5).to(tl.float32)
         delta_loc = sig_loc / tl.where(has_skip, a, 1.0)
         delta_skip = tl.where(has_skip, sig_skip / (1.0 - a), 0.0)
@@ -251,22 +286,22 @@ def _pi_bwd_dq_kernel(
     for c in range(0, n_chunks):
         z, w, dw, k = _dq_band_terms(q, dy, K, V, KEEP, n, base, T, start, c, rows, row_ok, offs_d, c_loc,
                                      window, right, scale, clamp, keep_scale, N_SLOTS, HAS_CLAMP,
-                                     HAS_DROPOUT, D, BLOCK_K, DOT_PREC, UPCAST)
+                                     HAS_DROPOUT, D, BLOCK_T, BLOCK_K, DOT_PREC, UPCAST)
         ds = w * (dw - delta_loc[:, None])  # [BT, BK]
         g_loc += tl.sum(ds, 1)
         if HAS_CLAMP:
             ds = tl.where(tl.abs(z) <= clamp, ds, 0.0)  # torch.clamp passes the gradient inside [-L, L]
         dq += _dot(ds.to(k.dtype), k, DOT_PREC, UPCAST)
-    g_skip = tl.zeros([BLOCK_T], tl.float32)
-    for r in tl.static_range(N_SKIP):
-        z_s, w_s, dw_s, k_s, ok = _dq_skip_terms(q, dy, K, V, KEEP, n, base, T, rows, row_ok, offs_d,
-                                                 (2 * r - 1) * period, n_local + r, c_skip, scale, clamp,
-                                                 keep_scale, N_SLOTS, HAS_CLAMP, HAS_DROPOUT, D)
-        ds_s = w_s * (dw_s - delta_skip)  # [BT]
-        g_skip += ds_s
-        if HAS_CLAMP:
-            ds_s = tl.where(tl.abs(z_s) <= clamp, ds_s, 0.0)
-        dq += ds_s[:, None] * k_s.to(tl.float32)
+    ds0 = w0 * (dw0 - delta_skip)
+    ds1 = w1 * (dw1 - delta_skip)
+    g_skip = ds0 + ds1
+    if HAS_CLAMP:
+        ds0 = tl.where(tl.abs(z0) <= clamp, ds0, 0.0)
+        ds1 = tl.where(tl.abs(z1) <= clamp, ds1, 0.0)
+    if N_SKIP >= 1:
+        dq = _add_rows(dq, ds0, K, base, rows, -period, ok0, offs_d, D)
+    if N_SKIP == 2:
+        dq = _add_rows(dq, ds1, K, base, rows, period, ok1, offs_d, D)
     tl.store(DQ + base + rows[:, None] * D + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=row_ok[:, None])
 
@@ -282,6 +317,32 @@ def _pi_bwd_dq_kernel(
 
 
 @triton.jit
+def _dkdv_skip_terms(
+    k, v, Q, DY, KEEP, C_SKIP, DELTA_SKIP, n, base, T, keys, key_ok, offs_d, offset, slot, scale, clamp,
+    keep_scale, N_SLOTS: tl.constexpr, HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr, D: tl.constexpr,
+):
+    """For each key, the query keys - offset whose skip slot it is: that slot's dropped weight (the factor
+    of dY in dV) and its dlogit with the clamp mask (the factor of Q in dK), both [BT], and validity."""
+    qrows = keys - offset
+    ok = key_ok & (qrows >= 0) & (qrows < T)
+    z, _ = _skip_logit(k, Q, base, keys, ok, offs_d, -offset, T, scale, D)
+    c_skip = tl.load(C_SKIP + n * T + qrows, mask=ok, other=0.0)
+    delta = tl.load(DELTA_SKIP + n * T + qrows, mask=ok, other=0.0)
+    w = tl.where(ok, tl.exp(_clamp(z, clamp, HAS_CLAMP) - c_skip), 0.0)
+    dy = _load_rows(DY, base, qrows, ok, offs_d, D)  # [BT, D]
+    dw = tl.sum(dy.to(tl.float32) * v.to(tl.float32), 1)
+    wd = w
+    if HAS_DROPOUT:
+        kf = _keep_factor(KEEP, n, T, qrows, slot, ok, keep_scale, N_SLOTS)
+        wd = w * kf
+        dw = dw * kf
+    ds = w * (dw - delta)
+    if HAS_CLAMP:
+        ds = tl.where(tl.abs(z) <= clamp, ds, 0.0)
+    return wd, ds, ok
+
+
+@triton.jit
 def _pi_bwd_dkdv_kernel(
     Q, K, V, KEEP, DY, C_LOC, C_SKIP, DELTA_LOC, DELTA_SKIP, DK, DV,
     T, n_tiles, window, period, scale, clamp, keep_scale,
@@ -291,24 +352,40 @@ def _pi_bwd_dkdv_kernel(
 ):
     """dK, dV [N, T, D] of a tile of keys, gathered from every query that sees them (no atomics).
 
-    Key j is local to the queries j - right … j + window and the skip of j + period (and j - period).
+    Key j is local to the queries j - right … j + window, and the skip of j + period (and j - period).
     """
     pid = tl.program_id(0)
     n = (pid // n_tiles).to(tl.int64)
     start = (pid % n_tiles) * BLOCK_T
     base = n * T * D
     right = 0 if CAUSAL else window
+    n_local = window + right + 1
     keys = start + tl.arange(0, BLOCK_T)  # [BT] key positions
     key_ok = keys < T
     offs_d = tl.arange(0, D)
     k = _load_rows(K, base, keys, key_ok, offs_d, D)  # [BT, D]
     v = _load_rows(V, base, keys, key_ok, offs_d, D)  # [BT, D]
+
+    # Skip terms first, as [BT] vectors: the skip queries' rows are not live during the band loop.
+    wd0 = tl.zeros([BLOCK_T], tl.float32)
+    ds0 = tl.zeros([BLOCK_T], tl.float32)
+    wd1, ds1 = wd0, ds0
+    ok0 = keys < 0
+    ok1 = keys < 0
+    if N_SKIP >= 1:  # slot n_local of query j + period
+        wd0, ds0, ok0 = _dkdv_skip_terms(k, v, Q, DY, KEEP, C_SKIP, DELTA_SKIP, n, base, T, keys, key_ok,
+                                         offs_d, -period, n_local, scale, clamp, keep_scale, N_SLOTS,
+                                         HAS_CLAMP, HAS_DROPOUT, D)
+    if N_SKIP == 2:  # slot n_local + 1 of query j - period
+        wd1, ds1, ok1 = _dkdv_skip_terms(k, v, Q, DY, KEEP, C_SKIP, DELTA_SKIP, n, base, T, keys, key_ok,
+                                         offs_d, period, n_local + 1, scale, clamp, keep_scale, N_SLOTS,
+                                         HAS_CLAMP, HAS_DROPOUT, D)
+
     dk = tl.zeros([BLOCK_T, D], tl.float32)
     dv = tl.zeros([BLOCK_T, D], tl.float32)
-
     for c in range(0, tl.cdiv(BLOCK_T + window + right, BLOCK_K)):
         qrows = start - right + c * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK] query positions
-        q_ok = (qrows >= 0) & (qrows < T)
+        q_ok = (qrows >= 0) & (qrows < T) & (qrows < start + BLOCK_T + window)
         q = _load_rows(Q, base, qrows, q_ok, offs_d, D)  # [BK, D]
         dy = _load_rows(DY, base, qrows, q_ok, offs_d, D)  # [BK, D]
         c_loc = tl.load(C_LOC + n * T + qrows, mask=q_ok, other=0.0)  # [BK]
@@ -329,28 +406,12 @@ def _pi_bwd_dkdv_kernel(
             ds = tl.where(tl.abs(z) <= clamp, ds, 0.0)
         dk += _dot(ds.to(q.dtype), q, DOT_PREC, UPCAST)
 
-    n_local = window + right + 1
-    for r in tl.static_range(N_SKIP):
-        qrows = keys - (2 * r - 1) * period  # [BT] the query whose slot n_local + r is this key
-        ok = key_ok & (qrows >= 0) & (qrows < T)
-        q_s = _load_rows(Q, base, qrows, ok, offs_d, D).to(tl.float32)  # [BT, D]
-        dy_s = _load_rows(DY, base, qrows, ok, offs_d, D).to(tl.float32)  # [BT, D]
-        c_skip = tl.load(C_SKIP + n * T + qrows, mask=ok, other=0.0)
-        delta_s = tl.load(DELTA_SKIP + n * T + qrows, mask=ok, other=0.0)
-        z_s = tl.sum(q_s * k.to(tl.float32), 1) * scale
-        w_s = tl.where(ok, tl.exp(_clamp(z_s, clamp, HAS_CLAMP) - c_skip), 0.0)  # [BT]
-        dw_s = tl.sum(dy_s * v.to(tl.float32), 1)
-        if HAS_DROPOUT:
-            kf_s = _keep_factor(KEEP, n, T, qrows, n_local + r, ok, keep_scale, N_SLOTS)
-            dv += (w_s * kf_s)[:, None] * dy_s
-            dw_s = dw_s * kf_s
-        else:
-            dv += w_s[:, None] * dy_s
-        ds_s = w_s * (dw_s - delta_s)
-        if HAS_CLAMP:
-            ds_s = tl.where(tl.abs(z_s) <= clamp, ds_s, 0.0)
-        dk += ds_s[:, None] * q_s
-
+    if N_SKIP >= 1:
+        dv = _add_rows(dv, wd0, DY, base, keys, period, ok0, offs_d, D)
+        dk = _add_rows(dk, ds0, Q, base, keys, period, ok0, offs_d, D)
+    if N_SKIP == 2:
+        dv = _add_rows(dv, wd1, DY, base, keys, -period, ok1, offs_d, D)
+        dk = _add_rows(dk, ds1, Q, base, keys, -period, ok1, offs_d, D)
     out = base + keys[:, None] * D + offs_d[None, :]
     tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=key_ok[:, None])
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
@@ -359,11 +420,17 @@ def _pi_bwd_dkdv_kernel(
 def _tiles(D: int, halo: int, elem_size: int) -> tuple[int, int, int]:
     """(BLOCK_T, BLOCK_K, num_warps) for head dim D (a power of two), band halo and input element size.
 
-    BLOCK_K = 32 keeps the band's wasted columns low for the usual small windows; wide windows take 64 when
-    the chunk rows are short enough ([64, D] K and V chunks, double-buffered, stay well inside shared memory).
+    BLOCK_T = 64 rows is one Hopper warpgroup MMA tall. BLOCK_K = 32 wastes few columns on the usual small
+    windows; wide bands take 64 where the chunks are short rows (D·elem_size <= 128 bytes), since longer
+    ones spill registers in the backward kernels (ptxas for sm_90a, TRITON.md).
     """
-    block_k = 64 if halo >= 64 and D * elem_size <= 256 else 32
+    block_k = 64 if halo >= 64 and D * elem_size <= 128 else 32
     return 64, block_k, 4 if D <= 64 else 8
+
+
+def _or(t: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:
+    """t, or a tensor standing in for a pointer argument the kernel never reads (no gate, no dropout)."""
+    return stand_in if t is None else t
 
 
 class _PiAttentionTriton(torch.autograd.Function):
@@ -386,17 +453,19 @@ class _PiAttentionTriton(torch.autograd.Function):
             log_local = log_skip = 0.0
         mode = {"separate": _SEPARATE, "adaptive": _ADAPTIVE}.get(variant, _CONSTANT).value
         upcast = q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+        # fp32 operands: three TF32 products per dot, about fp32-accurate on tensor cores ("ieee" would
+        # fall back to FMA loops that spill kilobytes of registers on sm_90; TRITON.md).
+        prec = "tf32x3" if q.dtype == torch.float32 or upcast else "tf32"
         common = dict(
             CAUSAL=causal, N_SKIP=len(pat.skip_offsets), N_SLOTS=pat.n_slots,
             HAS_CLAMP=logit_clamp is not None, HAS_DROPOUT=keep is not None, D=D, BLOCK_T=block_t,
-            BLOCK_K=block_k, DOT_PREC="ieee" if q.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
+            BLOCK_K=block_k, DOT_PREC=prec, UPCAST=upcast,
             num_warps=num_warps, num_stages=2,
         )
         clamp = 0.0 if logit_clamp is None else float(logit_clamp)
         keep_scale = 1.0 / (1.0 - dropout_p)
-        # Unused pointers (no gate, no dropout) still need a tensor: q stands in, the kernel never reads it.
         _pi_fwd_kernel[(N * n_tiles,)](
-            q, k, v, q if gate_c is None else gate_c, q if keep is None else keep, out, stats[0], stats[1],
+            q, k, v, _or(gate_c, q), _or(keep, q), out, stats[0], stats[1],
             T, n_tiles, window, period, scale, clamp, log_local, log_skip, eps, keep_scale,
             MODE=mode, **common,
         )
@@ -416,16 +485,15 @@ class _PiAttentionTriton(torch.autograd.Function):
         delta = torch.empty(2, N, T, dtype=torch.float32, device=q.device)  # Δ_local, Δ_skip
         want_dgate = gate is not None and ctx.needs_input_grad[3]
         dgate = torch.empty(N, T, dtype=torch.float32, device=q.device) if want_dgate else None
-        q_or = lambda t: q if t is None else t  # noqa: E731  (stand-in for pointers the kernel never reads)
         grid = (N * n_tiles,)
         # Δ is written by the dQ kernel and read by the dK/dV kernel: stream order makes it ready.
         _pi_bwd_dq_kernel[grid](
-            q, k, v, q_or(gate), q_or(keep), dy, stats[0], stats[1], dq, delta[0], delta[1], q_or(dgate),
-            T, n_tiles, window, period, scale, clamp, eps, keep_scale,
+            q, k, v, _or(gate, q), _or(keep, q), dy, stats[0], stats[1], dq, delta[0], delta[1],
+            _or(dgate, q), T, n_tiles, window, period, scale, clamp, eps, keep_scale,
             MODE=mode, HAS_DGATE=want_dgate, **common,
         )
         _pi_bwd_dkdv_kernel[grid](
-            q, k, v, q_or(keep), dy, stats[0], stats[1], delta[0], delta[1], dk, dv,
+            q, k, v, _or(keep, q), dy, stats[0], stats[1], delta[0], delta[1], dk, dv,
             T, n_tiles, window, period, scale, clamp, keep_scale, **common,
         )
         dgate = None if dgate is None else dgate.view(B, H, T).to(gate.dtype)
@@ -436,19 +504,21 @@ def pi_attention_triton(q, k, v, gate, *, window, period, causal, variant, prior
                         dropout_keep, dropout_p):
     """Same contract as `pi_attention_reference`: q, k, v [B, H, T, D] -> [B, H, T, D] in q's dtype.
 
-    fp32, bf16 and fp16 inputs; scores, softmax and outputs accumulate in fp32 (fp32 inputs use full-precision
-    dots, no TF32). `tl.dot` needs a power-of-two head dim of at least 16: other D (8, 48, 96, …) are
+    fp32, bf16 and fp16 inputs; scores, softmax and outputs accumulate in fp32 (fp32 inputs: 3xTF32 dots,
+    about fp32-accurate). `tl.dot` needs a power-of-two head dim of at least 16: other D (8, 48, 96, …) are
     zero-padded to the next one here, which leaves every dot product unchanged, and the padding is
     sliced off the output (and, through autograd, off the gradients). D up to 256.
     """
     if q.dtype == torch.float64:
-        raise ValueError('backend "triton" runs fp32, bf16 and fp16; for fp64 use backend "torch" or "reference"')
+        raise ValueError(
+            'backend "triton" runs fp32, bf16 and fp16 inputs; for fp64 use backend "torch" or "reference"'
+        )
     D = q.shape[-1]
     d_pad = max(16, triton.next_power_of_2(D))
     if d_pad > 256:
         raise ValueError(f'backend "triton" supports head dims up to 256, got {D}; use backend "torch"')
     if d_pad != D:
         q, k, v = (F.pad(x, (0, d_pad - D)) for x in (q, k, v))
-    y = _PiAttentionTriton.apply(q, k, v, gate, window, period, causal, variant, prior, logit_clamp, eps, scale,
-                                 dropout_keep, dropout_p)
+    y = _PiAttentionTriton.apply(q, k, v, gate, window, period, causal, variant, prior, logit_clamp, eps,
+                                 scale, dropout_keep, dropout_p)
     return y if d_pad == D else y[..., :D]
