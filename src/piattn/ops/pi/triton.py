@@ -114,14 +114,16 @@ def _pi_fwd_kernel(
         z1, ok1 = _skip_logit(q, K, base, rows, row_ok, offs_d, period, T, scale, D)
         z1 = _clamp(z1, clamp, HAS_CLAMP)
 
-    # Local band: key rows [start - window, start + BLOCK_T + right), each loaded once; online softmax.
+    # Local band: key rows [start - window, start + BLOCK_T + right) inside [0, T), each loaded once;
+    # online softmax. Rows of the last chunk past the band are not fetched.
+    lo = tl.maximum(start - window, 0)
+    hi = tl.minimum(start + BLOCK_T + right, T)
     m_loc = tl.full([BLOCK_T], _NEG, tl.float32)
     l_loc = tl.zeros([BLOCK_T], tl.float32)
     acc = tl.zeros([BLOCK_T, D], tl.float32)
-    for c in range(0, tl.cdiv(BLOCK_T + window + right, BLOCK_K)):
-        cols = start - window + c * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK] key positions
-        # The last chunk overhangs the tile's band: rows past it are not fetched.
-        col_ok = (cols >= 0) & (cols < T) & (cols < start + BLOCK_T + right)
+    for c in range(0, tl.cdiv(hi - lo, BLOCK_K)):
+        cols = lo + c * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK] key positions
+        col_ok = cols < hi
         k = _load_rows(K, base, cols, col_ok, offs_d, D)  # [BK, D]
         v = _load_rows(V, base, cols, col_ok, offs_d, D)  # [BK, D]
         band, rel = _band(rows, cols, row_ok, col_ok, window, right)  # [BT, BK]
@@ -184,14 +186,14 @@ def _pi_fwd_kernel(
 
 @triton.jit
 def _dq_band_terms(
-    q, dy, K, V, KEEP, n, base, T, start, c, rows, row_ok, offs_d, c_loc, window, right, scale, clamp,
+    q, dy, K, V, KEEP, n, base, T, lo, hi, c, rows, row_ok, offs_d, c_loc, window, right, scale, clamp,
     keep_scale, N_SLOTS: tl.constexpr, HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
+    D: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Chunk c of a query tile's band: raw scores z, weights w, dW = dY·V (dropped) [BT, BK], keys [BK, D]."""
-    cols = start - window + c * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK] key positions
-    col_ok = (cols >= 0) & (cols < T) & (cols < start + BLOCK_T + right)
+    """Chunk c of the key rows [lo, hi) of a query tile's band: raw scores z, weights w and
+    dW = dY·V (dropped), all [BT, BK], and the chunk's keys [BK, D]."""
+    cols = lo + c * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK] key positions
+    col_ok = cols < hi
     k = _load_rows(K, base, cols, col_ok, offs_d, D)  # [BK, D]
     v = _load_rows(V, base, cols, col_ok, offs_d, D)  # [BK, D]
     band, rel = _band(rows, cols, row_ok, col_ok, window, right)
@@ -244,7 +246,9 @@ def _pi_bwd_dq_kernel(
     dy = _load_rows(DY, base, rows, row_ok, offs_d, D)  # [BT, D]
     c_loc = tl.load(C_LOC + n * T + rows, mask=row_ok, other=0.0)  # [BT]
     c_skip = tl.load(C_SKIP + n * T + rows, mask=row_ok, other=0.0)  # [BT]
-    n_chunks = tl.cdiv(BLOCK_T + window + right, BLOCK_K)
+    lo = tl.maximum(start - window, 0)  # the band's key rows [lo, hi)
+    hi = tl.minimum(start + BLOCK_T + right, T)
+    n_chunks = tl.cdiv(hi - lo, BLOCK_K)
 
     # Skip slots first and as [BT] vectors only: their rows are not live during the band passes.
     z0 = tl.zeros([BLOCK_T], tl.float32)
@@ -265,9 +269,9 @@ def _pi_bwd_dq_kernel(
 
     sig_loc = tl.zeros([BLOCK_T], tl.float32)
     for c in range(0, n_chunks):
-        z, w, dw, k = _dq_band_terms(q, dy, K, V, KEEP, n, base, T, start, c, rows, row_ok, offs_d, c_loc,
+        z, w, dw, k = _dq_band_terms(q, dy, K, V, KEEP, n, base, T, lo, hi, c, rows, row_ok, offs_d, c_loc,
                                      window, right, scale, clamp, keep_scale, N_SLOTS, HAS_CLAMP,
-                                     HAS_DROPOUT, D, BLOCK_T, BLOCK_K, DOT_PREC, UPCAST)
+                                     HAS_DROPOUT, D, BLOCK_K, DOT_PREC, UPCAST)
         sig_loc += tl.sum(w * dw, 1)
     sig_skip = w0 * dw0 + w1 * dw1
     if MODE == _SEPARATE:
@@ -284,9 +288,9 @@ def _pi_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_T, D], tl.float32)
     g_loc = tl.zeros([BLOCK_T], tl.float32)  # Σ_local dlogit, for dα
     for c in range(0, n_chunks):
-        z, w, dw, k = _dq_band_terms(q, dy, K, V, KEEP, n, base, T, start, c, rows, row_ok, offs_d, c_loc,
+        z, w, dw, k = _dq_band_terms(q, dy, K, V, KEEP, n, base, T, lo, hi, c, rows, row_ok, offs_d, c_loc,
                                      window, right, scale, clamp, keep_scale, N_SLOTS, HAS_CLAMP,
-                                     HAS_DROPOUT, D, BLOCK_T, BLOCK_K, DOT_PREC, UPCAST)
+                                     HAS_DROPOUT, D, BLOCK_K, DOT_PREC, UPCAST)
         ds = w * (dw - delta_loc[:, None])  # [BT, BK]
         g_loc += tl.sum(ds, 1)
         if HAS_CLAMP:
@@ -383,9 +387,11 @@ def _pi_bwd_dkdv_kernel(
 
     dk = tl.zeros([BLOCK_T, D], tl.float32)
     dv = tl.zeros([BLOCK_T, D], tl.float32)
-    for c in range(0, tl.cdiv(BLOCK_T + window + right, BLOCK_K)):
-        qrows = start - right + c * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK] query positions
-        q_ok = (qrows >= 0) & (qrows < T) & (qrows < start + BLOCK_T + window)
+    lo = tl.maximum(start - right, 0)  # the query rows [lo, hi) that hold these keys in their band
+    hi = tl.minimum(start + BLOCK_T + window, T)
+    for c in range(0, tl.cdiv(hi - lo, BLOCK_K)):
+        qrows = lo + c * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK] query positions
+        q_ok = qrows < hi
         q = _load_rows(Q, base, qrows, q_ok, offs_d, D)  # [BK, D]
         dy = _load_rows(DY, base, qrows, q_ok, offs_d, D)  # [BK, D]
         c_loc = tl.load(C_LOC + n * T + qrows, mask=q_ok, other=0.0)  # [BK]
