@@ -16,8 +16,10 @@ from appendix_module import AppendixPiAttention
 from utils import TOLERANCES, assert_close, forward_backward, make_inputs
 
 VARIANTS = ("union", "separate", "fixed", "adaptive")
-# (T, window, period): odd T, T < period, window 0, period 1, period <= window, period == T - 1.
-SHAPES = [(37, 4, 16), (10, 4, 16), (33, 0, 5), (40, 5, 3), (29, 3, 28), (17, 2, 1), (1, 4, 16), (64, 4, 16)]
+# (T, window, period): odd T, T < period, window 0, period 1, period <= window, period == T - 1,
+# windows wider than the torch backend's 16-row blocks.
+SHAPES = [(37, 4, 16), (10, 4, 16), (33, 0, 5), (40, 5, 3), (29, 3, 28), (17, 2, 1), (1, 4, 16), (64, 4, 16),
+          (130, 40, 50), (75, 20, 7)]
 
 
 def dense_pi_attention(q, k, v, gate, *, window, period, causal, variant, prior=0.5, logit_clamp=20.0,
