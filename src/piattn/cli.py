@@ -24,7 +24,14 @@ def main(argv: list[str] | None = None) -> int:
         if name == chosen:  # import only the module that runs: start-up stays fast
             importlib.import_module(module).add_arguments(p)
     args = parser.parse_args(argv)
-    return importlib.import_module(args._module).run(args) or 0
+    try:
+        return importlib.import_module(args._module).run(args) or 0
+    except ValueError as e:  # bad input reaches the user as one line, not a traceback
+        print(f"piattn {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # output piped into `head` and the like
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

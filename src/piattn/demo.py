@@ -21,6 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("runs/demo"), help="folder for the figure")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096], help="sequence lengths to time")
     p.add_argument("--backends", nargs="+", default=["reference", "torch", "sdpa"],
+                   choices=[b for b in piattn.BACKENDS if b != "auto"] + ["sdpa"],
                    help="cases to time (pi_attention backends, or sdpa = dense causal attention)")
 
 
