@@ -81,8 +81,11 @@ class _Chunk:
             g[:, 1:, self.left : self.left + self.right] += g[:, :-1, self.left + self.block :]
             n = max(min(self.end + self.right, self.T) - self.end, 0)
             out[:, self.end : self.end + n] += g[:, -1, self.left + self.block : self.left + self.block + n]
-        own = g[:, :, self.left : self.left + self.block].flatten(1, 2)
-        out[:, self.rows] += own[:, : self.stop - self.start]
+        own = g[:, :, self.left : self.left + self.block]
+        if self.end == self.stop:  # whole blocks: add in place through a view, no reshaped copy
+            out[:, self.rows].unflatten(1, (self.nb, self.block)).add_(own)
+        else:
+            out[:, self.rows] += own.flatten(1, 2)[:, : self.stop - self.start]
 
     def band(self, full: torch.Tensor) -> torch.Tensor:
         """View [N, nb, block, span] (contiguous) -> [N, nb, block, n_local]: (r, m) is full[r, r + m]."""
@@ -149,8 +152,11 @@ def _slot_scores(a, b, c: _Chunk, pat: Pattern, out) -> None:
 
 def _apply_weights(w, x, c: _Chunk, pat: Pattern, out, zeros: dict) -> None:
     """out[i] = Σ_m w[:, m, i - start] · x[i + offset_m] for i in the chunk (w [N, M, L], x, out [N, T, D])."""
-    y = (c.scatter(w[:, : pat.n_local], zeros) @ c.windows(x)).flatten(1, 2)
-    out[:, c.rows] = y[:, : c.stop - c.start]
+    weights, values = c.scatter(w[:, : pat.n_local], zeros), c.windows(x)
+    if c.end == c.stop:  # whole blocks: the product lands in `out` directly
+        torch.matmul(weights, values, out=out[:, c.rows].unflatten(1, (c.nb, c.block)))
+    else:
+        out[:, c.rows] = (weights @ values).flatten(1, 2)[:, : c.stop - c.start]
     for m, o in enumerate(pat.skip_offsets, start=pat.n_local):
         rows, keys, rel = _skip_rows(c, o)
         out[:, rows].addcmul_(w[:, m, rel, None], x[:, keys])
