@@ -282,7 +282,8 @@ def test_tolerance_table_covers_supported_dtypes():
     assert set(TOLERANCES) == set(SUPPORTED_DTYPES)
 
 
-@pytest.mark.parametrize("chunk_bytes", [1, 2000, 6000], ids=["one-block-chunks", "row-runs", "head-pairs"])
+@pytest.mark.parametrize("chunk_bytes", [1, 2000, 6000, 1 << 40],
+                         ids=["one-block-chunks", "row-runs", "head-pairs", "one-chunk-as-on-gpu"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
 @pytest.mark.parametrize("variant", ["adaptive", "separate"])
 def test_torch_chunking_is_invisible(chunk_bytes, causal, variant, monkeypatch, nan_poison):

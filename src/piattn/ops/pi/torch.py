@@ -114,15 +114,19 @@ class _Chunk:
         return full
 
 
-def _chunks(T: int, window: int, causal: bool, N: int, D: int, itemsize: int):
-    """Work plan: (heads, chunk) pairs covering all N·T query rows, each about CHUNK_BYTES of Q.
+def _chunks(T: int, window: int, causal: bool, x: torch.Tensor):
+    """Work plan for x [N, T, D]: (heads, chunk) pairs covering all N·T query rows, each about CHUNK_BYTES.
 
     A chunk is either a group of whole heads or a run of rows of one head, so that its rows of any
-    [N, T, D] tensor form one contiguous block and batched products need no copies.
+    [N, T, D] tensor form one contiguous block and batched products need no copies. Off the CPU there is
+    one chunk: a GPU wants few, large kernels, and has no cache small enough for chunking to matter.
     """
+    N, _, D = x.shape
     block = max(BLOCK, window)  # a halo must fit inside one neighbouring block
     right = 0 if causal else window
-    row_bytes = D * itemsize
+    if x.device.type != "cpu":
+        return [(slice(0, N), _Chunk(0, T, T, window, right, block))]
+    row_bytes = D * x.element_size()
     if T * row_bytes >= CHUNK_BYTES:
         rows = max(block, CHUNK_BYTES // row_bytes // block * block)
         return [(slice(n, n + 1), _Chunk(s, min(s + rows, T), T, window, right, block))
@@ -239,7 +243,7 @@ class PiAttentionFunction(torch.autograd.Function):
         coef = None if probs is w else torch.empty_like(w)
         clamp_pass = None if logit_clamp is None else torch.empty(w.shape, dtype=torch.bool, device=q.device)
         zeros = {}
-        for h, c in _chunks(T, window, causal, N, D, qf.element_size()):
+        for h, c in _chunks(T, window, causal, qf):
             r = c.rows
             z = torch.empty(h.stop - h.start, pat.n_slots, c.stop - c.start, dtype=acc, device=q.device)
             _slot_scores(qf[h], kf[h], c, pat, z)
@@ -279,7 +283,7 @@ class PiAttentionFunction(torch.autograd.Function):
         dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
         dgate = torch.empty_like(gf) if want_gate else None
         zeros = {}
-        for h, c in _chunks(T, window, causal, N, D, qf.element_size()):
+        for h, c in _chunks(T, window, causal, qf):
             r = c.rows
             wc, pc = w[h, :, r], probs[h, :, r]
             dw = torch.zeros_like(wc)  # dL/dW = dY · V over U(i); invalid skip slots stay 0
