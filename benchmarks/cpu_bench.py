@@ -17,27 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-import piattn
-from piattn.benchmarking import machine_info, measure_isolated
+from piattn.benchmarking import CHECK_TOLERANCE, error_vs_reference, machine_info, measure_isolated
 
 SHAPE = dict(B=1, H=8, D=64)
-
-
-def check(backend: str) -> float:
-    """Largest abs difference to "reference" of output and all gradients, adaptive, fp64, both directions."""
-    worst = 0.0
-    for causal in (True, False):
-        torch.manual_seed(0)
-        q, k, v = (torch.randn(1, 2, 300, 32, dtype=torch.float64, requires_grad=True) for _ in range(3))
-        gate = (0.05 + 0.9 * torch.rand(1, 2, 300, dtype=torch.float64)).requires_grad_()
-        outs = []
-        for b in ("reference", backend):
-            y = piattn.pi_attention(q, k, v, gate, causal=causal, backend=b)
-            outs.append((y, *torch.autograd.grad(y.square().sum(), (q, k, v, gate))))
-        worst = max(worst, *((a - b).abs().max().item() for a, b in zip(*outs, strict=True)))
-    return worst
 
 
 def slope(rows: list[dict], case: str, mode: str, key: str) -> float | None:
@@ -94,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
 
-    checks = {b: check(b) for b in args.cases if b not in ("reference", "sdpa")}
-    cases = [c for c in args.cases if checks.get(c, 0.0) <= 1e-9]
+    checks = {b: error_vs_reference(b) for b in args.cases if b not in ("reference", "sdpa")}
+    cases = [c for c in args.cases if checks.get(c, 0.0) <= CHECK_TOLERANCE]
     rows = []
     t_start = time.time()
     for T in args.lengths:
@@ -109,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                 shown = f"{r['ms']:9.1f} ms  peak {r['peak_mib']:7.0f} MiB" if "ms" in r else r["error"]
                 print(f"[{time.time() - t_start:6.0f}s] T={T:6d} {mode:8s} {case:9s} {shown}", flush=True)
     for case, err in checks.items():
-        if err > 1e-9:
+        if err > CHECK_TOLERANCE:
             rows.append(dict(case=case, mode="all", T=0, error=f"failed correctness check ({err:.1e}); not timed"))
     result = dict(machine=machine_info(), shape=SHAPE, lengths=args.lengths, checks=checks, rows=rows,
                   command="python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),

@@ -24,6 +24,23 @@ import piattn
 # "sdpa" is dense scaled-dot-product attention (causal), the quadratic baseline.
 CASES = ("reference", "torch", "triton", "flex", "sdpa")
 MODES = ("fwd", "fwd+bwd")
+# A backend is timed only if it matches the reference this closely (fp64, forward and every gradient).
+CHECK_TOLERANCE = 1e-9
+
+
+def error_vs_reference(backend: str) -> float:
+    """Largest abs difference to "reference" of output and all gradients: adaptive, fp64, both directions."""
+    worst = 0.0
+    for causal in (True, False):
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(1, 2, 300, 32, dtype=torch.float64, requires_grad=True) for _ in range(3))
+        gate = (0.05 + 0.9 * torch.rand(1, 2, 300, dtype=torch.float64)).requires_grad_()
+        outs = []
+        for b in ("reference", backend):
+            y = piattn.pi_attention(q, k, v, gate, causal=causal, backend=b)
+            outs.append((y, *torch.autograd.grad(y.square().sum(), (q, k, v, gate))))
+        worst = max(worst, *((a - b).abs().max().item() for a, b in zip(*outs, strict=True)))
+    return worst
 
 
 def _rss_kib(field: str) -> int:

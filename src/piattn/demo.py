@@ -10,11 +10,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import torch
-
 import piattn
 from piattn.analysis.report import format_summary, plot_receptive_field, reach_summary
-from piattn.benchmarking import machine_info, measure_isolated
+from piattn.benchmarking import CHECK_TOLERANCE, error_vs_reference, machine_info, measure_isolated
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,18 +21,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", nargs="+", default=["reference", "torch", "sdpa"],
                    choices=[b for b in piattn.BACKENDS if b != "auto"] + ["sdpa"],
                    help="cases to time (pi_attention backends, or sdpa = dense causal attention)")
-
-
-def _check_backend(backend: str) -> float:
-    """Max abs difference of forward and gradients against "reference" on a small fp64 case."""
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 100, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
-    gate = (0.05 + 0.9 * torch.rand(1, 2, 100, dtype=torch.float64)).requires_grad_()
-    outs = []
-    for b in ("reference", backend):
-        y = piattn.pi_attention(q, k, v, gate, backend=b)
-        outs.append((y, *torch.autograd.grad(y.square().sum(), (q, k, v, gate))))
-    return max((a - b).abs().max().item() for a, b in zip(*outs, strict=True))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,10 +37,10 @@ def run(args: argparse.Namespace) -> int:
         if case in ("reference", "sdpa"):
             cases.append(case)
             continue
-        err = _check_backend(case)
-        status = "ok" if err <= 1e-9 else "FAILED: not timed"
+        err = error_vs_reference(case)
+        status = "ok" if err <= CHECK_TOLERANCE else "FAILED: not timed"
         print(f"check {case} vs reference (fp64, fwd + all grads): max abs diff {err:.1e} [{status}]")
-        if err <= 1e-9:
+        if err <= CHECK_TOLERANCE:
             cases.append(case)
     rows = []
     for T in args.lengths:
