@@ -1,7 +1,17 @@
-"""Attention layers, one module per kind, and the registry models pick them from by name."""
+"""Attention layers, one module per kind, and the registry models pick them from by name.
 
+Every kind subclasses `AttentionLayer` (shared projections and RoPE) and implements `attend`.
+"""
+
+from .base import AttentionLayer
+from .dense import DenseAttention
+from .local import LocalAttention
 from .pi import PiAttention
 
-ATTENTION: dict[str, type] = {"pi": PiAttention}
+ATTENTION: dict[str, type[AttentionLayer]] = {
+    "dense": DenseAttention,
+    "local": LocalAttention,
+    "pi": PiAttention,
+}
 
-__all__ = ["ATTENTION", "PiAttention"]
+__all__ = ["ATTENTION", "AttentionLayer", "DenseAttention", "LocalAttention", "PiAttention"]

@@ -1,0 +1,41 @@
+"""`LocalAttention`: sliding-window attention, the paper's LocalWindow baseline (Eq. Nr)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..masks.local import check_window
+from ..ops.pi import pi_attention
+from .base import AttentionLayer
+
+if TYPE_CHECKING:
+    from ..models.config import ModelConfig
+
+
+class LocalAttention(AttentionLayer):
+    """Query i attends to keys i-window … i (causal) or i-window … i+window, nothing else.
+
+    This is π-Attention with the skip folded into the window (period = window, see `Pattern`) and no
+    prior ("union"), so it runs on the same O(T·window) operator backends, exactly, with no kernel of its
+    own. Needs window >= 1 (window 0 would leave the fold a skip at distance 1).
+    """
+
+    def __init__(self, d_model: int, n_heads: int, *, window: int = 4, causal: bool = True,
+                 dropout: float = 0.0, rotary: bool = False, rope_base: float = 10000.0,
+                 logit_clamp: float | None = 20.0, backend: str = "auto"):
+        super().__init__(d_model, n_heads, causal=causal, dropout=dropout, rotary=rotary, rope_base=rope_base)
+        check_window(window)
+        if window < 1:
+            raise ValueError(f"window must be >= 1 for local attention, got {window}")
+        self.op_kwargs = dict(window=window, period=window, causal=causal, variant="union",
+                              logit_clamp=logit_clamp, backend=backend)
+
+    @classmethod
+    def config_kwargs(cls, cfg: ModelConfig) -> dict:
+        return dict(window=cfg.window, logit_clamp=cfg.logit_clamp, backend=cfg.backend)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """q, k, v [B, H, T, D] -> [B, H, T, D]."""
+        return pi_attention(q, k, v, dropout_p=self.attention_dropout, **self.op_kwargs)
