@@ -1,0 +1,52 @@
+"""The Transformer block both models stack: Pre-LN attention and GELU feed-forward, each with a residual."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..layers import ATTENTION
+from .config import ModelConfig
+
+
+class FeedForward(nn.Module):
+    """x [B, T, d] -> [B, T, d]: Linear(d, d_ff) → GELU → Linear(d_ff, d) → dropout."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, cfg.d_ff)
+        self.proj = nn.Linear(cfg.d_ff, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(nn.functional.gelu(self.fc(x))))
+
+
+class Block(nn.Module):
+    """x + drop(attn(LN(x))), then x + ffn(LN(x)); the attention kind is `cfg.attention`, by registry name."""
+
+    def __init__(self, cfg: ModelConfig, *, causal: bool):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = ATTENTION[cfg.attention].from_config(cfg, causal=causal)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.ffn = FeedForward(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, d] -> [B, T, d]."""
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.ffn(self.ln2(x))
+
+
+def init_weights(module: nn.Module, std: float) -> None:
+    """Normal(0, std) for every linear and embedding weight, zero biases (std 0.02 in the paper).
+
+    LayerNorms keep their ones/zeros; the π gate's last layer starts at zero weight like every other
+    bias-free path, so α starts at σ(0) = 0.5 only through its zero bias.
+    """
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, mean=0.0, std=std)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
