@@ -1,10 +1,11 @@
-"""Shared test helpers: inputs for pi_attention, forward+backward runs, per-dtype comparisons."""
+"""Shared test helpers: inputs for pi_attention, forward+backward runs, per-dtype comparisons, tiny models."""
 
 from __future__ import annotations
 
 import torch
 
 import piattn
+from piattn.models import GPT, GPTConfig
 from piattn.ops.pi.pattern import GATED_VARIANTS
 
 # Absolute/relative tolerances of a backend against "reference" (which itself accumulates in fp32 for
@@ -48,3 +49,16 @@ def assert_close(name: str, expected: torch.Tensor, actual: torch.Tensor, dtype:
     assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     assert torch.isfinite(actual).all(), f"{name}: non-finite values"
     torch.testing.assert_close(actual.double(), expected.double(), **tol, msg=lambda m: f"{name}: {m}")
+
+
+def tiny_model(attention: str, variant: str = "adaptive", **overrides) -> GPT:
+    """A 2-layer, width-32 GPT of kind `attention` in eval mode, window 3, period 8, seeded."""
+    torch.manual_seed(0)
+    cfg = GPTConfig.from_name("tiny", attention=attention, variant=variant, vocab_size=50, n_layer=2,
+                              d_model=32, n_head=2, window=3, period=8, dropout=0.0, **overrides)
+    model = GPT(cfg).eval()
+    # gate biases away from 0.5 so that the gated variants differ from "union"
+    for block in model.blocks:
+        if getattr(block.attn, "gate", None) is not None:
+            torch.nn.init.normal_(block.attn.gate[2].bias, std=2.0)
+    return model

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..decoding.cache import GrowingCache, LayerCache, RingCache
 from .rotary import Rotary
 
 if TYPE_CHECKING:
@@ -26,7 +27,11 @@ class AttentionLayer(nn.Module):
 
     A subclass implements `attend(q, k, v, x) -> [B, H, T, D]` from q, k, v [B, H, T, D] (x [B, T, d] is
     passed for kinds that compute something from the layer input, like π-Attention's gate) and may
-    override `from_config` to read its own fields of the model config.
+    override `config_kwargs` to read its own fields of the model config.
+
+    Cached decoding: a kind whose query i reads no key older than i − (capacity − 1) sets
+    `cache_capacity()`; it then decodes from a fixed-size `RingCache` with no code of its own (see
+    `attend_cached`). Dense attention overrides both; kinds that set neither cannot decode incrementally.
     """
 
     def __init__(self, d_model: int, n_heads: int, *, causal: bool = True, dropout: float = 0.0,
@@ -57,19 +62,49 @@ class AttentionLayer(nn.Module):
         """The dropout probability to apply now (0 outside training)."""
         return self.dropout if self.training else 0.0
 
-    def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, T, d] -> q, k, v [B, H, T, D], q and k rotated when RoPE is on."""
+    def heads(self, x: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, d] at positions offset … offset+T−1 -> q, k, v [B, H, T, D], q and k rotated by RoPE."""
         B, T, _ = x.shape
         q, k, v = (t.view(B, T, self.n_heads, self.head_dim).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
         if self.rotary is not None:
-            q, k = self.rotary(q), self.rotary(k)
+            q, k = self.rotary(q, offset), self.rotary(k, offset)
         return q, k, v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, T, d_model] -> [B, T, d_model]."""
+    def cache_capacity(self) -> int | None:
+        """Positions a decoding cache must hold (None: all of them); raises if the kind cannot decode."""
+        raise ValueError(f"attention kind {type(self).__name__} has no incremental decoding; "
+                         "kinds that have one: dense, local, pi")
+
+    def init_cache(self, batch_size: int, *, device=None, dtype=torch.float32) -> LayerCache:
+        """An empty cache for this layer: a ring of `cache_capacity()` positions, or a growing one."""
+        capacity = self.cache_capacity()
+        if capacity is None:
+            return GrowingCache(batch_size, self.n_heads, self.head_dim, device=device, dtype=dtype)
+        return RingCache(batch_size, self.n_heads, self.head_dim, capacity, device=device, dtype=dtype)
+
+    def attend_cached(self, x: torch.Tensor, cache: LayerCache) -> torch.Tensor:
+        """x [B, t, d] of the t tokens after what `cache` has seen -> [B, H, t, D]; appends them to cache.
+
+        The n cached positions are put back in front of the new ones and `attend` runs on the n + t
+        rows; the outputs of the n old rows are dropped. This is exact because the cache reaches back as
+        far as any new query looks (`cache_capacity`), and when it holds fewer positions than that the
+        text starts there, so positions outside the block are outside the text too. The old rows cost
+        O(capacity) per step: constant.
+        """
+        q, k, v = self.heads(x, offset=cache.seen)
+        k_old, v_old = cache.recent()
+        cache.append(k, v)
+        n = k_old.shape[2]
+        pad = x.new_zeros(x.shape[0], n, x.shape[2])
+        y = self.attend(torch.cat([torch.zeros_like(k_old), q], 2), torch.cat([k_old, k], 2),
+                        torch.cat([v_old, v], 2), torch.cat([pad, x], 1))
+        return y[:, :, n:]
+
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        """x [B, T, d_model] -> [B, T, d_model]; with `cache`, x continues the text the cache has seen."""
         B, T, d = x.shape
-        y = self.attend(*self.heads(x), x)
+        y = self.attend(*self.heads(x), x) if cache is None else self.attend_cached(x, cache)
         return self.out(y.transpose(1, 2).reshape(B, T, d))

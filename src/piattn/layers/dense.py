@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..decoding.cache import GrowingCache
 from .base import AttentionLayer
 
 
@@ -18,3 +19,17 @@ class DenseAttention(AttentionLayer):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """q, k, v [B, H, T, D] -> [B, H, T, D]."""
         return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, dropout_p=self.attention_dropout)
+
+    def cache_capacity(self) -> int | None:
+        if not self.causal:
+            raise ValueError("incremental decoding needs causal attention")
+        return None
+
+    def attend_cached(self, x: torch.Tensor, cache: GrowingCache) -> torch.Tensor:
+        """x [B, t, d] after the n cached tokens -> [B, H, t, D]: new query j sees keys 0 … n + j."""
+        q, k, v = self.heads(x, offset=cache.seen)
+        cache.append(k, v)
+        t, n = q.shape[2], cache.seen - q.shape[2]
+        # SDPA's is_causal aligns the mask to the top-left corner; new queries sit at the bottom-right
+        mask = None if t == 1 else torch.ones(t, n + t, dtype=torch.bool, device=q.device).tril(n)
+        return F.scaled_dot_product_attention(q, cache.k, cache.v, attn_mask=mask)

@@ -36,6 +36,11 @@ class LocalAttention(AttentionLayer):
     def config_kwargs(cls, cfg: ModelConfig) -> dict:
         return dict(window=cfg.window, logit_clamp=cfg.logit_clamp, backend=cfg.backend)
 
+    def cache_capacity(self) -> int:
+        if not self.causal:
+            raise ValueError("incremental decoding needs causal attention")
+        return self.op_kwargs["window"] + 1
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """q, k, v [B, H, T, D] -> [B, H, T, D]."""
         return pi_attention(q, k, v, dropout_p=self.attention_dropout, **self.op_kwargs)

@@ -63,6 +63,12 @@ class PiAttention(AttentionLayer):
         # At least fp32: in bf16, ε + (1 − 2ε)·σ rounds to exactly 1 once σ > 0.998, outside (0, 1).
         return a.to(torch.promote_types(a.dtype, torch.float32)) * (1 - 2 * self.eps) + self.eps
 
+    def cache_capacity(self) -> int:
+        """Decoding position t reads t−window … t and t−period (design.md: not O(window) as the paper says)."""
+        if not self.causal:
+            raise ValueError("incremental decoding needs causal attention")
+        return max(self.op_kwargs["window"], self.op_kwargs["period"]) + 1
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """q, k, v [B, H, T, D], x [B, T, d] (the gate's input) -> [B, H, T, D]."""
         return pi_attention(q, k, v, self.gate_values(x), dropout_p=self.attention_dropout, **self.op_kwargs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..decoding.cache import LayerCache
 from ..layers import ATTENTION
 from .config import ModelConfig
 
@@ -33,9 +34,9 @@ class Block(nn.Module):
         self.ffn = FeedForward(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, T, d] -> [B, T, d]."""
-        x = x + self.drop(self.attn(self.ln1(x)))
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
+        """x [B, T, d] -> [B, T, d]; with `cache`, x continues the text the layer's cache has seen."""
+        x = x + self.drop(self.attn(self.ln1(x), cache))
         return x + self.ffn(self.ln2(x))
 
 

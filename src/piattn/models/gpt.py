@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
+from ..decoding.cache import Cache
+from ..decoding.sampling import sample_next
 from .block import Block, init_weights
 from .config import GPTConfig
 
@@ -27,14 +31,51 @@ class GPT(nn.Module):
         init_weights(self, cfg.init_std)
         self.head.weight = self.embed.weight
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """idx int64 [B, T] -> logits [B, T, vocab_size]."""
+    def forward(self, idx: torch.Tensor, cache: Cache | None = None) -> torch.Tensor:
+        """idx int64 [B, T] -> logits [B, T, vocab_size].
+
+        With `cache` (from `init_cache`), idx is the continuation of the text the cache has seen: its
+        logits equal those of the same positions in one forward over the whole text.
+        """
         if idx.dim() != 2:
             raise ValueError(f"idx must be [B, T] token ids, got shape {tuple(idx.shape)}")
         x = self.drop(self.embed(idx))
-        for block in self.blocks:
-            x = block(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x, None if cache is None else cache.layers[i])
         return self.head(self.ln_f(x))
+
+    def init_cache(self, batch_size: int) -> Cache:
+        """An empty decoding cache: constant size for `pi` and `local`, growing for `dense`."""
+        p = self.embed.weight
+        return Cache([b.attn.init_cache(batch_size, device=p.device, dtype=p.dtype) for b in self.blocks])
+
+    @torch.no_grad()
+    def stream(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
+               top_p: float | None = None, seed: int | None = None) -> Iterator[torch.Tensor]:
+        """Yields each new token, int64 [B], as it is produced from prompt idx [B, T] (T >= 1).
+
+        The prompt goes through the cache in one forward; each later step feeds one token. Call in eval
+        mode for deterministic logits (dropout stays as the module is set).
+        """
+        if idx.dim() != 2 or idx.shape[1] < 1:
+            raise ValueError(f"idx must be a non-empty [B, T] prompt, got shape {tuple(idx.shape)}")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(idx.device).manual_seed(seed)
+        cache = self.init_cache(idx.shape[0])
+        logits = self(idx, cache)[:, -1]
+        for _ in range(max_new_tokens):
+            token = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+            yield token
+            logits = self(token[:, None], cache)[:, -1]
+
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> torch.Tensor:
+        """Prompt idx [B, T] -> idx followed by max_new_tokens sampled tokens, [B, T + max_new_tokens]."""
+        new = list(self.stream(idx, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed))
+        return torch.cat([idx, *(t[:, None] for t in new)], 1)
 
     def num_params(self) -> int:
         """Trainable parameters, the tied embedding counted once."""

@@ -1,0 +1,281 @@
+"""Document loaders for language modelling: each returns a re-iterable collection of documents (str).
+
+Nothing here downloads. A loader checks its path when called (a missing path raises FileNotFoundError
+naming it) and reads lazily, one file or article at a time, so a corpus never has to fit in memory twice.
+Documents that are empty or only whitespace are skipped; a source that yields none raises ValueError.
+
+`load_documents(source, split)` picks the loader from the source string:
+
+    "wikitext:<dir or file>"      WikiText files, one document per article       -> wikitext_documents
+    "books:<dir>"                 the Gutenberg books of ../shared/data/books,
+                                  split as fixed by its README                    -> books_documents
+    "hf:<name>" / "hf:<name>:<config>"
+                                  a Hugging Face dataset, one document per row    -> hf_documents
+    any other string              a text file (one document) or a folder of .txt
+                                  files, PG-19 layout when a split is given       -> text_documents
+
+Splits are named "train", "validation" or "test"; "valid" and "val" mean "validation".
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+SPLITS = ("train", "validation", "test")
+SPLIT_ALIASES = {"train": ("train",), "validation": ("validation", "valid", "val"), "test": ("test",)}
+
+# The fixed book splits of ../shared/data/README.md; every other book file is train.
+BOOK_SPLITS = {
+    "validation": ("treasure_island_pg120.txt", "huckleberry_finn_pg76.txt"),
+    "test": ("adventures_of_sherlock_holmes_pg1661.txt", "frankenstein_pg84.txt"),
+}
+BOOK_FILE = re.compile(r".+_pg\d+\.txt")
+
+GUTENBERG_START = re.compile(r"^\*\*\* ?START OF (THE|THIS) PROJECT GUTENBERG EBOOK.*$", re.MULTILINE)
+GUTENBERG_END = re.compile(r"^\*\*\* ?END OF (THE|THIS) PROJECT GUTENBERG EBOOK.*$", re.MULTILINE)
+
+
+class Documents:
+    """A lazy, re-iterable collection of documents; iterating it raises ValueError if it yields none.
+
+    Re-iterable because a corpus is usually read twice: once to fit a tokenizer, once to tokenize it.
+    `size_hint` is the number of documents when known before reading (one per file), else None; it is an
+    upper bound, as empty documents are skipped.
+    """
+
+    def __init__(self, source: str, read: Callable[[], Iterable[str]], size_hint: int | None = None):
+        self.source = source
+        self.size_hint = size_hint
+        self._read = read
+
+    def __iter__(self) -> Iterator[str]:
+        empty = True
+        for doc in self._read():
+            if doc.strip():
+                empty = False
+                yield doc
+        if empty:
+            raise ValueError(f"no documents in {self.source}: every document is empty or whitespace")
+
+    def __repr__(self) -> str:
+        return f"Documents({self.source!r})"
+
+
+def normalize_split(split: str) -> str:
+    for name, aliases in SPLIT_ALIASES.items():
+        if split in aliases:
+            return name
+    raise ValueError(f"split must be one of {SPLITS} (or 'valid'/'val' for validation), got {split!r}")
+
+
+def read_text(path: Path) -> str:
+    """A UTF-8 file as text: a byte-order mark dropped, CRLF and CR line ends turned into LF."""
+    with open(path, encoding="utf-8-sig") as f:
+        return f.read()
+
+
+def _existing(path: str | Path) -> Path:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"path does not exist: {path}")
+    return path
+
+
+def _files_documents(source: str, files: list[Path], transform: Callable[[Path, str], str] | None = None):
+    def read():
+        for file in files:
+            text = read_text(file)
+            yield transform(file, text) if transform else text
+
+    return Documents(source, read, size_hint=len(files))
+
+
+def text_files(path: str | Path, split: str | None = None) -> list[Path]:
+    """The files `text_documents` reads, in the order it reads them (sorted by name)."""
+    path = _existing(path)
+    if path.is_file():
+        if split is not None:
+            raise ValueError(f"split must be None when path is a single file, got {split!r} for {path}")
+        return [path]
+    folder = path
+    if split is not None:
+        candidates = [path / alias for alias in SPLIT_ALIASES[normalize_split(split)]]
+        found = [c for c in candidates if c.is_dir()]
+        if not found:
+            names = ", ".join(c.name for c in candidates)
+            raise FileNotFoundError(f"no folder for split {split!r} in {path} (looked for {names})")
+        folder = found[0]
+    files = sorted(f for f in folder.glob("*.txt") if f.is_file() and not f.name.startswith("."))
+    if not files:
+        hint = "" if split is not None else "; pass split= for a folder with train/validation/test subfolders"
+        raise ValueError(f"no .txt files in {folder}{hint}")
+    return files
+
+
+def text_documents(path: str | Path, split: str | None = None) -> Documents:
+    """Plain-text documents: a single file is one document; a folder gives one document per `*.txt` file.
+
+    With `split`, the folder has PG-19's layout (`train/`, `validation/`, `test/` subfolders) and the
+    documents are the `*.txt` files of that subfolder. Order is sorted by file name, so it is the same on
+    every machine.
+    """
+    files = text_files(path, split)
+    return _files_documents(str(path) if split is None else f"{path} [{split}]", files)
+
+
+def strip_gutenberg_boilerplate(text: str) -> str:
+    """The book between Project Gutenberg's "*** START OF …" and "*** END OF …" lines (both excluded).
+
+    The licence text around it is nearly the same in every book, so left in it would be memorised and
+    would leak from the train books into the held-out ones.
+    """
+    start, end = GUTENBERG_START.search(text), GUTENBERG_END.search(text)
+    if start is None or end is None or end.start() < start.end():
+        raise ValueError("text has no '*** START OF … PROJECT GUTENBERG EBOOK' … '*** END OF …' lines")
+    return text[start.end():end.start()].strip()
+
+
+def book_files(root: str | Path, split: str) -> list[Path]:
+    """The book files of one split of the fixed book corpus (../shared/data/README.md), sorted by name.
+
+    validation and test are the two books each that the README names; train is every other
+    `<title>_pg<number>.txt` file in `root` (so `SOURCES.txt` is not a book).
+    """
+    root = _existing(root)
+    if not root.is_dir():
+        raise ValueError(f"root must be the books folder, got a file: {root}")
+    split = normalize_split(split)
+    held_out = {name for names in BOOK_SPLITS.values() for name in names}
+    missing = sorted(name for name in held_out if not (root / name).is_file())
+    if missing:
+        raise FileNotFoundError(f"{root} lacks the held-out books {missing}; is it ../shared/data/books?")
+    if split in BOOK_SPLITS:
+        return sorted(root / name for name in BOOK_SPLITS[split])
+    train = sorted(f for f in root.iterdir() if BOOK_FILE.fullmatch(f.name) and f.name not in held_out)
+    if not train:
+        raise ValueError(f"no train books (<title>_pg<number>.txt) in {root}")
+    return train
+
+
+def books_documents(root: str | Path, split: str, strip_boilerplate: bool = True) -> Documents:
+    """The fixed book corpus: one document per book, split as ../shared/data/README.md defines.
+
+    `strip_boilerplate` keeps only the text between the Project Gutenberg start and end lines.
+    """
+    def body(file: Path, text: str) -> str:
+        try:
+            return strip_gutenberg_boilerplate(text)
+        except ValueError as err:
+            raise ValueError(f"{file}: {err}") from err
+
+    files = book_files(root, split)
+    return _files_documents(f"books {root} [{split}]", files, body if strip_boilerplate else None)
+
+
+def wikitext_file(path: str | Path, split: str) -> Path:
+    """The file of `split` in a WikiText folder, raw text preferred over the tokenized form.
+
+    Accepts the release names (`wiki.valid.raw`, `wiki.valid.tokens`), the same without `wiki.`, and
+    `valid.txt` (pytorch/examples' copy, which is the tokenized form).
+    """
+    folder = _existing(path)
+    aliases = SPLIT_ALIASES[normalize_split(split)]
+    names = [f"{prefix}{alias}.{ext}" for ext in ("raw", "tokens") for prefix in ("wiki.", "") for alias in aliases]
+    names += [f"{alias}.txt" for alias in aliases]
+    for name in names:
+        if (folder / name).is_file():
+            return folder / name
+    raise FileNotFoundError(f"no WikiText {split!r} file in {folder} (looked for {', '.join(names)})")
+
+
+def is_heading_line(line: str) -> bool:
+    """` = Title = ` (a top-level heading); ` = = Section = = ` and deeper headings are not."""
+    stripped = line.strip()
+    return len(stripped) > 4 and stripped.startswith("= ") and stripped.endswith(" =") and stripped[2] != "="
+
+
+def wikitext_articles(lines: Iterable[str]) -> Iterator[str]:
+    """Group WikiText lines into articles, each starting at its title line.
+
+    A title line is a top-level heading with a blank line on both sides: inside articles, equations such
+    as ` = 1 rad / s and a nominal impedance k = ` look like headings but sit between text lines.
+    """
+    article: list[str] = []
+    previous, current = "", None
+    # One line of look-ahead; the "" appended at the end is the blank after the last line, never emitted.
+    for following in itertools.chain(lines, [""]):
+        if current is not None:
+            title = is_heading_line(current) and not previous.strip() and not following.strip()
+            if title and article:
+                yield "".join(article)
+                article = []
+            article.append(current)
+            previous = current
+        current = following
+    if article:
+        yield "".join(article)
+
+
+def wikitext_documents(path: str | Path, split: str | None = None) -> Documents:
+    """WikiText articles, one document each. `path`: a WikiText folder (then `split` is required) or one file."""
+    path = _existing(path)
+    if path.is_file():
+        if split is not None:
+            raise ValueError(f"split must be None when path is a single file, got {split!r} for {path}")
+        file = path
+    elif split is None:
+        raise ValueError(f"split is required for the WikiText folder {path}; one of {SPLITS}")
+    else:
+        file = wikitext_file(path, split)
+
+    def read():
+        with open(file, encoding="utf-8-sig") as f:
+            yield from wikitext_articles(f)
+
+    return Documents(f"wikitext {file}", read)
+
+
+def hf_documents(name: str, split: str, text_field: str = "text", config: str | None = None) -> Documents:
+    """Rows of a Hugging Face dataset, one document per row's `text_field`.
+
+    Reads through `datasets.load_dataset(name, config, split=split)`, so `name` may be a local folder or a
+    dataset in the local cache. This is the one loader that can reach the network: for a hub name not yet
+    cached, `datasets` downloads it unless HF_DATASETS_OFFLINE=1 is set. Note that the hub's `wikitext`
+    has one row per line, not per article; `wikitext_documents` reads articles.
+    """
+    try:
+        import datasets
+    except ImportError as err:
+        raise ImportError("hf_documents needs the Hugging Face `datasets` package: pip install datasets") from err
+    dataset = datasets.load_dataset(name, config, split=split)
+    if text_field not in dataset.column_names:
+        raise ValueError(f"text_field must be a column of {name!r}, one of {dataset.column_names}; "
+                         f"got {text_field!r}")
+    if len(dataset) == 0:
+        raise ValueError(f"dataset {name!r} split {split!r} has no rows")
+
+    def read():
+        for row in dataset:
+            yield row[text_field]
+
+    return Documents(f"hf {name} [{split}]", read, size_hint=len(dataset))
+
+
+def load_documents(source: str, split: str | None = None) -> Documents:
+    """Documents from a source string; the syntax is in this module's docstring."""
+    scheme, _, rest = source.partition(":")
+    if scheme == "wikitext":
+        return wikitext_documents(rest, split)
+    if scheme == "books":
+        if split is None:
+            raise ValueError(f"split is required for books, one of {SPLITS}")
+        return books_documents(rest, split)
+    if scheme == "hf":
+        if split is None:
+            raise ValueError("split is required for a Hugging Face dataset, e.g. 'train'")
+        name, _, config = rest.partition(":")
+        return hf_documents(name, split, config=config or None)
+    return text_documents(source, split)

@@ -1,0 +1,72 @@
+"""Where training numbers go: `metrics.jsonl` in the run directory, TensorBoard when it is installed.
+
+One JSON object per line, with `step`, `split` ("train" or an evaluation split) and the values. A resumed
+run appends to the same file, so the lines of a run interrupted and resumed read as one run.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process so far: CUDA `max_memory_allocated`, or the peak RSS on the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB, macOS bytes
+
+
+class MetricsWriter:
+    """Append metrics records to `run_dir/metrics.jsonl` (and TensorBoard), on the writing rank only."""
+
+    def __init__(self, run_dir: Path, enabled: bool = True):
+        self.enabled = enabled
+        self.path = run_dir / METRICS_FILE
+        self.tensorboard = None
+        if enabled:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a")
+            self.tensorboard = _tensorboard_writer(run_dir / "tensorboard")
+
+    def log(self, step: int, split: str, values: dict) -> None:
+        """Write one record: {"step", "split", "time", **values}."""
+        if not self.enabled:
+            return
+        record = {"step": step, "split": split, "time": time.time(), **values}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self.tensorboard is not None:
+            for key, value in values.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.tensorboard.add_scalar(f"{split}/{key}", value, step)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self._file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def _tensorboard_writer(log_dir: Path):
+    """A SummaryWriter, or None when `torch.utils.tensorboard` cannot be imported (tensorboard not installed)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(log_dir=str(log_dir))
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """Every record of `run_dir/metrics.jsonl`, in order."""
+    path = Path(run_dir) / METRICS_FILE
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
