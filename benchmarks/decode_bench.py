@@ -1,0 +1,119 @@
+"""Decoding speed and memory versus position: `pi` and `local` (ring caches) against `dense` (growing cache).
+
+Each (kind, position) runs in a fresh process: a tiny-config GPT, batch 1, whose cache is brought to the
+position, then `--steps` single-token decoding steps are timed. The cache is filled with random keys and
+values rather than by decoding every earlier token (decoding 128K tokens per point would take hours on a
+CPU); the time of a step does not depend on what the cache holds. Memory: the cache's own bytes and the
+process's resident set after the timed steps.
+
+    python benchmarks/decode_bench.py --out benchmarks/results          # 1K … 128K, ~3 min on 2 cores
+    python benchmarks/plot_decode.py benchmarks/results/decode_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from piattn.benchmarking import machine_info
+from piattn.models import GPT, GPTConfig
+
+KINDS = ("pi", "local", "dense")
+POSITIONS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def fill_cache(cache, position: int, generator: torch.Generator) -> None:
+    """Bring every layer cache to `position` tokens seen, with random contents."""
+    for layer in cache.layers:
+        if hasattr(layer, "capacity"):
+            layer.k.normal_(generator=generator)
+            layer.v.normal_(generator=generator)
+        else:
+            B, H, _, D = layer.k.shape
+            layer.k = torch.randn(B, H, position, D, generator=generator)
+            layer.v = torch.randn(B, H, position, D, generator=generator)
+        layer.seen = position
+
+
+def run_case(kind: str, position: int, steps: int, config: str) -> dict:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_name(config, attention=kind, vocab_size=256, dropout=0.0)).eval()
+    cache = model.init_cache(1)
+    fill_cache(cache, position, torch.Generator().manual_seed(0))
+    token = torch.zeros(1, 1, dtype=torch.long)
+    with torch.no_grad():
+        for _ in range(3):  # warm-up: first calls allocate and pick kernels
+            token = model(token, cache)[:, -1].argmax(-1, keepdim=True)
+        start = time.perf_counter()
+        for _ in range(steps):
+            token = model(token, cache)[:, -1].argmax(-1, keepdim=True)
+        elapsed = time.perf_counter() - start
+    return dict(kind=kind, position=position, steps=steps, tokens_per_s=steps / elapsed,
+                ms_per_token=1000 * elapsed / steps, cache_mib=cache.nbytes / 2**20, rss_mib=rss_mib())
+
+
+def markdown(result: dict) -> str:
+    m = result["machine"]
+    rows = result["rows"]
+    by = {(r["kind"], r["position"]): r for r in rows}
+    positions = sorted({r["position"] for r in rows})
+    out = [f"# Decoding benchmark ({m['processor']}, {m['cpu_count']} threads, torch {m['torch']})", "",
+           f"`{result['command']}`; GPT `{result['config']}` config, vocab 256, batch 1, fp32, window 4, "
+           f"period 16; {result['steps']} timed single-token steps per point, each point in a fresh process.",
+           "", "| position | " + " | ".join(f"{k} tok/s" for k in KINDS) + " | pi / dense | "
+           + " | ".join(f"{k} cache MiB" for k in KINDS) + " | " + " | ".join(f"{k} RSS MiB" for k in KINDS) + " |",
+           "|" + "---|" * (2 + 3 * len(KINDS))]
+    for p in positions:
+        r = [by[(k, p)] for k in KINDS]
+        out.append(f"| {p:,} | " + " | ".join(f"{x['tokens_per_s']:.0f}" for x in r)
+                   + f" | {r[0]['tokens_per_s'] / r[2]['tokens_per_s']:.2f}× | "
+                   + " | ".join(f"{x['cache_mib']:.3f}" for x in r) + " | "
+                   + " | ".join(f"{x['rss_mib']:.0f}" for x in r) + " |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, help="directory for decode_bench.{json,md}")
+    parser.add_argument("--positions", type=int, nargs="+", default=list(POSITIONS))
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--config", default="tiny")
+    parser.add_argument("--case", nargs=2, metavar=("KIND", "POSITION"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.case:  # child process: one measurement, printed as JSON
+        print(json.dumps(run_case(args.case[0], int(args.case[1]), args.steps, args.config)))
+        return
+    rows = []
+    for position in args.positions:
+        for kind in KINDS:
+            cmd = [sys.executable, __file__, "--case", kind, str(position), "--steps", str(args.steps),
+                   "--config", args.config]
+            row = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+            rows.append(row)
+            print(f"{kind:6s} position {position:>7,}: {row['tokens_per_s']:8.1f} tok/s, "
+                  f"cache {row['cache_mib']:8.3f} MiB, RSS {row['rss_mib']:6.0f} MiB", flush=True)
+    command = "python benchmarks/decode_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    result = dict(machine=machine_info(), command=command.strip(), config=args.config, steps=args.steps, rows=rows)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "decode_bench.json").write_text(json.dumps(result, indent=1))
+        (args.out / "decode_bench.md").write_text(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
