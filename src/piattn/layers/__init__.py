@@ -7,11 +7,13 @@ from .base import AttentionLayer
 from .dense import DenseAttention
 from .local import LocalAttention
 from .pi import PiAttention
+from .reformer import ReformerAttention
 
 ATTENTION: dict[str, type[AttentionLayer]] = {
     "dense": DenseAttention,
     "local": LocalAttention,
     "pi": PiAttention,
+    "reformer": ReformerAttention,
 }
 
-__all__ = ["ATTENTION", "AttentionLayer", "DenseAttention", "LocalAttention", "PiAttention"]
+__all__ = ["ATTENTION", "AttentionLayer", "DenseAttention", "LocalAttention", "PiAttention", "ReformerAttention"]

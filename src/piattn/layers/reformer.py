@@ -58,7 +58,7 @@ def lsh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buckets: to
 
     Args:
         q, k, v: [B, H, T, D]; query i and key i share bucket `buckets[..., r, i]` in round r.
-        buckets: [B, H, R, T] integer bucket ids of R rounds.
+        buckets: [B, H, R, T] non-negative integer bucket ids of R rounds.
         bucket_size: c; in round r, query i attends key j when both are in one bucket, at most c places
             apart in that bucket's position order, and (causal) j <= i.
         causal: see above.
@@ -76,6 +76,9 @@ def lsh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buckets: to
     Low-precision inputs are computed in fp32. Returns [B, H, T, D] in q's dtype.
     """
     B, H, T, D = q.shape
+    _check_positive_int("bucket_size", bucket_size)
+    if buckets.dim() != 4 or buckets.shape[:2] != (B, H) or buckets.shape[3] != T:
+        raise ValueError(f"buckets must have shape [B, H, R, T] = [{B}, {H}, R, {T}], got {tuple(buckets.shape)}")
     R, c = buckets.shape[2], bucket_size
     n_chunks = -(-T // c)
     out_dtype, dtype = q.dtype, torch.promote_types(q.dtype, torch.float32)
@@ -98,16 +101,17 @@ def lsh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buckets: to
     k_chunks = _with_neighbours(_gather_rows(k, rows).view(*shape, D), 0.0, after=not causal)
     v_chunks = _with_neighbours(_gather_rows(v, rows).view(*shape, D), 0.0, after=not causal)
 
-    real = (pos_q < T)[..., :, None] & (pos_k >= 0)[..., None, :] & (pos_k < T)[..., None, :]
+    eligible = (pos_q < T)[..., :, None] & (pos_k >= 0)[..., None, :] & (pos_k < T)[..., None, :]
     if causal:
-        real = real & (pos_k[..., None, :] <= pos_q[..., :, None])
-    # Each key window is laid out for one round; ask every round whether it holds the same pair.
-    in_round = torch.zeros_like(real)
-    rounds_holding = torch.zeros(real.shape, dtype=dtype, device=q.device)
+        eligible = eligible & (pos_k[..., None, :] <= pos_q[..., :, None])
+    # Round r's windows hold candidate pairs of round r; every round is asked whether it also holds each
+    # pair, which both decides membership (the own round) and counts duplicates (all rounds).
+    in_round = torch.zeros_like(eligible)
+    rounds_holding = torch.zeros(eligible.shape, dtype=dtype, device=q.device)
     for r in range(R):
         bucket_q, bucket_k = _lookup(buckets[:, :, r], pos_q), _lookup(buckets[:, :, r], pos_k)
         place_q, place_k = _lookup(place[:, :, r], pos_q), _lookup(place[:, :, r], pos_k)
-        held = real & (bucket_q[..., :, None] == bucket_k[..., None, :])
+        held = eligible & (bucket_q[..., :, None] == bucket_k[..., None, :])
         held = held & ((place_q[..., :, None] - place_k[..., None, :]).abs() <= c)
         rounds_holding += held
         in_round[:, :, r] = held[:, :, r]
