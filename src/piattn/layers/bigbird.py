@@ -17,29 +17,31 @@ if TYPE_CHECKING:
 
 def bigbird_candidates(n: int, block: int, window_blocks: int, n_global: int, n_random: int, causal: bool,
                        seed: int, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """index long [n, M], valid bool [n, M], M = block·(S + n_global + n_random) with S = 2·window_blocks + 1
-    sliding blocks (causal: window_blocks + 1): the tokens of query i's sliding blocks, of the global blocks
-    and of its row of `random_blocks`, in that order.
+    """index long [ceil(n / block), M], one row per query block, and valid bool [n, M], one row per query.
 
-    Out-of-range tokens, missing random blocks and (causal) future tokens are invalid; a global block
-    that is also sliding appears twice and is counted once by `gathered_attention`.
+    M = block·(S + n_global + n_random) with S = 2·window_blocks + 1 sliding blocks (causal:
+    window_blocks + 1): the tokens of the block's sliding blocks, of the global blocks and of its row of
+    `random_blocks`, in that order. Out-of-range tokens, missing random blocks and (causal) tokens after
+    the query are invalid; a global block that is also sliding appears twice and is counted once by
+    `gathered_attention`.
     """
-    query = torch.arange(n, device=device)[:, None]
-    query_block = query // block
+    n_blocks = -(-n // block)
+    query_block = torch.arange(n_blocks, device=device)[:, None]
     within = torch.arange(block, device=device)
     sliding = query_block + torch.arange(-window_blocks, 1 if causal else window_blocks + 1, device=device)
-    table = random_blocks(-(-n // block), window_blocks=window_blocks, n_global=n_global, n_random=n_random,
-                          causal=causal, seed=seed).to(device)
-    random = table[query_block[:, 0]]  # [n, n_random]
-    global_keys = torch.arange(n_global * block, device=device).expand(n, n_global * block)
+    random = random_blocks(n_blocks, window_blocks=window_blocks, n_global=n_global, n_random=n_random,
+                           causal=causal, seed=seed).to(device)
+    global_keys = torch.arange(n_global * block, device=device).expand(n_blocks, n_global * block)
 
-    def tokens(blocks):  # [n, K] block numbers -> [n, K·block] token positions
+    def tokens(blocks):  # [n_blocks, K] block numbers -> [n_blocks, K·block] token positions
         return (blocks[..., None] * block + within).flatten(1)
 
     # a missing random block (-1) becomes tokens -block … -1, which the range check below drops
     index = torch.cat([tokens(sliding), global_keys, tokens(random)], dim=1)
-    valid = (index >= 0) & (index < n)
-    return index, valid & (index <= query) if causal else valid
+    query = torch.arange(n, device=device)[:, None]
+    per_query = index.repeat_interleave(block, dim=0)[:n]
+    valid = (per_query >= 0) & (per_query < n)
+    return index, valid & (per_query <= query) if causal else valid
 
 
 def blocks_covering(window: int, block: int) -> int:
@@ -55,9 +57,11 @@ class BigBirdAttention(AttentionLayer):
 
     n_global counts BLOCKS (the first n_global·block tokens are global), as in the paper's blocked
     implementation. window_blocks is the sliding radius in blocks (1: the paper's 3 sliding blocks). The
-    random table is drawn once from `seed` and identical in training and evaluation. Non-global queries
-    gather their block·(sliding + n_global + n_random) candidates (`gathered_attention`); global queries
-    run dense SDPA. Memory O(T·block·(3 + n_global + n_random)), no [T, T] tensor.
+    random table is drawn once from `seed` and identical in training and evaluation. Each non-global query
+    block gathers its block·(sliding + n_global + n_random) candidate keys once for all its queries
+    (`gathered_attention` with group = block); global queries run dense SDPA. Memory O(T·block·(3 +
+    n_global + n_random)) for the scores and O(T·(3 + n_global + n_random)·D) for the gathered k/v, no
+    [T, T] tensor.
     """
 
     def __init__(self, d_model: int, n_heads: int, *, block: int = 16, n_global: int = 1, n_random: int = 2,
@@ -79,7 +83,7 @@ class BigBirdAttention(AttentionLayer):
                     window_blocks=blocks_covering(cfg.window, cfg.sparse_block))
 
     def candidate_keys(self, n: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-        """(index, valid) [n, M] of `bigbird_candidates`, kept for the last (n, device) asked for."""
+        """(index [ceil(n / block), M], valid [n, M]) of `bigbird_candidates`, kept for the last (n, device)."""
         key = (n, torch.device(device))
         if self._candidates is None or self._candidates[0] != key:
             self._candidates = key, bigbird_candidates(n, self.block, self.window_blocks, self.n_global,
@@ -90,4 +94,4 @@ class BigBirdAttention(AttentionLayer):
         """q, k, v [B, H, T, D] -> [B, H, T, D]."""
         index, valid = self.candidate_keys(q.shape[2], q.device)
         return global_rows_then_gathered(q, k, v, self.n_global * self.block, index, valid, causal=self.causal,
-                                         dropout_p=self.attention_dropout)
+                                         group=self.block, dropout_p=self.attention_dropout)

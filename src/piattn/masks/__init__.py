@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import torch
 
+from .bigbird import bigbird_mask, random_blocks
 from .local import MaskMod, local_mask
+from .longformer import longformer_mask
 from .pi import pi_mask, skip_mask
 
-__all__ = ["MaskMod", "dense_mask", "local_mask", "pi_mask", "skip_mask"]
+__all__ = ["MaskMod", "bigbird_mask", "dense_mask", "local_mask", "longformer_mask", "pi_mask", "random_blocks",
+           "skip_mask"]
 
 
 def dense_mask(mask_mod: MaskMod, n: int, device: torch.device | str | None = None) -> torch.Tensor:

@@ -25,9 +25,10 @@ class ModelConfig:
     Sizes: n_layer, n_head, d_model (head dim d_model / n_head), d_ff (FFN width, default 4·d_model),
     block_size (longest sequence), vocab_size.
     Attention: `attention` names the kind; window, period, variant, prior, logit_clamp, gate_eps are the
-    π-Attention knobs (window is also the radius of local, longformer and bigbird); n_global global tokens
-    (longformer, bigbird); sparse_block and n_random (bigbird's block size and random blocks per query
-    block); n_hashes and bucket_size (reformer's LSH rounds and bucket width); backend (π operator backend).
+    π-Attention knobs (window is also the radius of local and longformer; bigbird slides over
+    ceil(window / sparse_block) blocks each side); n_global global tokens (longformer) or global blocks of
+    sparse_block tokens (bigbird); sparse_block and n_random (bigbird's block size and random blocks per
+    query block); n_hashes and bucket_size (reformer's LSH rounds and bucket width); backend (π operator backend).
     Training: dropout (residual, attention and FFN, 0.1 in the paper), init_std (0.02), rope_base.
     """
 

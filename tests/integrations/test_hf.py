@@ -1,0 +1,259 @@
+"""piattn.integrations.hf: π-Attention inside a transformers Llama, checked against independent oracles.
+
+Oracles: the attention module's pieces run by hand (projections, RoPE written here, the gate MLP evaluated
+from its weights, `pi_attention` on the reference backend); the unconverted Llama with a dense additive
+4D mask that spells out the π pattern and its priors; and greedy decoding by full forwards without a cache.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import piattn  # noqa: E402
+from piattn.integrations.hf import PiCache, cache_nbytes, convert_to_pi, from_pretrained_pi  # noqa: E402
+
+ATOL = 1e-5
+
+
+def tiny_llama(seed: int = 0, **overrides) -> LlamaForCausalLM:
+    """2 layers, width 64, 4 query heads sharing 2 key/value heads (GQA), fp32, eager attention."""
+    cfg = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=100, max_position_embeddings=256, bos_token_id=None,
+               eos_token_id=None, pad_token_id=None, attn_implementation="eager")
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**{**cfg, **overrides})).eval()
+
+
+def randomize_gates(model, seed: int = 1) -> None:
+    """Give every gate a non-constant output, so that per-token, per-head α is actually exercised."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".pi_gate." in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+
+
+def tokens(B: int, T: int, seed: int = 2) -> torch.Tensor:
+    return torch.randint(0, 100, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def pi_additive_mask(T: int, window: int, period: int, prior: float) -> torch.Tensor:
+    """[1, 1, T, T]: log prior on i−window … i, log(1 − prior) on i − period, −inf elsewhere (causal)."""
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    local = (j <= i) & (j >= i - window)
+    skip = (j == i - period) & ~local
+    mask = torch.full((T, T), float("-inf"))
+    mask[local] = math.log(prior)
+    mask[skip] = math.log(1 - prior)
+    return mask[None, None]
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, base: float) -> torch.Tensor:
+    """x [B, H, T, D] rotated by RoPE in Llama's half-split layout: pairs (m, m + D/2) turn by pos·base^(−2m/D)."""
+    D = x.shape[-1]
+    angle = positions.double()[:, None] * base ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    x1, x2 = x[..., : D // 2], x[..., D // 2 :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
+def by_hand_attention(attn, x: torch.Tensor, cfg, window: int, period: int, eps: float) -> torch.Tensor:
+    """The converted attention module on x [B, T, d], recomputed from its weights -> [B, T, d]."""
+    B, T, _ = x.shape
+    H, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    D = cfg.hidden_size // H
+    q = attn.q_proj(x).view(B, T, H, D).transpose(1, 2)
+    k = attn.k_proj(x).view(B, T, Hkv, D).transpose(1, 2)
+    v = attn.v_proj(x).view(B, T, Hkv, D).transpose(1, 2)
+    pos, base = torch.arange(T), cfg.rope_parameters["rope_theta"]
+    q, k = rope(q, pos, base), rope(k, pos, base)
+    k, v = (t.repeat_interleave(H // Hkv, dim=1) for t in (k, v))  # query head h reads kv head h // (H/Hkv)
+    g0, g2 = attn.pi_gate[0], attn.pi_gate[2]
+    alpha = torch.sigmoid(F.linear(F.gelu(F.linear(x, g0.weight, g0.bias)), g2.weight, g2.bias))
+    gate = eps + (1 - 2 * eps) * alpha.transpose(1, 2)
+    y = piattn.pi_attention(q, k, v, gate, window=window, period=period, eps=eps, scale=D**-0.5,
+                            backend="reference")
+    return attn.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
+
+
+def test_attention_layer_matches_by_hand():
+    model = convert_to_pi(tiny_llama(), window=3, period=8)
+    randomize_gates(model)
+    attn = model.model.layers[1].self_attn
+    seen = {}
+    attn.register_forward_pre_hook(lambda m, a, kw: seen.update(x=kw["hidden_states"]), with_kwargs=True)
+    attn.register_forward_hook(lambda m, a, out: seen.update(y=out[0]))
+    with torch.no_grad():
+        model(tokens(2, 40))
+        expected = by_hand_attention(attn, seen["x"], model.config, window=3, period=8, eps=1e-4)
+    assert seen["y"].shape == (2, 40, 64)
+    torch.testing.assert_close(seen["y"], expected, atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.parametrize("period", [8, 50])
+def test_fixed_prior_model_matches_dense_masked_llama(period):
+    """Whole model, variant "fixed": identical to the plain Llama given the π pattern as an additive mask.
+
+    period 50 > T: no query has a skip key, so this is local attention over the window.
+    """
+    T, window, prior = 40, 3, 0.7
+    plain = tiny_llama()
+    model = convert_to_pi(copy.deepcopy(plain), window=window, period=period, variant="fixed", prior=prior)
+    ids = tokens(2, T)
+    with torch.no_grad():
+        expected = plain(ids, attention_mask=pi_additive_mask(T, window, period, prior)).logits
+        actual = model(ids).logits
+    torch.testing.assert_close(actual, expected, atol=ATOL, rtol=ATOL)
+
+
+def test_period_beyond_length_is_local_attention_whatever_the_gate():
+    T, window = 40, 3
+    plain = tiny_llama()
+    model = convert_to_pi(copy.deepcopy(plain), window=window, period=T + 5)
+    randomize_gates(model)  # α scales every candidate of a query alike when there is no skip: no effect
+    ids = tokens(2, T)
+    local = pi_additive_mask(T, window, T + 5, prior=0.5) - math.log(0.5)  # 0 on the window, −inf elsewhere
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, plain(ids, attention_mask=local).logits, atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.parametrize("prompt_len", [5, 12])  # shorter and longer than the cache's capacity (9)
+def test_generate_with_pi_cache_matches_full_forwards(prompt_len):
+    window, period, new = 3, 8, 24  # 3·period new tokens
+    model = convert_to_pi(tiny_llama(), window=window, period=period)
+    randomize_gates(model)
+    prompt = tokens(2, prompt_len)
+    cache = PiCache(model.config)
+    with torch.no_grad():
+        out = model.generate(prompt, past_key_values=cache, max_new_tokens=new, do_sample=False,
+                             return_dict_in_generate=True, output_logits=True)
+        ids, step_logits = prompt, []
+        for _ in range(new):  # the oracle: greedy decoding by full forwards over the whole text, no cache
+            logits = model(ids, use_cache=False).logits[:, -1]
+            step_logits.append(logits)
+            ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out.sequences, ids)
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(step_logits), atol=ATOL, rtol=ATOL)
+
+    cfg = model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    capacity = max(window, period) + 1
+    per_position = 2 * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 4  # k+v, B=2, fp32
+    assert cache.get_seq_length() == prompt_len + new - 1  # the last token is sampled, never fed back
+    assert cache.nbytes == capacity * per_position
+    assert torch.equal(cache.layers[0].positions, torch.arange(prompt_len + new - 1 - capacity, prompt_len + new - 1))
+
+
+def test_pi_cache_stays_bounded_while_dynamic_cache_grows():
+    window, period = 3, 8
+    capacity = max(window, period) + 1
+    model = convert_to_pi(tiny_llama(), window=window, period=period)
+    T = 20
+    ids = tokens(1, T)
+    pi_cache, dense_cache = PiCache(model.config), DynamicCache()
+    sizes = []
+    with torch.no_grad():
+        for t in range(T):
+            a = model(ids[:, t : t + 1], past_key_values=pi_cache, use_cache=True).logits
+            b = model(ids[:, t : t + 1], past_key_values=dense_cache, use_cache=True).logits
+            torch.testing.assert_close(a, b, atol=ATOL, rtol=ATOL)
+            sizes.append((pi_cache.nbytes, cache_nbytes(dense_cache)))
+    assert all(pi == sizes[capacity - 1][0] for pi, _ in sizes[capacity - 1 :])  # full after capacity tokens
+    assert sizes[-1][1] == sizes[-1][0] * T // capacity  # the dynamic cache holds all T
+
+
+def test_gate_starts_at_init_alpha_and_gets_gradients():
+    model = convert_to_pi(tiny_llama(), window=3, period=8, gate_init_alpha=0.9)
+    alphas = []
+    for layer in model.model.layers:
+        layer.self_attn.pi_gate.register_forward_hook(lambda m, a, out: alphas.append(out))
+    model.train()
+    ids = tokens(2, 20)
+    loss = F.cross_entropy(model(ids).logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    loss.backward()
+    assert len(alphas) == 2 and all(a.shape == (2, 20, 4) for a in alphas)
+    torch.testing.assert_close(torch.cat(alphas), torch.full((4, 20, 4), 0.9), atol=1e-6, rtol=0)
+    gates = [layer.self_attn.pi_gate for layer in model.model.layers]
+    assert all(g[2].weight.grad.abs().sum() > 0 and g[2].bias.grad.abs().sum() > 0 for g in gates)
+
+    # The zero last weight blocks the first layer's gradient only until it has moved once.
+    with torch.no_grad():
+        for g in gates:
+            g[2].weight -= 0.1 * g[2].weight.grad
+    model.zero_grad()
+    F.cross_entropy(model(ids).logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+    assert all(p.grad.abs().sum() > 0 for g in gates for p in g.parameters())
+
+
+def test_attention_dropout_acts_in_training_only():
+    plain = tiny_llama()
+    model = convert_to_pi(tiny_llama(attention_dropout=0.5), window=3, period=8)
+    reference = convert_to_pi(copy.deepcopy(plain), window=3, period=8)
+    ids = tokens(2, 20)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, atol=ATOL, rtol=ATOL)
+        model.train()
+        assert not torch.allclose(model(ids).logits, reference(ids).logits, atol=1e-3)
+
+
+def test_save_and_load_round_trip(tmp_path):
+    model = convert_to_pi(tiny_llama(), window=3, period=8, variant="separate", logit_clamp=10.0)
+    randomize_gates(model)
+    model.save_pretrained(tmp_path)
+    loaded = from_pretrained_pi(tmp_path).eval()
+    assert loaded.config.pi_attention == model.config.pi_attention
+    assert loaded.config.pi_attention["variant"] == "separate" and loaded.config.pi_attention["period"] == 8
+    assert loaded.config._attn_implementation == "pi_attention"
+    gates = {n: p for n, p in model.named_parameters() if ".pi_gate." in n}
+    assert len(gates) == 2 * 4  # two layers, two linear layers with weight and bias each
+    loaded_params = dict(loaded.named_parameters())
+    assert all(torch.equal(loaded_params[n], p) for n, p in gates.items())
+    ids = tokens(2, 30)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=0, rtol=0)
+
+
+def test_loading_a_checkpoint_without_gates_raises(tmp_path):
+    plain = tiny_llama()
+    plain.config.pi_attention = {"window": 3, "period": 8, "variant": "adaptive"}
+    plain.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="lacks gate weights"):
+        from_pretrained_pi(tmp_path)
+
+
+def test_padding_is_rejected_and_an_all_ones_mask_is_not():
+    model = convert_to_pi(tiny_llama(), window=3, period=8)
+    ids = tokens(2, 10)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, attention_mask=torch.ones(2, 10)).logits, model(ids).logits)
+        left_padded = torch.ones(2, 10, dtype=torch.long)
+        left_padded[0, :3] = 0
+        with pytest.raises(ValueError, match="padding"):
+            model(ids, attention_mask=left_padded)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(window=-1), "window"),
+    (dict(period=0), "period"),
+    (dict(variant="dense"), "variant"),
+    (dict(backend="nope"), "backend"),
+    (dict(gate_init_alpha=1.0), "gate_init_alpha"),
+])
+def test_bad_arguments_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        convert_to_pi(tiny_llama(), **kwargs)
+
+
+def test_converting_twice_raises():
+    model = convert_to_pi(tiny_llama())
+    with pytest.raises(ValueError, match="already converted"):
+        convert_to_pi(model)
