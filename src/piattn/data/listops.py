@@ -84,7 +84,7 @@ def _grow(rng: random.Random, level: int, max_depth: int, max_args: int, out: li
 
 
 def _largest_tree(max_depth: int, max_args: int) -> int:
-    """Token count of the biggest expression: every node above max_depth an operator with max_args args."""
+    """Token count of the biggest expression: every node above the last level an operator with max_args args."""
     size = 1
     for _ in range(max_depth - 1):
         size = 2 + max_args * size
