@@ -1,0 +1,223 @@
+"""From documents to fixed-length training batches, for corpora larger than memory.
+
+`tokenize_corpus` streams documents through a tokenizer into two .npy files (tokens, document starts) that
+`load_corpus` memory-maps. `PackedSequences` cuts the token stream into sequences of seq_len + 1 tokens
+(inputs and their next-token targets), and `SequenceLoader` batches them: shuffled per epoch from a seed,
+sharded across ranks, and resumable from a checkpoint to exactly the batch where it stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from piattn.data.tokenizers import Tokenizer
+
+
+@dataclass(frozen=True)
+class TokenizedCorpus:
+    """tokens: [N] unsigned ints, all documents back to back; doc_starts: [n_documents] int64 offsets."""
+
+    tokens: np.ndarray
+    doc_starts: np.ndarray
+
+    @property
+    def n_documents(self) -> int:
+        return len(self.doc_starts)
+
+
+def corpus_files(path: str | Path) -> tuple[Path, Path]:
+    """The two files of the corpus at `path`: `<path>.tokens.npy` and `<path>.docs.npy`."""
+    return Path(f"{path}.tokens.npy"), Path(f"{path}.docs.npy")
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id (0 … vocab_size-1) fits in it, else uint32: half the disk for common vocabularies."""
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+def tokenize_corpus(documents: Iterable[str], tokenizer: Tokenizer, path: str | Path,
+                    progress: bool = True) -> TokenizedCorpus:
+    """Tokenize `documents` into `<path>.tokens.npy` and `<path>.docs.npy`, then memory-map them.
+
+    Tokens go to a raw temporary file one document at a time, so memory holds one document, never the
+    corpus; the .npy header is written once the total length is known. Files are replaced atomically.
+    """
+    tokens_file, docs_file = corpus_files(path)
+    tokens_file.parent.mkdir(parents=True, exist_ok=True)
+    dtype = token_dtype(tokenizer.vocab_size)
+    doc_starts: list[int] = []
+    n_tokens = 0
+    total = getattr(documents, "size_hint", None) or (len(documents) if hasattr(documents, "__len__") else None)
+    with tempfile.TemporaryFile(dir=tokens_file.parent) as raw:
+        for doc in tqdm(documents, total=total, desc="tokenizing", unit="doc", disable=not progress):
+            ids = np.asarray(tokenizer.encode(doc), dtype=np.int64)
+            if ids.size and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
+                raise ValueError(f"tokenizer produced ids outside [0, {tokenizer.vocab_size})")
+            doc_starts.append(n_tokens)
+            raw.write(ids.astype(dtype).tobytes())
+            n_tokens += ids.size
+        if not doc_starts:
+            raise ValueError("documents must not be empty")
+        raw.seek(0)
+        header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (n_tokens,)}
+        partial = tokens_file.with_name(tokens_file.name + ".partial")
+        with open(partial, "wb") as out:
+            np.lib.format.write_array_header_1_0(out, header)
+            shutil.copyfileobj(raw, out)
+        os.replace(partial, tokens_file)
+    np.save(docs_file, np.asarray(doc_starts, dtype=np.int64))
+    return load_corpus(path)
+
+
+def load_corpus(path: str | Path) -> TokenizedCorpus:
+    """The corpus that `tokenize_corpus(…, path)` wrote, tokens memory-mapped read-only."""
+    tokens_file, docs_file = corpus_files(path)
+    for file in (tokens_file, docs_file):
+        if not file.is_file():
+            raise FileNotFoundError(f"no tokenized corpus at {path}: {file} is missing")
+    return TokenizedCorpus(np.load(tokens_file, mmap_mode="r"), np.load(docs_file))
+
+
+class PackedSequences:
+    """Sequences of seq_len + 1 consecutive tokens: item i is [seq_len + 1] int64, inputs = [:-1], targets = [1:].
+
+    Consecutive sequences overlap by one token (the last target of one is the first input of the next), so
+    every token but a document's first is a target exactly once. Without `cross_documents` no sequence spans
+    two documents, and each document's tail that cannot fill a sequence is dropped (`dropped_tokens`
+    counts them); with it, the documents form one stream and only the stream's tail is dropped.
+
+    tokens: [N] integer ids (a numpy memmap stays on disk); doc_starts: [n_documents] offsets into tokens,
+    non-decreasing, the first 0.
+    """
+
+    def __init__(self, tokens, doc_starts, seq_len: int, cross_documents: bool = False):
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+            raise ValueError(f"seq_len must be an integer >= 1, got {seq_len!r}")
+        self.tokens = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
+        starts = np.asarray(doc_starts, dtype=np.int64)
+        if self.tokens.ndim != 1 or starts.ndim != 1:
+            raise ValueError(f"tokens and doc_starts must be 1-D, got shapes {self.tokens.shape} and {starts.shape}")
+        n = len(self.tokens)
+        if len(starts) == 0 or starts[0] != 0 or np.any(np.diff(starts) < 0) or starts[-1] > n:
+            raise ValueError(f"doc_starts must be non-decreasing offsets in [0, {n}] starting at 0")
+        self.seq_len = seq_len
+        self.cross_documents = cross_documents
+        window = seq_len + 1
+        if cross_documents:
+            starts, ends = np.zeros(1, dtype=np.int64), np.full(1, n, dtype=np.int64)
+        else:
+            ends = np.append(starts[1:], n)
+        lengths = ends - starts
+        counts = np.where(lengths >= window, (lengths - 1) // seq_len, 0)
+        if counts.sum() == 0:
+            if cross_documents:
+                raise ValueError(f"the token stream has {n} tokens, fewer than seq_len+1={window}")
+            raise ValueError(f"no document has seq_len+1={window} tokens (the longest has {int(lengths.max())})")
+        used = np.where(counts > 0, counts * seq_len + 1, 0)
+        self.dropped_tokens = int((lengths - used).sum())
+        keep = counts > 0
+        self._starts = starts[keep]
+        self._first_index = np.cumsum(counts[keep]) - counts[keep]
+        self._len = int(counts.sum())
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if not -self._len <= index < self._len:
+            raise IndexError(f"index {index} out of range for {self._len} sequences")
+        index %= self._len
+        doc = int(np.searchsorted(self._first_index, index, side="right")) - 1
+        start = int(self._starts[doc]) + (index - int(self._first_index[doc])) * self.seq_len
+        # np.array copies, so a caller editing the tensor in place never writes into the corpus.
+        return torch.from_numpy(np.array(self.tokens[start:start + self.seq_len + 1], dtype=np.int64))
+
+
+class SequenceLoader:
+    """Batches [batch_size, seq_len + 1] int64 of a PackedSequences-like dataset, shuffled, sharded, resumable.
+
+    Epoch e visits the dataset in the order `torch.randperm(len, generator=Generator().manual_seed(seed + e))`
+    (in index order when shuffle=False), the same on every rank; rank r takes every world_size-th index
+    of it, so ranks see disjoint sequences. The order is trimmed to a multiple of world_size (and, with
+    drop_last, of world_size * batch_size) so every rank takes the same number of steps per epoch.
+
+    Iterating the loader yields batches forever, epoch after epoch; `epoch_batches()` yields the rest of the
+    current epoch. `state_dict()` records (epoch, position) after the batches already taken.
+    """
+
+    def __init__(self, dataset, batch_size: int, seed: int = 0, shuffle: bool = True, rank: int = 0,
+                 world_size: int = 1, drop_last: bool = True):
+        for name, value, low in (("batch_size", batch_size, 1), ("world_size", world_size, 1), ("seed", seed, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be an integer in [0, world_size={world_size}), got {rank!r}")
+        self.dataset = dataset
+        self.batch_size, self.seed, self.shuffle = batch_size, seed, shuffle
+        self.rank, self.world_size, self.drop_last = rank, world_size, drop_last
+        per_rank = len(dataset) // world_size
+        self.batches_per_epoch = per_rank // batch_size if drop_last else -(-per_rank // batch_size)
+        if self.batches_per_epoch == 0:
+            raise ValueError(f"the dataset has {len(dataset)} sequences, too few for one batch of "
+                             f"batch_size={batch_size} on each of world_size={world_size} ranks")
+        self.per_rank = self.batches_per_epoch * batch_size if drop_last else per_rank
+        self.epoch = 0
+        self.position = 0
+        self._order_epoch, self._order = -1, torch.empty(0, dtype=torch.int64)
+
+    def _rank_order(self) -> torch.Tensor:
+        """[per_rank] dataset indices of this rank for the current epoch."""
+        if self._order_epoch != self.epoch:
+            n = len(self.dataset)
+            if self.shuffle:
+                generator = torch.Generator().manual_seed(self.seed + self.epoch)
+                order = torch.randperm(n, generator=generator)
+            else:
+                order = torch.arange(n)
+            self._order = order[: self.per_rank * self.world_size][self.rank::self.world_size]
+            self._order_epoch = self.epoch
+        return self._order
+
+    def next_batch(self) -> torch.Tensor:
+        """The next batch, [B, seq_len + 1] int64; B is batch_size except maybe at an epoch's end without drop_last."""
+        indices = self._rank_order()[self.position * self.batch_size:(self.position + 1) * self.batch_size]
+        # Advance before returning, so a state_dict taken after this batch resumes at the one after it.
+        self.position += 1
+        if self.position == self.batches_per_epoch:
+            self.epoch, self.position = self.epoch + 1, 0
+        return torch.stack([self.dataset[int(i)] for i in indices])
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        while True:
+            yield self.next_batch()
+
+    def epoch_batches(self) -> Iterator[torch.Tensor]:
+        """The batches left in the current epoch (all of them at its start)."""
+        epoch = self.epoch
+        while self.epoch == epoch:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "batch_size": self.batch_size,
+                "world_size": self.world_size, "shuffle": self.shuffle, "drop_last": self.drop_last,
+                "n_sequences": len(self.dataset)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume where `state` was taken; the loader must be configured as the one that produced it."""
+        mine = self.state_dict()
+        for key in ("seed", "batch_size", "world_size", "shuffle", "drop_last", "n_sequences"):
+            if state[key] != mine[key]:
+                raise ValueError(f"state {key}={state[key]!r} does not match this loader's {key}={mine[key]!r}; "
+                                 "resuming would give different batches")
+        if not 0 <= state["position"] < self.batches_per_epoch:
+            raise ValueError(f"state position must lie in [0, {self.batches_per_epoch}), got {state['position']}")
+        self.epoch, self.position = state["epoch"], state["position"]

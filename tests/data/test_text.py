@@ -1,0 +1,242 @@
+"""Document loaders on folders built here, their errors, and the real shared data when it is present."""
+
+from __future__ import annotations
+
+import re
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from piattn.data.text import (
+    book_files,
+    books_documents,
+    hf_documents,
+    load_documents,
+    strip_gutenberg_boilerplate,
+    text_documents,
+    wikitext_documents,
+)
+
+SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+needs_shared_data = pytest.mark.skipif(not (SHARED_DATA / "README.md").is_file(),
+                                       reason=f"shared data folder {SHARED_DATA} is absent (only on dev machines/CI)")
+
+
+def write(path: Path, text: str | bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text, encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def pg19(tmp_path):
+    for split, names in {"train": ["b", "a", "c"], "validation": ["v"], "test": ["t1", "t2"]}.items():
+        for name in names:
+            write(tmp_path / split / f"{name}.txt", f"{split} book {name}\n")
+    write(tmp_path / "train" / "notes.md", "not a document")
+    return tmp_path
+
+
+def test_pg19_layout_splits_in_sorted_order(pg19):
+    assert list(text_documents(pg19, "train")) == [f"train book {n}\n" for n in "abc"]
+    assert list(text_documents(pg19, "validation")) == ["validation book v\n"]
+    assert list(text_documents(pg19, "valid")) == ["validation book v\n"]
+    assert list(load_documents(str(pg19), "test")) == ["test book t1\n", "test book t2\n"]
+
+
+def test_documents_are_reiterable_and_sized(pg19):
+    docs = text_documents(pg19, "train")
+    assert docs.size_hint == 3
+    assert list(docs) == list(docs)
+
+
+def test_folder_of_files_without_split(tmp_path):
+    write(tmp_path / "2.txt", "second")
+    write(tmp_path / "1.txt", "first")
+    write(tmp_path / "blank.txt", " \n\n ")
+    assert list(text_documents(tmp_path)) == ["first", "second"]
+
+
+def test_single_file_is_one_document_with_bom_and_crlf_normalised(tmp_path):
+    file = write(tmp_path / "book.txt", b"\xef\xbb\xbfline one\r\nline two\r\n")
+    assert list(load_documents(str(file))) == ["line one\nline two\n"]
+    with pytest.raises(ValueError, match="split must be None when path is a single file"):
+        text_documents(file, "train")
+
+
+def test_missing_and_empty_paths_fail_naming_the_path(tmp_path):
+    missing = tmp_path / "nowhere"
+    for load in (lambda: text_documents(missing), lambda: wikitext_documents(missing, "test"),
+                 lambda: books_documents(missing, "train"), lambda: load_documents(f"wikitext:{missing}", "test")):
+        with pytest.raises(FileNotFoundError, match=re.escape(str(missing))):
+            load()
+    with pytest.raises(ValueError, match=r"no \.txt files in .*pass split="):
+        text_documents(tmp_path)
+    (tmp_path / "train").mkdir()
+    with pytest.raises(FileNotFoundError, match="no folder for split 'test'"):
+        text_documents(tmp_path, "test")
+    with pytest.raises(ValueError, match="split must be one of"):
+        text_documents(tmp_path, "dev")
+    empty = write(tmp_path / "empty.txt", "\n  \n")
+    with pytest.raises(ValueError, match=f"no documents in {re.escape(str(empty))}"):
+        list(text_documents(empty))
+
+
+# Two articles; an equation inside the second looks like a heading but has text on both sides.
+WIKITEXT = (
+    " \n"
+    " = Alpha = \n"
+    " \n"
+    " Alpha text . \n"
+    " \n"
+    " = = History = = \n"
+    " \n"
+    " Alpha history . \n"
+    " \n"
+    " = Beta = \n"
+    " \n"
+    " Beta text with an equation : \n"
+    " = 1 rad / s and k = \n"
+    " more Beta text . \n"
+)
+ALPHA = " = Alpha = \n \n Alpha text . \n \n = = History = = \n \n Alpha history . \n \n"
+BETA = " = Beta = \n \n Beta text with an equation : \n = 1 rad / s and k = \n more Beta text . \n"
+
+
+def test_wikitext_splits_articles_on_top_level_headings(tmp_path):
+    write(tmp_path / "wiki.valid.raw", WIKITEXT)
+    assert list(wikitext_documents(tmp_path, "validation")) == [ALPHA, BETA]
+    assert list(load_documents(f"wikitext:{tmp_path}", "valid")) == [ALPHA, BETA]
+    assert list(wikitext_documents(tmp_path / "wiki.valid.raw")) == [ALPHA, BETA]
+
+
+@pytest.mark.parametrize("names,chosen", [
+    (["wiki.test.raw", "wiki.test.tokens"], "wiki.test.raw"),
+    (["wiki.test.tokens"], "wiki.test.tokens"),
+    (["test.raw"], "test.raw"),
+    (["test.tokens"], "test.tokens"),
+    (["test.txt"], "test.txt"),
+])
+def test_wikitext_file_names(tmp_path, names, chosen):
+    for name in names:
+        write(tmp_path / name, f" = From {name} = \n")
+    assert list(wikitext_documents(tmp_path, "test")) == [f" = From {chosen} = \n"]
+
+
+def test_wikitext_errors(tmp_path):
+    write(tmp_path / "wiki.train.raw", " = A = \n")
+    with pytest.raises(FileNotFoundError, match="no WikiText 'test' file .*wiki.test.raw"):
+        wikitext_documents(tmp_path, "test")
+    with pytest.raises(ValueError, match="split is required"):
+        wikitext_documents(tmp_path)
+    write(tmp_path / "wiki.valid.raw", " \n \n")
+    with pytest.raises(ValueError, match="no documents in wikitext"):
+        list(wikitext_documents(tmp_path, "valid"))
+
+
+def gutenberg(title: str) -> str:
+    return (f"The Project Gutenberg EBook of {title}\r\nlicence\r\n"
+            f"*** START OF THIS PROJECT GUTENBERG EBOOK {title.upper()} ***\r\n\r\n"
+            f"{title} body.\r\n\r\n"
+            f"*** END OF THIS PROJECT GUTENBERG EBOOK {title.upper()} ***\r\nlicence again\r\n")
+
+
+@pytest.fixture
+def fake_books(tmp_path):
+    names = ["treasure_island_pg120", "huckleberry_finn_pg76", "adventures_of_sherlock_holmes_pg1661",
+             "frankenstein_pg84", "emma_pg158", "dracula_pg345"]
+    for name in names:
+        write(tmp_path / f"{name}.txt", gutenberg(name))
+    write(tmp_path / "SOURCES.txt", "where the books came from")
+    return tmp_path
+
+
+def test_books_split_as_the_readme_fixes_it(fake_books):
+    names = {split: [f.name for f in book_files(fake_books, split)] for split in ("train", "valid", "test")}
+    assert names == {
+        "train": ["dracula_pg345.txt", "emma_pg158.txt"],
+        "valid": ["huckleberry_finn_pg76.txt", "treasure_island_pg120.txt"],
+        "test": ["adventures_of_sherlock_holmes_pg1661.txt", "frankenstein_pg84.txt"],
+    }
+    assert list(load_documents(f"books:{fake_books}", "train")) == ["dracula_pg345 body.", "emma_pg158 body."]
+    raw = list(books_documents(fake_books, "test", strip_boilerplate=False))
+    assert raw[1] == gutenberg("frankenstein_pg84").replace("\r\n", "\n")
+
+
+def test_books_errors(fake_books):
+    write(fake_books / "emma_pg158.txt", "no markers")
+    with pytest.raises(ValueError, match="emma_pg158.txt: text has no"):
+        list(books_documents(fake_books, "train"))
+    (fake_books / "frankenstein_pg84.txt").unlink()
+    with pytest.raises(FileNotFoundError, match="lacks the held-out books"):
+        book_files(fake_books, "train")
+
+
+def test_strip_gutenberg_boilerplate_keeps_only_the_body():
+    assert strip_gutenberg_boilerplate(gutenberg("Emma").replace("\r\n", "\n")) == "Emma body."
+
+
+def test_hf_documents_without_datasets_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(ImportError, match="pip install datasets"):
+        hf_documents("wikitext", "train")
+
+
+class FakeDataset:
+    column_names = ["text", "label"]
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __iter__(self):
+        return iter(self.rows)
+
+
+def test_hf_documents_reads_rows_through_load_dataset(monkeypatch):
+    calls = []
+
+    def load_dataset(name, config, split):
+        calls.append((name, config, split))
+        return FakeDataset([{"text": "one", "label": 0}, {"text": " ", "label": 1}, {"text": "two", "label": 2}])
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    assert list(load_documents("hf:some/corpus:cfg", "train")) == ["one", "two"]
+    assert calls == [("some/corpus", "cfg", "train")]
+    with pytest.raises(ValueError, match=r"text_field must be a column of 'x', one of \['text', 'label'\]"):
+        hf_documents("x", "train", text_field="body")
+
+
+@needs_shared_data
+def test_shared_books_split_matches_the_readme():
+    readme = (SHARED_DATA / "README.md").read_text(encoding="utf-8")
+    listed = {m.group(1): re.findall(r"`([^`]+)`", m.group(2))
+              for m in re.finditer(r"^- (valid|test): (.*)$", readme, re.MULTILINE)}
+    books = SHARED_DATA / "books"
+    everything = {f.name for f in books.iterdir()} - {"SOURCES.txt"}
+    expected = {"validation": set(listed["valid"]), "test": set(listed["test"]),
+                "train": everything - set(listed["valid"]) - set(listed["test"])}
+    for split, names in expected.items():
+        assert {f.name for f in book_files(books, split)} == names
+    assert len(expected["validation"]) == len(expected["test"]) == 2 and len(expected["train"]) >= 10
+    docs = list(books_documents(books, "test"))
+    assert len(docs) == 2
+    for doc in docs:
+        assert "*** START OF" not in doc and "*** END OF" not in doc
+        assert "\r" not in doc and not doc.startswith("\ufeff") and len(doc) > 100_000
+
+
+@needs_shared_data
+@pytest.mark.parametrize("split", ["valid", "test"])
+def test_shared_wikitext2_has_sixty_articles_per_held_out_split(split):
+    # WikiText-2 (Merity et al. 2016) has 60 articles in validation and 60 in test.
+    docs = list(wikitext_documents(SHARED_DATA / "wikitext-2", split))
+    assert len(docs) == 60
+    assert all(re.match(r" = [^=].* = \n", doc) for doc in docs)
