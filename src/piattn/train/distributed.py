@@ -81,11 +81,6 @@ def wrap(model: nn.Module, ctx: DistContext) -> nn.Module:
     return nn.parallel.DistributedDataParallel(model, device_ids=ids)
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain model inside a DDP wrapper (the one to save and evaluate)."""
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-
-
 def sync_gradients(model: nn.Module, sync: bool):
     """Context for one micro step's backward: DDP all-reduces gradients only when `sync` (the last micro step)."""
     if sync or not isinstance(model, nn.parallel.DistributedDataParallel):

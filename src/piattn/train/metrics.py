@@ -1,12 +1,14 @@
 """Where training numbers go: `metrics.jsonl` in the run directory, TensorBoard when it is installed.
 
 One JSON object per line, with `step`, `split` ("train" or an evaluation split) and the values. A resumed
-run appends to the same file, so the lines of a run interrupted and resumed read as one run.
+run first drops the records of steps after its checkpoint (logged by the run it continues, then lost) and
+appends, so the lines of a run interrupted and resumed read as one run.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -26,14 +28,22 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class MetricsWriter:
-    """Append metrics records to `run_dir/metrics.jsonl` (and TensorBoard), on the writing rank only."""
+    """Append metrics records to `run_dir/metrics.jsonl` (and TensorBoard), on the writing rank only.
 
-    def __init__(self, run_dir: Path, enabled: bool = True):
+    after_step: the step training continues from; records of later steps already in the file are dropped.
+    """
+
+    def __init__(self, run_dir: Path, enabled: bool = True, after_step: int = 0):
         self.enabled = enabled
         self.path = run_dir / METRICS_FILE
         self.tensorboard = None
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
+            if self.path.exists():
+                kept = [r for r in read_metrics(run_dir) if r["step"] <= after_step]
+                tmp = self.path.with_name(self.path.name + ".tmp")
+                tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+                os.replace(tmp, self.path)
             self._file = self.path.open("a")
             self.tensorboard = _tensorboard_writer(run_dir / "tensorboard")
 

@@ -72,14 +72,11 @@ def warmup_cosine(optimizer: torch.optim.Optimizer, *, peak: float, minimum: flo
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def clip_gradients(parameters, max_norm: float) -> float:
+def clip_gradients(parameters, max_norm: float) -> torch.Tensor:
     """Scale all gradients together so their global ℓ2 norm is at most `max_norm` (<= 0: no clipping).
 
-    Returns the norm before clipping, for logging.
+    Returns the norm before clipping as a 0-d tensor (reading it waits for the device, so callers read
+    it only when they log it).
     """
     params = [p for p in parameters if p.grad is not None]
-    if max_norm > 0:
-        return float(nn.utils.clip_grad_norm_(params, max_norm))
-    if not params:
-        return 0.0
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params])))
+    return nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)

@@ -1,0 +1,88 @@
+"""`piattn eval`: score a checkpoint on a split; prints the metrics as JSON and writes them to a file.
+
+    piattn eval --checkpoint runs/pi-tiny --split test
+    {"loss": …, "bpb": …, "perplexity": …, "tokens": …, "tokens_per_second": …, …}
+
+For language models: loss in nats per token, bits per byte of the evaluated text (total nats / (ln 2 ·
+its UTF-8 bytes)), perplexity per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+from . import checkpoint as ckpt
+from .distributed import DEVICES, DistContext, setup, teardown
+from .loop import PRECISIONS, autocast, autocast_dtype
+from .tasks import task_class
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, help="a run directory (its latest checkpoint) or a checkpoint folder")
+    p.add_argument("--data", help="text source to score (default: the one the model was trained on)")
+    p.add_argument("--split", default="test", help="train, validation (valid) or test")
+    p.add_argument("--batches", type=int, default=0, help="batches per process to score (0: the whole split)")
+    p.add_argument("--batch-size", type=int, help="sequences per batch (default: the training micro batch)")
+    p.add_argument("--cache-dir", help="where tokenized corpora are cached (default: the run's cache)")
+    p.add_argument("--device", default="auto", help=f"one of {list(DEVICES)} or cuda:N")
+    p.add_argument("--precision", default="auto", help=f"one of {list(PRECISIONS)}")
+    p.add_argument("--output", help="JSON file to write (default: RUN/eval/<checkpoint>_<split>[_<data>].json)")
+
+
+def run_dir_of(checkpoint: Path) -> Path:
+    """The run directory a checkpoint folder belongs to (runs/NAME for runs/NAME/checkpoints/step_…)."""
+    return checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
+
+
+def default_name(checkpoint: Path, args: argparse.Namespace) -> str:
+    """`step_…_<split>.json`, with the data source appended when it is not the training one."""
+    data = "" if args.data is None else "_" + re.sub(r"[^A-Za-z0-9.]+", "-", args.data).strip("-")[-48:]
+    return f"{checkpoint.name}_{args.split}{data}.json"
+
+
+def evaluate_checkpoint(args: argparse.Namespace, ctx: DistContext) -> dict:
+    """Metrics of the checkpoint `args.checkpoint` on `args.split` of `args.data` (or its training data)."""
+    if args.batches < 0:
+        raise ValueError(f"--batches must be >= 0 (0: the whole split), got {args.batches}")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    folder = ckpt.resolve_checkpoint(args.checkpoint)
+    config = ckpt.read_config(folder)
+    train_args = argparse.Namespace(**config["train_args"])
+    train_args.progress = False
+    for name in ("data", "batch_size", "cache_dir"):
+        if getattr(args, name) is not None:
+            setattr(train_args, name, getattr(args, name))
+    amp = autocast_dtype(args.precision, ctx.device)
+    task = task_class(config["task"]).from_args(train_args, run_dir_of(folder), ctx, checkpoint=folder)
+    model = task.build_model()
+    ckpt.load_weights(model, folder)
+    model.to(ctx.device)
+    start = time.perf_counter()
+    with autocast(ctx.device, amp):
+        metrics = task.evaluate(model, args.split, args.batches)
+    return {"checkpoint": str(folder), "step": config["step"], "data": train_args.data, "split": args.split,
+            **metrics, "seconds": time.perf_counter() - start}
+
+
+def run(args: argparse.Namespace) -> int:
+    ctx = setup(args.device)
+    try:
+        result = evaluate_checkpoint(args, ctx)
+    finally:
+        teardown(ctx)
+    if not ctx.is_main:  # under torchrun every rank scores its share; rank 0 reports
+        return 0
+    folder = Path(result["checkpoint"])
+    output = Path(args.output) if args.output else run_dir_of(folder) / "eval" / default_name(folder, args)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(result, indent=2)
+    output.write_text(text + "\n")
+    print(text)
+    print(f"written to {output}", file=sys.stderr)
+    return 0

@@ -1,0 +1,262 @@
+"""The training loop: micro steps with gradient accumulation, clipping, AdamW, logging, evaluation, checkpoints.
+
+One optimiser step takes `grad_accum` micro batches of `batch_size` sequences on each of `world_size`
+ranks. Everything a step depends on (weights, optimiser and scheduler state, loader position, every random
+generator) is in its checkpoint, so a resumed run repeats the uninterrupted one exactly on the same machine.
+When the loop is left by an exception or Ctrl-C, rank 0 first saves the state at the last completed step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import random
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import piattn
+
+from . import checkpoint as ckpt
+from .distributed import DistContext, all_reduce_sum, setup, sync_gradients, teardown, wrap
+from .metrics import MetricsWriter, peak_memory_bytes
+from .optim import build_optimizer, clip_gradients, warmup_cosine
+from .tasks import MODEL_OVERRIDES, task_class
+
+PRECISIONS = ("auto", "fp32", "bf16")
+# Arguments that decide what a run computes: resuming with other values would not continue the same run.
+RUN_DEFINING = ("task", "config", "attention", *MODEL_OVERRIDES, "data", "tokenizer", "vocab_size", "seq_len",
+                "batch_size", "grad_accum", "seed", "dropout", "cross_documents", "lr", "min_lr", "warmup",
+                "weight_decay", "clip")
+
+MicroStepHook = Callable[[int, int], None]
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype of `--precision` on `device`: bf16, or None for plain fp32.
+
+    auto: bf16 on a CUDA device that supports it, fp32 otherwise (CPU included).
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"--precision must be one of {list(PRECISIONS)}, got {precision!r}")
+    bf16_ok = device.type == "cpu" or torch.cuda.is_bf16_supported()
+    if precision == "bf16" and not bf16_ok:
+        raise ValueError(f"--precision bf16 is not supported on {torch.cuda.get_device_name(device)}; use fp32")
+    if precision == "bf16" or (precision == "auto" and device.type == "cuda" and bf16_ok):
+        return torch.bfloat16
+    return None
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """Mixed-precision context for forward passes (nothing for fp32)."""
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's (CPU and every CUDA device) global generators."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def run_config(args: argparse.Namespace, task, ctx: DistContext) -> dict:
+    """The config.json of a checkpoint: task, model config, training arguments, world size, versions."""
+    train_args = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                  if not k.startswith("_") and k != "command"}
+    return {"task": task.name, "model": task.model_config.to_dict(), "train_args": train_args,
+            "world_size": ctx.world_size, "versions": {"piattn": piattn.__version__, "torch": torch.__version__}}
+
+
+def _check_resumable(args: argparse.Namespace, saved: dict) -> None:
+    differing = [f"--{k.replace('_', '-')}: checkpoint {saved.get(k)!r}, now {getattr(args, k)!r}"
+                 for k in RUN_DEFINING if saved.get(k) != getattr(args, k)]
+    if differing:
+        raise ValueError("--resume needs the arguments the run started with; these differ: " + "; ".join(differing))
+
+
+class Trainer:
+    """One training run in `args.out`, fresh or resumed from its latest checkpoint."""
+
+    def __init__(self, args: argparse.Namespace, ctx: DistContext, on_micro_step: MicroStepHook | None = None):
+        self.args, self.ctx, self.on_micro_step = args, ctx, on_micro_step
+        self.run_dir = Path(args.out)
+        self.ckpt_root = self.run_dir / "checkpoints"
+        resume_from = self._resume_point()
+        self.amp_dtype = autocast_dtype(args.precision, ctx.device)
+        seed_everything(args.seed)
+        self.task = task_class(args.task).from_args(args, self.run_dir, ctx, checkpoint=resume_from)
+        self.model = self.task.build_model().to(ctx.device)
+        if resume_from is not None:
+            ckpt.load_weights(self.model, resume_from)
+        if ctx.rank:  # the same initial weights everywhere (DDP broadcasts rank 0's), different dropout masks
+            seed_everything(args.seed + ctx.rank)
+        self.ddp_model = wrap(self.model, ctx)
+        self.optimizer = build_optimizer(self.model, args.lr, args.weight_decay)
+        self.scheduler = warmup_cosine(self.optimizer, peak=args.lr, minimum=args.min_lr, warmup=args.warmup,
+                                       total=args.steps)
+        self.loader = self.task.train_loader()
+        self.step, self.tokens_seen, self.wall_seconds = 0, 0, 0.0
+        self.resumed_from = resume_from
+        if resume_from is not None:
+            self._load_state(ckpt.load_trainer_state(resume_from))
+        self.config = run_config(args, self.task, ctx)
+
+    def _resume_point(self) -> Path | None:
+        latest = ckpt.read_latest(self.ckpt_root)
+        if not self.args.resume:
+            if latest is not None or ckpt.list_checkpoints(self.ckpt_root):
+                raise ValueError(f"--out {self.run_dir} already holds checkpoints; pass --resume to continue "
+                                 "that run, or choose another --out")
+            return None
+        if latest is None:
+            return None
+        _check_resumable(self.args, ckpt.read_config(latest)["train_args"])
+        return latest
+
+    def _load_state(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        try:
+            self.loader.load_state_dict(state["loader"])
+        except ValueError as err:
+            raise ValueError(f"--resume: the data loader cannot continue ({err})") from None
+        self.step, self.tokens_seen, self.wall_seconds = state["step"], state["tokens_seen"], state["wall_seconds"]
+        rngs = state["rng"]
+        if len(rngs) == self.ctx.world_size:
+            ckpt.restore_rng(rngs[self.ctx.rank])
+        elif self.ctx.is_main:  # a checkpoint written after a failure holds rank 0's generators only
+            ckpt.restore_rng(rngs[0])
+        else:  # fresh, still distinct per rank (not a bit-exact continuation)
+            seed_everything(self.args.seed + self.ctx.rank + self.ctx.world_size * self.step)
+
+    def _boundary(self) -> dict:
+        """What, beyond weights and optimiser, the state after the last completed step consists of."""
+        return {"step": self.step, "loader": self.loader.state_dict(), "rng": ckpt.capture_rng(),
+                "tokens_seen": self.tokens_seen, "wall_seconds": self.wall_seconds}
+
+    def _save(self, boundary: dict, rng_of_all_ranks: bool) -> Path | None:
+        """Rank 0 writes the checkpoint of `boundary`; with `rng_of_all_ranks` every rank must call this."""
+        rngs = [boundary["rng"]]
+        if rng_of_all_ranks and self.ctx.distributed:
+            # As bytes: all_gather_object cannot carry the tensors inside an RNG state (torch 2.13).
+            buffer = io.BytesIO()
+            torch.save(boundary["rng"], buffer)
+            gathered = [None] * self.ctx.world_size
+            dist.all_gather_object(gathered, buffer.getvalue())
+            rngs = [torch.load(io.BytesIO(b), weights_only=True) for b in gathered]
+        if not self.ctx.is_main:
+            return None
+        state = {**boundary, "rng": rngs, "optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict(), "world_size": self.ctx.world_size}
+        return ckpt.save_checkpoint(self.ckpt_root, boundary["step"], model=self.model, trainer_state=state,
+                                    config={**self.config, "step": boundary["step"]},
+                                    save_assets=self.task.save_assets, keep=self.args.keep)
+
+    def _train_step(self) -> tuple[torch.Tensor, torch.Tensor, float, int]:
+        """One optimiser step over grad_accum micro batches.
+
+        Returns (mean loss, grad norm before clipping, the LR used, tokens this rank processed).
+        """
+        accum = self.args.grad_accum
+        total, tokens = torch.zeros((), device=self.ctx.device), 0
+        for micro in range(accum):
+            if self.on_micro_step is not None:
+                self.on_micro_step(self.step, micro)
+            batch = self.loader.next_batch()
+            # DDP all-reduces gradients only on the last micro step; the others accumulate locally.
+            with sync_gradients(self.ddp_model, micro == accum - 1):
+                with autocast(self.ctx.device, self.amp_dtype):
+                    loss, n_tokens = self.task.loss(self.ddp_model, batch)
+                (loss / accum).backward()
+            total += loss.detach()
+            tokens += n_tokens
+        grad_norm = clip_gradients(self.model.parameters(), self.args.clip)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return total / accum, grad_norm, lr, tokens
+
+    def evaluate(self, split: str = "validation") -> dict:
+        """Metrics of the current model on `split` (`--eval-batches` batches per rank)."""
+        with autocast(self.ctx.device, self.amp_dtype):
+            return self.task.evaluate(self.model, split, self.args.eval_batches)
+
+    def run(self) -> dict:
+        """Train to `--steps`; returns the last training and validation metrics and the final checkpoint."""
+        a, ctx = self.args, self.ctx
+        if ctx.is_main:
+            start = f"resumed from {self.resumed_from} at step {self.step}" if self.resumed_from else "fresh start"
+            print(f"piattn train: {self.task.name}, {sum(p.numel() for p in self.model.parameters()):,} parameters, "
+                  f"{ctx.world_size} × {ctx.device}, "
+                  f"{self.amp_dtype or torch.float32}; {start}", file=sys.stderr)
+        metrics = MetricsWriter(self.run_dir, enabled=ctx.is_main, after_step=self.step)
+        bar = tqdm(total=a.steps, initial=self.step, unit="step", dynamic_ncols=True,
+                   disable=not (ctx.is_main and a.progress))
+        summary: dict = {}
+        boundary = self._boundary()
+        wall_start, wall_base = time.perf_counter(), self.wall_seconds
+        # Throughput over each logging interval, the time spent evaluating and saving taken out.
+        interval_start, interval_tokens, interval_paused = time.perf_counter(), 0, 0.0
+        try:
+            while self.step < a.steps:
+                loss, grad_norm, lr, tokens = self._train_step()
+                self.tokens_seen += tokens * ctx.world_size  # every rank takes batches of one shape
+                interval_tokens += tokens * ctx.world_size
+                self.wall_seconds = wall_base + time.perf_counter() - wall_start
+                boundary = self._boundary()
+                bar.update(1)
+                if self.step % a.log_every == 0 or self.step == a.steps:
+                    seconds = time.perf_counter() - interval_start - interval_paused
+                    (loss_sum,) = all_reduce_sum([float(loss)], ctx)
+                    record = {"loss": loss_sum / ctx.world_size, "grad_norm": float(grad_norm),
+                              "lr": lr,
+                              "tokens_per_second": interval_tokens / seconds,
+                              "tokens": self.tokens_seen, "wall_seconds": self.wall_seconds,
+                              "peak_memory_bytes": peak_memory_bytes(ctx.device)}
+                    metrics.log(self.step, "train", record)
+                    bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_second']:,.0f}")
+                    summary["train"] = record
+                    interval_start, interval_tokens, interval_paused = time.perf_counter(), 0, 0.0
+                paused_from = time.perf_counter()
+                if a.eval_every and (self.step % a.eval_every == 0 or self.step == a.steps):
+                    result = self.evaluate()
+                    metrics.log(self.step, "validation", {**result, "wall_seconds": self.wall_seconds})
+                    if ctx.is_main:
+                        shown = ", ".join(f"{k} {v:.4f}" for k, v in result.items() if isinstance(v, float))
+                        bar.write(f"step {self.step}: validation {shown}", file=sys.stderr)
+                    summary["validation"] = result
+                if (a.save_every and self.step % a.save_every == 0) or self.step == a.steps:
+                    summary["checkpoint"] = self._save(boundary, rng_of_all_ranks=True)
+                interval_paused += time.perf_counter() - paused_from
+        except BaseException:
+            # Only rank 0 writes, from its own state: other ranks may be stuck in a collective by now.
+            if ctx.is_main and boundary["step"] > 0:
+                try:
+                    path = self._save(boundary, rng_of_all_ranks=False)
+                    print(f"piattn train: interrupted; saved step {boundary['step']} to {path}", file=sys.stderr)
+                except Exception as err:  # the original error matters more than the failed save
+                    print(f"piattn train: could not save after the interruption: {err}", file=sys.stderr)
+            raise
+        finally:
+            bar.close()
+            metrics.close()
+        summary["step"] = self.step
+        return summary
+
+
+def train(args: argparse.Namespace, on_micro_step: MicroStepHook | None = None) -> dict:
+    """Run `piattn train` with parsed arguments; `on_micro_step(step, micro)` is called before each micro batch."""
+    ctx = setup(args.device)
+    try:
+        return Trainer(args, ctx, on_micro_step).run()
+    finally:
+        teardown(ctx)
