@@ -12,6 +12,7 @@ COMMANDS = {
     "demo": ("piattn.demo", "the main job on built-in data: analysis, then a quick backend comparison"),
     "train": ("piattn.train.cli", "train a model (language modelling) with checkpoints and exact resume"),
     "eval": ("piattn.train.evaluate", "score a checkpoint: loss, bits per byte, perplexity"),
+    "generate": ("piattn.decoding.cli", "continue a prompt with a trained language model, streaming tokens"),
 }
 
 

@@ -51,11 +51,12 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def stream(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
-               top_p: float | None = None, seed: int | None = None) -> Iterator[torch.Tensor]:
+               top_p: float | None = None, seed: int | None = None, cache: Cache | None = None
+               ) -> Iterator[torch.Tensor]:
         """Yields each new token, int64 [B], as it is produced from prompt idx [B, T] (T >= 1).
 
-        The prompt goes through the cache in one forward; each later step feeds one token. Call in eval
-        mode for deterministic logits (dropout stays as the module is set).
+        The prompt goes through the cache (a fresh one unless `cache` is given) in one forward; each later
+        step feeds one token. Call in eval mode for deterministic logits (dropout stays as the module is set).
         """
         if idx.dim() != 2 or idx.shape[1] < 1:
             raise ValueError(f"idx must be a non-empty [B, T] prompt, got shape {tuple(idx.shape)}")
@@ -64,12 +65,13 @@ class GPT(nn.Module):
         generator = None
         if seed is not None:
             generator = torch.Generator(idx.device).manual_seed(seed)
-        cache = self.init_cache(idx.shape[0])
+        cache = self.init_cache(idx.shape[0]) if cache is None else cache
         logits = self(idx, cache)[:, -1]
-        for _ in range(max_new_tokens):
+        for step in range(max_new_tokens):
             token = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
             yield token
-            logits = self(token[:, None], cache)[:, -1]
+            if step + 1 < max_new_tokens:  # the last token is never fed back
+                logits = self(token[:, None], cache)[:, -1]
 
     def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> torch.Tensor:
