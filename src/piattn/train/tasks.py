@@ -1,9 +1,8 @@
 """Training tasks: what a run learns, behind one small interface the training loop and `piattn eval` share.
 
 A Task builds its model (config first), gives a resumable loader of training batches, computes the loss
-of a batch and evaluates a split. `TASKS` maps `--task` names to Task classes; `lm` (causal language
-modelling) is the one implemented, and the Long Range Arena tasks plug in beside it under the names of
-`PLANNED_TASKS`.
+of a batch and evaluates a split. `TASKS` maps `--task` names to Task classes: `lm` (causal language
+modelling) here, and the classification tasks of `classification` (listops, pathfinder, retrieval, reach).
 """
 
 from __future__ import annotations
@@ -29,10 +28,9 @@ from ..models import GPT, SIZES, GPTConfig, ModelConfig
 from .checkpoint import read_config
 from .distributed import DistContext, all_reduce_sum, barrier
 
-PLANNED_TASKS = ("listops", "pathfinder", "retrieval", "reach")
 TOKENIZER_DIR = "tokenizer"
 # Training arguments that, when given, override the GPTConfig field of the same name.
-MODEL_OVERRIDES = ("window", "period", "variant", "n_layer", "n_head", "d_model", "d_ff", "backend")
+MODEL_OVERRIDES = ("window", "period", "variant", "prior", "n_layer", "n_head", "d_model", "d_ff", "backend")
 
 
 class BatchLoader(Protocol):
@@ -244,5 +242,8 @@ def task_class(name: str) -> type[Task]:
     """The Task class registered under `name` (the `--task` flag)."""
     if name in TASKS:
         return TASKS[name]
-    planned = f" ({name!r} is planned, not implemented yet)" if name in PLANNED_TASKS else ""
-    raise ValueError(f"--task must be one of {sorted(TASKS)}, got {name!r}{planned}")
+    raise ValueError(f"--task must be one of {sorted(TASKS)}, got {name!r}")
+
+
+# Last: the classification tasks subclass Task and add themselves to TASKS when their module loads.
+from . import classification  # noqa: E402, F401
