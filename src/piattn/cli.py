@@ -10,8 +10,8 @@ import sys
 COMMANDS = {
     "reach": ("piattn.analysis.report", "reachability, coverage and minimum depth; writes the figure"),
     "demo": ("piattn.demo", "the main job on built-in data: analysis, then a quick backend comparison"),
-    "train": ("piattn.train.cli", "train a model (language modelling) with checkpoints and exact resume"),
-    "eval": ("piattn.train.evaluate", "score a checkpoint: loss, bits per byte, perplexity"),
+    "train": ("piattn.train.cli", "train a language model or a long-range classifier; checkpoints, exact resume"),
+    "eval": ("piattn.train.evaluate", "score a checkpoint: bits per byte and perplexity, or accuracy"),
     "generate": ("piattn.decoding.cli", "continue a prompt with a trained language model, streaming tokens"),
 }
 

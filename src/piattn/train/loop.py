@@ -34,7 +34,8 @@ PRECISIONS = ("auto", "fp32", "bf16")
 # Arguments that decide what a run computes: resuming with other values would not continue the same run.
 RUN_DEFINING = ("task", "config", "attention", *MODEL_OVERRIDES, "data", "tokenizer", "vocab_size", "seq_len",
                 "batch_size", "grad_accum", "seed", "dropout", "cross_documents", "lr", "min_lr", "warmup",
-                "weight_decay", "clip")
+                "weight_decay", "clip", "train_size", "eval_size", "data_seed", "listops_min_len",
+                "listops_max_len", "image_size", "contour_length", "lag", "reach_vocab", "causal")
 
 MicroStepHook = Callable[[int, int], None]
 
