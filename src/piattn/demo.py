@@ -1,22 +1,35 @@
 """`piattn demo`: the main job on built-in data.
 
 1. The reachability analysis of the paper's default setting (n=48, k=4, π=16, L=6): table and figure.
-2. A quick measured comparison of the operator's backends on this machine: correctness against the
+2. What the long-range key buys: tiny causal `local` and `pi` models trained on the generated reach task
+   (the answer sits exactly `lag` tokens back) at lags on both sides of what each can reach, beside the
+   analysis's prediction; table and figure.
+3. A quick measured comparison of the operator's backends on this machine: correctness against the
    reference first, then fwd+bwd time and peak memory growth, each case in a fresh process.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
+
+import torch
 
 import piattn
 from piattn.analysis.report import format_summary, plot_receptive_field, reach_summary
 from piattn.benchmarking import CHECK_TOLERANCE, error_vs_reference, machine_info, measure_isolated
+from piattn.data.reach import reachable
+
+# The reach task at a size that trains in ~15 s per run on one CPU thread (docs/results.md, reach task):
+# window 2 and 2 layers reach 4 tokens back locally; π = 8 adds lag 8 in one hop. Lag 5 neither reaches.
+REACH = dict(window=2, period=8, layers=2, vocab=4, seq_len=32)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", type=Path, default=Path("runs/demo"), help="folder for the figure")
+    p.add_argument("--out", type=Path, default=Path("runs/demo"), help="folder for the figures and runs")
+    p.add_argument("--lags", type=int, nargs="+", default=[3, 4, 5, 8], help="reach-task lags to train at")
+    p.add_argument("--reach-steps", type=int, default=300, help="training steps per reach-task run")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096], help="sequence lengths to time")
     p.add_argument("--backends", nargs="+", default=["reference", "torch", "sdpa"],
                    choices=[b for b in piattn.BACKENDS if b != "auto"] + ["sdpa"],
@@ -29,8 +42,15 @@ def run(args: argparse.Namespace) -> int:
     path = plot_receptive_field(48, 4, 16, 6, args.out / "receptive_field.png")
     print(f"figure: {path}\n")
 
+    print(f"== 2. What the long-range key buys: reach task, causal, window {REACH['window']}, "
+          f"{REACH['layers']} layers, π = {REACH['period']}, {REACH['vocab']} symbols (chance "
+          f"{1 / REACH['vocab']:.2f}), {args.reach_steps} steps per run")
+    results = reach_runs(args)
+    print(reach_table(results))
+    print(f"figure: {plot_reach(results, args.out / 'reach_accuracy.png')}\n")
+
     info = machine_info()
-    print(f"== 2. Backends on this machine ({info['processor']}, {info['cpu_count']} threads, "
+    print(f"== 3. Backends on this machine ({info['processor']}, {info['cpu_count']} threads, "
           f"torch {info['torch']}): B=1 H=8 D=64 fp32, window=4 period=16, adaptive, fwd+bwd")
     cases = []
     for case in args.backends:
@@ -52,6 +72,81 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(_table(rows))
     return 0
+
+
+def reach_runs(args: argparse.Namespace) -> list[dict]:
+    """Train `local` and `pi` at each lag through `piattn train --task reach`; validation accuracy of each."""
+    from piattn.train.cli import add_arguments as train_arguments
+    from piattn.train.cli import check_arguments
+    from piattn.train.loop import train
+
+    parser = argparse.ArgumentParser()
+    train_arguments(parser)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: one thread beats two competing ones
+    results = []
+    try:
+        for lag in args.lags:
+            for attention in ("local", "pi"):
+                start = time.perf_counter()
+                run_args = parser.parse_args([
+                    "--task", "reach", "--attention", attention, "--lag", str(lag), "--window",
+                    str(REACH["window"]), "--period", str(REACH["period"]), "--n-layer", str(REACH["layers"]),
+                    "--reach-vocab", str(REACH["vocab"]), "--seq-len", str(REACH["seq_len"]), "--d-model", "64",
+                    "--n-head", "2", "--batch-size", "32", "--steps", str(args.reach_steps), "--lr", "3e-3",
+                    "--min-lr", "3e-4", "--warmup", "20", "--dropout", "0", "--weight-decay", "0",
+                    "--eval-every", str(args.reach_steps), "--eval-batches", "0", "--save-every", "0",
+                    "--seed", "0", "--device", "cpu", "--no-progress",
+                    "--out", str(args.out / "reach" / f"{attention}-lag{lag}")])
+                check_arguments(run_args)
+                accuracy = train(run_args)["validation"]["accuracy"]
+                period = REACH["period"] if attention == "pi" else None
+                results.append(dict(lag=lag, attention=attention, accuracy=accuracy,
+                                    seconds=time.perf_counter() - start,
+                                    reachable=reachable(lag, REACH["window"], period, REACH["layers"])))
+                print(f"  {attention:5s} lag {lag:2d}: accuracy {accuracy:.3f} "
+                      f"({results[-1]['seconds']:.0f} s)", flush=True)
+    finally:
+        torch.set_num_threads(threads)
+    return results
+
+
+def reach_table(results: list[dict]) -> str:
+    by = {(r["attention"], r["lag"]): r for r in results}
+    lines = ["| lag | local: reachable | local accuracy | π: reachable | π accuracy |", "|---:|:---:|---:|:---:|---:|"]
+    for lag in sorted({r["lag"] for r in results}):
+        loc, pi = by[("local", lag)], by[("pi", lag)]
+        lines.append(f"| {lag} | {'yes' if loc['reachable'] else 'no'} | {loc['accuracy']:.3f} | "
+                     f"{'yes' if pi['reachable'] else 'no'} | {pi['accuracy']:.3f} |")
+    return "\n".join(lines)
+
+
+def plot_reach(results: list[dict], path: Path) -> Path:
+    """Accuracy against lag per attention kind; hollow markers where the analysis says unreachable."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for attention, colour in (("local", "tab:blue"), ("pi", "tab:orange")):
+        rows = sorted((r for r in results if r["attention"] == attention), key=lambda r: r["lag"])
+        ax.plot([r["lag"] for r in rows], [r["accuracy"] for r in rows], color=colour, label=attention)
+        for r in rows:
+            ax.scatter(r["lag"], r["accuracy"], s=50, color=colour,
+                       facecolors=colour if r["reachable"] else "none", zorder=3)
+    ax.axhline(1 / REACH["vocab"], color="grey", ls=":", label="chance")
+    ax.set_xlabel("lag d (tokens between answer and query)")
+    ax.set_ylabel("validation accuracy")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(f"Reach task, window {REACH['window']}, {REACH['layers']} layers, π = {REACH['period']} "
+                 "(hollow: unreachable)", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def _table(rows: list[dict]) -> str:

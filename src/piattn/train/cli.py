@@ -134,7 +134,8 @@ def resolve_seq_len(args: argparse.Namespace) -> None:
         args.seq_len = LM_SEQ_LEN if args.task == "lm" else CLASSIFICATION_TASKS[args.task].resolve_seq_len(args)
 
 
-def run(args: argparse.Namespace) -> int:
+def check_arguments(args: argparse.Namespace) -> None:
+    """Every check of the parsed flags that needs no data; fills in the task's default --seq-len."""
     check_task_flags(args)
     resolve_seq_len(args)
     check_numbers(args)
@@ -142,6 +143,10 @@ def run(args: argparse.Namespace) -> int:
                                  ("--attention", args.attention, sorted(ATTENTION))):
         if value not in allowed:
             raise ValueError(f"{flag} must be one of {allowed}, got {value!r}")
+
+
+def run(args: argparse.Namespace) -> int:
+    check_arguments(args)
     summary = train(args)
     if summary.get("checkpoint") is not None:  # rank 0, the one that saves, reports
         summary["checkpoint"] = str(summary["checkpoint"])
