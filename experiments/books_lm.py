@@ -83,7 +83,9 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
            "| run | attention | variant | k | π | params | val bpb | test bpb | test ppl (per byte) | tokens/s | "
            "peak RSS MiB | wall s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {r['name']} | {r['attention']} | {r['variant']} | {r['window']} | {r['period']} | "
+        pi = r["attention"] == "pi"  # variant and π mean nothing to the other kinds
+        out.append(f"| {r['name']} | {r['attention']} | {r['variant'] if pi else '–'} | {r['window']} | "
+                   f"{r['period'] if pi else '–'} | "
                    f"{r['params']:,} | {r['val_bpb']:.4f} | {r['test_bpb']:.4f} | {r['test_ppl_byte']:.3f} | "
                    f"{r['tokens_per_s']:.0f} | {r['peak_mib']:.0f} | {r['wall_s']:.0f} |")
     return "\n".join(out) + "\n"
