@@ -6,6 +6,7 @@ memory and wall time from the runs' own metrics. Runs already finished in --runs
 
     python experiments/books_lm.py --books ../shared/data/books --runs runs/books --out docs/books_lm.md
     python experiments/books_lm.py --groups kinds --steps 50 ...        # a quicker subset
+    python experiments/books_lm.py --groups kinds --names local pi --seed 1 --runs runs/books-seed1 ...
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=Path, default=Path("runs/books"))
     parser.add_argument("--out", type=Path, help="markdown table to write (JSON beside it)")
     parser.add_argument("--groups", nargs="+", default=list(GROUPS), choices=list(GROUPS))
+    parser.add_argument("--names", nargs="+", help="only these runs of the chosen groups (e.g. local pi)")
     parser.add_argument("--config", default="tiny")
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--batch-size", type=int, default=4)
@@ -112,6 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for group in args.groups:
         for name, extra in GROUPS[group].items():
+            if args.names and name not in args.names:
+                continue
             run = args.runs / name
             if not list(run.glob("eval/*_test.json")):
                 start = time.perf_counter()
