@@ -51,7 +51,8 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
     out = [f"Budget per run: encoder `tiny` widths with {args.layers} layers, {args.steps} steps of batch "
            f"{args.batch_size}, peak LR {args.lr}, dropout 0, seed {args.seed}; window 4, π 16 (±π, bidirectional). "
            "ListOps: generated, 256 tokens (65–255 per expression), 4,000 training and 500 test examples, "
-           "chance ≈ 0.17 (the most frequent class). Pathfinder: generated 32×32 (1,024 pixels), contour length 6, "
+           "always answering the most frequent training class scores 0.14 on this test split. "
+           "Pathfinder: generated 32×32 (1,024 pixels), contour length 6, "
            "4,000 training and 500 test examples, chance 0.50.", "",
            "| task | attention | test accuracy | final train loss | tokens/s | wall s |", "|---|---|---|---|---|---|"]
     for r in rows:
