@@ -21,19 +21,11 @@ from pathlib import Path
 
 import torch
 
-from piattn.benchmarking import machine_info
+from piattn.benchmarking import machine_info, rss_kib
 from piattn.models import GPT, GPTConfig
 
 KINDS = ("pi", "local", "dense")
 POSITIONS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
-
-
-def rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
 
 
 def fill_cache(cache, position: int, generator: torch.Generator) -> None:
@@ -63,7 +55,7 @@ def run_case(kind: str, position: int, steps: int, config: str) -> dict:
             token = model(token, cache)[:, -1].argmax(-1, keepdim=True)
         elapsed = time.perf_counter() - start
     return dict(kind=kind, position=position, steps=steps, tokens_per_s=steps / elapsed,
-                ms_per_token=1000 * elapsed / steps, cache_mib=cache.nbytes / 2**20, rss_mib=rss_mib())
+                ms_per_token=1000 * elapsed / steps, cache_mib=cache.nbytes / 2**20, rss_mib=rss_kib("VmRSS") / 1024)
 
 
 def markdown(result: dict) -> str:

@@ -19,17 +19,9 @@ from pathlib import Path
 
 import torch
 
-from piattn.benchmarking import machine_info
+from piattn.benchmarking import machine_info, rss_kib
 from piattn.layers import ATTENTION
 from piattn.models import GPT, GPTConfig
-
-
-def peak_rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def run_case(kind: str, context: int, tokens: int, repeats: int, config: str) -> dict:
@@ -53,7 +45,7 @@ def run_case(kind: str, context: int, tokens: int, repeats: int, config: str) ->
     times = [step() for _ in range(repeats)]
     seconds = statistics.median(times)
     return dict(kind=kind, context=context, batch=batch, step_s=seconds, tokens_per_s=batch * context / seconds,
-                peak_rss_mib=peak_rss_mib(), params=model.num_params())
+                peak_rss_mib=rss_kib("VmHWM") / 1024, params=model.num_params())
 
 
 def markdown(result: dict) -> str:

@@ -43,7 +43,8 @@ def error_vs_reference(backend: str) -> float:
     return worst
 
 
-def _rss_kib(field: str) -> int:
+def rss_kib(field: str = "VmRSS") -> int:
+    """A memory figure of this process from /proc/self/status, in KiB: VmRSS (now) or VmHWM (peak)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -89,9 +90,9 @@ def measure(case: str, *, B: int, H: int, T: int, D: int, dtype: torch.dtype = t
     step = functools.partial(step, q, k, v, gate, dy)
     peak_mib = None
     if device == "cpu" and _reset_peak_rss():
-        before = _rss_kib("VmRSS")
+        before = rss_kib("VmRSS")
         step()
-        peak_mib = (_rss_kib("VmHWM") - before) / 1024
+        peak_mib = (rss_kib("VmHWM") - before) / 1024
     else:
         step()
     times = []
