@@ -112,3 +112,14 @@ def test_encoder_mean_pool_ignores_padding_and_dual_head():
     assert dual(torch.randint(1, 40, (4, 2, 12))).shape == (4, 3)
     with pytest.raises(ValueError, match=r"\[B, 2, T\]"):
         dual(torch.randint(1, 40, (4, 12)))
+
+
+def test_random_patterns_differ_between_layers():
+    """BigBird draws its random blocks and Reformer its hash rotations per layer, not once for all layers."""
+    bigbird = GPT(small_config(attention="bigbird", sparse_block=2, n_random=2))
+    tables = [block.attn.candidate_keys(64)[0] for block in bigbird.blocks]
+    assert not torch.equal(tables[0], tables[1])
+    reformer = GPT(small_config(attention="reformer"))
+    keys = torch.nn.functional.normalize(torch.randn(1, 2, 64, 16), dim=-1)
+    buckets = [block.attn.buckets(keys) for block in reformer.blocks]
+    assert not torch.equal(buckets[0], buckets[1])

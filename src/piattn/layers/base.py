@@ -47,15 +47,16 @@ class AttentionLayer(nn.Module):
         self.rotary = Rotary(self.head_dim, rope_base) if rotary else None
 
     @classmethod
-    def config_kwargs(cls, cfg: ModelConfig) -> dict:
-        """Constructor keywords this kind reads from a model config (beyond the shared ones)."""
+    def config_kwargs(cls, cfg: ModelConfig, layer: int) -> dict:
+        """Constructor keywords this kind reads from a model config (beyond the shared ones); `layer` is
+        the block's index, for kinds that draw a random pattern per layer."""
         return {}
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig, *, causal: bool) -> AttentionLayer:
-        """The layer a model of config `cfg` uses: RoPE on, dropout and sizes from the config."""
+    def from_config(cls, cfg: ModelConfig, *, causal: bool, layer: int = 0) -> AttentionLayer:
+        """The attention of block `layer` of a model of config `cfg`: RoPE on, dropout and sizes from it."""
         return cls(cfg.d_model, cfg.n_head, causal=causal, dropout=cfg.dropout, rotary=True,
-                   rope_base=cfg.rope_base, **cls.config_kwargs(cfg))
+                   rope_base=cfg.rope_base, **cls.config_kwargs(cfg, layer))
 
     @property
     def attention_dropout(self) -> float:

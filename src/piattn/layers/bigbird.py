@@ -75,12 +75,12 @@ class BigBirdAttention(AttentionLayer):
         self._candidates: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @classmethod
-    def config_kwargs(cls, cfg: ModelConfig) -> dict:
+    def config_kwargs(cls, cfg: ModelConfig, layer: int) -> dict:
         """block = sparse_block, n_global (blocks), n_random, and window_blocks = ceil(window / sparse_block):
         the sliding part always covers the config's `window` tokens on each side (defaults 4 and 16 give
-        the paper's 3 sliding blocks)."""
+        the paper's 3 sliding blocks). Each layer draws its own random blocks (seed = layer index)."""
         return dict(block=cfg.sparse_block, n_global=cfg.n_global, n_random=cfg.n_random,
-                    window_blocks=blocks_covering(cfg.window, cfg.sparse_block))
+                    window_blocks=blocks_covering(cfg.window, cfg.sparse_block), seed=layer)
 
     def candidate_keys(self, n: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """(index [ceil(n / block), M], valid [n, M]) of `bigbird_candidates`, kept for the last (n, device)."""

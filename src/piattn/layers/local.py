@@ -33,7 +33,7 @@ class LocalAttention(AttentionLayer):
                               logit_clamp=logit_clamp, backend=backend)
 
     @classmethod
-    def config_kwargs(cls, cfg: ModelConfig) -> dict:
+    def config_kwargs(cls, cfg: ModelConfig, layer: int) -> dict:
         return dict(window=cfg.window, logit_clamp=cfg.logit_clamp, backend=cfg.backend)
 
     def cache_capacity(self) -> int:

@@ -50,7 +50,7 @@ class LongformerAttention(AttentionLayer):
         self._candidates: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @classmethod
-    def config_kwargs(cls, cfg: ModelConfig) -> dict:
+    def config_kwargs(cls, cfg: ModelConfig, layer: int) -> dict:
         return dict(window=cfg.window, n_global=cfg.n_global)
 
     def candidate_keys(self, n: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:

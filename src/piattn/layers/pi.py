@@ -51,7 +51,7 @@ class PiAttention(AttentionLayer):
                                       nn.Sigmoid())
 
     @classmethod
-    def config_kwargs(cls, cfg: ModelConfig) -> dict:
+    def config_kwargs(cls, cfg: ModelConfig, layer: int) -> dict:
         return dict(window=cfg.window, period=cfg.period, variant=cfg.variant, prior=cfg.prior,
                     logit_clamp=cfg.logit_clamp, eps=cfg.gate_eps, backend=cfg.backend)
 

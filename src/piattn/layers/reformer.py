@@ -166,8 +166,9 @@ class ReformerAttention(AttentionLayer):
         self.qkv = nn.Linear(d_model, 2 * d_model)
 
     @classmethod
-    def config_kwargs(cls, cfg: ModelConfig) -> dict:
-        return dict(n_hashes=cfg.n_hashes, bucket_size=cfg.bucket_size)
+    def config_kwargs(cls, cfg: ModelConfig, layer: int) -> dict:
+        """Hash rounds and bucket width from the config; each layer hashes with its own rotations."""
+        return dict(n_hashes=cfg.n_hashes, bucket_size=cfg.bucket_size, seed=layer)
 
     def heads(self, x: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, d] at positions offset … -> q, k, v [B, H, T, D]; k = q / |q| (q after RoPE)."""

@@ -26,10 +26,10 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     """x + drop(attn(LN(x))), then x + ffn(LN(x)); the attention kind is `cfg.attention`, by registry name."""
 
-    def __init__(self, cfg: ModelConfig, *, causal: bool):
+    def __init__(self, cfg: ModelConfig, *, causal: bool, layer: int = 0):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.attn = ATTENTION[cfg.attention].from_config(cfg, causal=causal)
+        self.attn = ATTENTION[cfg.attention].from_config(cfg, causal=causal, layer=layer)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.ffn = FeedForward(cfg)
         self.drop = nn.Dropout(cfg.dropout)

@@ -23,7 +23,7 @@ class Encoder(nn.Module):
         self.config, self.pad_id = cfg, pad_id
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg, causal=False) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, causal=False, layer=i) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         width = 4 * cfg.d_model if cfg.dual else cfg.d_model
         self.head = nn.Sequential(nn.Linear(width, cfg.d_model), nn.GELU(), nn.Linear(cfg.d_model, cfg.num_classes))

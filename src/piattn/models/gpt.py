@@ -25,7 +25,7 @@ class GPT(nn.Module):
         self.config = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg, causal=True) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, causal=True, layer=i) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         init_weights(self, cfg.init_std)
