@@ -26,7 +26,7 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -m "slow"
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks experiments
 
 bench-cpu: $(STAMP)
 	$(PY) benchmarks/cpu_bench.py --out benchmarks/results
