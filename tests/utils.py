@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+from pathlib import Path
+
 import torch
 
 import piattn
@@ -62,3 +65,18 @@ def tiny_model(attention: str, variant: str = "adaptive", **overrides) -> GPT:
         if getattr(block.attn, "gate", None) is not None:
             torch.nn.init.normal_(block.attn.gate[2].bias, std=2.0)
     return model
+
+
+def write_word_corpus(root: Path, words_per_doc: dict[str, list[int]]) -> Path:
+    """A PG-19-style folder of random words (some non-ASCII), `words_per_doc[split]` words in each file.
+
+    Splits are written in the order given, from one seeded generator, so a layout gives the same text
+    every time.
+    """
+    rng = random.Random(0)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "π", "and", "ω"]
+    for split, sizes in words_per_doc.items():
+        (root / split).mkdir(parents=True)
+        for i, n in enumerate(sizes):
+            (root / split / f"doc{i}.txt").write_text(" ".join(rng.choice(words) for _ in range(n)), encoding="utf-8")
+    return root

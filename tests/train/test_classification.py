@@ -33,15 +33,6 @@ TINY = ["--n-layer", "2", "--d-model", "32", "--n-head", "2", "--batch-size", "4
 TEST_SEED = 2  # split seed of the test split with --data-seed 0: 3·0 + 2
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: tiny models run many times faster than with threads competing on a busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def train_then_eval(capsys, out, *argv) -> tuple[dict, dict]:
     """(summary of `piattn train` with argv, result of `piattn eval` on its test split)."""
     assert main(["train", "--out", str(out), "--steps", "2", "--eval-every", "2", "--eval-batches", "1",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 
 import pytest
 import torch
@@ -16,29 +15,13 @@ from piattn.models import GPT, GPTConfig
 from piattn.train.checkpoint import load_weights, read_config, read_latest
 from piattn.train.metrics import read_metrics
 from piattn.train.tasks import token_byte_lengths
+from utils import write_word_corpus
 
 SEQ = 64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: tiny models run many times faster than with threads competing on a busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def write_corpus(root):
-    """A PG-19-style folder (train/validation/test of .txt files) of random words, some non-ASCII."""
-    rng = random.Random(0)
-    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "π", "and", "ω"]
-    for split, n_docs in (("train", 3), ("validation", 1), ("test", 2)):
-        (root / split).mkdir(parents=True)
-        for i in range(n_docs):
-            (root / split / f"doc{i}.txt").write_text(" ".join(rng.choice(words) for _ in range(150 + 100 * i)),
-                                                      encoding="utf-8")
-    return root
+    return write_word_corpus(root, {"train": [150, 250, 350], "validation": [150], "test": [150, 250]})
 
 
 def train_argv(corpus, out, *extra):

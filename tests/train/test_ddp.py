@@ -8,7 +8,6 @@ the weights after each step, must agree up to float rounding.
 from __future__ import annotations
 
 import os
-import random
 import subprocess
 import sys
 
@@ -18,20 +17,13 @@ from safetensors.torch import load_file
 
 from piattn.cli import main
 from piattn.train.metrics import read_metrics
+from utils import write_word_corpus
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
 
 
 def write_corpus(root):
-    """A PG-19-style folder (train/validation/test of .txt files) of random words."""
-    rng = random.Random(0)
-    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "π", "and", "ω"]
-    for split, n_docs in (("train", 3), ("validation", 1), ("test", 1)):
-        (root / split).mkdir(parents=True)
-        for i in range(n_docs):
-            (root / split / f"doc{i}.txt").write_text(" ".join(rng.choice(words) for _ in range(300)),
-                                                      encoding="utf-8")
-    return root
+    return write_word_corpus(root, {"train": [300] * 3, "validation": [300], "test": [300]})
 
 
 def common_args(corpus):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 
 import pytest
 import torch
@@ -18,19 +17,14 @@ from piattn.train.checkpoint import load_trainer_state, read_latest
 from piattn.train.cli import add_arguments
 from piattn.train.loop import train
 from piattn.train.metrics import read_metrics
+from utils import write_word_corpus
 
 STEPS = 6
 
 
 def write_corpus(root):
-    """A PG-19-style folder (train/validation/test of .txt files) of random words; about 6 KB of training text."""
-    rng = random.Random(0)
-    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "π", "and", "ω"]
-    for split, n_docs in (("train", 3), ("validation", 1), ("test", 1)):
-        (root / split).mkdir(parents=True)
-        for i in range(n_docs):
-            (root / split / f"doc{i}.txt").write_text(" ".join(rng.choice(words) for _ in range(400)))
-    return root
+    """About 6 KB of training text."""
+    return write_word_corpus(root, {"train": [400] * 3, "validation": [400], "test": [400]})
 
 
 def parse(corpus, out, *extra) -> argparse.Namespace:
@@ -56,15 +50,6 @@ def train_losses(run_dir) -> list[tuple[int, float, float]]:
 
 def final_weights(run_dir) -> dict[str, torch.Tensor]:
     return load_file(read_latest(run_dir / "checkpoints") / "model.safetensors")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: tiny models run many times faster than with threads competing on a busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
