@@ -11,13 +11,12 @@ whose forward or gradients differ from the reference is reported as failed and n
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
 from pathlib import Path
 
-from piattn.benchmarking import CHECK_TOLERANCE, error_vs_reference, machine_info, measure_isolated
+from piattn.benchmarking import CHECK_TOLERANCE, error_vs_reference, machine_info, measure_isolated, save_results
 
 SHAPE = dict(B=1, H=8, D=64)
 
@@ -97,10 +96,9 @@ def main(argv: list[str] | None = None) -> int:
                   command="python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
                   slopes=[dict(case=c, mode=m, time=slope(rows, c, m, "ms"), memory=slope(rows, c, m, "peak_mib"))
                           for c in cases for m in ("fwd", "fwd+bwd")])
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cpu_bench.json").write_text(json.dumps(result, indent=1))
-    (args.out / "cpu_bench.md").write_text(markdown(result))
-    print(markdown(result))
+    table = markdown(result)
+    save_results(args.out, "cpu_bench", result, table)
+    print(table)
     return 0
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from piattn.benchmarking import machine_info, rss_kib
+from piattn.benchmarking import machine_info, rss_kib, save_results
 from piattn.models import GPT, GPTConfig
 
 KINDS = ("pi", "local", "dense")
@@ -100,11 +100,10 @@ def main(argv: list[str] | None = None) -> None:
                   f"cache {row['cache_mib']:8.3f} MiB, RSS {row['rss_mib']:6.0f} MiB", flush=True)
     command = "python benchmarks/decode_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
     result = dict(machine=machine_info(), command=command.strip(), config=args.config, steps=args.steps, rows=rows)
+    table = markdown(result)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "decode_bench.json").write_text(json.dumps(result, indent=1))
-        (args.out / "decode_bench.md").write_text(markdown(result))
-    print(markdown(result))
+        save_results(args.out, "decode_bench", result, table)
+    print(table)
 
 
 if __name__ == "__main__":

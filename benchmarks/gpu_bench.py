@@ -31,7 +31,6 @@ which a fused backward needs):
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -44,6 +43,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import piattn
+from piattn.benchmarking import save_results
 
 OP = dict(window=4, period=16, causal=True, variant="adaptive", prior=0.5, logit_clamp=20.0, eps=1e-4)
 DTYPE = torch.bfloat16
@@ -528,10 +528,8 @@ def main(argv: list[str] | None = None) -> dict:
     result["rows"] = time_grid(setup, ops, sdpa_label, bandwidth)
     result["elapsed_s"] = setup.elapsed()
 
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "gpu_bench.json").write_text(json.dumps(result, indent=1) + "\n")
     text = markdown(result)
-    (a.out / "gpu_bench.md").write_text(text)
+    save_results(a.out, "gpu_bench", result, text)
     print(text, flush=True)
     return result
 

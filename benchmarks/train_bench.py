@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from piattn.benchmarking import machine_info, rss_kib
+from piattn.benchmarking import machine_info, rss_kib, save_results
 from piattn.layers import ATTENTION
 from piattn.models import GPT, GPTConfig
 
@@ -90,11 +90,10 @@ def main(argv: list[str] | None = None) -> None:
     command = "python benchmarks/train_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
     result = dict(machine=machine_info(), command=command.strip(), config=args.config, tokens=args.tokens,
                   repeats=args.repeats, rows=rows)
+    table = markdown(result)
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "train_bench.json").write_text(json.dumps(result, indent=1))
-        (args.out / "train_bench.md").write_text(markdown(result))
-    print(markdown(result))
+        save_results(args.out, "train_bench", result, table)
+    print(table)
 
 
 if __name__ == "__main__":

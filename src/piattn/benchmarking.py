@@ -15,6 +15,7 @@ import platform
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -118,6 +119,13 @@ def measure_isolated(case: str, **kwargs) -> dict:
         return dict(case=case, **{k: str(v) for k, v in kwargs.items()},
                     error=proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def save_results(out: Path, name: str, result: dict, table: str) -> None:
+    """Write a benchmark's result as out/NAME.json and its markdown table as out/NAME.md."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / f"{name}.md").write_text(table)
 
 
 def machine_info() -> dict:
