@@ -14,12 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import torch
+from runs import train_and_test
 
 from piattn.models import GPT, GPTConfig
 
@@ -54,15 +52,10 @@ def train_argv(args: argparse.Namespace, run: Path, extra: list[str]) -> list[st
             "--device", "cpu", "--no-progress", "--out", str(run), *extra]
 
 
-def piattn(argv: list[str]) -> None:
-    subprocess.run([sys.executable, "-m", "piattn.cli", *argv], check=True)
-
-
-def collect(name: str, run: Path, args: argparse.Namespace) -> dict:
+def collect(name: str, run: Path, test: dict) -> dict:
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [r for r in records if r["split"] == "train"]
     validation = [r for r in records if r["split"] == "validation"]
-    test = json.loads(next((run / "eval").glob("*_test.json")).read_text())
     config = json.loads((run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
                          / "config.json").read_text())
     speeds = [r["tokens_per_second"] for r in train[1:] or train]  # the first interval includes warm-up
@@ -117,12 +110,8 @@ def main(argv: list[str] | None = None) -> None:
             if args.names and name not in args.names:
                 continue
             run = args.runs / name
-            if not list(run.glob("eval/*_test.json")):
-                start = time.perf_counter()
-                piattn(train_argv(args, run, extra))
-                piattn(["eval", "--checkpoint", str(run), "--split", "test", "--batches", str(args.test_batches)])
-                print(f"{name}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
-            rows.append(collect(name, run, args))
+            test = train_and_test(run, train_argv(args, run, extra), ["--batches", str(args.test_batches)])
+            rows.append(collect(name, run, test))
             if args.out:
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.with_suffix(".json").write_text(json.dumps(dict(args={k: str(v) for k, v in

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
-import time
 from pathlib import Path
+
+from runs import train_and_test
 
 KINDS = ("local", "pi", "longformer", "bigbird", "dense")
 # task -> flags of its data at the CPU size used here
@@ -33,14 +32,9 @@ def train_argv(args: argparse.Namespace, task: str, kind: str, run: Path) -> lis
             "--out", str(run)]
 
 
-def piattn(argv: list[str]) -> None:
-    subprocess.run([sys.executable, "-m", "piattn.cli", *argv], check=True)
-
-
-def collect(task: str, kind: str, run: Path) -> dict:
+def collect(task: str, kind: str, run: Path, test: dict) -> dict:
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [r for r in records if r["split"] == "train"]
-    test = json.loads(next(run.glob("eval/*_test.json")).read_text())
     speeds = sorted(r["tokens_per_second"] for r in train[1:] or train)
     return dict(task=task, attention=kind, test_accuracy=test["accuracy"], test_examples=test["examples"],
                 final_train_loss=train[-1]["loss"], tokens_per_s=speeds[len(speeds) // 2],
@@ -77,12 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     for task in args.tasks:
         for kind in args.kinds:
             run = args.runs / f"{task}-{kind}"
-            if not list(run.glob("eval/*_test.json")):
-                start = time.perf_counter()
-                piattn(train_argv(args, task, kind, run))
-                piattn(["eval", "--checkpoint", str(run), "--split", "test"])
-                print(f"{task} {kind}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
-            rows.append(collect(task, kind, run))
+            rows.append(collect(task, kind, run, train_and_test(run, train_argv(args, task, kind, run))))
             if args.out:
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.with_suffix(".json").write_text(json.dumps(

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from runs import train_and_test
 
 from piattn.data.reach import reachable
 from piattn.demo import REACH
@@ -49,13 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     for lag in args.lags:
         for kind in args.kinds:
             run = args.runs / f"{kind}-lag{lag}-seed{args.seed}"
-            if not list(run.glob("eval/*_test.json")):
-                piattn = [sys.executable, "-m", "piattn.cli"]
-                subprocess.run([*piattn, *train_argv(kind, lag, args.seed, args.steps, run)], check=True,
-                               stdout=subprocess.DEVNULL)
-                subprocess.run([*piattn, "eval", "--checkpoint", str(run), "--split", "test"], check=True,
-                               stdout=subprocess.DEVNULL)
-            accuracy = json.loads(next(run.glob("eval/*_test.json")).read_text())["accuracy"]
+            accuracy = train_and_test(run, train_argv(kind, lag, args.seed, args.steps, run))["accuracy"]
             rows.append(dict(lag=lag, attention=kind, reachable=predicted(kind, lag), accuracy=accuracy))
             print(f"lag {lag:2d} {kind:10s} reachable {rows[-1]['reachable']:3s} accuracy {accuracy:.3f}", flush=True)
     lines = [f"Causal GPT, window {REACH['window']}, {REACH['layers']} layers, π {REACH['period']}, "

@@ -1,0 +1,24 @@
+"""What every experiment script does per run: `piattn train`, then `piattn eval` on the test split, once."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def train_and_test(run: Path, train_argv: list[str], eval_argv: list[str] = ()) -> dict:
+    """The test metrics of `run`; trains (`piattn train` + train_argv) and scores it first unless that was done.
+
+    A run counts as done once its `eval/*_test.json` exists, so an interrupted sweep resumes where it stopped.
+    """
+    if not list(run.glob("eval/*_test.json")):
+        start = time.perf_counter()
+        piattn = [sys.executable, "-m", "piattn.cli"]
+        subprocess.run([*piattn, *train_argv], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run([*piattn, "eval", "--checkpoint", str(run), "--split", "test", *eval_argv], check=True,
+                       stdout=subprocess.DEVNULL)
+        print(f"{run.name}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+    return json.loads(next(run.glob("eval/*_test.json")).read_text())
