@@ -1,0 +1,103 @@
+"""Command-line flags generated from dataclass fields: one field declares a flag, its range and its scope.
+
+A field of a flags dataclass carries a `Flag` in its metadata (made with `flag(...)`). From it come the
+argparse argument (name, type, help, boolean style), the range and choice checks, the rule that a flag
+given to a task or attention kind that ignores it is an error, and whether the flag defines a run (so
+that `--resume` with another value is refused). Adding a flag is adding one field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Flag:
+    """What a field means on the command line.
+
+    help: the help text. low / high: inclusive bounds of a number (checked when the value is not None).
+    above / below: exclusive bounds. choices: the allowed values, or the name of a registry the caller passes
+    to `check` (its keys are only known above the config, e.g. the attention kinds). applies: field name ->
+    values of that field under which this flag means something ({"task": ("reach",)}); given elsewhere it
+    is an error. defines_run: a resumed run must have the same value. required: no default.
+    """
+
+    help: str
+    low: float | None = None
+    high: float | None = None
+    above: float | None = None
+    below: float | None = None
+    choices: tuple | str | None = None
+    applies: Mapping[str, tuple] | None = None
+    defines_run: bool = True
+    required: bool = False
+
+
+def flag(default=None, help: str = "", **kwargs):
+    """A dataclass field with a `Flag` (keyword arguments as in `Flag`)."""
+    return dataclasses.field(default=default, metadata={"flag": Flag(help, **kwargs)})
+
+
+def option_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _base_type(cls, name: str):
+    """The type of field `name` without `| None` (int, float, str or bool)."""
+    hint = typing.get_type_hints(cls)[name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def flag_fields(cls) -> list[tuple[dataclasses.Field, Flag]]:
+    return [(f, f.metadata["flag"]) for f in dataclasses.fields(cls) if "flag" in f.metadata]
+
+
+def add_flags(parser: argparse._ActionsContainer, cls) -> None:
+    """One argparse argument per flag field of dataclass `cls`, its default the field's."""
+    for field, meta in flag_fields(cls):
+        kind = _base_type(cls, field.name)
+        options = dict(dest=field.name, help=meta.help)
+        if kind is bool:
+            if field.default is False:
+                options.update(action="store_true")
+            else:  # True by default, or None for "the task decides"
+                options.update(action=argparse.BooleanOptionalAction, default=field.default)
+        else:
+            options.update(type=kind, default=field.default)
+        if meta.required:
+            options.update(required=True)
+        parser.add_argument(option_name(field.name), **options)
+
+
+def check_flags(obj, registries: Mapping[str, Iterable] | None = None, context: Mapping | None = None) -> None:
+    """ValueError naming the flag for the first value out of range, not among its choices, or given where
+    it does not apply. `context`: the values of other fields that `applies` refers to."""
+    registries = registries or {}
+    context = context or {}
+    for field, meta in flag_fields(type(obj)):
+        value, name = getattr(obj, field.name), option_name(field.name)
+        if value is None:
+            continue
+        if meta.low is not None and not value >= meta.low:
+            raise ValueError(f"{name} must be >= {meta.low:g}, got {value!r}")
+        if meta.high is not None and not value <= meta.high:
+            raise ValueError(f"{name} must be <= {meta.high:g}, got {value!r}")
+        if meta.above is not None and not value > meta.above:
+            raise ValueError(f"{name} must be > {meta.above:g}, got {value!r}")
+        if meta.below is not None and not value < meta.below:
+            raise ValueError(f"{name} must be < {meta.below:g}, got {value!r}")
+        choices = registries.get(meta.choices) if isinstance(meta.choices, str) else meta.choices
+        if choices is not None and value not in choices:
+            raise ValueError(f"{name} must be one of {sorted(choices)}, got {value!r}")
+        if meta.applies is None or value == field.default:
+            continue
+        for other, allowed in meta.applies.items():
+            if context.get(other) not in allowed:
+                shown = " / ".join(map(str, allowed))
+                raise ValueError(f"{name} applies to {option_name(other)} {shown} only, "
+                                 f"not {context.get(other)!r}")

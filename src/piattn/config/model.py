@@ -1,0 +1,127 @@
+"""Model configurations: one dataclass of every knob, and the named sizes of the paper's Table app_model.
+
+The attention kind is picked by name (`attention`, a key of `piattn.layers.ATTENTION`, checked when a
+model is built); each kind reads the fields it needs, so a model never changes to gain a new kind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .pi import PI_DEFAULTS, PiSettings, is_int
+
+# Table app_model (Small / Medium / Large, head dim 64, vocab 50,257) plus `tiny`, sized for a CPU.
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(n_layer=4, n_head=4, d_model=128, d_ff=512),
+    "small": dict(n_layer=12, n_head=12, d_model=768, d_ff=3072),
+    "medium": dict(n_layer=24, n_head=16, d_model=1024, d_ff=4096),
+    "large": dict(n_layer=32, n_head=20, d_model=1280, d_ff=5120),
+}
+
+
+@dataclass
+class ModelConfig:
+    """Fields shared by the causal LM and the encoder classifier.
+
+    Sizes: n_layer, n_head, d_model (head dim d_model / n_head), d_ff (FFN width, default 4·d_model),
+    block_size (longest sequence), vocab_size.
+    Attention: `attention` names the kind; window, period, variant, prior, logit_clamp, gate_eps are the
+    π-Attention knobs (`PiSettings`; window is also the radius of local and longformer; bigbird slides over
+    ceil(window / sparse_block) blocks each side); n_global global tokens (longformer) or global blocks of
+    sparse_block tokens (bigbird); sparse_block and n_random (bigbird's block size and random blocks per
+    query block); n_hashes and bucket_size (reformer's LSH rounds and bucket width); backend (π operator backend).
+    Training: dropout (residual, attention and FFN, 0.1 in the paper), init_std (0.02), rope_base.
+    """
+
+    n_layer: int = 12
+    n_head: int = 12
+    d_model: int = 768
+    d_ff: int | None = None
+    block_size: int = 1024
+    vocab_size: int = 50257
+    attention: str = "pi"
+    window: int = PI_DEFAULTS.window
+    period: int = PI_DEFAULTS.period
+    variant: str = PI_DEFAULTS.variant
+    prior: float = PI_DEFAULTS.prior
+    logit_clamp: float | None = PI_DEFAULTS.logit_clamp
+    gate_eps: float = PI_DEFAULTS.eps
+    n_global: int = 1
+    sparse_block: int = 16
+    n_random: int = 2
+    n_hashes: int = 2
+    bucket_size: int = 32
+    backend: str = "auto"
+    dropout: float = 0.1
+    init_std: float = 0.02
+    rope_base: float = 10000.0
+
+    def __post_init__(self):
+        for name in ("n_layer", "n_head", "d_model", "block_size", "vocab_size"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
+        if self.d_ff is None:
+            self.d_ff = 4 * self.d_model
+        if not is_int(self.d_ff) or self.d_ff < 1:
+            raise ValueError(f"d_ff must be a positive integer, got {self.d_ff!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        self.pi.check()
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def pi(self) -> PiSettings:
+        """The π-Attention operator settings of this config (checked on construction)."""
+        return PiSettings(window=self.window, period=self.period, variant=self.variant, prior=self.prior,
+                          logit_clamp=self.logit_clamp, eps=self.gate_eps)
+
+    @classmethod
+    def from_name(cls, name: str, **overrides):
+        """The named size (`tiny`, `small`, `medium`, `large`) with any field overridden by keyword."""
+        if name not in SIZES:
+            raise ValueError(f"config name must be one of {sorted(SIZES)}, got {name!r}")
+        return cls.from_dict({**SIZES[name], **overrides})
+
+    @classmethod
+    def from_dict(cls, fields: dict):
+        """The config of a field dict (a checkpoint's), ValueError naming any key that is not a field."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(fields) - known
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} fields {sorted(unknown)}; fields are {sorted(known)}")
+        return cls(**fields)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class GPTConfig(ModelConfig):
+    """Configuration of the causal language model `piattn.models.GPT`."""
+
+
+@dataclass
+class EncoderConfig(ModelConfig):
+    """Configuration of the bidirectional encoder classifier `piattn.models.Encoder`.
+
+    num_classes: size of the output; pool: "mean" over valid tokens or "cls" (the first token);
+    dual: encode two sequences with shared weights and classify [u, v, u·v, |u − v|] (LRA Retrieval).
+    """
+
+    num_classes: int = 2
+    pool: str = "mean"
+    dual: bool = False
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.pool not in ("mean", "cls"):
+            raise ValueError(f"pool must be 'mean' or 'cls', got {self.pool!r}")
+        if not is_int(self.num_classes) or self.num_classes < 2:
+            raise ValueError(f"num_classes must be an integer >= 2, got {self.num_classes!r}")

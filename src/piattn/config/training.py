@@ -1,0 +1,177 @@
+"""The configuration of a training run: five sections of flags (model, data, task, optim, run).
+
+Every `piattn train` flag is one field below; `piattn.config.flags` turns the fields into the argparse
+arguments, the range checks, the per-task and per-attention scope checks and the `--resume` comparison.
+A checkpoint stores the flat field dict (`to_flat`); field names are unique across sections.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from .flags import add_flags, check_flags, flag, flag_fields, option_name
+from .model import SIZES
+from .pi import PI_DEFAULTS, VARIANTS
+
+# Task families whose flags only they read.
+CLASSIFICATION = ("listops", "pathfinder", "retrieval", "reach")
+# Attention kinds that read each π-related model field (the others ignore it).
+WINDOWED = ("local", "pi", "longformer", "bigbird")
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+@dataclass
+class ModelFlags:
+    config: str = flag("tiny", "model size", choices=tuple(SIZES))
+    attention: str = flag("pi", "attention kind", choices="attention")
+    window: int | None = flag(None, "local window k (default: the config's, 4)", low=0, applies={"attention": WINDOWED})
+    period: int | None = flag(None, "π, the distance of the long-range key (default 16)", low=1,
+                              applies={"attention": ("pi",)})
+    variant: str | None = flag(None, "π-Attention fusion variant (default adaptive)", choices=VARIANTS,
+                               applies={"attention": ("pi",)})
+    prior: float | None = flag(None, "the fixed local prior α of --variant fixed (default 0.5)", above=0, high=1,
+                               applies={"attention": ("pi",), "variant": ("fixed",)})
+    n_layer: int | None = flag(None, "override the config's number of layers", low=1)
+    n_head: int | None = flag(None, "override the config's number of heads", low=1)
+    d_model: int | None = flag(None, "override the config's width", low=1)
+    d_ff: int | None = flag(None, "override the feed-forward width (default 4 × d-model)", low=1)
+    backend: str | None = flag(None, "π operator backend (default auto)", choices="backend",
+                               applies={"attention": ("pi", "local")})
+    dropout: float = flag(0.1, "residual, attention and FFN dropout", low=0, below=1)
+
+    def overrides(self) -> dict:
+        """The model-config fields these flags set (those given), for `ModelConfig.from_name`."""
+        names = ("window", "period", "variant", "prior", "n_layer", "n_head", "d_model", "d_ff", "backend")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+
+@dataclass
+class DataFlags:
+    data: str | None = flag(None, "lm (required): a folder with train/ validation/ test/ text files, books:<dir>, "
+                            "wikitext:<dir>, hf:<name>; listops: a folder with LRA's basic_{train,val,test}.tsv "
+                            "(default: generated); retrieval (required): a folder with LRA's new_aan_pairs.*.tsv")
+    tokenizer: str = flag("byte", "tokenizer kind", choices="tokenizer", applies={"task": ("lm",)})
+    vocab_size: int | None = flag(None, "BPE vocabulary size (bpe only)", low=256,
+                                  applies={"task": ("lm",), "tokenizer": ("bpe",)})
+    seq_len: int | None = flag(None, "tokens per sequence (default: lm 1024, listops 2000, retrieval 4000 per "
+                               "text, pathfinder image-size², reach 64)", low=1)
+    cross_documents: bool = flag(False, "let sequences span document boundaries", applies={"task": ("lm",)})
+    cache_dir: str | None = flag(None, "where tokenized corpora are cached (default: OUT/cache)",
+                                 defines_run=False, applies={"task": ("lm",)})
+
+
+@dataclass
+class TaskFlags:
+    task: str = flag("lm", "what to learn", choices="task")
+    train_size: int | None = flag(None, "training examples: generated (default 10000) or read at most (default "
+                                  "all)", low=1, applies={"task": CLASSIFICATION})
+    eval_size: int | None = flag(None, "examples of the validation and of the test split: generated (default "
+                                 "1000) or read at most (default all)", low=1, applies={"task": CLASSIFICATION})
+    data_seed: int = flag(0, "seed of generated splits (each split its own)", low=0,
+                          applies={"task": CLASSIFICATION})
+    listops_min_len: int | None = flag(None, "fewest tokens of a generated ListOps expression (default "
+                                       "seq-len / 4 + 1)", low=1, applies={"task": ("listops",)})
+    listops_max_len: int | None = flag(None, "most tokens of a generated ListOps expression (default seq-len - 1)",
+                                       low=1, applies={"task": ("listops",)})
+    image_size: int | None = flag(None, "Pathfinder image side in pixels (default 32)", low=1,
+                                  applies={"task": ("pathfinder",)})
+    contour_length: int | None = flag(None, "Pathfinder paddles per target curve (LRA: 6, 9, 14; default 14)",
+                                      low=1, applies={"task": ("pathfinder",)})
+    lag: int | None = flag(None, "reach: positions from the answer to the query (required)", low=1,
+                           applies={"task": ("reach",)})
+    reach_vocab: int | None = flag(None, "reach: symbols in a sequence (default 8; chance 1/vocab)", low=2,
+                                   high=2**15 - 1, applies={"task": ("reach",)})
+    causal: bool | None = flag(None, "reach: a causal GPT read at the query (default) or, with --no-causal, a "
+                               "bidirectional Encoder", applies={"task": ("reach",)})
+
+
+@dataclass
+class OptimFlags:
+    batch_size: int = flag(8, "sequences per micro batch on each process", low=1)
+    grad_accum: int = flag(1, "micro batches per optimiser step", low=1)
+    steps: int = flag(2000, "optimiser steps in the whole run", low=1)
+    lr: float = flag(3e-4, "peak learning rate", low=0)
+    min_lr: float = flag(3e-5, "learning rate at the end of the cosine", low=0)
+    warmup: int = flag(100, "linear warmup steps (the paper: 2000 of 200k)", low=0)
+    weight_decay: float = flag(0.1, "AdamW decay of Linear weights", low=0)
+    clip: float = flag(1.0, "global gradient-norm clip (0: none)", low=0)
+    seed: int = flag(0, "seed of initialisation, dropout and data order", low=0)
+
+
+@dataclass
+class RunFlags:
+    out: str | None = flag(None, "run directory (checkpoints, metrics.jsonl, tokenizer, cache)", required=True,
+                           defines_run=False)
+    resume: bool = flag(False, "continue the run in --out from its latest checkpoint", defines_run=False)
+    eval_every: int = flag(500, "validate every N steps and at the end (0: never)", low=0, defines_run=False)
+    eval_batches: int = flag(20, "validation batches per process (0: all)", low=0, defines_run=False)
+    save_every: int = flag(1000, "checkpoint every N steps (0: at the end only)", low=0, defines_run=False)
+    keep: int = flag(3, "checkpoints to keep", low=1, defines_run=False)
+    log_every: int = flag(10, "write training metrics every N steps", low=1, defines_run=False)
+    device: str = flag("auto", "auto, cpu, cuda or cuda:N", defines_run=False)
+    precision: str = flag("auto", "auto (bf16 on capable GPUs), fp32 or bf16", choices=PRECISIONS,
+                          defines_run=False)
+    progress: bool = flag(True, "progress bar", defines_run=False)
+
+
+SECTIONS = {"model": ModelFlags, "data": DataFlags, "task": TaskFlags, "optim": OptimFlags, "run": RunFlags}
+GROUP_TITLES = {"model": "model", "data": "data", "task": "tasks", "optim": "optimisation (paper defaults)",
+                "run": "run"}
+
+
+@dataclass
+class TrainConfig:
+    """Every setting of a training run, by section. Build with `from_args`, `from_flat` or keywords."""
+
+    model: ModelFlags = dataclasses.field(default_factory=ModelFlags)
+    data: DataFlags = dataclasses.field(default_factory=DataFlags)
+    task: TaskFlags = dataclasses.field(default_factory=TaskFlags)
+    optim: OptimFlags = dataclasses.field(default_factory=OptimFlags)
+    run: RunFlags = dataclasses.field(default_factory=RunFlags)
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        for section, cls in SECTIONS.items():
+            add_flags(parser.add_argument_group(GROUP_TITLES[section]), cls)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> TrainConfig:
+        return cls.from_flat({k: v for k, v in vars(args).items() if k in _FIELD_SECTION})
+
+    @classmethod
+    def from_flat(cls, values: Mapping) -> TrainConfig:
+        """From a flat {field: value} dict (a checkpoint's `train_args`); missing fields take defaults,
+        unknown ones are a ValueError naming them."""
+        unknown = sorted(set(values) - set(_FIELD_SECTION))
+        if unknown:
+            raise ValueError(f"unknown training settings {unknown}")
+        parts = {section: {} for section in SECTIONS}
+        for name, value in values.items():
+            parts[_FIELD_SECTION[name]][name] = value
+        return cls(**{section: SECTIONS[section](**kw) for section, kw in parts.items()})
+
+    def to_flat(self) -> dict:
+        return {name: value for section in SECTIONS for name, value in dataclasses.asdict(getattr(self, section)).items()}
+
+    def check(self, registries: Mapping[str, Iterable] | None = None) -> None:
+        """ValueError naming the flag for any value out of range, not a choice, or given where it is ignored.
+
+        registries: the allowed names of "attention", "task", "tokenizer" and "backend", known above here.
+        """
+        flat = self.to_flat()
+        context = {**flat, "variant": flat["variant"] or PI_DEFAULTS.variant}
+        for section in SECTIONS:
+            check_flags(getattr(self, section), registries, context)
+
+    def differences(self, other: TrainConfig) -> list[str]:
+        """The run-defining flags whose values differ, as "--flag: mine, theirs" lines."""
+        mine, theirs = self.to_flat(), other.to_flat()
+        return [f"{option_name(name)}: {mine[name]!r} vs {theirs[name]!r}"
+                for name in RUN_DEFINING if mine[name] != theirs[name]]
+
+
+_FIELD_SECTION = {f.name: section for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+RUN_DEFINING = tuple(f.name for cls in SECTIONS.values() for f, meta in flag_fields(cls) if meta.defines_run)

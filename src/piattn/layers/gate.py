@@ -1,0 +1,37 @@
+"""The π-Attention gate: α = ε + (1 − 2ε)·σ(MLP(x)) per token and head (Eqs. gate, app_gate).
+
+One definition for the `PiAttention` layer and for models converted by `piattn.integrations.hf`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def gate_mlp(d_model: int, n_heads: int, hidden: int | None = None) -> nn.Sequential:
+    """Linear(d, hidden) → GELU → Linear(hidden, H) → Sigmoid, hidden d/2 by default (the paper's).
+
+    Indices 0 and 2 are the linear layers: the parameter names `gate.0`, `gate.2` of the seed's appendix.
+    """
+    hidden = hidden or d_model // 2
+    return nn.Sequential(nn.Linear(d_model, hidden), nn.GELU(), nn.Linear(hidden, n_heads), nn.Sigmoid())
+
+
+def start_gate_at(gate: nn.Sequential, alpha: float) -> None:
+    """Make `gate` output σ = alpha for every input: last weight zero, last bias logit(alpha)."""
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"gate_init_alpha must lie in (0, 1), got {alpha!r}")
+    nn.init.zeros_(gate[2].weight)
+    nn.init.constant_(gate[2].bias, math.log(alpha / (1 - alpha)))
+
+
+def gate_values(gate: nn.Sequential, x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [B, T, d] -> α̃ [B, H, T] in [ε, 1 − ε], in at least fp32.
+
+    At least fp32 because in bf16, ε + (1 − 2ε)·σ rounds to exactly 1 once σ > 0.998, outside (0, 1).
+    """
+    a = gate(x).transpose(1, 2)
+    return a.to(torch.promote_types(a.dtype, torch.float32)) * (1 - 2 * eps) + eps
