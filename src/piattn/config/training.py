@@ -154,7 +154,8 @@ class TrainConfig:
         return cls(**{section: SECTIONS[section](**kw) for section, kw in parts.items()})
 
     def to_flat(self) -> dict:
-        return {name: value for section in SECTIONS for name, value in dataclasses.asdict(getattr(self, section)).items()}
+        return {name: value for section in SECTIONS
+                for name, value in dataclasses.asdict(getattr(self, section)).items()}
 
     def check(self, registries: Mapping[str, Iterable] | None = None) -> None:
         """ValueError naming the flag for any value out of range, not a choice, or given where it is ignored.
