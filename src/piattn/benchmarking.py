@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import piattn
+from piattn.config import PI_DEFAULTS
 
 # "sdpa" is dense scaled-dot-product attention (causal), the quadratic baseline.
 CASES = ("reference", "torch", "triton", "flex", "sdpa")
@@ -70,7 +71,7 @@ def _call(case: str, q, k, v, gate, window: int, period: int):
 
 
 def measure(case: str, *, B: int, H: int, T: int, D: int, dtype: torch.dtype = torch.float32,
-            mode: str = "fwd+bwd", window: int = 4, period: int = 16, repeats: int = 5,
+            mode: str = "fwd+bwd", window: int = PI_DEFAULTS.window, period: int = PI_DEFAULTS.period, repeats: int = 5,
             device: str = "cpu") -> dict:
     """Time (median ms over `repeats` after one warm-up) and peak memory growth (MiB, first call) of one case."""
     torch.manual_seed(0)

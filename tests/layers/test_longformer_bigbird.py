@@ -12,7 +12,7 @@ from piattn.layers.sparse import gathered_attention
 from piattn.masks import dense_mask
 from piattn.masks.bigbird import bigbird_mask
 from piattn.masks.longformer import longformer_mask
-from piattn.models.config import ModelConfig
+from piattn.config import ModelConfig
 
 D_MODEL, HEADS = 16, 2
 

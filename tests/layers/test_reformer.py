@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from piattn.layers.reformer import ReformerAttention, lsh_attention
-from piattn.models.config import ModelConfig
+from piattn.config import ModelConfig
 
 
 def dense_shared_qk(q, v, allowed):

@@ -85,14 +85,20 @@ def test_gpt_interface_from_the_issue():
 
 
 @pytest.mark.parametrize("overrides, match", [
-    (dict(attention="nope"), "attention"), (dict(d_model=30), "divisible"), (dict(n_layer=0), "n_layer"),
-    (dict(dropout=1.0), "dropout"), (dict(colour="red"), "unknown config fields"),
+    (dict(d_model=30), "divisible"), (dict(n_layer=0), "n_layer"), (dict(dropout=1.0), "dropout"),
+    (dict(colour="red"), "unknown GPTConfig fields"), (dict(window=-1), "window"), (dict(period=0), "period"),
+    (dict(variant="mixed"), "variant"), (dict(prior=1.5), "prior"), (dict(gate_eps=0.7), "eps"),
 ])
 def test_bad_configs_name_the_field(overrides, match):
     with pytest.raises(ValueError, match=match):
         GPTConfig.from_name("tiny", **overrides)
     with pytest.raises(ValueError, match="config name"):
         GPTConfig.from_name("huge")
+
+
+def test_unknown_attention_kind_is_named_when_the_model_is_built():
+    with pytest.raises(ValueError, match=r"attention must be one of \['bigbird', 'dense'"):
+        GPT(GPTConfig.from_name("tiny", attention="nope", vocab_size=10))
 
 
 def test_encoder_mean_pool_ignores_padding_and_dual_head():

@@ -20,5 +20,14 @@ ATTENTION: dict[str, type[AttentionLayer]] = {
     "reformer": ReformerAttention,
 }
 
-__all__ = ["ATTENTION", "AttentionLayer", "BigBirdAttention", "DenseAttention", "LocalAttention",
+
+
+def attention_class(name: str) -> type[AttentionLayer]:
+    """The module class registered under `name`; ValueError listing the registered names otherwise."""
+    if name not in ATTENTION:
+        raise ValueError(f"attention must be one of {sorted(ATTENTION)}, got {name!r}")
+    return ATTENTION[name]
+
+
+__all__ = ["ATTENTION", "attention_class", "AttentionLayer", "BigBirdAttention", "DenseAttention", "LocalAttention",
            "LongformerAttention", "PiAttention", "ReformerAttention"]

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
+from ..config import ModelConfig
 from ..decoding.cache import GrowingCache, LayerCache, RingCache
 from .rotary import Rotary
-
-if TYPE_CHECKING:
-    from ..models.config import ModelConfig
 
 
 class AttentionLayer(nn.Module):

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from ..config import ModelConfig
 from ..masks.bigbird import check_bigbird, check_block, random_blocks
 from ..masks.local import check_window
 from .base import AttentionLayer
 from .sparse import global_rows_then_gathered
-
-if TYPE_CHECKING:
-    from ..models.config import ModelConfig
 
 
 def bigbird_candidates(n: int, block: int, window_blocks: int, n_global: int, n_random: int, causal: bool,

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from ..config import PI_DEFAULTS, ModelConfig
 from ..masks.local import check_window
 from ..ops.pi import pi_attention
 from .base import AttentionLayer
-
-if TYPE_CHECKING:
-    from ..models.config import ModelConfig
 
 
 class LocalAttention(AttentionLayer):
@@ -22,9 +18,9 @@ class LocalAttention(AttentionLayer):
     own. Needs window >= 1 (window 0 would leave the fold a skip at distance 1).
     """
 
-    def __init__(self, d_model: int, n_heads: int, *, window: int = 4, causal: bool = True,
+    def __init__(self, d_model: int, n_heads: int, *, window: int = PI_DEFAULTS.window, causal: bool = True,
                  dropout: float = 0.0, rotary: bool = False, rope_base: float = 10000.0,
-                 logit_clamp: float | None = 20.0, backend: str = "auto"):
+                 logit_clamp: float | None = PI_DEFAULTS.logit_clamp, backend: str = "auto"):
         super().__init__(d_model, n_heads, causal=causal, dropout=dropout, rotary=rotary, rope_base=rope_base)
         check_window(window)
         if window < 1:

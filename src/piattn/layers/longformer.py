@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from ..config import PI_DEFAULTS, ModelConfig
 from ..masks.local import check_window
 from ..masks.longformer import check_count
 from .base import AttentionLayer
 from .sparse import global_rows_then_gathered
-
-if TYPE_CHECKING:
-    from ..models.config import ModelConfig
 
 
 def longformer_candidates(n: int, window: int, n_global: int, causal: bool,
@@ -41,8 +37,8 @@ class LongformerAttention(AttentionLayer):
     so the state dict is that of every other kind.
     """
 
-    def __init__(self, d_model: int, n_heads: int, *, window: int = 4, n_global: int = 1, causal: bool = True,
-                 dropout: float = 0.0, rotary: bool = False, rope_base: float = 10000.0):
+    def __init__(self, d_model: int, n_heads: int, *, window: int = PI_DEFAULTS.window, n_global: int = 1,
+                 causal: bool = True, dropout: float = 0.0, rotary: bool = False, rope_base: float = 10000.0):
         super().__init__(d_model, n_heads, causal=causal, dropout=dropout, rotary=rotary, rope_base=rope_base)
         check_window(window)
         check_count("n_global", n_global)

@@ -1,18 +1,13 @@
-"""`PiAttention`: the π-Attention layer of the seed's appendix (projections, gate MLP, operator)."""
+"""`PiAttention`: the π-Attention layer of the paper's appendix (projections, gate MLP, operator)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-from torch import nn
 
+from ..config import PI_DEFAULTS, ModelConfig, PiSettings
 from ..ops.pi import pi_attention
-from ..ops.pi.pattern import GATED_VARIANTS, VARIANTS
 from .base import AttentionLayer
-
-if TYPE_CHECKING:
-    from ..models.config import ModelConfig
+from .gate import gate_mlp, gate_values
 
 
 class PiAttention(AttentionLayer):
@@ -34,40 +29,30 @@ class PiAttention(AttentionLayer):
     token) for the variants that use it ("adaptive", "separate"); "union" and "fixed" have no gate MLP.
     """
 
-    def __init__(self, d_model: int, n_heads: int, *, window: int = 4, period: int = 16, causal: bool = True,
-                 variant: str = "adaptive", prior: float = 0.5, logit_clamp: float | None = 20.0,
-                 eps: float = 1e-4, dropout: float = 0.0, rotary: bool = False, rope_base: float = 10000.0,
-                 gate_hidden: int | None = None, backend: str = "auto"):
+    def __init__(self, d_model: int, n_heads: int, *, window: int = PI_DEFAULTS.window,
+                 period: int = PI_DEFAULTS.period, causal: bool = True, variant: str = PI_DEFAULTS.variant,
+                 prior: float = PI_DEFAULTS.prior, logit_clamp: float | None = PI_DEFAULTS.logit_clamp,
+                 eps: float = PI_DEFAULTS.eps, dropout: float = 0.0, rotary: bool = False,
+                 rope_base: float = 10000.0, gate_hidden: int | None = None, backend: str = "auto"):
         super().__init__(d_model, n_heads, causal=causal, dropout=dropout, rotary=rotary, rope_base=rope_base)
-        if variant not in VARIANTS:
-            raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-        self.op_kwargs = dict(window=window, period=period, causal=causal, variant=variant, prior=prior,
-                              logit_clamp=logit_clamp, eps=eps, backend=backend)
-        self.eps = eps
-        self.gate = None
-        if variant in GATED_VARIANTS:
-            hidden = gate_hidden or d_model // 2
-            self.gate = nn.Sequential(nn.Linear(d_model, hidden), nn.GELU(), nn.Linear(hidden, n_heads),
-                                      nn.Sigmoid())
+        self.settings = PiSettings(window=window, period=period, variant=variant, prior=prior,
+                                   logit_clamp=logit_clamp, eps=eps)
+        self.op_kwargs = dict(**self.settings.as_kwargs(), causal=causal, backend=backend)
+        self.gate = gate_mlp(d_model, n_heads, gate_hidden) if self.settings.gated else None
 
     @classmethod
     def config_kwargs(cls, cfg: ModelConfig, layer: int) -> dict:
-        return dict(window=cfg.window, period=cfg.period, variant=cfg.variant, prior=cfg.prior,
-                    logit_clamp=cfg.logit_clamp, eps=cfg.gate_eps, backend=cfg.backend)
+        return dict(**cfg.pi.as_kwargs(), backend=cfg.backend)
 
     def gate_values(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [B, T, d] -> α̃ [B, H, T] in [ε, 1 − ε] (Eq. app_gate), or None for ungated variants."""
-        if self.gate is None:
-            return None
-        a = self.gate(x).transpose(1, 2)
-        # At least fp32: in bf16, ε + (1 − 2ε)·σ rounds to exactly 1 once σ > 0.998, outside (0, 1).
-        return a.to(torch.promote_types(a.dtype, torch.float32)) * (1 - 2 * self.eps) + self.eps
+        return None if self.gate is None else gate_values(self.gate, x, self.settings.eps)
 
     def cache_capacity(self) -> int:
         """Decoding position t reads t−window … t and t−period (design.md: not O(window) as the paper says)."""
         if not self.causal:
             raise ValueError("incremental decoding needs causal attention")
-        return max(self.op_kwargs["window"], self.op_kwargs["period"]) + 1
+        return self.settings.reach + 1
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """q, k, v [B, H, T, D], x [B, T, d] (the gate's input) -> [B, H, T, D]."""

@@ -7,16 +7,12 @@ bucket" into "near in the sorted sequence", so a round costs O(T · bucket_size)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..config import ModelConfig
 from .base import AttentionLayer
-
-if TYPE_CHECKING:
-    from ..models.config import ModelConfig
 
 # Reformer's logit for a token attending to itself: finite, unlike a mask, so a token with no other key
 # still gets its own value, and otherwise vanishing (with shared QK, q·q/|q| would dominate every row).

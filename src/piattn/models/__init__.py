@@ -1,6 +1,9 @@
-"""Models that pick their attention kind by name: the causal LM `GPT` and the classifier `Encoder`."""
+"""Models that pick their attention kind by name: the causal LM `GPT` and the classifier `Encoder`.
 
-from .config import SIZES, EncoderConfig, GPTConfig, ModelConfig
+Their configs live in `piattn.config` and are re-exported here.
+"""
+
+from ..config import SIZES, EncoderConfig, GPTConfig, ModelConfig
 from .encoder import Encoder
 from .gpt import GPT
 

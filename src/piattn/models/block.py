@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..config import ModelConfig
 from ..decoding.cache import LayerCache
-from ..layers import ATTENTION
-from .config import ModelConfig
+from ..layers import attention_class
 
 
 class FeedForward(nn.Module):
@@ -29,7 +29,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, *, causal: bool, layer: int = 0):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.attn = ATTENTION[cfg.attention].from_config(cfg, causal=causal, layer=layer)
+        self.attn = attention_class(cfg.attention).from_config(cfg, causal=causal, layer=layer)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.ffn = FeedForward(cfg)
         self.drop = nn.Dropout(cfg.dropout)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..config import EncoderConfig
 from .block import Block, init_weights
-from .config import EncoderConfig
 
 
 class Encoder(nn.Module):

@@ -7,10 +7,10 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from ..config import GPTConfig
 from ..decoding.cache import Cache
 from ..decoding.sampling import sample_next
 from .block import Block, init_weights
-from .config import GPTConfig
 
 
 class GPT(nn.Module):
