@@ -241,16 +241,63 @@ def test_padding_is_rejected_and_an_all_ones_mask_is_not():
             model(ids, attention_mask=left_padded)
 
 
+def conversion_state(model) -> dict:
+    """Everything convert_to_pi changes: gates, pre-hooks, config.pi_attention, the attention implementation."""
+    return dict(gates=[n for n, m in model.named_modules() if hasattr(m, "pi_gate")],
+                hooks=sum(len(m._forward_pre_hooks) for m in model.modules()),
+                params=[n for n, _ in model.named_parameters()],
+                settings=getattr(model.config, "pi_attention", None),
+                attention=model.config._attn_implementation)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(window=-1), "window"),
+    (dict(window=True), "window"),
     (dict(period=0), "period"),
     (dict(variant="dense"), "variant"),
     (dict(backend="nope"), "backend"),
+    (dict(prior=1.5), "prior"),
+    (dict(prior=0.0, variant="fixed"), "prior"),
+    (dict(eps=0.7), "eps"),
+    (dict(eps=0.0), "eps"),
+    (dict(logit_clamp=0.0), "logit_clamp"),
     (dict(gate_init_alpha=1.0), "gate_init_alpha"),
+    (dict(gate_init_alpha=0.0, variant="fixed"), "gate_init_alpha"),
 ])
-def test_bad_arguments_raise(kwargs, match):
+def test_bad_arguments_raise_at_convert_time_and_leave_the_model_unchanged(kwargs, match):
+    plain = tiny_llama()
+    model = copy.deepcopy(plain)
+    before = conversion_state(model)
     with pytest.raises(ValueError, match=match):
-        convert_to_pi(tiny_llama(), **kwargs)
+        convert_to_pi(model, **kwargs)
+    assert conversion_state(model) == before
+    ids = tokens(1, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, plain(ids).logits, atol=0, rtol=0)
+
+
+def test_a_model_that_cannot_switch_attention_is_left_unchanged(monkeypatch):
+    """A model class that does not dispatch through AttentionInterface: refused before any gate is attached."""
+    model = tiny_llama()
+    monkeypatch.setattr(model, "_can_set_attn_implementation", lambda: False)
+    before = conversion_state(model)
+    with pytest.raises(ValueError, match="AttentionInterface"):
+        convert_to_pi(model)
+    assert conversion_state(model) == before
+
+
+def test_stored_settings_are_the_pi_settings_and_the_backend():
+    model = convert_to_pi(tiny_llama(), period=8, prior=0.3)
+    assert model.config.pi_attention == dict(window=4, period=8, variant="adaptive", prior=0.3, logit_clamp=20.0,
+                                             eps=1e-4, backend="auto")
+
+
+def test_loading_checks_the_stored_settings(tmp_path):
+    model = convert_to_pi(tiny_llama(), window=3, period=8)
+    model.config.pi_attention = {**model.config.pi_attention, "eps": 0.7}
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="eps"):
+        from_pretrained_pi(tmp_path)
 
 
 def test_converting_twice_raises():

@@ -1,0 +1,150 @@
+"""Conversion of a transformers causal LM to π-Attention, and loading of a converted checkpoint."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
+
+from ...config.pi import PI_DEFAULTS, PiSettings
+from ...layers.gate import gate_mlp, start_gate_at
+from .attention import ATTENTION_NAME, HFPiSettings, register
+
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def convert_to_pi(
+    model: PreTrainedModel,
+    *,
+    window: int = PI_DEFAULTS.window,
+    period: int = PI_DEFAULTS.period,
+    variant: str = PI_DEFAULTS.variant,
+    prior: float = PI_DEFAULTS.prior,
+    logit_clamp: float | None = PI_DEFAULTS.logit_clamp,
+    eps: float = PI_DEFAULTS.eps,
+    backend: str = HFPiSettings.backend,
+    gate_init_alpha: float = 0.98,
+) -> PreTrainedModel:
+    """Switch a Llama-style causal LM to π-Attention, in place; returns the model.
+
+    Each attention module gets `pi_gate` = `piattn.layers.gate.gate_mlp` on its input width,
+    Sequential(Linear(d, d/2), GELU, Linear(d/2, H), Sigmoid) (for the gated variants "adaptive" and
+    "separate"), initialised to output `gate_init_alpha` everywhere: last weight zero, last bias
+    logit(gate_init_alpha). With α near 1 the model starts close to local attention over its window. (The
+    zero weight also means the first gate layer gets no gradient until the last one has moved, as with
+    LoRA's zero-initialised B.)
+
+    The other arguments are those of `piattn.pi_attention`; they are stored in `config.pi_attention`.
+    Every argument is checked before the model is touched: a ValueError leaves it as it was.
+    """
+    settings = HFPiSettings(PiSettings(window=window, period=period, variant=variant, prior=prior,
+                                       logit_clamp=logit_clamp, eps=eps), backend)
+    if not 0.0 < gate_init_alpha < 1.0:  # checked for ungated variants too, which build no gate
+        raise ValueError(f"gate_init_alpha must lie in (0, 1), got {gate_init_alpha!r}")
+    if any(hasattr(m, "pi_gate") for m in model.modules()):
+        raise ValueError("model is already converted to pi_attention (its attention modules have pi_gate)")
+    _attach(model, settings, gate_init_alpha)
+    return model
+
+
+def from_pretrained_pi(path: str | os.PathLike, *, model_class=AutoModelForCausalLM, **kwargs) -> PreTrainedModel:
+    """Load a model that was converted with `convert_to_pi` and saved with `save_pretrained` (local directory).
+
+    The base weights load through `model_class.from_pretrained(path, **kwargs)` (so dtype, device_map …
+    work as usual), then the model is converted with the settings in its config and the gate weights are
+    read from the checkpoint's safetensors files. HF's load report would list the gates as unexpected
+    (the plain class has none); it is replaced by a warning about anything else that did not load.
+    """
+    hf_logger = logging.getLogger("transformers.modeling_utils")
+    drop_report = _DropLoadReport()
+    hf_logger.addFilter(drop_report)
+    try:
+        model, info = model_class.from_pretrained(path, output_loading_info=True, **kwargs)
+    finally:
+        hf_logger.removeFilter(drop_report)
+    problems = {kind: sorted(map(str, keys)) for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")
+                if (keys := [k for k in info.get(kind, ()) if ".pi_gate." not in str(k)])}
+    if problems:
+        warnings.warn(f"loading {path}: {problems}", stacklevel=2)
+    _attach(model, HFPiSettings.of(model.config), gate_init_alpha=0.5)  # the init is overwritten just below
+    names = [name for name, _ in model.named_parameters() if ".pi_gate." in name]
+    missing = model.load_state_dict(_read_safetensors(path, names), strict=False).missing_keys
+    absent = sorted(set(missing) & set(names))
+    if absent:
+        raise ValueError(f"checkpoint at {path} lacks gate weights {absent[:4]}… (was it saved after convert_to_pi?)")
+    return model
+
+
+class _DropLoadReport(logging.Filter):
+    """Hides transformers' load report, which would list the gates as unexpected; the caller reports the rest."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "LOAD REPORT" not in record.getMessage()
+
+
+def _attach(model: PreTrainedModel, settings: HFPiSettings, gate_init_alpha: float) -> None:
+    """Switch the attention, then add gates and pre-hooks to every attention module and store the settings.
+
+    Everything that can fail happens before the model is changed, and a refused switch is undone, so that
+    a ValueError leaves the model as it was.
+    """
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False) or not getattr(config, "is_causal", True):
+        raise ValueError("convert_to_pi supports causal decoder-only language models only")
+    attention = [m for m in model.modules() if all(hasattr(m, p) for p in _PROJECTIONS)]
+    if not attention:
+        raise ValueError(f"found no attention modules with {_PROJECTIONS} in {type(model).__name__}")
+    gates = [_new_gate(m.q_proj, config.num_attention_heads, gate_init_alpha) for m in attention
+             if settings.pi.gated]
+    register()
+    previous = config._attn_implementation
+    model.set_attn_implementation(ATTENTION_NAME)
+    if config._attn_implementation != ATTENTION_NAME:
+        model.set_attn_implementation(previous)  # submodels may have switched
+        raise ValueError(f"{type(model).__name__} does not dispatch attention through transformers' "
+                         "AttentionInterface, so pi_attention cannot be plugged in")
+    config.pi_attention = settings.as_dict()
+    if settings.pi.gated:
+        for module, gate in zip(attention, gates, strict=True):
+            module.pi_gate = gate
+            module._pi_gate_input = None
+            module.register_forward_pre_hook(_record_gate_input, with_kwargs=True)
+
+
+def _new_gate(q_proj: nn.Linear, n_heads: int, alpha: float) -> nn.Sequential:
+    """The gate of `PiAttention` on the module's input width, outputting `alpha` for every input at first."""
+    gate = gate_mlp(q_proj.in_features, n_heads)
+    start_gate_at(gate, alpha)
+    return gate.to(device=q_proj.weight.device, dtype=q_proj.weight.dtype)
+
+
+def _record_gate_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook: keep the attention module's input x [B, T, d] for the gate."""
+    module._pi_gate_input = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+
+
+def _read_safetensors(path: str | os.PathLike, names: list[str]) -> dict[str, torch.Tensor]:
+    """The tensors `names` (those present) from a local checkpoint, single file or sharded."""
+    index = os.path.join(path, SAFE_WEIGHTS_INDEX_NAME)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+    else:
+        weight_map = dict.fromkeys(names, SAFE_WEIGHTS_NAME)
+    by_file: dict[str, list[str]] = {}
+    for name in names:
+        if name in weight_map:
+            by_file.setdefault(weight_map[name], []).append(name)
+    tensors = {}
+    for file, file_names in by_file.items():
+        with safe_open(os.path.join(path, file), framework="pt") as f:
+            stored = set(f.keys())
+            tensors.update({n: f.get_tensor(n) for n in file_names if n in stored})
+    return tensors
