@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -209,3 +211,23 @@ def test_documents_to_batches(tmp_path):
     batch = next(iter(SequenceLoader(packed, batch_size=10, seed=0)))
     rows = sorted(bytes(row.tolist()).decode() for row in batch)
     assert rows == ["x" * 9] * 6 + ["y" * 9] * 4
+
+
+@pytest.mark.parametrize("damage", ["truncated tokens", "garbage tokens", "garbage docs", "docs of another corpus",
+                                    "2-D docs"])
+def test_damaged_corpus_is_a_value_error_naming_the_file(tmp_path, damage):
+    tokenize_corpus(["abcdef", "ghij"], ByteTokenizer(), tmp_path / "train", progress=False)
+    tokens, docs = tmp_path / "train.tokens.npy", tmp_path / "train.docs.npy"
+    if damage == "truncated tokens":
+        tokens.write_bytes(tokens.read_bytes()[:-3])
+    elif damage == "garbage tokens":
+        tokens.write_bytes(b"garbage")
+    elif damage == "garbage docs":
+        docs.write_bytes(b"\x93NUMPY garbage")
+    elif damage == "docs of another corpus":
+        np.save(docs, np.array([0, 4, 50], dtype=np.int64))
+    else:
+        np.save(docs, np.zeros((2, 2), dtype=np.int64))
+    file = tokens if "tokens" in damage else docs
+    with pytest.raises(ValueError, match=re.escape(str(file))):
+        load_corpus(tmp_path / "train")

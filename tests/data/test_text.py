@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import types
@@ -9,11 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from piattn.data import text
 from piattn.data.text import (
     book_files,
     books_documents,
     hf_documents,
     load_documents,
+    source_fingerprint,
     strip_gutenberg_boilerplate,
     text_documents,
     wikitext_documents,
@@ -240,3 +243,126 @@ def test_shared_wikitext2_has_sixty_articles_per_held_out_split(split):
     docs = list(wikitext_documents(SHARED_DATA / "wikitext-2", split))
     assert len(docs) == 60
     assert all(re.match(r" = [^=].* = \n", doc) for doc in docs)
+
+
+# Damaged sources: one ValueError naming the file.
+
+@pytest.mark.parametrize("data,offset", [(b"ok\n\xff bad", 3), (b"\xef\xbb\xbfab\xc3", 5), (b"\xe9t\xe9", 0)])
+def test_non_utf8_text_is_a_value_error_naming_the_file_and_offset(tmp_path, data, offset):
+    file = write(tmp_path / "train" / "latin1.txt", data)
+    for docs in (text_documents(file), text_documents(tmp_path, "train")):
+        with pytest.raises(ValueError, match=rf"{re.escape(str(file))}: not UTF-8 text .*byte offset {offset}\b"):
+            list(docs)
+
+
+def test_non_utf8_wikitext_and_books_name_the_file(tmp_path, fake_books):
+    wiki = write(tmp_path / "wiki" / "wiki.test.raw", b" = A = \n" * 5000 + b"caf\xe9\n")  # past a read chunk
+    with pytest.raises(ValueError, match=rf"{re.escape(str(wiki))}: not UTF-8 text .*byte offset {8 * 5000 + 3}\b"):
+        list(wikitext_documents(tmp_path / "wiki", "test"))
+    book = fake_books / "emma_pg158.txt"
+    book.write_bytes(book.read_bytes() + b"\x80")
+    with pytest.raises(ValueError, match=rf"{re.escape(str(book))}: not UTF-8 text"):
+        list(books_documents(fake_books, "train"))
+
+
+def test_hf_documents_without_datasets_is_a_value_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` fails as when it is not installed
+    for load in (lambda: hf_documents("wikitext", "train"), lambda: load_documents("hf:wikitext", "train"),
+                 lambda: source_fingerprint("hf:wikitext", "train")):
+        with pytest.raises(ValueError, match="needs the Hugging Face `datasets` package: pip install datasets"):
+            load()
+
+
+# source_fingerprint: changes with the content of the split, stable otherwise.
+
+def rewrite_same_size(file: Path) -> None:
+    """Change one byte in place, keeping the size and (to show the content is hashed) the mtime."""
+    stat = file.stat()
+    data = bytearray(file.read_bytes())
+    data[-2] = ord("X") if data[-2] != ord("X") else ord("Y")
+    file.write_bytes(bytes(data))
+    os.utime(file, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert file.stat().st_size == stat.st_size and file.stat().st_mtime_ns == stat.st_mtime_ns
+
+
+def test_fingerprint_of_a_pg19_folder_follows_the_split_content(pg19):
+    source = str(pg19)
+    train = source_fingerprint(source, "train")
+    assert re.fullmatch(r"[0-9a-f]{64}", train)
+    assert source_fingerprint(source, "train") == train  # stable
+    assert source_fingerprint(source, "validation") not in (train, None)
+    assert source_fingerprint(source, "val") == source_fingerprint(source, "validation")
+    rewrite_same_size(pg19 / "validation" / "v.txt")  # another split: train unchanged
+    assert source_fingerprint(source, "train") == train
+    rewrite_same_size(pg19 / "train" / "b.txt")
+    changed = source_fingerprint(source, "train")
+    assert changed != train
+    os.utime(pg19 / "train" / "b.txt", ns=(1, 1))  # a touch alone changes it too (mtime is in it)
+    assert source_fingerprint(source, "train") != changed
+    write(pg19 / "train" / "d.txt", "new book")
+    assert source_fingerprint(source, "train") not in (train, changed)
+    write(pg19 / "train" / "notes.md", "not a document, not in the fingerprint")
+    assert source_fingerprint(source, "train") == source_fingerprint(source, "train")
+
+
+def test_fingerprint_of_a_folder_and_a_single_file(tmp_path):
+    a, b = write(tmp_path / "a.txt", "first"), write(tmp_path / "b.txt", "second")
+    folder, single = source_fingerprint(str(tmp_path), None), source_fingerprint(str(a), None)
+    assert folder != single
+    rewrite_same_size(b)
+    assert source_fingerprint(str(tmp_path), None) != folder and source_fingerprint(str(a), None) == single
+    b.rename(tmp_path / "c.txt")  # a renamed file: another name in the folder
+    assert len({folder, source_fingerprint(str(tmp_path), None)}) == 2
+
+
+def test_fingerprint_of_books_and_wikitext(tmp_path, fake_books):
+    books = f"books:{fake_books}"
+    train, test = source_fingerprint(books, "train"), source_fingerprint(books, "test")
+    assert source_fingerprint(str(fake_books), None) not in (train, test)  # same files, another reader
+    rewrite_same_size(fake_books / "frankenstein_pg84.txt")
+    assert source_fingerprint(books, "train") == train and source_fingerprint(books, "test") != test
+    write(fake_books / "SOURCES.txt", "not a book")
+    assert source_fingerprint(books, "train") == train
+    wiki_dir = tmp_path / "wiki"
+    raw = write(wiki_dir / "wiki.valid.raw", WIKITEXT)
+    wiki, single = source_fingerprint(f"wikitext:{wiki_dir}", "valid"), source_fingerprint(f"wikitext:{raw}", None)
+    write(wiki_dir / "wiki.train.raw", WIKITEXT)  # another split
+    assert source_fingerprint(f"wikitext:{wiki_dir}", "validation") == wiki
+    rewrite_same_size(raw)
+    assert source_fingerprint(f"wikitext:{wiki_dir}", "validation") != wiki
+    assert source_fingerprint(f"wikitext:{raw}", None) != single
+
+
+def test_fingerprint_errors_are_the_loaders_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "nowhere"))):
+        source_fingerprint(str(tmp_path / "nowhere"), "train")
+    with pytest.raises(ValueError, match="split is required"):
+        source_fingerprint(f"books:{tmp_path}", None)
+
+
+def test_fingerprint_of_a_hugging_face_dataset(monkeypatch):
+    def load_dataset(name, config, split):
+        dataset = FakeDataset([{"text": "one", "label": 0}])
+        if name == "versioned":
+            dataset._fingerprint = f"{config}-{split}-v{version}"
+        return dataset
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    version = 1
+    first = source_fingerprint("hf:versioned:cfg", "train")
+    assert source_fingerprint("hf:versioned:cfg", "train") == first
+    assert source_fingerprint("hf:versioned:other", "train") != first
+    assert source_fingerprint("hf:versioned:cfg", "test") != first
+    version = 2  # the dataset's own fingerprint changed: a new version of its files
+    assert source_fingerprint("hf:versioned:cfg", "train") != first
+    plain = source_fingerprint("hf:plain", "train")  # no fingerprint of its own: the name, config and split
+    assert plain == source_fingerprint("hf:plain", "train") != source_fingerprint("hf:plain:cfg", "train")
+
+
+def test_invalid_byte_offset_across_read_chunks(tmp_path, monkeypatch):
+    monkeypatch.setattr(text, "_CHUNK", 4)
+    ok = write(tmp_path / "ok.txt", "abc日本語é" * 3)  # characters cut at every chunk boundary: valid
+    assert text._first_invalid_utf8(ok) is None
+    for data, offset in [("abc日".encode() + b"\xff", 6), ("ab日".encode()[:4] + b"zz", 2), (b"abcd\xc3", 4)]:
+        bad = write(tmp_path / "bad.txt", data)
+        assert text._first_invalid_utf8(bad)[0] == offset

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import sys
 
 import pytest
@@ -124,3 +125,74 @@ def test_make_tokenizer(generated_texts):
 def test_make_tokenizer_rejects_bad_arguments(kind, texts, vocab_size, message):
     with pytest.raises(ValueError, match=message):
         make_tokenizer(kind, texts, vocab_size)
+
+
+# Damaged or crafted tokenizer folders: one ValueError naming the folder, never a file outside it.
+
+def write_config(folder, config) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    text = config if isinstance(config, str) else json.dumps(config)
+    (folder / "tokenizer.json").write_text(text)
+
+
+@pytest.mark.parametrize("config,message", [
+    (None, "no saved tokenizer .*tokenizer.json is missing"),
+    ("{not json", "tokenizer.json is not valid JSON"),
+    ('["byte"]', "tokenizer.json must hold a JSON object"),
+    ({"chars": "ab"}, "kind must be one of"),
+    ({"kind": "wordpiece"}, "kind must be one of"),
+    ({"kind": "char"}, "'chars' must be a non-empty string"),
+    ({"kind": "char", "chars": ["a", "bc"]}, "'chars' must be a non-empty string"),
+    ({"kind": "bpe"}, "'model_file' must be a file name"),
+    ({"kind": "bpe", "model_file": "bpe.json"}, "bpe.json is missing"),
+])
+def test_damaged_tokenizer_folder_is_a_value_error_naming_it(tmp_path, config, message):
+    folder = tmp_path / "tok"
+    if config is not None:
+        write_config(folder, config)
+    with pytest.raises(ValueError, match=message) as err:
+        load_tokenizer(folder)
+    assert str(folder) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_missing_tokenizer_folder_is_a_value_error(tmp_path):
+    with pytest.raises(ValueError, match=f"no saved tokenizer in {re.escape(str(tmp_path / 'absent'))}"):
+        load_tokenizer(tmp_path / "absent")
+
+
+def test_corrupt_bpe_model_file_is_a_value_error(tmp_path, bpe):
+    bpe.save(tmp_path / "tok")
+    model = tmp_path / "tok" / "bpe.json"
+    model.write_text(model.read_text()[:100])
+    with pytest.raises(ValueError, match=f"{re.escape(str(model))}: not a readable BPE model") as err:
+        load_tokenizer(tmp_path / "tok")
+    assert "\n" not in str(err.value)
+
+
+def test_bpe_without_tokenizers_package_on_load_is_a_value_error(monkeypatch, tmp_path, bpe):
+    bpe.save(tmp_path / "tok")
+    monkeypatch.setitem(sys.modules, "tokenizers", None)
+    with pytest.raises(ValueError, match=r"pip install 'piattn\[bpe\]'"):
+        load_tokenizer(tmp_path / "tok")
+
+
+@pytest.mark.parametrize("model_file", ["../outside.json", "sub/../../outside.json", "ABSOLUTE", "link.json", ".",
+                                        "", "sub/.."])
+def test_tokenizer_metadata_cannot_reach_files_outside_its_folder(tmp_path, bpe, model_file):
+    outside = tmp_path / "outside.json"
+    bpe.model.save(str(outside))  # a valid model: only the check can stop it from being read
+    folder = tmp_path / "tok"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "link.json").symlink_to(outside)
+    model_file = str(outside) if model_file == "ABSOLUTE" else model_file
+    write_config(folder, {"kind": "bpe", "model_file": model_file})
+    with pytest.raises(ValueError, match=f"{re.escape(str(folder))}.*'model_file' must be a file name inside"):
+        load_tokenizer(folder)
+
+
+def test_a_model_file_in_a_subfolder_is_allowed(tmp_path, bpe):
+    folder = tmp_path / "tok"
+    (folder / "sub").mkdir(parents=True)
+    bpe.model.save(str(folder / "sub" / "model.json"))
+    write_config(folder, {"kind": "bpe", "model_file": "sub/model.json"})
+    assert load_tokenizer(folder).encode("kalo mi") == bpe.encode("kalo mi")

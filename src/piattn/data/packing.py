@@ -79,12 +79,30 @@ def tokenize_corpus(documents: Iterable[str], tokenizer: Tokenizer, path: str | 
 
 
 def load_corpus(path: str | Path) -> TokenizedCorpus:
-    """The corpus that `tokenize_corpus(…, path)` wrote, tokens memory-mapped read-only."""
+    """The corpus that `tokenize_corpus(…, path)` wrote, tokens memory-mapped read-only.
+
+    A missing file raises FileNotFoundError; a truncated or corrupt file, or document starts that do not fit
+    the tokens (files of two different corpora), raise ValueError naming the file: both mean "tokenize again".
+    """
     tokens_file, docs_file = corpus_files(path)
     for file in (tokens_file, docs_file):
         if not file.is_file():
             raise FileNotFoundError(f"no tokenized corpus at {path}: {file} is missing")
-    return TokenizedCorpus(np.load(tokens_file, mmap_mode="r"), np.load(docs_file))
+    arrays = []
+    for file, mmap_mode in ((tokens_file, "r"), (docs_file, None)):
+        try:
+            array = np.load(file, mmap_mode=mmap_mode, allow_pickle=False)
+        except (ValueError, OSError, EOFError) as err:
+            raise ValueError(f"{file}: truncated or corrupt tokenized corpus ({err})") from None
+        if not isinstance(array, np.ndarray) or array.ndim != 1 or array.dtype.kind not in "ui":
+            raise ValueError(f"{file}: not a 1-D integer array; a damaged tokenized corpus")
+        arrays.append(array)
+    tokens, doc_starts = arrays
+    n = len(tokens)
+    if len(doc_starts) == 0 or doc_starts[0] != 0 or np.any(np.diff(doc_starts) < 0) or doc_starts[-1] > n:
+        raise ValueError(f"{docs_file}: document starts do not fit the {n} tokens of {tokens_file}; "
+                         "the two files come from different corpora")
+    return TokenizedCorpus(tokens, doc_starts)
 
 
 class PackedSequences:

@@ -15,10 +15,16 @@ Documents that are empty or only whitespace are skipped; a source that yields no
                                   files, PG-19 layout when a split is given       -> text_documents
 
 Splits are named "train", "validation" or "test"; "valid" and "val" mean "validation".
+
+A file that is not UTF-8 raises ValueError naming it and the byte offset of the first invalid byte (when the
+documents are read). `source_fingerprint(source, split)` is a digest of what a split holds, to key caches of
+tokenized data by content rather than by path.
 """
 
 from __future__ import annotations
 
+import codecs
+import hashlib
 import itertools
 import re
 from collections.abc import Callable, Iterable, Iterator
@@ -36,6 +42,14 @@ BOOK_FILE = re.compile(r".+_pg\d+\.txt")
 
 GUTENBERG_START = re.compile(r"^\*\*\* ?START OF (THE|THIS) PROJECT GUTENBERG EBOOK.*$", re.MULTILINE)
 GUTENBERG_END = re.compile(r"^\*\*\* ?END OF (THE|THIS) PROJECT GUTENBERG EBOOK.*$", re.MULTILINE)
+
+
+FINGERPRINT_VERSION = "piattn-source-fingerprint-1"
+_CHUNK = 1 << 20  # bytes read at a time when scanning or hashing a file
+
+
+class MissingPackageError(ValueError, ImportError):
+    """An optional package is not installed. A ValueError (the CLI prints it as one line) and an ImportError."""
 
 
 class Documents:
@@ -71,10 +85,44 @@ def normalize_split(split: str) -> str:
     raise ValueError(f"split must be one of {SPLITS} (or 'valid'/'val' for validation), got {split!r}")
 
 
+def _first_invalid_utf8(path: Path) -> tuple[int, int] | None:
+    """(byte offset, byte value) of the first byte of `path` that is not valid UTF-8, or None."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(_CHUNK)
+            pending = decoder.getstate()[0]  # the bytes of a character cut at the previous chunk's end
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as err:
+                data = pending + chunk
+                return offset - len(pending) + err.start, data[err.start]
+            if not chunk:
+                return None
+            offset += len(chunk)
+
+
+def not_utf8_error(path: Path) -> ValueError:
+    """The ValueError for a file that failed to decode as UTF-8: names it and the first invalid byte."""
+    try:
+        found = _first_invalid_utf8(path)
+    except OSError:
+        found = None
+    where = "" if found is None else f" (invalid byte 0x{found[1]:02x} at byte offset {found[0]})"
+    return ValueError(f"{path}: not UTF-8 text{where}; convert it to UTF-8, e.g. with iconv")
+
+
 def read_text(path: Path) -> str:
-    """A UTF-8 file as text: a byte-order mark dropped, CRLF and CR line ends turned into LF."""
-    with open(path, encoding="utf-8-sig") as f:
-        return f.read()
+    """A UTF-8 file as text: a byte-order mark dropped, CRLF and CR line ends turned into LF.
+
+    ValueError naming the file and the offset of the first invalid byte when it is not UTF-8.
+    """
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            return f.read()
+    except UnicodeDecodeError:
+        raise not_utf8_error(path) from None
 
 
 def _existing(path: str | Path) -> Path:
@@ -219,23 +267,39 @@ def wikitext_articles(lines: Iterable[str]) -> Iterator[str]:
         yield "".join(article)
 
 
-def wikitext_documents(path: str | Path, split: str | None = None) -> Documents:
-    """WikiText articles, one document each. `path`: a WikiText folder (then `split` is required) or one file."""
+def _wikitext_source(path: str | Path, split: str | None) -> Path:
+    """The one file `wikitext_documents(path, split)` reads."""
     path = _existing(path)
     if path.is_file():
         if split is not None:
             raise ValueError(f"split must be None when path is a single file, got {split!r} for {path}")
-        file = path
-    elif split is None:
+        return path
+    if split is None:
         raise ValueError(f"split is required for the WikiText folder {path}; one of {SPLITS}")
-    else:
-        file = wikitext_file(path, split)
+    return wikitext_file(path, split)
+
+
+def wikitext_documents(path: str | Path, split: str | None = None) -> Documents:
+    """WikiText articles, one document each. `path`: a WikiText folder (then `split` is required) or one file."""
+    file = _wikitext_source(path, split)
 
     def read():
-        with open(file, encoding="utf-8-sig") as f:
-            yield from wikitext_articles(f)
+        try:
+            with open(file, encoding="utf-8-sig") as f:
+                yield from wikitext_articles(f)
+        except UnicodeDecodeError:
+            raise not_utf8_error(file) from None
 
     return Documents(f"wikitext {file}", read)
+
+
+def _import_datasets():
+    try:
+        import datasets
+    except ImportError as err:
+        raise MissingPackageError(
+            "hf_documents needs the Hugging Face `datasets` package: pip install datasets") from err
+    return datasets
 
 
 def hf_documents(name: str, split: str, text_field: str = "text", config: str | None = None) -> Documents:
@@ -244,12 +308,10 @@ def hf_documents(name: str, split: str, text_field: str = "text", config: str | 
     Reads through `datasets.load_dataset(name, config, split=split)`, so `name` may be a local folder or a
     dataset in the local cache. This is the one loader that can reach the network: for a hub name not yet
     cached, `datasets` downloads it unless HF_DATASETS_OFFLINE=1 is set. Note that the hub's `wikitext`
-    has one row per line, not per article; `wikitext_documents` reads articles.
+    has one row per line, not per article; `wikitext_documents` reads articles. Without `datasets`
+    installed, raises MissingPackageError (a ValueError and an ImportError) saying how to install it.
     """
-    try:
-        import datasets
-    except ImportError as err:
-        raise ImportError("hf_documents needs the Hugging Face `datasets` package: pip install datasets") from err
+    datasets = _import_datasets()
     dataset = datasets.load_dataset(name, config, split=split)
     if text_field not in dataset.column_names:
         raise ValueError(f"text_field must be a column of {name!r}, one of {dataset.column_names}; "
@@ -279,3 +341,62 @@ def load_documents(source: str, split: str | None = None) -> Documents:
         name, _, config = rest.partition(":")
         return hf_documents(name, split, config=config or None)
     return text_documents(source, split)
+
+
+def _file_sha256(path: Path) -> bytes:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.digest()
+
+
+def source_fingerprint(source: str, split: str | None = None) -> str:
+    """A hex digest (sha256) of what `load_documents(source, split)` reads; it changes when the content does.
+
+    Meant as the cache key of tokenized data in place of the source string, so that a file edited in place
+    is tokenized again. It covers the loader kind (plain, `books:`, `wikitext:`, `hf:`), the split, and:
+
+    - files (a folder, a single file, `books:`, `wikitext:`): the files the loader reads, in its order,
+      each as its name relative to the source folder (a single file: its name), its size, its mtime_ns and
+      a sha256 of its bytes, read in 1 MiB chunks. The content hash makes the digest exact (a rewrite of
+      the same size within the same mtime tick is still seen); size and mtime are cheap extras, so a touched
+      or copied-without-timestamps file counts as changed too (one needless re-tokenization, never a stale
+      one). The folder's own location is not in it: a moved folder keeps its digest. Hashing reads every
+      byte of the split once (about a second per GB).
+    - `hf:<name>[:<config>]`: the name, config and split plus the dataset's own `_fingerprint`, which the
+      `datasets` library derives from its cached files (so a new version of the dataset changes it). It
+      loads the dataset (from the local cache when it is there), as `hf_documents` does. A dataset object
+      without a fingerprint leaves only the name, config and split, so changes to it are not seen.
+
+    Errors are the loader's: a missing path raises FileNotFoundError naming it, a bad split ValueError, and
+    `hf:` without `datasets` installed MissingPackageError (a ValueError).
+    """
+    scheme, _, rest = source.partition(":")
+    digest = hashlib.sha256()
+
+    def add(*fields) -> None:
+        digest.update("\0".join(str(f) for f in fields).encode("utf-8", errors="surrogateescape") + b"\0")
+
+    if scheme == "hf":
+        if split is None:
+            raise ValueError("split is required for a Hugging Face dataset, e.g. 'train'")
+        name, _, config = rest.partition(":")
+        dataset = _import_datasets().load_dataset(name, config or None, split=split)
+        add(FINGERPRINT_VERSION, "hf", name, config, split, getattr(dataset, "_fingerprint", None))
+        return digest.hexdigest()
+    if scheme == "wikitext":
+        kind, root, files = "wikitext", None, [_wikitext_source(rest, split)]
+    elif scheme == "books":
+        if split is None:
+            raise ValueError(f"split is required for books, one of {SPLITS}")
+        kind, root, files = "books", Path(rest), book_files(rest, split)
+    else:
+        kind, files = "text", text_files(source, split)
+        root = Path(source) if Path(source).is_dir() else None
+    add(FINGERPRINT_VERSION, kind, None if split is None else normalize_split(split), len(files))
+    for file in files:
+        stat = file.stat()
+        add(file.relative_to(root).as_posix() if root is not None else file.name, stat.st_size, stat.st_mtime_ns)
+        digest.update(_file_sha256(file))
+    return digest.hexdigest()

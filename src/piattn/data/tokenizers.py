@@ -4,6 +4,9 @@ Every tokenizer has `encode(text) -> list[int]`, `decode(ids) -> str`, `vocab_si
 `load_tokenizer(directory)` restores whichever kind was saved. A saved directory always holds
 `tokenizer.json` with a "kind" field; BPE keeps its trained model beside it in `bpe.json`, the file format
 of the Hugging Face `tokenizers` library, so other tools can read it too.
+
+`load_tokenizer` treats the folder as untrusted data: a missing or damaged file raises one ValueError naming
+the folder or file, and a file name stored in `tokenizer.json` may only name a file inside the folder.
 """
 
 from __future__ import annotations
@@ -13,9 +16,15 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
 
+from piattn.data.text import MissingPackageError
+
 CONFIG_FILE = "tokenizer.json"
 BPE_MODEL_FILE = "bpe.json"
 KINDS = ("byte", "char", "bpe")
+
+
+class TokenizerNotFoundError(ValueError, FileNotFoundError):
+    """No saved tokenizer in a folder: a ValueError (the CLI prints it as one line) and a FileNotFoundError."""
 
 
 class Tokenizer(Protocol):
@@ -112,7 +121,7 @@ def _import_tokenizers():
     try:
         import tokenizers
     except ImportError as err:
-        raise ImportError(
+        raise MissingPackageError(
             "the BPE tokenizer needs the Hugging Face `tokenizers` package: pip install 'piattn[bpe]'"
         ) from err
     return tokenizers
@@ -165,20 +174,66 @@ class BPETokenizer:
         self.model.save(str(directory / BPE_MODEL_FILE))
 
 
+def _one_line(err: BaseException, limit: int = 200) -> str:
+    lines = str(err).strip().splitlines()
+    text = (lines[0] if lines else type(err).__name__)[:limit]
+    return text
+
+
+def _model_path(directory: Path, config_path: Path, name) -> Path:
+    """The file `name` (from tokenizer.json) inside `directory`; ValueError if it would lead anywhere else."""
+    bad = ValueError(f"{config_path}: 'model_file' must be a file name inside {directory} "
+                     f"(no absolute path, no '..'), got {name!r}")
+    if not isinstance(name, str) or not name.strip() or "\\" in name or "\0" in name:
+        raise bad
+    relative = Path(name)
+    if relative.is_absolute() or relative.anchor or ".." in relative.parts:
+        raise bad
+    path = directory / relative
+    resolved, inside = path.resolve(), directory.resolve()
+    if resolved == inside or not resolved.is_relative_to(inside):  # ".", or a symbolic link leading out
+        raise bad
+    if not path.is_file():
+        raise ValueError(f"incomplete tokenizer in {directory}: {path} is missing")
+    return path
+
+
 def load_tokenizer(directory: str | Path) -> ByteTokenizer | CharTokenizer | BPETokenizer:
-    """Restore the tokenizer that `save(directory)` wrote, whatever its kind."""
-    config_path = Path(directory) / CONFIG_FILE
+    """Restore the tokenizer that `save(directory)` wrote, whatever its kind.
+
+    A missing folder or `tokenizer.json` raises TokenizerNotFoundError (a ValueError); invalid JSON, an
+    unknown kind, missing fields, a missing or unreadable model file, and a `model_file` that is absolute or
+    leads out of the folder raise ValueError naming the folder or file. Nothing outside the folder is read.
+    """
+    directory = Path(directory)
+    config_path = directory / CONFIG_FILE
     if not config_path.is_file():
-        raise FileNotFoundError(f"no saved tokenizer in {directory}: {config_path} is missing")
-    config = json.loads(config_path.read_text(encoding="utf-8"))
+        raise TokenizerNotFoundError(f"no saved tokenizer in {directory}: {config_path} is missing")
+    try:
+        config = json.loads(config_path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{config_path} is not valid JSON ({_one_line(err)}); is {directory} a tokenizer "
+                         "saved by piattn?") from None
+    except OSError as err:
+        raise ValueError(f"{config_path} cannot be read ({_one_line(err)})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path} must hold a JSON object, got {type(config).__name__}")
     kind = config.get("kind")
     if kind == "byte":
         return ByteTokenizer()
     if kind == "char":
-        return CharTokenizer(config["chars"])
+        chars = config.get("chars")
+        if not isinstance(chars, str) or not chars:
+            raise ValueError(f"{config_path}: 'chars' must be a non-empty string for kind 'char', got {chars!r}")
+        return CharTokenizer(chars)
     if kind == "bpe":
+        path = _model_path(directory, config_path, config.get("model_file"))
         tk = _import_tokenizers()
-        return BPETokenizer(tk.Tokenizer.from_file(str(Path(directory) / config["model_file"])))
+        try:
+            model = tk.Tokenizer.from_file(str(path))
+        except Exception as err:  # the Rust library raises plain Exception for a missing field, bad JSON, …
+            raise ValueError(f"{path}: not a readable BPE model ({_one_line(err)})") from None
+        return BPETokenizer(model)
     raise ValueError(f"{config_path}: kind must be one of {KINDS}, got {kind!r}")
 
 

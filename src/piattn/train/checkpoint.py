@@ -6,7 +6,11 @@ Layout of a run directory:
     runs/NAME/checkpoints/step_00001000/    model.safetensors, trainer_state.pt, config.json, tokenizer/
 
 A checkpoint is written into a hidden temporary folder and renamed into place once complete; then `latest`
-is replaced through `os.replace`. A crash at any point leaves the previous `latest` and what it names intact.
+is replaced through `os.replace`. A crash at any point leaves the previous `latest` and what it names intact;
+the hidden `.tmp-*` / `.trash-*` folders a killed save leaves behind are removed by `clean_incomplete`.
+
+Reading is defensive: a missing, truncated or corrupt file, or a `latest` that names no complete checkpoint
+of this root, raises one ValueError whose one-line message names the file or folder and what is wrong.
 """
 
 from __future__ import annotations
@@ -14,12 +18,14 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
 from torch import nn
 
@@ -28,6 +34,9 @@ STATE_FILE = "trainer_state.pt"
 CONFIG_FILE = "config.json"
 LATEST = "latest"
 PREFIX = "step_"
+STEP_NAME = re.compile(rf"{PREFIX}\d{{1,20}}")  # the only names `latest` may hold: no separators, no '..'
+LEFTOVER_PREFIXES = (".tmp-", ".trash-")  # hidden folders of a save that was killed before it finished
+POINTER_MAX_BYTES = 256
 
 
 def capture_rng() -> dict:
@@ -69,12 +78,61 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def read_latest(root: Path) -> Path | None:
-    """The checkpoint `root/latest` names, or None when there is none yet."""
+def _one_line(err: BaseException, limit: int = 200) -> str:
+    """An exception as a short single line: its type and the first line of its message."""
+    lines = str(err).strip().splitlines()
+    text = lines[0] if lines else ""
+    text = text if len(text) <= limit else text[:limit] + "…"
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def _is_complete(folder: Path) -> bool:
+    return all((folder / name).is_file() for name in (MODEL_FILE, STATE_FILE, CONFIG_FILE))
+
+
+def _existing_names(root: Path) -> str:
+    names = [p.name for p in list_checkpoints(root) if _is_complete(p)]
+    return f"complete checkpoints here: {', '.join(names)}" if names else "none exist"
+
+
+def _pointer_name(root: Path) -> str | None:
+    """The raw name `root/latest` holds (stripped, undecoded bytes replaced), or None without a pointer."""
     pointer = root / LATEST
     if not pointer.is_file():
         return None
-    return root / pointer.read_text().strip()
+    with open(pointer, "rb") as f:
+        data = f.read(POINTER_MAX_BYTES + 1)
+    return data.decode("utf-8", errors="replace").strip()
+
+
+def read_latest(root: Path) -> Path | None:
+    """The checkpoint `root/latest` names, or None when there is none yet.
+
+    The name is data from disk: it must be a `step_<digits>` folder directly under `root` (never a path
+    leading elsewhere, also not through a symbolic link) holding a complete checkpoint. Anything else
+    raises ValueError naming the pointer file and listing the complete checkpoints that do exist.
+    """
+    pointer = root / LATEST
+    try:
+        name = _pointer_name(root)
+    except OSError as err:
+        raise ValueError(f"{pointer}: cannot be read ({_one_line(err)})") from None
+    if name is None:
+        return None
+    fix = f"{_existing_names(root)}; point it at one of them or delete it"
+    if not STEP_NAME.fullmatch(name):
+        shown = name if len(name) <= 40 else name[:40] + "…"
+        raise ValueError(f"{pointer}: holds {shown!r}, not the name of a checkpoint folder "
+                         f"({PREFIX}<step>); {fix}")
+    folder = root / name
+    if not folder.is_dir():
+        raise ValueError(f"{pointer}: names {name}, which does not exist (deleted?); {fix}")
+    if folder.resolve().parent != root.resolve():
+        raise ValueError(f"{pointer}: names {name}, a link to a folder outside {root}; {fix}")
+    if not _is_complete(folder):
+        missing = [f for f in (MODEL_FILE, STATE_FILE, CONFIG_FILE) if not (folder / f).is_file()]
+        raise ValueError(f"{pointer}: names {name}, which is incomplete (missing {', '.join(missing)}); {fix}")
+    return folder
 
 
 def _write_latest(root: Path, name: str) -> None:
@@ -83,6 +141,27 @@ def _write_latest(root: Path, name: str) -> None:
     _fsync(tmp)
     os.replace(tmp, root / LATEST)
     _fsync(root)
+
+
+def clean_incomplete(root: Path) -> list[Path]:
+    """Remove what interrupted saves left directly under `root`; returns the removed paths, sorted.
+
+    Only the hidden `.tmp-*` and `.trash-*` entries `save_checkpoint` creates are removed (a link among
+    them is unlinked, never followed), nothing in subfolders. No complete checkpoint or `latest` depends on
+    them. Call it on the writing rank before saving, never while another process saves into `root`.
+    """
+    if not root.is_dir():
+        return []
+    removed = []
+    for path in sorted(root.iterdir()):
+        if not path.name.startswith(LEFTOVER_PREFIXES):
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+        removed.append(path)
+    return removed
 
 
 def list_checkpoints(root: Path) -> list[Path]:
@@ -105,7 +184,7 @@ def save_checkpoint(root: Path, step: int, *, model: nn.Module, trainer_state: d
         raise ValueError(f"--keep must be >= 1, got {keep!r}")
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
-    if final.exists() and read_latest(root) == final:
+    if final.exists() and _pointer_name(root) == final.name and _is_complete(final):
         return final  # written by this run at this very step: the state is the same, nothing to add
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -138,31 +217,82 @@ def save_checkpoint(root: Path, step: int, *, model: nn.Module, trainer_state: d
 
 
 def resolve_checkpoint(path: Path | str, flag: str = "--checkpoint") -> Path:
-    """The checkpoint folder meant by `path`: a checkpoint itself, a checkpoints root, or a run directory."""
+    """The checkpoint folder meant by `path`: a checkpoint itself, a checkpoints root, or a run directory.
+
+    A damaged `latest` pointer raises ValueError prefixed with `flag`.
+    """
     path = Path(path)
     for candidate in (path, path / "checkpoints"):
         if (candidate / MODEL_FILE).is_file() and (candidate / STATE_FILE).is_file():
             return candidate
-        latest = read_latest(candidate)
-        if latest is not None and (latest / MODEL_FILE).is_file():
+        try:
+            latest = read_latest(candidate)
+        except ValueError as err:
+            raise ValueError(f"{flag}: {err}") from None
+        if latest is not None:
             return latest
     raise ValueError(f"{flag}: no checkpoint at {path} (expected a run directory with checkpoints/latest, "
                      f"or a folder holding {MODEL_FILE})")
 
 
+def _require_file(file: Path) -> None:
+    if not file.is_file():
+        raise ValueError(f"{file}: missing; not a complete checkpoint")
+
+
 def read_config(ckpt: Path) -> dict:
-    """The config.json of a checkpoint."""
-    return json.loads((ckpt / CONFIG_FILE).read_text())
+    """The config.json of a checkpoint (a JSON object); ValueError naming the file when it is missing or invalid."""
+    file = Path(ckpt) / CONFIG_FILE
+    _require_file(file)
+    try:
+        config = json.loads(file.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{file}: not valid JSON ({_one_line(err)})") from None
+    except OSError as err:
+        raise ValueError(f"{file}: cannot be read ({_one_line(err)})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file}: must hold a JSON object, got {type(config).__name__}")
+    return config
+
+
+def _fmt_shape(shape) -> str:
+    return str(tuple(int(n) for n in shape))
 
 
 def load_weights(model: nn.Module, ckpt: Path) -> None:
-    """Load model.safetensors into `model` (strict; the tied head is restored from the embedding)."""
-    missing, unexpected = load_model(model, str(ckpt / MODEL_FILE), strict=False)
+    """Load model.safetensors into `model` (strict; the tied head is restored from the embedding).
+
+    ValueError naming the file when it is missing, unreadable, truncated, or holds tensors of other names
+    or shapes (the first mismatching tensor is named with both shapes).
+    """
+    file = Path(ckpt) / MODEL_FILE
+    _require_file(file)
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            saved = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118 (not a dict)
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ValueError(f"{file}: not a readable safetensors file ({_one_line(err)})") from None
+    for key, tensor in model.state_dict().items():
+        if key in saved and tuple(tensor.shape) != saved[key]:
+            raise ValueError(f"{file}: does not match the model: {key} has shape {_fmt_shape(saved[key])} in the "
+                             f"checkpoint, {_fmt_shape(tensor.shape)} in the model (another configuration?)")
+    try:
+        missing, unexpected = load_model(model, str(file), strict=False)
+    except (SafetensorError, OSError, RuntimeError, ValueError) as err:
+        raise ValueError(f"{file}: cannot be loaded ({_one_line(err)})") from None
     if missing or unexpected:
-        raise ValueError(f"checkpoint {ckpt} does not match the model: missing {sorted(missing)}, "
+        raise ValueError(f"{file}: does not match the model: missing {sorted(missing)}, "
                          f"unexpected {sorted(unexpected)}")
 
 
 def load_trainer_state(ckpt: Path) -> dict:
-    """trainer_state.pt of a checkpoint, on the CPU."""
-    return torch.load(ckpt / STATE_FILE, map_location="cpu", weights_only=True)
+    """trainer_state.pt of a checkpoint, on the CPU; ValueError naming the file when it cannot be loaded."""
+    file = Path(ckpt) / STATE_FILE
+    _require_file(file)
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as err:  # truncated zip (RuntimeError), garbage (UnpicklingError), empty (EOFError), …
+        raise ValueError(f"{file}: truncated or corrupt, cannot be loaded ({_one_line(err)})") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{file}: must hold a dict of trainer state, got {type(state).__name__}")
+    return state

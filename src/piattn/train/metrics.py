@@ -2,7 +2,8 @@
 
 One JSON object per line, with `step`, `split` ("train" or an evaluation split) and the values. A resumed
 run first drops the records of steps after its checkpoint (logged by the run it continues, then lost) and
-appends, so the lines of a run interrupted and resumed read as one run.
+appends, so the lines of a run interrupted and resumed read as one run. A last line cut short by a crash
+mid-write is not a record: readers skip it and a resumed run drops it.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class MetricsWriter:
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
             if self.path.exists():
-                kept = [r for r in read_metrics(run_dir) if r["step"] <= after_step]
+                kept = [r for r in _read_records(self.path) if r["step"] <= after_step]
                 tmp = self.path.with_name(self.path.name + ".tmp")
                 tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
                 os.replace(tmp, self.path)
@@ -76,7 +77,32 @@ def _tensorboard_writer(log_dir: Path):
     return SummaryWriter(log_dir=str(log_dir))
 
 
+def _parse_record(line: str) -> dict | None:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and "step" in record else None
+
+
+def _read_records(path: Path) -> list[dict]:
+    """The records of a metrics file; an invalid last line (a write cut by a crash) is skipped.
+
+    Any other invalid line raises ValueError naming the file and the line number.
+    """
+    lines = path.read_bytes().decode("utf-8", errors="replace").split("\n")
+    numbered = [(number, line) for number, line in enumerate(lines, 1) if line.strip(" \t\r\x00")]
+    records = []
+    for i, (number, line) in enumerate(numbered):
+        record = _parse_record(line)
+        if record is None:
+            if i == len(numbered) - 1:
+                break  # the last line, cut short by a crash mid-write: not a record
+            raise ValueError(f"{path}: line {number} is not a JSON record with a step: {line[:80]!r}")
+        records.append(record)
+    return records
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
-    """Every record of `run_dir/metrics.jsonl`, in order."""
-    path = Path(run_dir) / METRICS_FILE
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """Every record of `run_dir/metrics.jsonl`, in order (a last line cut short by a crash is skipped)."""
+    return _read_records(Path(run_dir) / METRICS_FILE)
