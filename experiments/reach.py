@@ -15,7 +15,7 @@ from pathlib import Path
 from runs import train_and_test
 
 from piattn.data.reach import reachable
-from piattn.demo import REACH
+from piattn.commands.demo import REACH
 
 
 def train_argv(kind: str, lag: int, seed: int, steps: int, run: Path) -> list[str]:

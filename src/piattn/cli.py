@@ -1,4 +1,4 @@
-"""The `piattn` command: one subcommand per job; each lives beside the code it runs."""
+"""The `piattn` command: one subcommand per job, each a module of `piattn.commands`."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import sys
 
 # subcommand -> (module with `add_arguments(parser)` and `run(args) -> int`, one-line help)
 COMMANDS = {
-    "reach": ("piattn.analysis.report", "reachability, coverage and minimum depth; writes the figure"),
-    "demo": ("piattn.demo", "the main job on built-in data: analysis, then a quick backend comparison"),
-    "train": ("piattn.train.cli", "train a language model or a long-range classifier; checkpoints, exact resume"),
-    "eval": ("piattn.train.evaluate", "score a checkpoint: bits per byte and perplexity, or accuracy"),
-    "generate": ("piattn.decoding.cli", "continue a prompt with a trained language model, streaming tokens"),
+    "reach": ("piattn.commands.reach", "reachability, coverage and minimum depth; writes the figure"),
+    "demo": ("piattn.commands.demo", "the main job on built-in data: analysis, reach task, backend comparison"),
+    "train": ("piattn.commands.train", "train a language model or a long-range classifier; checkpoints, exact resume"),
+    "eval": ("piattn.commands.eval", "score a checkpoint: bits per byte and perplexity, or accuracy"),
+    "generate": ("piattn.commands.generate", "continue a prompt with a trained language model, streaming tokens"),
 }
 
 
@@ -32,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # bad input reaches the user as one line, not a traceback
         print(f"piattn {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # what was saved has been said already; no traceback after it
+        print(f"piattn {args.command}: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # output piped into `head` and the like
         sys.stderr.close()
         return 0

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from piattn.cli import main
-from piattn.decoding.cli import load_language_model
+from piattn.tasks.lm import load_language_model
+from piattn.train.checkpoint import resolve_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,7 @@ def test_generate_streams_what_the_model_generates(run_dir, capsys):
     assert main(["generate", "--checkpoint", str(run_dir), "--prompt", "abc", "--max-new-tokens", "20",
                  "--temperature", "0", "--stats"]) == 0
     captured = capsys.readouterr()
-    model, tokenizer = load_language_model(str(run_dir), torch.device("cpu"))
+    model, tokenizer = load_language_model(resolve_checkpoint(run_dir), torch.device("cpu"))
     expected = model.generate(torch.tensor([tokenizer.encode("abc")]), 20, temperature=0)
     assert captured.out == tokenizer.decode(expected[0].tolist()) + "\n"
     # π ring: max(window 4, period 16) + 1 = 17 positions, k and v, 1 layer, 2 heads of 16, fp32

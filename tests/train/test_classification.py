@@ -22,10 +22,11 @@ from piattn.cli import main
 from piattn.data import listops, pathfinder, reach, retrieval
 from piattn.models import GPT, Encoder, EncoderConfig, GPTConfig
 from piattn.train.checkpoint import load_trainer_state, load_weights, read_config, read_latest
-from piattn.train.classification import ExampleLoader, Examples, ListOpsTask
-from piattn.train.cli import add_arguments
+from piattn.commands.train import add_arguments, checked_config, train_config
+from piattn.config import TrainConfig
+from piattn.data.examples import ExampleLoader, Examples
+from piattn.tasks import ListOpsTask
 from piattn.train.distributed import setup
-from piattn.train.loop import train
 from piattn.train.metrics import read_metrics
 
 TINY = ["--n-layer", "2", "--d-model", "32", "--n-head", "2", "--batch-size", "4", "--warmup", "1",
@@ -80,16 +81,16 @@ def test_listops_generated(tmp_path, capsys):
         assert_scores(result, model(ids), labels)
 
 
-def parse_train(*argv) -> argparse.Namespace:
+def parse_train(*argv) -> TrainConfig:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    return parser.parse_args(["--out", "unused", *TINY, *argv])
+    return TrainConfig.from_args(parser.parse_args(["--out", "unused", *TINY, *argv]))
 
 
 def test_listops_splits_follow_the_flags():
     args = parse_train("--task", "listops", "--seq-len", "100", "--listops-min-len", "40", "--listops-max-len", "60",
                        "--train-size", "24", "--eval-size", "8")
-    task = ListOpsTask.from_args(args, None, setup("cpu"))
+    task = ListOpsTask.from_config(checked_config(args), None, setup("cpu"))
     splits = {name: task.examples(name) for name in ("train", "valid", "test")}
     assert [len(s) for s in splits.values()] == [24, 8, 8]
     tokens = listops.TOKENS
@@ -103,7 +104,7 @@ def test_listops_splits_follow_the_flags():
             assert listops.evaluate(source) == label
             rows.setdefault(source, set()).add(name)
     assert all(len(names) == 1 for names in rows.values())  # no expression in two splits
-    again = ListOpsTask.from_args(args, None, setup("cpu")).examples("test")
+    again = ListOpsTask.from_config(checked_config(args), None, setup("cpu")).examples("test")
     assert torch.equal(again.inputs, splits["test"].inputs)  # the same seed, the same split
 
 
@@ -220,12 +221,12 @@ def test_interrupted_reach_run_resumes_bit_for_bit(tmp_path):
             raise KeyboardInterrupt
 
     straight, run = tmp_path / "straight", tmp_path / "run"
-    train(args(straight))
+    train_config(args(straight))
     with pytest.raises(KeyboardInterrupt):
-        train(args(run), on_micro_step=fail_at_step_3)
+        train_config(args(run), on_micro_step=fail_at_step_3)
     saved = read_latest(run / "checkpoints")
     assert load_trainer_state(saved)["loader"]["epoch"] == 1
-    train(args(run, "--resume"))
+    train_config(args(run, "--resume"))
 
     def losses(out):
         return [(r["step"], r["loss"], r["grad_norm"]) for r in read_metrics(out) if r["split"] == "train"]
@@ -245,7 +246,7 @@ def test_interrupted_reach_run_resumes_bit_for_bit(tmp_path):
     (["--task", "pathfinder", "--no-causal"], "--causal / --no-causal applies to --task reach only"),
     (["--task", "reach"], "--lag is required with --task reach"),
     (["--task", "reach", "--lag", "64"], "--lag must be in [1, --seq-len - 1 = 63], got 64"),
-    (["--task", "reach", "--lag", "3", "--reach-vocab", "1"], "--reach-vocab must be in [2, 32767], got 1"),
+    (["--task", "reach", "--lag", "3", "--reach-vocab", "1"], "--reach-vocab must be >= 2, got 1"),
     (["--task", "reach", "--lag", "3", "--train-size", "0"], "--train-size must be >= 1, got 0"),
     (["--task", "reach", "--lag", "3", "--data-seed", "-1"], "--data-seed must be >= 0, got -1"),
     (["--task", "reach", "--lag", "3", "--data", "x"], "--data does not apply to --task reach"),
@@ -289,12 +290,13 @@ def test_reach_separates_local_and_pi_where_the_analysis_says(tmp_path):
     accuracy = {}
     for attention, lag in (("local", 4), ("pi", 4), ("local", 8), ("pi", 8)):
         out = tmp_path / f"{attention}-{lag}"
-        train(parse_train("--task", "reach", "--attention", attention, "--window", "2", "--period", "8",
-                          "--lag", str(lag), "--seq-len", "32", "--reach-vocab", "4", "--d-model", "64",
-                          "--batch-size", "32", "--steps", "300", "--lr", "3e-3", "--min-lr", "3e-4",
-                          "--warmup", "20", "--dropout", "0", "--weight-decay", "0", "--train-size", "10000",
-                          "--eval-size", "1000", "--eval-every", "300", "--eval-batches", "0",
-                          "--save-every", "0", "--out", str(out)))
+        period = ["--period", "8"] if attention == "pi" else []  # local takes no period
+        train_config(parse_train("--task", "reach", "--attention", attention, "--window", "2", *period,
+                                 "--lag", str(lag), "--seq-len", "32", "--reach-vocab", "4", "--d-model", "64",
+                                 "--batch-size", "32", "--steps", "300", "--lr", "3e-3", "--min-lr", "3e-4",
+                                 "--warmup", "20", "--dropout", "0", "--weight-decay", "0", "--train-size", "10000",
+                                 "--eval-size", "1000", "--eval-every", "300", "--eval-batches", "0",
+                                 "--save-every", "0", "--out", str(out)))
         accuracy[attention, lag] = next(r["accuracy"] for r in read_metrics(out) if r["split"] == "validation")
     assert accuracy["local", 4] > 0.9 and accuracy["pi", 4] > 0.9, accuracy
     assert accuracy["pi", 8] > 0.9, accuracy

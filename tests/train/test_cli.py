@@ -14,7 +14,7 @@ from piattn.data.tokenizers import BPETokenizer, ByteTokenizer, CharTokenizer
 from piattn.models import GPT, GPTConfig
 from piattn.train.checkpoint import load_weights, read_config, read_latest
 from piattn.train.metrics import read_metrics
-from piattn.train.tasks import token_byte_lengths
+from piattn.tasks.lm import token_byte_lengths
 from utils import write_word_corpus
 
 SEQ = 64

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from piattn.train.checkpoint import load_trainer_state, read_latest
-from piattn.train.cli import add_arguments
-from piattn.train.loop import train
+from piattn.commands.train import add_arguments, train_config
+from piattn.config import TrainConfig
 from piattn.train.metrics import read_metrics
 from utils import write_word_corpus
 
@@ -27,14 +27,14 @@ def write_corpus(root):
     return write_word_corpus(root, {"train": [400] * 3, "validation": [400], "test": [400]})
 
 
-def parse(corpus, out, *extra) -> argparse.Namespace:
+def parse(corpus, out, *extra) -> TrainConfig:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    return parser.parse_args([
+    return TrainConfig.from_args(parser.parse_args([
         "--data", str(corpus), "--out", str(out), "--attention", "pi", "--n-layer", "2", "--d-model", "32",
         "--n-head", "2", "--seq-len", "64", "--batch-size", "2", "--grad-accum", "2", "--dropout", "0.1",
         "--steps", str(STEPS), "--warmup", "2", "--eval-every", "0", "--save-every", "0", "--log-every", "1",
-        "--device", "cpu", "--precision", "fp32", "--no-progress", *extra])
+        "--device", "cpu", "--precision", "fp32", "--no-progress", *extra]))
 
 
 def fail_at(step: int, micro: int, error: BaseException):
@@ -56,7 +56,7 @@ def final_weights(run_dir) -> dict[str, torch.Tensor]:
 def uninterrupted(tmp_path_factory, one_thread):
     root = tmp_path_factory.mktemp("resume")
     corpus = write_corpus(root / "corpus")
-    train(parse(corpus, root / "straight"))
+    train_config(parse(corpus, root / "straight"))
     return corpus, root / "straight"
 
 
@@ -72,12 +72,12 @@ def test_interrupted_mid_step_saves_then_resumes_bit_for_bit(uninterrupted, tmp_
     run = tmp_path / "run"
     # Ctrl-C during the second micro batch of step 4: one micro batch and its dropout draws already spent.
     with pytest.raises(KeyboardInterrupt):
-        train(parse(corpus, run), on_micro_step=fail_at(3, 1, KeyboardInterrupt()))
+        train_config(parse(corpus, run), on_micro_step=fail_at(3, 1, KeyboardInterrupt()))
     saved = read_latest(run / "checkpoints")
     assert saved.name == "step_00000003" and load_trainer_state(saved)["step"] == 3
     with (run / "metrics.jsonl").open("a") as f:  # as if a killed run had logged past its last checkpoint
         f.write(json.dumps({"step": 5, "split": "train", "loss": 0.0, "grad_norm": 0.0}) + "\n")
-    train(parse(corpus, run, "--resume"))
+    train_config(parse(corpus, run, "--resume"))
     assert_same_run(run, straight)
 
 
@@ -85,13 +85,13 @@ def test_error_after_a_periodic_checkpoint_resumes_from_it(uninterrupted, tmp_pa
     corpus, straight = uninterrupted
     run = tmp_path / "run"
     with pytest.raises(RuntimeError, match="injected"):
-        train(parse(corpus, run, "--save-every", "2"), on_micro_step=fail_at(4, 0, RuntimeError("injected")))
+        train_config(parse(corpus, run, "--save-every", "2"), on_micro_step=fail_at(4, 0, RuntimeError("injected")))
     assert [p.name for p in sorted((run / "checkpoints").glob("step_*"))] == ["step_00000002", "step_00000004"]
-    train(parse(corpus, run, "--save-every", "2", "--resume"))
+    train_config(parse(corpus, run, "--save-every", "2", "--resume"))
     assert_same_run(run, straight)
 
 
 def test_resume_refuses_changed_run_arguments(uninterrupted):
     corpus, straight = uninterrupted
     with pytest.raises(ValueError, match="--seq-len: checkpoint 64, now 32"):
-        train(parse(corpus, straight, "--resume", "--seq-len", "32"))
+        train_config(parse(corpus, straight, "--resume", "--seq-len", "32"))

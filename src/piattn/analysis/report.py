@@ -1,12 +1,10 @@
-"""`piattn reach`: coverage, span and minimum depth of local vs π-Attention, and the seed's Fig. rf_app.
+"""The reachability report of local vs π-Attention: coverage, span, minimum depth, and the paper's Fig. rf_app.
 
-    piattn reach --n 48 --window 4 --period 16 --layers 6 [--bidirectional] [--out PATH.png]
+`piattn reach` (piattn.commands.reach) prints it; `piattn demo` shows it first.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
 
 from .reachability import (
@@ -18,8 +16,6 @@ from .reachability import (
     span_bound,
     spans_by_depth,
 )
-
-DEFAULT_OUT = Path("runs/reach/receptive_field.png")
 
 
 def default_lags(n: int, window: int, period: int) -> list[int]:
@@ -125,29 +121,3 @@ def plot_receptive_field(n: int, window: int, period: int, layers: int, out: str
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
     return out
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--n", type=int, default=48, help="sequence length (default 48)")
-    parser.add_argument("--window", type=int, default=4, help="local window k (default 4)")
-    parser.add_argument("--period", type=int, default=16, help="skip distance π (default 16)")
-    parser.add_argument("--layers", type=int, default=6, help="depth L (default 6)")
-    parser.add_argument("--bidirectional", action="store_true", help="bidirectional instead of causal")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"figure path (default {DEFAULT_OUT})")
-
-
-def run(args: argparse.Namespace) -> int:
-    causal = not args.bidirectional
-    try:
-        summary = reach_summary(args.n, args.window, args.period, args.layers, causal)
-    except ValueError as e:
-        print(f"piattn reach: error: {e}", file=sys.stderr)
-        return 2
-    print(format_summary(summary))
-    try:
-        path = plot_receptive_field(args.n, args.window, args.period, args.layers, args.out, causal)
-    except ImportError as e:
-        print(f"\nno figure: {e}")
-        return 0
-    print(f"\nfigure: {path}")
-    return 0

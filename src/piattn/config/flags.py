@@ -81,6 +81,8 @@ def check_flags(obj, registries: Mapping[str, Iterable] | None = None, context: 
     context = context or {}
     for field, meta in flag_fields(type(obj)):
         value, name = getattr(obj, field.name), option_name(field.name)
+        if _base_type(type(obj), field.name) is bool and field.default is not False:
+            name = f"{name} / --no-{name[2:]}"
         if value is None:
             continue
         if meta.low is not None and not value >= meta.low:
@@ -91,9 +93,10 @@ def check_flags(obj, registries: Mapping[str, Iterable] | None = None, context: 
             raise ValueError(f"{name} must be > {meta.above:g}, got {value!r}")
         if meta.below is not None and not value < meta.below:
             raise ValueError(f"{name} must be < {meta.below:g}, got {value!r}")
-        choices = registries.get(meta.choices) if isinstance(meta.choices, str) else meta.choices
+        # registries are listed sorted, fixed choices in the order written
+        choices = sorted(registries.get(meta.choices, ())) if isinstance(meta.choices, str) else meta.choices
         if choices is not None and value not in choices:
-            raise ValueError(f"{name} must be one of {sorted(choices)}, got {value!r}")
+            raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
         if meta.applies is None or value == field.default:
             continue
         for other, allowed in meta.applies.items():

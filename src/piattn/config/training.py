@@ -167,11 +167,10 @@ class TrainConfig:
         for section in SECTIONS:
             check_flags(getattr(self, section), registries, context)
 
-    def differences(self, other: TrainConfig) -> list[str]:
-        """The run-defining flags whose values differ, as "--flag: mine, theirs" lines."""
+    def differences(self, other: TrainConfig) -> list[tuple[str, object, object]]:
+        """(flag, my value, other's value) for each run-defining flag whose values differ."""
         mine, theirs = self.to_flat(), other.to_flat()
-        return [f"{option_name(name)}: {mine[name]!r} vs {theirs[name]!r}"
-                for name in RUN_DEFINING if mine[name] != theirs[name]]
+        return [(option_name(name), mine[name], theirs[name]) for name in RUN_DEFINING if mine[name] != theirs[name]]
 
 
 _FIELD_SECTION = {f.name: section for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}

@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """ValueError naming the argument for a temperature, top_k or top_p out of range (NaN included)."""
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be an integer >= 1 or None, got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
 
 
 def sample_next(logits: torch.Tensor, *, temperature: float = 1.0, top_k: int | None = None,
@@ -12,12 +24,7 @@ def sample_next(logits: torch.Tensor, *, temperature: float = 1.0, top_k: int | 
     top_k keeps the k most likely tokens; top_p keeps the smallest set whose probability reaches p (the
     most likely token always survives). Both filter before sampling at the given temperature.
     """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1 or None, got {top_k}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")
+    check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return logits.argmax(-1)
     logits = logits.float() / temperature

@@ -1,6 +1,7 @@
-"""Training and evaluation: the loop behind `piattn train`, checkpoints, the optimiser, tasks, DDP.
+"""The training engine: the loop behind `piattn train`, checkpoints, the optimiser, DDP.
 
-Submodules: optim (AdamW groups, warmup-cosine schedule, clipping), checkpoint (atomic save, exact resume),
-loop (the Trainer), tasks (what is learned: `lm`), distributed (torchrun / DDP), metrics (metrics.jsonl),
-cli (`piattn train`), evaluate (`piattn eval`).
+Submodules: task (the `Task` interface the loop trains, and the shared evaluation loop), loop (the
+Trainer), checkpoint (atomic save, exact resume), optim (AdamW groups, warmup-cosine schedule, clipping),
+distributed (torchrun / DDP), metrics (metrics.jsonl). What is learned lives in `piattn.tasks`; the
+command-line front-ends in `piattn.commands`.
 """

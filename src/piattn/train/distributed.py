@@ -44,24 +44,40 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name} must be an integer, got {value!r}") from None
 
 
+def parse_device(device: str) -> torch.device:
+    """The device a `--device` flag names: "auto" (CUDA when available), "cpu", "cuda" or "cuda:N".
+
+    ValueError naming the flag for anything else, and for CUDA on a machine that has none (or not N + 1).
+    """
+    index = None
+    if isinstance(device, str) and device.startswith("cuda:") and device[5:].isdigit():
+        index = int(device[5:])
+    elif device not in DEVICES:
+        raise ValueError(f"--device must be one of {list(DEVICES)} or cuda:N, got {device!r}")
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device} asked for CUDA, which this machine does not have; use cpu or auto")
+    if index is not None and index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return torch.device("cuda", index)
+
+
 def setup(device: str = "auto") -> DistContext:
     """Read the torchrun environment, start the process group if there are several ranks, pick the device.
 
     device: "auto" (CUDA when available), "cpu" or "cuda" (or "cuda:N" for a single process).
     """
-    if device not in DEVICES and not device.startswith("cuda:"):
-        raise ValueError(f"--device must be one of {list(DEVICES)} or cuda:N, got {device!r}")
     rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
-    use_cuda = torch.cuda.is_available() if device == "auto" else device.startswith("cuda")
-    if use_cuda and not torch.cuda.is_available():
-        raise ValueError(f"--device {device} asked for CUDA, which this machine does not have; use cpu or auto")
+    dev = parse_device(device)
+    use_cuda = dev.type == "cuda"
     if use_cuda:
-        index = int(device.split(":")[1]) if ":" in device and world_size == 1 else local_rank
+        index = dev.index if dev.index is not None and world_size == 1 else local_rank
         torch.cuda.set_device(index)
         dev = torch.device("cuda", index)
-    else:
-        dev = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size)
     return DistContext(rank, world_size, local_rank, dev)

@@ -10,16 +10,19 @@ its UTF-8 bytes)), perplexity per token.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
 import time
 from pathlib import Path
 
-from . import checkpoint as ckpt
-from .distributed import DEVICES, DistContext, setup, teardown
-from .loop import PRECISIONS, autocast, autocast_dtype
-from .tasks import task_class
+from ..config import PRECISIONS
+from ..data.text import normalize_split
+from ..tasks import task_class
+from ..train import checkpoint as ckpt
+from ..train.distributed import DEVICES, DistContext, setup, teardown
+from ..train.loop import autocast, autocast_dtype, saved_train_config, writable_folder
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,7 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", default="test", help="train, validation (valid) or test")
     p.add_argument("--batches", type=int, default=0, help="batches per process to score (0: the whole split)")
     p.add_argument("--batch-size", type=int, help="sequences per batch (default: the training micro batch)")
-    p.add_argument("--cache-dir", help="where tokenized corpora are cached (default: the run's cache)")
+    p.add_argument("--cache-dir", help="where tokenized corpora are cached (default: RUN/cache; never a folder "
+                   "named inside the checkpoint)")
     p.add_argument("--device", default="auto", help=f"one of {list(DEVICES)} or cuda:N")
     p.add_argument("--precision", default="auto", help=f"one of {list(PRECISIONS)}")
     p.add_argument("--output", help="JSON file to write (default: RUN/eval/<checkpoint>_<split>[_<data>].json)")
@@ -46,31 +50,47 @@ def default_name(checkpoint: Path, args: argparse.Namespace) -> str:
 
 
 def evaluate_checkpoint(args: argparse.Namespace, ctx: DistContext) -> dict:
-    """Metrics of the checkpoint `args.checkpoint` on `args.split` of `args.data` (or its training data)."""
+    """Metrics of the checkpoint `args.checkpoint` on `args.split` of `args.data` (or its training data).
+
+    Files are written only where the user says: the tokenized cache goes to `--cache-dir` or the run
+    directory's cache/, whatever folder the checkpoint's config names.
+    """
     if args.batches < 0:
         raise ValueError(f"--batches must be >= 0 (0: the whole split), got {args.batches}")
     if args.batch_size is not None and args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    split = normalize_split(args.split)
     folder = ckpt.resolve_checkpoint(args.checkpoint)
     config = ckpt.read_config(folder)
-    train_args = argparse.Namespace(**config["train_args"])
-    train_args.progress = False
-    for name in ("data", "batch_size", "cache_dir"):
-        if getattr(args, name) is not None:
-            setattr(train_args, name, getattr(args, name))
+    cfg = saved_train_config(folder)
+    cache_dir = writable_folder(Path(args.cache_dir), "--cache-dir") if args.cache_dir else None
+    cfg = dataclasses.replace(
+        cfg, run=dataclasses.replace(cfg.run, progress=False),
+        data=dataclasses.replace(cfg.data, data=args.data or cfg.data.data, cache_dir=cache_dir and str(cache_dir)),
+        optim=dataclasses.replace(cfg.optim, batch_size=args.batch_size or cfg.optim.batch_size))
     amp = autocast_dtype(args.precision, ctx.device)
-    task = task_class(config["task"]).from_args(train_args, run_dir_of(folder), ctx, checkpoint=folder)
+    task = task_class(config.get("task")).from_config(cfg, run_dir_of(folder), ctx, checkpoint=folder)
     model = task.build_model()
     ckpt.load_weights(model, folder)
     model.to(ctx.device)
     start = time.perf_counter()
     with autocast(ctx.device, amp):
-        metrics = task.evaluate(model, args.split, args.batches)
-    return {"checkpoint": str(folder), "step": config["step"], "data": train_args.data, "split": args.split,
+        metrics = task.evaluate(model, split, args.batches)
+    return {"checkpoint": str(folder), "step": config.get("step"), "data": cfg.data.data, "split": split,
             **metrics, "seconds": time.perf_counter() - start}
 
 
+def output_file(path: str | Path) -> Path:
+    """The --output path, checked before the (long) evaluation: a file in a writable folder."""
+    output = Path(path)
+    if output.is_dir():
+        raise ValueError(f"--output {output} is a folder; name a .json file")
+    writable_folder(output.parent, "--output folder")
+    return output
+
+
 def run(args: argparse.Namespace) -> int:
+    chosen_output = output_file(args.output) if args.output else None
     ctx = setup(args.device)
     try:
         result = evaluate_checkpoint(args, ctx)
@@ -79,9 +99,9 @@ def run(args: argparse.Namespace) -> int:
     if not ctx.is_main:  # under torchrun every rank scores its share; rank 0 reports
         return 0
     folder = Path(result["checkpoint"])
-    output = Path(args.output) if args.output else run_dir_of(folder) / "eval" / default_name(folder, args)
-    output.parent.mkdir(parents=True, exist_ok=True)
+    output = chosen_output or output_file(run_dir_of(folder) / "eval" / default_name(folder, args))
     text = json.dumps(result, indent=2)
+    output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(text + "\n")
     print(text)
     print(f"written to {output}", file=sys.stderr)

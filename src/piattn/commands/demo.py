@@ -11,15 +11,18 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import time
 from pathlib import Path
 
 import torch
 
-import piattn
-from piattn.analysis.report import format_summary, plot_receptive_field, reach_summary
-from piattn.benchmarking import CHECK_TOLERANCE, error_vs_reference, machine_info, measure_isolated
-from piattn.data.reach import reachable
+from ..analysis.report import format_summary, plot_receptive_field, reach_summary
+from ..benchmarking import CHECK_TOLERANCE, error_vs_reference, machine_info, measure_isolated
+from ..config.training import DataFlags, ModelFlags, OptimFlags, RunFlags, TaskFlags, TrainConfig
+from ..data.reach import reachable
+from ..ops.pi import BACKENDS
+from .train import train_config
 
 # The reach task at a size that trains in ~15 s per run on one CPU thread (docs/results.md, reach task):
 # window 2 and 2 layers reach 4 tokens back locally; π = 8 adds lag 8 in one hop. Lag 5 neither reaches.
@@ -32,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reach-steps", type=int, default=300, help="training steps per reach-task run")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096], help="sequence lengths to time")
     p.add_argument("--backends", nargs="+", default=["reference", "torch", "sdpa"],
-                   choices=[b for b in piattn.BACKENDS if b != "auto"] + ["sdpa"],
+                   choices=[b for b in BACKENDS if b != "auto"] + ["sdpa"],
                    help="cases to time (pi_attention backends, or sdpa = dense causal attention)")
 
 
@@ -74,14 +77,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def reach_config(attention: str, lag: int, steps: int, out: Path) -> TrainConfig:
+    """The `piattn train --task reach` run of one demo cell."""
+    return TrainConfig(
+        model=ModelFlags(attention=attention, window=REACH["window"], n_layer=REACH["layers"], d_model=64, n_head=2,
+                         period=REACH["period"] if attention == "pi" else None, dropout=0.0),
+        data=DataFlags(seq_len=REACH["seq_len"]),
+        task=TaskFlags(task="reach", lag=lag, reach_vocab=REACH["vocab"]),
+        optim=OptimFlags(batch_size=32, steps=steps, lr=3e-3, min_lr=3e-4, warmup=20, weight_decay=0.0, seed=0),
+        run=RunFlags(out=str(out), eval_every=steps, eval_batches=0, save_every=0, device="cpu", progress=False))
+
+
 def reach_runs(args: argparse.Namespace) -> list[dict]:
     """Train `local` and `pi` at each lag through `piattn train --task reach`; validation accuracy of each."""
-    from piattn.train.cli import add_arguments as train_arguments
-    from piattn.train.cli import check_arguments
-    from piattn.train.loop import train
-
-    parser = argparse.ArgumentParser()
-    train_arguments(parser)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny models: one thread beats two competing ones
     results = []
@@ -89,17 +97,9 @@ def reach_runs(args: argparse.Namespace) -> list[dict]:
         for lag in args.lags:
             for attention in ("local", "pi"):
                 start = time.perf_counter()
-                run_args = parser.parse_args([
-                    "--task", "reach", "--attention", attention, "--lag", str(lag), "--window",
-                    str(REACH["window"]), "--period", str(REACH["period"]), "--n-layer", str(REACH["layers"]),
-                    "--reach-vocab", str(REACH["vocab"]), "--seq-len", str(REACH["seq_len"]), "--d-model", "64",
-                    "--n-head", "2", "--batch-size", "32", "--steps", str(args.reach_steps), "--lr", "3e-3",
-                    "--min-lr", "3e-4", "--warmup", "20", "--dropout", "0", "--weight-decay", "0",
-                    "--eval-every", str(args.reach_steps), "--eval-batches", "0", "--save-every", "0",
-                    "--seed", "0", "--device", "cpu", "--no-progress",
-                    "--out", str(args.out / "reach" / f"{attention}-lag{lag}")])
-                check_arguments(run_args)
-                accuracy = train(run_args)["validation"]["accuracy"]
+                out = args.out / "reach" / f"{attention}-lag{lag}"
+                shutil.rmtree(out, ignore_errors=True)  # the demo's own run of an earlier demo
+                accuracy = train_config(reach_config(attention, lag, args.reach_steps, out))["validation"]["accuracy"]
                 period = REACH["period"] if attention == "pi" else None
                 results.append(dict(lag=lag, attention=attention, accuracy=accuracy,
                                     seconds=time.perf_counter() - start,

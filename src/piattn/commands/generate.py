@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from ..data.tokenizers import load_tokenizer
-from ..models import GPT, GPTConfig
+from ..decoding import check_sampling
+from ..tasks.lm import load_language_model
 from ..train import checkpoint as ckpt
-from ..train.tasks import TOKENIZER_DIR
+from ..train.distributed import parse_device
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,26 +28,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
     p.add_argument("--top-p", type=float, help="sample among the smallest set of tokens with probability >= p")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--stats", action="store_true", help="print cache bytes and tokens/s to stderr at the end")
-
-
-def load_language_model(checkpoint: str, device: torch.device) -> tuple[GPT, object]:
-    """The GPT of a `piattn train` checkpoint (eval mode, on `device`) and its tokenizer."""
-    folder = ckpt.resolve_checkpoint(checkpoint)
-    config = ckpt.read_config(folder)
-    if config.get("task") != "lm":
-        raise ValueError(f"--checkpoint: {folder} holds a {config.get('task')!r} model, not a language model")
-    model = GPT(GPTConfig(**config["model"]))
-    ckpt.load_weights(model, folder)
-    return model.to(device).eval(), load_tokenizer(folder / TOKENIZER_DIR)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    device = torch.device(args.device)
-    model, tokenizer = load_language_model(args.checkpoint, device)
+    try:
+        check_sampling(args.temperature, args.top_k, args.top_p)
+    except ValueError as err:
+        raise ValueError(f"--{err}".replace("_", "-", 1)) from None
+    device = parse_device(args.device)
+    model, tokenizer = load_language_model(ckpt.resolve_checkpoint(args.checkpoint), device)
     ids = tokenizer.encode(args.prompt)
     if not ids:
         raise ValueError("--prompt must encode to at least one token")

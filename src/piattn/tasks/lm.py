@@ -1,0 +1,187 @@
+"""Causal language modelling on packed text (`piattn.models.GPT`): loss, bits per byte, perplexity."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+from ..config import GPTConfig, TrainConfig
+from ..data.packing import PackedSequences, SequenceLoader, load_corpus, tokenize_corpus
+from ..data.text import load_documents, source_fingerprint
+from ..data.tokenizers import load_tokenizer, make_tokenizer
+from ..models import GPT
+from ..train.checkpoint import load_weights, read_config
+from ..train.distributed import DistContext, barrier
+from ..train.task import Task, evaluation_sums, per_second
+
+TOKENIZER_DIR = "tokenizer"
+LM_SEQ_LEN = 1024  # --seq-len of --task lm when not given
+
+
+def token_byte_lengths(tokenizer) -> torch.Tensor:
+    """[vocab_size] int64: how many UTF-8 bytes of text each token id stands for.
+
+    byte: 1 each. char: the character's UTF-8 length (the unknown id counts as U+FFFD, 3 bytes). bpe: the
+    length of the token's byte string (byte-level BPE writes each byte as one symbol of its alphabet).
+    """
+    if tokenizer.kind == "byte":
+        return torch.ones(tokenizer.vocab_size, dtype=torch.int64)
+    if tokenizer.kind == "char":
+        return torch.tensor([len(tokenizer.decode([i]).encode("utf-8")) for i in range(tokenizer.vocab_size)])
+    if tokenizer.kind == "bpe":
+        return torch.tensor([len(tokenizer.model.id_to_token(i)) for i in range(tokenizer.vocab_size)])
+    raise ValueError(f"tokenizer kind must be byte, char or bpe, got {tokenizer.kind!r}")
+
+
+def lm_metrics(nats: float, tokens: int, n_bytes: int) -> dict:
+    """Loss (nats/token), bits per byte of the evaluated text, and perplexity per token, from summed counts."""
+    loss = nats / tokens
+    return {"loss": loss, "bpb": nats / (math.log(2) * n_bytes), "perplexity": math.exp(loss),
+            "tokens": int(tokens), "bytes": int(n_bytes)}
+
+
+def _documents(source: str, split: str, hint: str = ""):
+    """The documents of `split`, the flag named in the error when the source or its split is missing."""
+    try:
+        return load_documents(source, split)
+    except (FileNotFoundError, ValueError) as err:
+        raise ValueError(f"--data: {err}{hint}") from None
+
+
+def _files_digest(directory: Path) -> str:
+    """A digest of the files of a folder (a saved tokenizer), read once."""
+    digest = hashlib.sha256()
+    for f in sorted(p for p in directory.rglob("*") if p.is_file()):
+        digest.update(f.relative_to(directory).as_posix().encode() + b"\0" + f.read_bytes())
+    return digest.hexdigest()
+
+
+class LanguageModelTask(Task):
+    """Causal language modelling on packed text.
+
+    Documents come from `--data` (see `piattn.data.text.load_documents`), split train / validation / test;
+    the tokenizer (`--tokenizer byte|char|bpe`) is fitted on the train split. Tokenized splits are cached
+    under `--cache-dir` (default `run_dir/cache`), keyed by the split's content (`source_fingerprint`) and
+    the tokenizer's files, so an edited corpus is tokenized again.
+    """
+
+    name = "lm"
+
+    def __init__(self, cfg: TrainConfig, run_dir: Path, ctx: DistContext, tokenizer_dir: Path, config: GPTConfig):
+        self.cfg, self.ctx, self.config = cfg, ctx, config
+        self.tokenizer = load_tokenizer(tokenizer_dir)
+        # Read now: a checkpoint's tokenizer folder may be rotated away while the run goes on.
+        self.tokenizer_digest = _files_digest(tokenizer_dir)
+        self.cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else run_dir / "cache"
+        self._byte_lengths = token_byte_lengths(self.tokenizer).to(ctx.device)
+
+    @staticmethod
+    def resolve_seq_len(cfg: TrainConfig) -> int:
+        return LM_SEQ_LEN
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig, run_dir: Path, ctx: DistContext, checkpoint: Path | None = None):
+        if checkpoint is not None:
+            config = GPTConfig.from_dict(read_config(checkpoint)["model"])
+            return cls(cfg, run_dir, ctx, checkpoint / TOKENIZER_DIR, config)
+        if cfg.data.data is None:
+            raise ValueError("--data is required with --task lm")
+        if cfg.data.tokenizer == "bpe" and cfg.data.vocab_size is None:
+            raise ValueError("--vocab-size is required with --tokenizer bpe (e.g. 8192; at least 256)")
+        # Check everything before the tokenizer is fitted and written, so a bad flag leaves no trace.
+        _documents(cfg.data.data, "train")
+        if cfg.run.eval_every:
+            _documents(cfg.data.data, "validation", hint=" (or pass --eval-every 0)")
+        config = GPTConfig.from_name(cfg.model.config, attention=cfg.model.attention, block_size=cfg.data.seq_len,
+                                     dropout=cfg.model.dropout, **cfg.model.overrides())
+        tokenizer_dir = cls._fit_tokenizer(cfg, run_dir, ctx)
+        config = dataclasses.replace(config, vocab_size=load_tokenizer(tokenizer_dir).vocab_size)
+        return cls(cfg, run_dir, ctx, tokenizer_dir, config)
+
+    @staticmethod
+    def _fit_tokenizer(cfg: TrainConfig, run_dir: Path, ctx: DistContext) -> Path:
+        """Rank 0 fits (char, bpe) and saves the tokenizer under run_dir; returns that folder."""
+        directory = run_dir / TOKENIZER_DIR
+        if ctx.is_main:
+            texts = _documents(cfg.data.data, "train") if cfg.data.tokenizer != "byte" else None
+            make_tokenizer(cfg.data.tokenizer, texts, cfg.data.vocab_size).save(directory)
+        barrier(ctx)
+        return directory
+
+    @property
+    def model_config(self) -> GPTConfig:
+        return self.config
+
+    def build_model(self) -> GPT:
+        return GPT(self.config)
+
+    def save_assets(self, directory: Path) -> None:
+        self.tokenizer.save(directory / TOKENIZER_DIR)
+
+    def _cache_path(self, split: str) -> Path:
+        """Cache files of `split`: named by a digest of the split's content and of the tokenizer."""
+        try:
+            content = source_fingerprint(self.cfg.data.data, split)
+        except (FileNotFoundError, ValueError) as err:
+            raise ValueError(f"--data: {err}") from None
+        digest = hashlib.sha256(f"{content}\0{self.tokenizer_digest}".encode())
+        return self.cache_dir / f"{split}-{digest.hexdigest()[:16]}"
+
+    def sequences(self, split: str) -> PackedSequences:
+        """The packed sequences of `split`, tokenized once by rank 0 and cached."""
+        path = self._cache_path(split)
+        if self.ctx.is_main:
+            try:
+                corpus = load_corpus(path)
+            except (FileNotFoundError, ValueError, OSError):
+                corpus = tokenize_corpus(_documents(self.cfg.data.data, split), self.tokenizer, path,
+                                         progress=self.cfg.run.progress)
+        barrier(self.ctx)
+        if not self.ctx.is_main:
+            corpus = load_corpus(path)
+        try:
+            return PackedSequences(corpus.tokens, corpus.doc_starts, self.cfg.data.seq_len,
+                                   cross_documents=self.cfg.data.cross_documents)
+        except ValueError as err:
+            raise ValueError(f"--seq-len {self.cfg.data.seq_len} is too long for the {split} split of "
+                             f"{self.cfg.data.data}: {err}") from None
+
+    def train_loader(self) -> SequenceLoader:
+        return SequenceLoader(self.sequences("train"), self.cfg.optim.batch_size, seed=self.cfg.optim.seed,
+                              shuffle=True, rank=self.ctx.rank, world_size=self.ctx.world_size)
+
+    def loss(self, model, batch):
+        batch = batch.to(self.ctx.device, non_blocking=True)
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        logits = model(inputs)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()), targets.numel()
+
+    def _score(self, model, batch) -> dict:
+        batch = batch.to(self.ctx.device, non_blocking=True)
+        targets = batch[:, 1:]
+        logits = model(batch[:, :-1])
+        nats = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum").double()
+        return {"nats": nats, "tokens": targets.numel(), "bytes": self._byte_lengths[targets].sum()}
+
+    def evaluate(self, model, split, max_batches):
+        loader = SequenceLoader(self.sequences(split), self.cfg.optim.batch_size, shuffle=False,
+                                rank=self.ctx.rank, world_size=self.ctx.world_size, drop_last=False)
+        sums, seconds = evaluation_sums(model, loader, max_batches, self.ctx, ("nats", "tokens", "bytes"),
+                                        self._score)
+        return {**lm_metrics(sums["nats"], int(sums["tokens"]), int(sums["bytes"])),
+                "tokens_per_second": per_second(sums["tokens"], seconds)}
+
+
+def load_language_model(folder: Path, device: torch.device) -> tuple[GPT, object]:
+    """The GPT of a `piattn train` checkpoint folder (eval mode, on `device`) and its tokenizer."""
+    config = read_config(folder)
+    if config.get("task") != "lm":
+        raise ValueError(f"--checkpoint: {folder} holds a {config.get('task')!r} model, not a language model")
+    model = GPT(GPTConfig.from_dict(config["model"]))
+    load_weights(model, folder)
+    return model.to(device).eval(), load_tokenizer(folder / TOKENIZER_DIR)
