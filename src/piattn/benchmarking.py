@@ -3,12 +3,11 @@
 A fresh process per case keeps one backend's allocator state and caches from colouring the next, and makes
 the peak resident-set growth (Linux VmHWM after resetting it) a clean figure for that case alone.
 
-    python -m piattn.benchmarking --backend torch --T 8192 --mode fwd+bwd   # prints one JSON line
+    measure_isolated("torch", B=1, H=8, T=8192, D=64, mode="fwd+bwd")   # runs `measure` in a child process
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import platform
@@ -112,10 +111,9 @@ def measure(case: str, *, B: int, H: int, T: int, D: int, dtype: torch.dtype = t
 
 def measure_isolated(case: str, **kwargs) -> dict:
     """`measure` in a fresh Python process; returns its result, or {"error": ...} if the process failed."""
-    args = [sys.executable, "-m", "piattn.benchmarking", "--backend", case]
-    for key, value in kwargs.items():
-        args += [f"--{key}", str(value).removeprefix("torch.")]
-    proc = subprocess.run(args, capture_output=True, text=True)
+    request = json.dumps({"case": case, **{k: str(v).removeprefix("torch.") if k == "dtype" else v
+                                           for k, v in kwargs.items()}})
+    proc = subprocess.run([sys.executable, "-m", "piattn.benchmarking", request], capture_output=True, text=True)
     if proc.returncode != 0:
         return dict(case=case, **{k: str(v) for k, v in kwargs.items()},
                     error=proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed")
@@ -135,24 +133,8 @@ def machine_info() -> dict:
                 torch=torch.__version__, piattn=piattn.__version__, platform=platform.platform())
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backend", choices=CASES, required=True)
-    p.add_argument("--mode", choices=MODES, default="fwd+bwd")
-    p.add_argument("--B", type=int, default=1)
-    p.add_argument("--H", type=int, default=8)
-    p.add_argument("--T", type=int, default=8192)
-    p.add_argument("--D", type=int, default=64)
-    p.add_argument("--dtype", choices=("float32", "float64", "bfloat16", "float16"), default="float32")
-    p.add_argument("--window", type=int, default=4)
-    p.add_argument("--period", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--device", default="cpu")
-    a = p.parse_args(argv)
-    result = measure(a.backend, B=a.B, H=a.H, T=a.T, D=a.D, dtype=getattr(torch, a.dtype), mode=a.mode,
-                     window=a.window, period=a.period, repeats=a.repeats, device=a.device)
-    print(json.dumps(result))
-
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the child process of `measure_isolated`: one JSON request in, one JSON line out
+    request = json.loads(sys.argv[1])
+    if "dtype" in request:
+        request["dtype"] = getattr(torch, request["dtype"])
+    print(json.dumps(measure(request.pop("case"), **request)))

@@ -1,0 +1,127 @@
+"""The package's shape, checked from its source: no import cycle between subpackages (imports inside
+functions and under TYPE_CHECKING included), and command-line code only in `piattn.commands` / `piattn.cli`."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import piattn
+
+SRC = Path(piattn.__file__).parent
+# Modules of the package root that sit above every subpackage (entry points), and the root itself.
+TOP = {"cli", "__main__"}
+
+
+def module_name(path: Path) -> str:
+    parts = ["piattn", *path.relative_to(SRC).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every piattn module `path` imports, anywhere in the file, as absolute dotted names."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                origin = ".".join(base + ([node.module] if node.module else []))
+            else:
+                origin = node.module
+            # `from pkg import sub` imports the submodule when there is one
+            found |= {f"{origin}.{alias.name}" for alias in node.names} | {origin}
+    return {m for m in found if m == "piattn" or m.startswith("piattn.")}
+
+
+def unit(module: str) -> str | None:
+    """The node of the graph a module belongs to: its first-level subpackage or root module."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "piattn"
+    first = parts[1]
+    if (SRC / first).is_dir() or (SRC / f"{first}.py").is_file():
+        return first
+    return "piattn"  # a name defined in piattn/__init__.py
+
+
+def dependency_graph() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for path in SRC.rglob("*.py"):
+        source = unit(module_name(path))
+        targets = {unit(m) for m in imported_modules(path)} - {source, None}
+        graph.setdefault(source, set()).update(targets)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """Strongly connected components with more than one node (Tarjan)."""
+    index, low, stack, on_stack, result, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                result.append(component)
+
+    for v in list(graph):
+        if v not in index:
+            visit(v)
+    return result
+
+
+def test_the_checker_sees_a_cycle_when_there_is_one():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_subpackages_import_each_other_without_cycles():
+    graph = dependency_graph()
+    assert {"ops", "layers", "models", "train", "tasks", "commands", "config"} <= set(graph)
+    assert cycles(graph) == []
+
+
+def test_configuration_imports_nothing_else_from_piattn():
+    assert dependency_graph()["config"] == set()
+
+
+def test_only_the_command_front_ends_are_imported_by_nothing_below_them():
+    graph = dependency_graph()
+    importers = {source for source, targets in graph.items() if "commands" in targets}
+    assert importers <= TOP
+
+
+def test_command_line_code_lives_in_commands_only():
+    """No library module defines a subcommand (`add_arguments` + `run`) or parses a command line. (The
+    training flags are declared in `piattn.config`, which builds parser arguments from them but parses
+    nothing.)"""
+    offenders = []
+    for path in SRC.rglob("*.py"):
+        if unit(module_name(path)) in {"commands", *TOP}:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        names = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+        calls = {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)}
+        if {"add_arguments", "run"} <= names or "parse_args" in calls:
+            offenders.append(str(path.relative_to(SRC)))
+    assert offenders == []
