@@ -6,13 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from piattn.config import ModelConfig
 from piattn.layers.bigbird import BigBirdAttention
 from piattn.layers.longformer import LongformerAttention
 from piattn.layers.sparse import gathered_attention
 from piattn.masks import dense_mask
 from piattn.masks.bigbird import bigbird_mask
 from piattn.masks.longformer import longformer_mask
-from piattn.config import ModelConfig
 
 D_MODEL, HEADS = 16, 2
 

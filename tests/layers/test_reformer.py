@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from piattn.layers.reformer import ReformerAttention, lsh_attention
 from piattn.config import ModelConfig
+from piattn.layers.reformer import ReformerAttention, lsh_attention
 
 
 def dense_shared_qk(q, v, allowed):

@@ -19,13 +19,13 @@ from safetensors.torch import load_file
 from torch.nn import functional as F
 
 from piattn.cli import main
-from piattn.data import listops, pathfinder, reach, retrieval
-from piattn.models import GPT, Encoder, EncoderConfig, GPTConfig
-from piattn.train.checkpoint import load_trainer_state, load_weights, read_config, read_latest
 from piattn.commands.train import add_arguments, checked_config, train_config
 from piattn.config import TrainConfig
+from piattn.data import listops, pathfinder, reach, retrieval
 from piattn.data.examples import ExampleLoader, Examples
+from piattn.models import GPT, Encoder, EncoderConfig, GPTConfig
 from piattn.tasks import ListOpsTask
+from piattn.train.checkpoint import load_trainer_state, load_weights, read_config, read_latest
 from piattn.train.distributed import setup
 from piattn.train.metrics import read_metrics
 

@@ -12,9 +12,9 @@ from torch.nn import functional as F
 from piattn.cli import main
 from piattn.data.tokenizers import BPETokenizer, ByteTokenizer, CharTokenizer
 from piattn.models import GPT, GPTConfig
+from piattn.tasks.lm import token_byte_lengths
 from piattn.train.checkpoint import load_weights, read_config, read_latest
 from piattn.train.metrics import read_metrics
-from piattn.tasks.lm import token_byte_lengths
 from utils import write_word_corpus
 
 SEQ = 64

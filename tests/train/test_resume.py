@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from piattn.train.checkpoint import load_trainer_state, read_latest
 from piattn.commands.train import add_arguments, train_config
 from piattn.config import TrainConfig
+from piattn.train.checkpoint import load_trainer_state, read_latest
 from piattn.train.metrics import read_metrics
 from utils import write_word_corpus
 
