@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from .flags import add_flags, check_flags, flag, flag_fields, option_name
-from .model import SIZES
+from .model import SIZES, ModelConfig
 from .pi import PI_DEFAULTS, VARIANTS
 
 # Task families whose flags only they read.
@@ -42,10 +42,11 @@ class ModelFlags:
                                applies={"attention": ("pi", "local")})
     dropout: float = flag(0.1, "residual, attention and FFN dropout", low=0, below=1)
 
-    def overrides(self) -> dict:
-        """The model-config fields these flags set (those given), for `ModelConfig.from_name`."""
-        names = ("window", "period", "variant", "prior", "n_layer", "n_head", "d_model", "d_ff", "backend")
-        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+    def model_fields(self) -> dict:
+        """The `ModelConfig` fields these flags set (every flag named like a field, when given), for
+        `ModelConfig.from_name(config, ...)`: a new model flag needs no code here."""
+        fields = {f.name for f in dataclasses.fields(ModelConfig)}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k in fields and v is not None}
 
 
 @dataclass

@@ -42,9 +42,8 @@ def split_seed(data_seed: int, split: str) -> int:
 def encoder_config(cfg: TrainConfig, *, vocab_size: int, num_classes: int, pool: str = "mean",
                    dual: bool = False) -> EncoderConfig:
     """The `--config` size with the model flags given (window, period, …) and the task's vocabulary and classes."""
-    return EncoderConfig.from_name(cfg.model.config, attention=cfg.model.attention, dropout=cfg.model.dropout,
-                                   vocab_size=vocab_size, num_classes=num_classes, block_size=cfg.data.seq_len,
-                                   pool=pool, dual=dual, **cfg.model.overrides())
+    return EncoderConfig.from_name(cfg.model.config, vocab_size=vocab_size, num_classes=num_classes,
+                                   block_size=cfg.data.seq_len, pool=pool, dual=dual, **cfg.model.model_fields())
 
 
 def data_file(cfg: TrainConfig, names: dict[str, str], split: str, task: str) -> Path:

@@ -97,8 +97,8 @@ class LanguageModelTask(Task):
         _documents(cfg.data.data, "train")
         if cfg.run.eval_every:
             _documents(cfg.data.data, "validation", hint=" (or pass --eval-every 0)")
-        config = GPTConfig.from_name(cfg.model.config, attention=cfg.model.attention, block_size=cfg.data.seq_len,
-                                     dropout=cfg.model.dropout, **cfg.model.overrides())
+        config = GPTConfig.from_name(cfg.model.config, block_size=cfg.data.seq_len,
+                                     **cfg.model.model_fields())
         tokenizer_dir = cls._fit_tokenizer(cfg, run_dir, ctx)
         config = dataclasses.replace(config, vocab_size=load_tokenizer(tokenizer_dir).vocab_size)
         return cls(cfg, run_dir, ctx, tokenizer_dir, config)

@@ -54,8 +54,8 @@ class ReachTask(ClassificationTask):
         vocab = cls.vocab(cfg)
         if not cls.causal(cfg):
             return encoder_config(cfg, vocab_size=vocab + 1, num_classes=vocab, pool="cls")
-        return GPTConfig.from_name(cfg.model.config, attention=cfg.model.attention, dropout=cfg.model.dropout,
-                                   vocab_size=vocab + 1, block_size=cfg.data.seq_len, **cfg.model.overrides())
+        return GPTConfig.from_name(cfg.model.config, vocab_size=vocab + 1, block_size=cfg.data.seq_len,
+                                   **cfg.model.model_fields())
 
     def build_model(self):
         return GPT(self.config) if self.causal(self.cfg) else Encoder(self.config)
