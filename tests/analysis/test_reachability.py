@@ -1,6 +1,6 @@
 """reachability_mask, spans and min_depth against breadth-first search over the token graph.
 
-The BFS here is written from the offset definition of design.md (causal {0, -1, …, -window} ∪ {-period},
+The BFS here is written from the offset definition of docs/design.md (causal {0, -1, …, -window} ∪ {-period},
 bidirectional {-window, …, window} ∪ {±period}), not from piattn's masks.
 """
 

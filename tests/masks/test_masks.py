@@ -1,4 +1,4 @@
-"""mask_mods against the offset definition of design.md, and inside FlexAttention."""
+"""mask_mods against the offset definition of docs/design.md, and inside FlexAttention."""
 
 from __future__ import annotations
 

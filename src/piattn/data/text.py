@@ -7,8 +7,8 @@ Documents that are empty or only whitespace are skipped; a source that yields no
 `load_documents(source, split)` picks the loader from the source string:
 
     "wikitext:<dir or file>"      WikiText files, one document per article       -> wikitext_documents
-    "books:<dir>"                 the Gutenberg books of ../shared/data/books,
-                                  split as fixed by its README                    -> books_documents
+    "books:<dir>"                 Project Gutenberg books (*_pgN.txt), four of
+                                  them held out (BOOK_SPLITS)                     -> books_documents
     "hf:<name>" / "hf:<name>:<config>"
                                   a Hugging Face dataset, one document per row    -> hf_documents
     any other string              a text file (one document) or a folder of .txt
@@ -33,7 +33,7 @@ from pathlib import Path
 SPLITS = ("train", "validation", "test")
 SPLIT_ALIASES = {"train": ("train",), "validation": ("validation", "valid", "val"), "test": ("test",)}
 
-# The fixed book splits of ../shared/data/README.md; every other book file is train.
+# The held-out books of the fixed book corpus (validation and test); every other book file is train.
 BOOK_SPLITS = {
     "validation": ("treasure_island_pg120.txt", "huckleberry_finn_pg76.txt"),
     "test": ("adventures_of_sherlock_holmes_pg1661.txt", "frankenstein_pg84.txt"),
@@ -187,7 +187,7 @@ def strip_gutenberg_boilerplate(text: str) -> str:
 
 
 def book_files(root: str | Path, split: str) -> list[Path]:
-    """The book files of one split of the fixed book corpus (../shared/data/README.md), sorted by name.
+    """The book files of one split of the fixed book corpus (BOOK_SPLITS), sorted by name.
 
     validation and test are the two books each that the README names; train is every other
     `<title>_pg<number>.txt` file in `root` (so `SOURCES.txt` is not a book).
@@ -199,7 +199,7 @@ def book_files(root: str | Path, split: str) -> list[Path]:
     held_out = {name for names in BOOK_SPLITS.values() for name in names}
     missing = sorted(name for name in held_out if not (root / name).is_file())
     if missing:
-        raise FileNotFoundError(f"{root} lacks the held-out books {missing}; is it ../shared/data/books?")
+        raise FileNotFoundError(f"{root} lacks the held-out books {missing}; is it the fixed book corpus?")
     if split in BOOK_SPLITS:
         return sorted(root / name for name in BOOK_SPLITS[split])
     train = sorted(f for f in root.iterdir() if BOOK_FILE.fullmatch(f.name) and f.name not in held_out)
@@ -209,7 +209,7 @@ def book_files(root: str | Path, split: str) -> list[Path]:
 
 
 def books_documents(root: str | Path, split: str, strip_boilerplate: bool = True) -> Documents:
-    """The fixed book corpus: one document per book, split as ../shared/data/README.md defines.
+    """The fixed book corpus: one document per book, split as BOOK_SPLITS says.
 
     `strip_boilerplate` keeps only the text between the Project Gutenberg start and end lines.
     """

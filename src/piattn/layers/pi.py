@@ -49,7 +49,7 @@ class PiAttention(AttentionLayer):
         return None if self.gate is None else gate_values(self.gate, x, self.settings.eps)
 
     def cache_capacity(self) -> int:
-        """Decoding position t reads t−window … t and t−period (design.md: not O(window) as the paper says)."""
+        """Decoding position t reads t−window … t and t−period (docs/design.md: not O(window) as the paper says)."""
         if not self.causal:
             raise ValueError("incremental decoding needs causal attention")
         return self.settings.reach + 1
