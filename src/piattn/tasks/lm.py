@@ -79,6 +79,7 @@ class LanguageModelTask(Task):
         self.tokenizer_digest = _files_digest(tokenizer_dir)
         self.cache_dir = Path(cfg.data.cache_dir) if cfg.data.cache_dir else run_dir / "cache"
         self._byte_lengths = token_byte_lengths(self.tokenizer).to(ctx.device)
+        self._sequences: dict[str, PackedSequences] = {}
 
     @staticmethod
     def resolve_seq_len(cfg: TrainConfig) -> int:
@@ -133,7 +134,13 @@ class LanguageModelTask(Task):
         return self.cache_dir / f"{split}-{digest.hexdigest()[:16]}"
 
     def sequences(self, split: str) -> PackedSequences:
-        """The packed sequences of `split`, tokenized once by rank 0 and cached."""
+        """The packed sequences of `split`, tokenized once by rank 0 and cached; read once per task (a run
+        evaluates the validation text it started with)."""
+        if split not in self._sequences:
+            self._sequences[split] = self._load_sequences(split)
+        return self._sequences[split]
+
+    def _load_sequences(self, split: str) -> PackedSequences:
         path = self._cache_path(split)
         if self.ctx.is_main:
             try:
