@@ -163,10 +163,10 @@ def pi_op(backend: str):
 
 
 def flex_op(block_size: int):
-    from piattn.ops.pi.flex import flex_pi_attention
+    from piattn.ops.pi.flex import pi_attention_flex
 
     def op(q, k, v, gate):
-        return flex_pi_attention(q, k, v, gate, **OP, scale=q.shape[-1] ** -0.5, block_size=block_size)
+        return pi_attention_flex(q, k, v, gate, **OP, scale=q.shape[-1] ** -0.5, block_size=block_size)
 
     return op
 

@@ -46,12 +46,31 @@ def forward_backward(q, k, v, gate, dy_seed=1, **kwargs):
     return (y, *grads)
 
 
-def assert_close(name: str, expected: torch.Tensor, actual: torch.Tensor, dtype: torch.dtype | None = None):
-    """torch.testing.assert_close with the tolerance of `dtype`; names the tensor in the failure message."""
-    tol = TOLERANCES[dtype or expected.dtype]
+def assert_close(name: str, expected: torch.Tensor, actual: torch.Tensor, dtype: torch.dtype | None = None,
+                 tol: dict | None = None):
+    """torch.testing.assert_close with the tolerance of `dtype` (or `tol`, atol and rtol); names the tensor
+    in the failure message."""
+    tol = tol or TOLERANCES[dtype or expected.dtype]
     assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     assert torch.isfinite(actual).all(), f"{name}: non-finite values"
     torch.testing.assert_close(actual.double(), expected.double(), **tol, msg=lambda m: f"{name}: {m}")
+
+
+# What forward_backward returns, in order.
+OUTPUT_NAMES = ("y", "dq", "dk", "dv", "dgate")
+
+
+def compare(expected: tuple, actual: tuple, dtype: torch.dtype | None = None, tol: dict | None = None) -> None:
+    """Compare the tuples of two forward_backward runs (or their first elements) with `assert_close`:
+    equal dtypes, finite values, TOLERANCES[dtype] or `tol`; a missing gradient (None) must be missing in
+    both."""
+    assert len(expected) == len(actual), f"{len(expected)} outputs expected, got {len(actual)}"
+    for name, e, a in zip(OUTPUT_NAMES, expected, actual, strict=False):
+        assert (e is None) == (a is None), f"{name}: expected {'no ' if e is None else ''}gradient"
+        if e is None:
+            continue
+        assert a.dtype == e.dtype, f"{name}: dtype {a.dtype} != {e.dtype}"
+        assert_close(name, e, a, dtype, tol)
 
 
 def tiny_model(attention: str, variant: str = "adaptive", **overrides) -> GPT:

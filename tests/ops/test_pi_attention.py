@@ -1,21 +1,23 @@
 """pi_attention: the reference against an independent dense [T, T] formulation and the seed's appendix code,
-and every CPU backend against the reference (forward and all gradients, gate included)."""
+properties of the operator, the torch backend's own checks (gradcheck, chunking) and bad input.
+
+Every backend against the reference: test_conformance.py. The choice of backend: test_backends.py.
+"""
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import piattn
 from appendix_module import AppendixPiAttention
-from utils import TOLERANCES, assert_close, forward_backward, make_inputs
+from piattn.config.pi import PI_DEFAULTS, VARIANTS
+from utils import OUTPUT_NAMES, TOLERANCES, assert_close, compare, forward_backward, make_inputs
 
-VARIANTS = ("union", "separate", "fixed", "adaptive")
 # (T, window, period): odd T, T < period, window 0, period 1, period <= window, period == T - 1,
 # windows wider than the torch backend's 16-row blocks.
 SHAPES = [(37, 4, 16), (10, 4, 16), (33, 0, 5), (40, 5, 3), (29, 3, 28), (17, 2, 1), (1, 4, 16), (64, 4, 16),
@@ -58,17 +60,6 @@ def _dense_forward_backward(q, k, v, gate, **kw):
     return (y, *grads, *([None] if gate is None else []))
 
 
-NAMES = ("y", "dq", "dk", "dv", "dgate")
-
-
-def _compare(expected, actual, dtype=None):
-    for name, e, a in zip(NAMES, expected, actual, strict=True):
-        if e is None:
-            assert a is None, f"{name}: expected no gradient"
-            continue
-        assert_close(name, e, a, dtype)
-
-
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("T,window,period", SHAPES, ids=[f"T{t}-w{w}-p{p}" for t, w, p in SHAPES])
@@ -77,31 +68,7 @@ def test_reference_matches_dense_formulation(T, window, period, causal, variant)
     inputs = make_inputs(2, 3, T, 8, variant=variant)
     expected = _dense_forward_backward(*inputs, **kw)
     actual = forward_backward(*inputs, backend="reference", **kw)
-    _compare(expected, actual)
-
-
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("T,window,period", SHAPES, ids=[f"T{t}-w{w}-p{p}" for t, w, p in SHAPES])
-def test_torch_matches_reference_fp64(T, window, period, causal, variant, nan_poison):
-    kw = dict(window=window, period=period, causal=causal, variant=variant, logit_clamp=1.5)
-    inputs = make_inputs(2, 3, T, 8, variant=variant)
-    expected = forward_backward(*inputs, backend="reference", **kw)
-    actual = forward_backward(*inputs, backend="torch", **kw)
-    _compare(expected, actual)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_torch_matches_reference_in_each_dtype(dtype, causal, variant):
-    kw = dict(window=4, period=16, causal=causal, variant=variant)
-    inputs = make_inputs(2, 2, 75, 32, variant=variant, dtype=dtype, seed=3)
-    expected = forward_backward(*inputs, backend="reference", **kw)
-    actual = forward_backward(*inputs, backend="torch", **kw)
-    for y in actual[:4]:
-        assert y.dtype == dtype
-    _compare(expected, actual, dtype)
+    compare(expected, actual)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -142,7 +109,7 @@ def test_matches_appendix_code_fp64(backend, causal):
     # No logit clamp in the appendix code; these scores stay far below it anyway.
     y = piattn.pi_attention(q, k, v, gate, window=4, period=16, causal=causal, backend=backend)
     g = torch.autograd.grad(y, (q, k, v, gate), dy)
-    for name, a, b in zip(NAMES, (y_ref, *g_ref), (y, *g), strict=True):
+    for name, a, b in zip(OUTPUT_NAMES, (y_ref, *g_ref), (y, *g), strict=True):
         assert (a - b).abs().max().item() <= 1e-9, name
 
 
@@ -177,29 +144,6 @@ def test_gate_extremes_select_branches():
     torch.testing.assert_close(y, local, atol=1e-6, rtol=1e-6)
 
 
-def test_noncontiguous_inputs():
-    """[B, T, H, D] projections transposed to [B, H, T, D] views work as contiguous ones do."""
-    q, k, v, gate = make_inputs(2, 3, 41, 8, requires_grad=False)
-    views = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
-    assert not views[0].is_contiguous()
-    for backend in ("reference", "torch"):
-        assert_close(backend, piattn.pi_attention(q, k, v, gate, backend=backend),
-                     piattn.pi_attention(*views, gate, backend=backend))
-
-
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_dropout_same_mask_across_backends(variant):
-    q, k, v, gate = make_inputs(2, 2, 45, 8, variant=variant)
-    outs = []
-    for backend in ("reference", "torch"):
-        torch.manual_seed(123)
-        outs.append(forward_backward(q, k, v, gate, variant=variant, dropout_p=0.3, backend=backend))
-    _compare(*outs)
-    torch.manual_seed(123)
-    plain = piattn.pi_attention(q, k, v, gate, variant=variant, backend="torch")
-    assert (outs[0][0] - plain).abs().max() > 1e-3, "dropout must change the output"
-
-
 def test_dropout_is_unbiased():
     """Inverted dropout keeps the expected output: over many draws the mean is within 5 standard errors."""
     q, k, v, gate = make_inputs(1, 1, 20, 4, requires_grad=False)
@@ -209,25 +153,6 @@ def test_dropout_is_unbiased():
     draws = torch.stack([piattn.pi_attention(q, k, v, gate, dropout_p=0.5, backend="torch") for _ in range(n)])
     stderr = draws.std(0) / n**0.5
     assert ((draws.mean(0) - plain).abs() <= 5 * stderr + 1e-12).all()
-
-
-def test_auto_backend_on_cpu_is_torch_and_correct():
-    q, k, v, gate = make_inputs(1, 2, 33, 8, requires_grad=False)
-    assert "auto" in piattn.BACKENDS and "reference" in piattn.BACKENDS and "torch" in piattn.BACKENDS
-    assert_close("auto", piattn.pi_attention(q, k, v, gate, backend="reference"),
-                 piattn.pi_attention(q, k, v, gate))
-
-
-@settings(max_examples=40, deadline=None)
-@given(
-    B=st.integers(1, 2), H=st.integers(1, 3), T=st.integers(1, 80), D=st.sampled_from([1, 3, 8, 16]),
-    window=st.integers(0, 9), period=st.integers(1, 40), causal=st.booleans(),
-    variant=st.sampled_from(VARIANTS), seed=st.integers(0, 2**16),
-)
-def test_random_shapes_torch_vs_reference(B, H, T, D, window, period, causal, variant, seed):
-    kw = dict(window=window, period=period, causal=causal, variant=variant, logit_clamp=3.0)
-    inputs = make_inputs(B, H, T, D, variant=variant, seed=seed)
-    _compare(forward_backward(*inputs, backend="reference", **kw), forward_backward(*inputs, backend="torch", **kw))
 
 
 # ---- bad input: a ValueError that names the argument -------------------------------------------------
@@ -257,6 +182,7 @@ BAD_INPUTS = [
     ("eps", lambda a: a.update(eps=0.0)),
     ("scale", lambda a: a.update(scale=-1.0)),
     ("prior", lambda a: a.update(variant="fixed", gate=None, prior=1.0)),
+    ("prior", lambda a: a.update(prior=0.0)),  # checked for every variant (piattn.config.pi)
     ("causal", lambda a: a.update(causal="yes")),
 ]
 
@@ -292,4 +218,17 @@ def test_torch_chunking_is_invisible(chunk_bytes, causal, variant, monkeypatch, 
     monkeypatch.setattr(eager, "CHUNK_BYTES", chunk_bytes)
     kw = dict(window=5, period=21, causal=causal, variant=variant)
     inputs = make_inputs(2, 3, 83, 4, variant=variant, seed=7)
-    _compare(forward_backward(*inputs, backend="reference", **kw), forward_backward(*inputs, backend="torch", **kw))
+    compare(forward_backward(*inputs, backend="reference", **kw), forward_backward(*inputs, backend="torch", **kw))
+
+
+def test_signature_is_the_contract():
+    """The public signature is fixed; its setting defaults are piattn.config.pi.PI_DEFAULTS."""
+    params = inspect.signature(piattn.pi_attention).parameters
+    assert list(params) == ["q", "k", "v", "gate", "window", "period", "causal", "variant", "prior", "logit_clamp",
+                            "eps", "scale", "dropout_p", "backend"]
+    assert all(params[name].kind is inspect.Parameter.KEYWORD_ONLY for name in list(params)[4:])
+    defaults = {name: p.default for name, p in params.items() if p.default is not inspect.Parameter.empty}
+    assert defaults == {**PI_DEFAULTS.as_kwargs(), "gate": None, "causal": True, "scale": None, "dropout_p": 0.0,
+                        "backend": "auto"}
+    assert PI_DEFAULTS.as_kwargs() == dict(window=4, period=16, variant="adaptive", prior=0.5, logit_clamp=20.0,
+                                           eps=1e-4)

@@ -1,56 +1,21 @@
 """`pi_attention`: the public operator, its argument checks and the choice of backend.
 
 Every backend is a function with the signature of `reference.pi_attention_reference`; they differ in
-how they compute, never in what.
+how they compute, never in what. What each can run is declared in `backends.py`.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.util
-import os
-from collections.abc import Callable
-
 # Aliased: importing the submodule `.torch` rebinds the package attribute `torch` to that submodule.
 import torch as _torch
 
+from ...config.pi import PI_DEFAULTS
+from .backends import REGISTRY, select
 from .pattern import Pattern
 from .validate import check_arguments
 
-# name -> (module, function). Modules load on first use, so that `import piattn` stays cheap.
-_BACKEND_SOURCES = {
-    "reference": ("reference", "pi_attention_reference"),
-    "torch": ("torch", "pi_attention_torch"),
-    "triton": ("triton", "pi_attention_triton"),
-    "flex": ("flex", "pi_attention_flex"),
-}
-
-
-def _runnable(name: str) -> bool:
-    """Whether this install can run backend `name` (its dependencies exist; nothing is imported)."""
-    if name == "triton":
-        has_device = _torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-        return has_device and importlib.util.find_spec("triton") is not None
-    if name == "flex":
-        return importlib.util.find_spec("torch.nn.attention.flex_attention") is not None
-    return True
-
-
-BACKENDS: tuple[str, ...] = ("auto", *(name for name in _BACKEND_SOURCES if _runnable(name)))
-
-
-@functools.cache
-def _implementation(name: str) -> Callable:
-    module, fn = _BACKEND_SOURCES[name]
-    return getattr(importlib.import_module(f"{__name__}.{module}"), fn)
-
-
-def choose_backend(device: _torch.device, dtype: _torch.dtype) -> str:
-    """The backend "auto" resolves to: the fused Triton kernel on CUDA when present, else "torch"."""
-    if device.type == "cuda" and "triton" in BACKENDS and dtype != _torch.float64:
-        return "triton"
-    return "torch"
+# "auto" and the backends this install can run.
+BACKENDS: tuple[str, ...] = ("auto", *(name for name, b in REGISTRY.items() if b.available()))
 
 
 def pi_attention(
@@ -59,13 +24,13 @@ def pi_attention(
     v: _torch.Tensor,
     gate: _torch.Tensor | None = None,
     *,
-    window: int = 4,
-    period: int = 16,
+    window: int = PI_DEFAULTS.window,
+    period: int = PI_DEFAULTS.period,
     causal: bool = True,
-    variant: str = "adaptive",
-    prior: float = 0.5,
-    logit_clamp: float | None = 20.0,
-    eps: float = 1e-4,
+    variant: str = PI_DEFAULTS.variant,
+    prior: float = PI_DEFAULTS.prior,
+    logit_clamp: float | None = PI_DEFAULTS.logit_clamp,
+    eps: float = PI_DEFAULTS.eps,
     scale: float | None = None,
     dropout_p: float = 0.0,
     backend: str = "auto",
@@ -87,7 +52,9 @@ def pi_attention(
         eps: floor of the priors: log max(α, eps) and log max(1 - α, eps).
         scale: score scale; None means 1/sqrt(D).
         dropout_p: dropout on the attention weights (like SDPA, applied whenever > 0: pass 0 in eval).
-        backend: one of `piattn.BACKENDS`; "auto" picks the fastest for the device and dtype.
+        backend: one of `piattn.BACKENDS`. "auto" picks the first backend that can run the call (device,
+            dtype, head dim, gradients, dropout; `backends.py`): on CUDA "triton", then "torch"; elsewhere
+            "torch". A backend that cannot run the call raises a ValueError saying why.
 
     Returns:
         [B, H, T, D] in the dtype of q.
@@ -96,17 +63,17 @@ def pi_attention(
         q, k, v, gate, window=window, period=period, causal=causal, variant=variant, prior=prior,
         logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p,
     )
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS} on this install, got {backend!r}")
-    if backend == "auto":
-        backend = choose_backend(q.device, q.dtype)
     B, H, T, D = q.shape
+    inputs = (q, k, v) if gate is None else (q, k, v, gate)
+    needs_grad = _torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    chosen = select(backend, device=q.device, dtype=q.dtype, head_dim=D, needs_grad=needs_grad,
+                    dropout_p=dropout_p)
     keep = None
     if dropout_p > 0:
         # One mask layout for every backend, so that equal seeds give equal results across backends.
         n_slots = Pattern(window, period, causal).n_slots
         keep = _torch.rand(B, H, T, n_slots, device=q.device) >= dropout_p
-    return _implementation(backend)(
+    return chosen.load()(
         q, k, v, gate, window=window, period=period, causal=causal, variant=variant, prior=prior,
         logit_clamp=logit_clamp, eps=eps, scale=D**-0.5 if scale is None else scale,
         dropout_keep=keep, dropout_p=dropout_p,

@@ -4,7 +4,7 @@
 CUDA, C++ on CPU) and skips every key block that the block mask leaves empty. The π pattern is very
 sparse (|U| = window + 2 keys per causal query) while flex works in tiles of `block_size` × `block_size`,
 so most of the computed scores are thrown away: the smaller the block, the less waste, down to the
-smallest tile the kernel accepts (see `flex_pi_attention`).
+smallest tile the kernel accepts (see `pi_attention_flex`'s `block_size`).
 
     mask_mod : key offset kv - q in {-window … 0} ∪ {-period} (causal), {-window … window} ∪ {±period}
     score_mod: z = clamp(q·k·scale) + log max(α, ε) on local keys, + log max(1 - α, ε) on skip keys
@@ -13,7 +13,7 @@ Variant "separate" runs flex twice, once over the local keys and once over the s
 two normalised outputs with α outside the kernel. Gradients reach the gate through the captured prior
 tensor (flex's backward scatters into captured buffers) or, for "separate", through the mixing.
 
-Limits (torch's or this backend's), each a ValueError naming the alternative:
+Limits (torch's or this backend's), declared in `backends.py` and checked by `pi_attention`:
 - CPU: forward only (torch's flex has no CPU backward).
 - float64: not supported by flex's kernels.
 - dropout_p > 0: flex cannot apply the per-slot keep mask that every other backend shares.
@@ -114,21 +114,7 @@ def _kernel_options(device: torch.device, block_size: int) -> dict | None:
     return dict.fromkeys(tiles, block_size)
 
 
-def _check_supported(q, k, v, gate) -> None:
-    if q.dtype == torch.float64:
-        raise ValueError(
-            "backend 'flex' does not support float64 q, k, v (FlexAttention's kernels do not); use backend "
-            "'torch' or 'reference'"
-        )
-    inputs = [t for t in (q, k, v, gate) if t is not None]
-    if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
-        raise ValueError(
-            "backend 'flex' on CPU is forward-only (torch's FlexAttention has no CPU backward); use backend "
-            "'torch', or run under torch.no_grad()"
-        )
-
-
-def flex_pi_attention(
+def pi_attention_flex(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -142,15 +128,20 @@ def flex_pi_attention(
     logit_clamp: float | None,
     eps: float,
     scale: float,
+    dropout_keep: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
     block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> torch.Tensor:
     """π-Attention through FlexAttention with sparse tiles of `block_size` rows and columns.
 
-    q, k, v [B, H, T, D] (fp32, bf16 or fp16), gate [B, H, T] or None -> [B, H, T, D]. On CUDA, a
-    block_size below 128 also sets the kernel's own tiles to it; Triton's matrix products need at least
-    16, the smallest block size to try. Arguments as in `pi_attention_reference` (no dropout).
+    q, k, v [B, H, T, D] (fp32, bf16 or fp16), gate [B, H, T] or None -> [B, H, T, D]. Arguments as in
+    `pi_attention_reference`, without dropout (dropout_keep must be None). On CUDA, a block_size below
+    128 also sets the kernel's own tiles to it; Triton's matrix products need at least 16, the smallest
+    block size to try. `pi_attention` checks the limits declared in `backends.py` before it calls here; a
+    direct caller must keep to them (on CPU: no gradients, the inputs are detached).
     """
-    _check_supported(q, k, v, gate)
+    if dropout_keep is not None:  # a contract, not a user error: pi_attention never sends flex a mask
+        raise ValueError("backend 'flex' applies no dropout mask; call it with dropout_keep=None")
     if q.device.type == "cpu":
         # flex refuses CPU inputs that require grad even under no_grad; detaching there changes nothing.
         q, k, v = q.detach(), k.detach(), v.detach()
@@ -191,32 +182,3 @@ def _separate(run, gate: torch.Tensor, pat: Pattern, T: int) -> torch.Tensor:
     y_skip = torch.where(has_skip[:, None], run("skip").float(), 0.0)
     a = torch.where(has_skip, gate.float(), 1.0).unsqueeze(-1)
     return a * y_local + (1 - a) * y_skip
-
-
-def pi_attention_flex(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    gate: torch.Tensor | None,
-    *,
-    window: int,
-    period: int,
-    causal: bool,
-    variant: str,
-    prior: float,
-    logit_clamp: float | None,
-    eps: float,
-    scale: float,
-    dropout_keep: torch.Tensor | None,
-    dropout_p: float,
-) -> torch.Tensor:
-    """q, k, v [B, H, T, D], gate [B, H, T] or None -> [B, H, T, D]: `flex_pi_attention`, block size 128."""
-    if dropout_keep is not None:
-        raise ValueError(
-            f"backend 'flex' does not support dropout (got dropout_p={dropout_p}): FlexAttention cannot "
-            "apply the per-slot keep mask; use backend 'torch' or 'reference', or dropout_p=0"
-        )
-    return flex_pi_attention(
-        q, k, v, gate, window=window, period=period, causal=causal, variant=variant, prior=prior,
-        logit_clamp=logit_clamp, eps=eps, scale=scale,
-    )

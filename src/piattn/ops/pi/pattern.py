@@ -16,8 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-VARIANTS = ("union", "separate", "fixed", "adaptive")
-GATED_VARIANTS = ("separate", "adaptive")
+# Re-exported: the variant names live in piattn.config.pi, with the operator's other settings.
+from ...config.pi import GATED_VARIANTS, VARIANTS
+
+__all__ = ["GATED_VARIANTS", "VARIANTS", "Pattern", "log_priors"]
 
 
 @dataclass(frozen=True)

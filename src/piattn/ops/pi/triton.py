@@ -1,8 +1,8 @@
-"""Fused Triton backend: one forward kernel, two deterministic backward kernels (ops/pi/TRITON.md).
+"""Backend "triton": the launchers of the fused kernels in `triton_kernels.py` (ops/pi/TRITON.md).
 
-B·H is flattened to N; every kernel works on [N, T, D] rows. A program owns a tile of BLOCK_T rows and
-walks the rows it needs in chunks of BLOCK_K: the local band through `tl.dot` on the chunk with a band
-mask, and each skip offset as one shifted, contiguous block of rows with a row-wise dot.
+`triton_forward` runs the forward kernel, `triton_backward` the two backward kernels; `_PiAttentionTriton`
+only connects them to autograd. Which calls this backend can run (dtypes, head dims, devices) is declared
+in `backends.py`, and `pi_attention` checks it before calling here.
 
 Saved for backward: the inputs and `stats` [2, N, T] fp32, per query the offsets c_local, c_skip such that
 the weight of a local slot is exp(z - c_local) and that of a skip slot exp(z - c_skip) (z the clamped,
@@ -11,416 +11,22 @@ scaled score). They hold the log-sum-exp, the priors and, for "separate", the mi
 
 from __future__ import annotations
 
-import math
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 
-from .pattern import Pattern
-
-# Kernel MODE: constant priors ("union", "fixed"), priors from the gate ("adaptive"), two groups ("separate").
-_CONSTANT, _ADAPTIVE, _SEPARATE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-# Running-max start: finite, so that exp(m_old - m_new) is never exp(-inf + inf) in all-masked chunks.
-_NEG = tl.constexpr(-1.0e30)
-
-
-@triton.jit
-def _load_rows(ptr, base, rows, ok, offs_d, D: tl.constexpr):
-    """rows [R] of a [*, T, D] tensor at `base` -> [R, D], zeros where not ok."""
-    return tl.load(ptr + base + rows[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
-
-
-@triton.jit
-def _dot(a, b, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """a @ b with fp32 accumulation. UPCAST: fp32 operands, for Triton's CPU interpreter, whose bf16 dots
-    multiply bit patterns; the operands are already rounded to the input dtype, so the products agree."""
-    if UPCAST:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, b, input_precision=DOT_PREC)
-
-
-@triton.jit
-def _clamp(z, clamp, HAS_CLAMP: tl.constexpr):
-    if HAS_CLAMP:
-        z = tl.minimum(tl.maximum(z, -clamp), clamp)
-    return z
-
-
-@triton.jit
-def _keep_factor(KEEP, n, T, qrows, slot, ok, keep_scale, N_SLOTS: tl.constexpr):
-    """1/(1-p) where the dropout mask keeps (query, slot), else 0; qrows and slot broadcast together."""
-    kept = tl.load(KEEP + (n * T + qrows) * N_SLOTS + slot, mask=ok, other=0)
-    return tl.where(kept != 0, keep_scale, 0.0)
-
-
-@triton.jit
-def _band(rows, cols, row_ok, col_ok, window, right):
-    """[len(rows), len(cols)]: key cols[j] is a local slot of query rows[i]; also that slot's offset."""
-    rel = cols[None, :] - rows[:, None]
-    return (rel >= -window) & (rel <= right) & row_ok[:, None] & col_ok[None, :], rel
-
-
-@triton.jit
-def _skip_logit(x, Y, base, rows, row_ok, offs_d, offset, T, scale, D: tl.constexpr):
-    """Raw scores [R] of x's rows [R, D] with the rows `offset` further on in Y (one contiguous block),
-    and whether those rows exist. A query tile passes (q, K), a key tile (k, Q)."""
-    cols = rows + offset
-    ok = row_ok & (cols >= 0) & (cols < T)
-    y = _load_rows(Y, base, cols, ok, offs_d, D)  # [R, D]
-    return tl.sum(x.to(tl.float32) * y.to(tl.float32), 1) * scale, ok
-
-
-@triton.jit
-def _add_rows(acc, w, X, base, rows, offset, ok, offs_d, D: tl.constexpr):
-    """acc [BT, D] + w[:, None] · X[rows + offset] (rows masked by ok)."""
-    x = _load_rows(X, base, rows + offset, ok, offs_d, D)
-    return acc + w[:, None] * x.to(tl.float32)
-
-
-@triton.jit
-def _pi_fwd_kernel(
-    Q, K, V, GATE, KEEP, OUT, C_LOC, C_SKIP,
-    T, n_tiles, window, period, scale, clamp, log_local, log_skip, eps, keep_scale,
-    CAUSAL: tl.constexpr, N_SKIP: tl.constexpr, N_SLOTS: tl.constexpr, MODE: tl.constexpr,
-    HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr, D: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-):
-    """Q, K, V, OUT [N, T, D]; GATE [N, T]; KEEP uint8 [N, T, N_SLOTS]; C_LOC, C_SKIP fp32 [N, T]."""
-    pid = tl.program_id(0)
-    n = (pid // n_tiles).to(tl.int64)
-    start = (pid % n_tiles) * BLOCK_T
-    base = n * T * D
-    right = 0 if CAUSAL else window
-    n_local = window + right + 1
-    rows = start + tl.arange(0, BLOCK_T)  # [BT] query positions
-    row_ok = rows < T
-    offs_d = tl.arange(0, D)
-    q = _load_rows(Q, base, rows, row_ok, offs_d, D)  # [BT, D]
-
-    # Skip scores first, so that the skip keys are never live beside the accumulator. Slot n_local is the
-    # key i - period, slot n_local + 1 the key i + period (bidirectional); absent slots stay masked.
-    z0 = tl.zeros([BLOCK_T], tl.float32)
-    z1 = tl.zeros([BLOCK_T], tl.float32)
-    ok0 = rows < 0
-    ok1 = rows < 0
-    if N_SKIP >= 1:
-        z0, ok0 = _skip_logit(q, K, base, rows, row_ok, offs_d, -period, T, scale, D)
-        z0 = _clamp(z0, clamp, HAS_CLAMP)
-    if N_SKIP == 2:
-        z1, ok1 = _skip_logit(q, K, base, rows, row_ok, offs_d, period, T, scale, D)
-        z1 = _clamp(z1, clamp, HAS_CLAMP)
-
-    # Local band: key rows [start - window, start + BLOCK_T + right) inside [0, T), each loaded once;
-    # online softmax. Rows of the last chunk past the band are not fetched.
-    lo = tl.maximum(start - window, 0)
-    hi = tl.minimum(start + BLOCK_T + right, T)
-    m_loc = tl.full([BLOCK_T], _NEG, tl.float32)
-    l_loc = tl.zeros([BLOCK_T], tl.float32)
-    acc = tl.zeros([BLOCK_T, D], tl.float32)
-    for c in range(0, tl.cdiv(hi - lo, BLOCK_K)):
-        cols = lo + c * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK] key positions
-        col_ok = cols < hi
-        k = _load_rows(K, base, cols, col_ok, offs_d, D)  # [BK, D]
-        v = _load_rows(V, base, cols, col_ok, offs_d, D)  # [BK, D]
-        band, rel = _band(rows, cols, row_ok, col_ok, window, right)  # [BT, BK]
-        z = _clamp(_dot(q, tl.trans(k), DOT_PREC, UPCAST) * scale, clamp, HAS_CLAMP)
-        z = tl.where(band, z, float("-inf"))  # [BT, BK]
-        m_new = tl.maximum(m_loc, tl.max(z, 1))
-        alpha = tl.exp(m_loc - m_new)
-        p = tl.exp(z - m_new[:, None])  # exactly 0 off the band, since m_new is finite
-        l_loc = l_loc * alpha + tl.sum(p, 1)
-        if HAS_DROPOUT:
-            p = p * _keep_factor(KEEP, n, T, rows[:, None], rel + window, band, keep_scale, N_SLOTS)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PREC, UPCAST)
-        m_loc = m_new
-
-    if MODE != _CONSTANT:
-        a = tl.load(GATE + n * T + rows, mask=row_ok, other=0.5).to(tl.float32)  # [BT] α
-    if MODE == _SEPARATE:
-        # α·softmax(local) + (1 - α)·softmax(skip), the local branch alone where no skip key exists.
-        has_skip = ok0 | ok1
-        a_eff = tl.where(has_skip, a, 1.0)
-        m = tl.maximum(tl.where(ok0, z0, _NEG), tl.where(ok1, z1, _NEG))
-        p0 = tl.where(ok0, tl.exp(z0 - m), 0.0)
-        p1 = tl.where(ok1, tl.exp(z1 - m), 0.0)
-        l_skip = tl.where(has_skip, p0 + p1, 1.0)
-        acc = acc * (a_eff / l_loc)[:, None]
-        w0 = (1.0 - a_eff) * p0 / l_skip
-        w1 = (1.0 - a_eff) * p1 / l_skip
-        c_loc = m_loc + tl.log(l_loc) - tl.log(a_eff)
-        c_skip = tl.where(has_skip, m + tl.log(l_skip) - tl.log(1.0 - a), 0.0)
-    else:
-        # One softmax over both groups; skip logits taken relative to the local prior.
-        if MODE == _ADAPTIVE:
-            log_local = tl.log(tl.maximum(a, eps))
-            log_skip = tl.log(tl.maximum(1.0 - a, eps))
-        shift = log_skip - log_local
-        z0 += shift
-        z1 += shift
-        m = tl.maximum(m_loc, tl.maximum(tl.where(ok0, z0, _NEG), tl.where(ok1, z1, _NEG)))
-        alpha = tl.exp(m_loc - m)
-        p0 = tl.where(ok0, tl.exp(z0 - m), 0.0)
-        p1 = tl.where(ok1, tl.exp(z1 - m), 0.0)
-        l_all = l_loc * alpha + p0 + p1
-        acc = acc * (alpha / l_all)[:, None]
-        w0 = p0 / l_all
-        w1 = p1 / l_all
-        c_loc = m + tl.log(l_all)  # the log-sum-exp less the local prior
-        c_skip = c_loc - shift
-    if HAS_DROPOUT:
-        w0 = w0 * _keep_factor(KEEP, n, T, rows, n_local, ok0, keep_scale, N_SLOTS)
-        w1 = w1 * _keep_factor(KEEP, n, T, rows, n_local + 1, ok1, keep_scale, N_SLOTS)
-    if N_SKIP >= 1:
-        acc = _add_rows(acc, w0, V, base, rows, -period, ok0, offs_d, D)
-    if N_SKIP == 2:
-        acc = _add_rows(acc, w1, V, base, rows, period, ok1, offs_d, D)
-    out = base + rows[:, None] * D + offs_d[None, :]
-    tl.store(OUT + out, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None])
-    tl.store(C_LOC + n * T + rows, c_loc, mask=row_ok)
-    tl.store(C_SKIP + n * T + rows, c_skip, mask=row_ok)
-
-
-@triton.jit
-def _dq_band_terms(
-    q, dy, K, V, KEEP, n, base, T, lo, hi, c, rows, row_ok, offs_d, c_loc, window, right, scale, clamp,
-    keep_scale, N_SLOTS: tl.constexpr, HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    D: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-):
-    """Chunk c of the key rows [lo, hi) of a query tile's band: raw scores z, weights w and
-    dW = dY·V (dropped), all [BT, BK], and the chunk's keys [BK, D]."""
-    cols = lo + c * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK] key positions
-    col_ok = cols < hi
-    k = _load_rows(K, base, cols, col_ok, offs_d, D)  # [BK, D]
-    v = _load_rows(V, base, cols, col_ok, offs_d, D)  # [BK, D]
-    band, rel = _band(rows, cols, row_ok, col_ok, window, right)
-    z = _dot(q, tl.trans(k), DOT_PREC, UPCAST) * scale
-    w = tl.where(band, tl.exp(_clamp(z, clamp, HAS_CLAMP) - c_loc[:, None]), 0.0)
-    dw = _dot(dy, tl.trans(v), DOT_PREC, UPCAST)
-    if HAS_DROPOUT:
-        dw = dw * _keep_factor(KEEP, n, T, rows[:, None], rel + window, band, keep_scale, N_SLOTS)
-    return z, w, dw, k
-
-
-@triton.jit
-def _dq_skip_terms(
-    q, dy, K, V, KEEP, n, base, T, rows, row_ok, offs_d, offset, slot, c_skip, scale, clamp, keep_scale,
-    N_SLOTS: tl.constexpr, HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr, D: tl.constexpr,
-):
-    """The skip slot at `offset` of each query: raw score z, weight w, dW (dropped) and validity, all [BT]."""
-    z, ok = _skip_logit(q, K, base, rows, row_ok, offs_d, offset, T, scale, D)
-    w = tl.where(ok, tl.exp(_clamp(z, clamp, HAS_CLAMP) - c_skip), 0.0)
-    v = _load_rows(V, base, rows + offset, ok, offs_d, D)  # [BT, D]
-    dw = tl.sum(dy.to(tl.float32) * v.to(tl.float32), 1)
-    if HAS_DROPOUT:
-        dw = dw * _keep_factor(KEEP, n, T, rows, slot, ok, keep_scale, N_SLOTS)
-    return z, w, dw, ok
-
-
-@triton.jit
-def _pi_bwd_dq_kernel(
-    Q, K, V, GATE, KEEP, DY, C_LOC, C_SKIP, DQ, DELTA_LOC, DELTA_SKIP, DGATE,
-    T, n_tiles, window, period, scale, clamp, eps, keep_scale,
-    CAUSAL: tl.constexpr, N_SKIP: tl.constexpr, N_SLOTS: tl.constexpr, MODE: tl.constexpr,
-    HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_DGATE: tl.constexpr, D: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-):
-    """dQ [N, T, D], dα [N, T] and Δ_local, Δ_skip [N, T] (for the dK/dV kernel) of a tile of queries.
-
-    dlogit = w·(dW - Δ) with Δ = Σ_m w·dW over the slot's softmax group, summed exactly from the slots
-    (pass 1 over the band), then dQ = Σ_m dlogit·K·scale (pass 2).
-    """
-    pid = tl.program_id(0)
-    n = (pid // n_tiles).to(tl.int64)
-    start = (pid % n_tiles) * BLOCK_T
-    base = n * T * D
-    right = 0 if CAUSAL else window
-    n_local = window + right + 1
-    rows = start + tl.arange(0, BLOCK_T)  # [BT] query positions
-    row_ok = rows < T
-    offs_d = tl.arange(0, D)
-    q = _load_rows(Q, base, rows, row_ok, offs_d, D)  # [BT, D]
-    dy = _load_rows(DY, base, rows, row_ok, offs_d, D)  # [BT, D]
-    c_loc = tl.load(C_LOC + n * T + rows, mask=row_ok, other=0.0)  # [BT]
-    c_skip = tl.load(C_SKIP + n * T + rows, mask=row_ok, other=0.0)  # [BT]
-    lo = tl.maximum(start - window, 0)  # the band's key rows [lo, hi)
-    hi = tl.minimum(start + BLOCK_T + right, T)
-    n_chunks = tl.cdiv(hi - lo, BLOCK_K)
-
-    # Skip slots first and as [BT] vectors only: their rows are not live during the band passes.
-    z0 = tl.zeros([BLOCK_T], tl.float32)
-    w0 = tl.zeros([BLOCK_T], tl.float32)
-    dw0 = tl.zeros([BLOCK_T], tl.float32)
-    z1, w1, dw1 = z0, w0, dw0
-    ok0 = rows < 0
-    ok1 = rows < 0
-    if N_SKIP >= 1:
-        z0, w0, dw0, ok0 = _dq_skip_terms(q, dy, K, V, KEEP, n, base, T, rows, row_ok, offs_d, -period,
-                                          n_local, c_skip, scale, clamp, keep_scale, N_SLOTS, HAS_CLAMP,
-                                          HAS_DROPOUT, D)
-    if N_SKIP == 2:
-        z1, w1, dw1, ok1 = _dq_skip_terms(q, dy, K, V, KEEP, n, base, T, rows, row_ok, offs_d, period,
-                                          n_local + 1, c_skip, scale, clamp, keep_scale, N_SLOTS, HAS_CLAMP,
-                                          HAS_DROPOUT, D)
-    has_skip = ok0 | ok1
-
-    sig_loc = tl.zeros([BLOCK_T], tl.float32)
-    for c in range(0, n_chunks):
-        z, w, dw, k = _dq_band_terms(q, dy, K, V, KEEP, n, base, T, lo, hi, c, rows, row_ok, offs_d, c_loc,
-                                     window, right, scale, clamp, keep_scale, N_SLOTS, HAS_CLAMP,
-                                     HAS_DROPOUT, D, BLOCK_K, DOT_PREC, UPCAST)
-        sig_loc += tl.sum(w * dw, 1)
-    sig_skip = w0 * dw0 + w1 * dw1
-    if MODE == _SEPARATE:
-        # Each group is a softmax of its own times its coefficient: Δ_g = σ_g / coef_g = Σ_g p·dW.
-        a = tl.load(GATE + n * T + rows, mask=row_ok, other=0.5).to(tl.float32)
-        delta_loc = sig_loc / tl.where(has_skip, a, 1.0)
-        delta_skip = tl.where(has_skip, sig_skip / (1.0 - a), 0.0)
-    else:
-        delta_loc = sig_loc + sig_skip
-        delta_skip = delta_loc
-    tl.store(DELTA_LOC + n * T + rows, delta_loc, mask=row_ok)
-    tl.store(DELTA_SKIP + n * T + rows, delta_skip, mask=row_ok)
-
-    dq = tl.zeros([BLOCK_T, D], tl.float32)
-    g_loc = tl.zeros([BLOCK_T], tl.float32)  # Σ_local dlogit, for dα
-    for c in range(0, n_chunks):
-        z, w, dw, k = _dq_band_terms(q, dy, K, V, KEEP, n, base, T, lo, hi, c, rows, row_ok, offs_d, c_loc,
-                                     window, right, scale, clamp, keep_scale, N_SLOTS, HAS_CLAMP,
-                                     HAS_DROPOUT, D, BLOCK_K, DOT_PREC, UPCAST)
-        ds = w * (dw - delta_loc[:, None])  # [BT, BK]
-        g_loc += tl.sum(ds, 1)
-        if HAS_CLAMP:
-            ds = tl.where(tl.abs(z) <= clamp, ds, 0.0)  # torch.clamp passes the gradient inside [-L, L]
-        dq += _dot(ds.to(k.dtype), k, DOT_PREC, UPCAST)
-    ds0 = w0 * (dw0 - delta_skip)
-    ds1 = w1 * (dw1 - delta_skip)
-    g_skip = ds0 + ds1
-    if HAS_CLAMP:
-        ds0 = tl.where(tl.abs(z0) <= clamp, ds0, 0.0)
-        ds1 = tl.where(tl.abs(z1) <= clamp, ds1, 0.0)
-    if N_SKIP >= 1:
-        dq = _add_rows(dq, ds0, K, base, rows, -period, ok0, offs_d, D)
-    if N_SKIP == 2:
-        dq = _add_rows(dq, ds1, K, base, rows, period, ok1, offs_d, D)
-    tl.store(DQ + base + rows[:, None] * D + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
-             mask=row_ok[:, None])
-
-    if HAS_DGATE:
-        a = tl.load(GATE + n * T + rows, mask=row_ok, other=0.5).to(tl.float32)
-        if MODE == _SEPARATE:
-            # y = α·local + (1 - α)·skip where a skip exists: dα = Σ_local p·dW - Σ_skip p·dW.
-            dgate = tl.where(has_skip, delta_loc - delta_skip, 0.0)
-        else:
-            # Local logits carry log max(α, ε), skip logits log max(1 - α, ε).
-            dgate = tl.where(a >= eps, g_loc / a, 0.0) - tl.where(1.0 - a >= eps, g_skip / (1.0 - a), 0.0)
-        tl.store(DGATE + n * T + rows, dgate, mask=row_ok)
-
-
-@triton.jit
-def _dkdv_skip_terms(
-    k, v, Q, DY, KEEP, C_SKIP, DELTA_SKIP, n, base, T, keys, key_ok, offs_d, offset, slot, scale, clamp,
-    keep_scale, N_SLOTS: tl.constexpr, HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr, D: tl.constexpr,
-):
-    """For each key, the query keys - offset whose skip slot it is: that slot's dropped weight (the factor
-    of dY in dV) and its dlogit with the clamp mask (the factor of Q in dK), both [BT], and validity."""
-    qrows = keys - offset
-    ok = key_ok & (qrows >= 0) & (qrows < T)
-    z, _ = _skip_logit(k, Q, base, keys, ok, offs_d, -offset, T, scale, D)
-    c_skip = tl.load(C_SKIP + n * T + qrows, mask=ok, other=0.0)
-    delta = tl.load(DELTA_SKIP + n * T + qrows, mask=ok, other=0.0)
-    w = tl.where(ok, tl.exp(_clamp(z, clamp, HAS_CLAMP) - c_skip), 0.0)
-    dy = _load_rows(DY, base, qrows, ok, offs_d, D)  # [BT, D]
-    dw = tl.sum(dy.to(tl.float32) * v.to(tl.float32), 1)
-    wd = w
-    if HAS_DROPOUT:
-        kf = _keep_factor(KEEP, n, T, qrows, slot, ok, keep_scale, N_SLOTS)
-        wd = w * kf
-        dw = dw * kf
-    ds = w * (dw - delta)
-    if HAS_CLAMP:
-        ds = tl.where(tl.abs(z) <= clamp, ds, 0.0)
-    return wd, ds, ok
-
-
-@triton.jit
-def _pi_bwd_dkdv_kernel(
-    Q, K, V, KEEP, DY, C_LOC, C_SKIP, DELTA_LOC, DELTA_SKIP, DK, DV,
-    T, n_tiles, window, period, scale, clamp, keep_scale,
-    CAUSAL: tl.constexpr, N_SKIP: tl.constexpr, N_SLOTS: tl.constexpr,
-    HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr, D: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-):
-    """dK, dV [N, T, D] of a tile of keys, gathered from every query that sees them (no atomics).
-
-    Key j is local to the queries j - right … j + window, and the skip of j + period (and j - period).
-    """
-    pid = tl.program_id(0)
-    n = (pid // n_tiles).to(tl.int64)
-    start = (pid % n_tiles) * BLOCK_T
-    base = n * T * D
-    right = 0 if CAUSAL else window
-    n_local = window + right + 1
-    keys = start + tl.arange(0, BLOCK_T)  # [BT] key positions
-    key_ok = keys < T
-    offs_d = tl.arange(0, D)
-    k = _load_rows(K, base, keys, key_ok, offs_d, D)  # [BT, D]
-    v = _load_rows(V, base, keys, key_ok, offs_d, D)  # [BT, D]
-
-    # Skip terms first, as [BT] vectors: the skip queries' rows are not live during the band loop.
-    wd0 = tl.zeros([BLOCK_T], tl.float32)
-    ds0 = tl.zeros([BLOCK_T], tl.float32)
-    wd1, ds1 = wd0, ds0
-    ok0 = keys < 0
-    ok1 = keys < 0
-    if N_SKIP >= 1:  # slot n_local of query j + period
-        wd0, ds0, ok0 = _dkdv_skip_terms(k, v, Q, DY, KEEP, C_SKIP, DELTA_SKIP, n, base, T, keys, key_ok,
-                                         offs_d, -period, n_local, scale, clamp, keep_scale, N_SLOTS,
-                                         HAS_CLAMP, HAS_DROPOUT, D)
-    if N_SKIP == 2:  # slot n_local + 1 of query j - period
-        wd1, ds1, ok1 = _dkdv_skip_terms(k, v, Q, DY, KEEP, C_SKIP, DELTA_SKIP, n, base, T, keys, key_ok,
-                                         offs_d, period, n_local + 1, scale, clamp, keep_scale, N_SLOTS,
-                                         HAS_CLAMP, HAS_DROPOUT, D)
-
-    dk = tl.zeros([BLOCK_T, D], tl.float32)
-    dv = tl.zeros([BLOCK_T, D], tl.float32)
-    lo = tl.maximum(start - right, 0)  # the query rows [lo, hi) that hold these keys in their band
-    hi = tl.minimum(start + BLOCK_T + window, T)
-    for c in range(0, tl.cdiv(hi - lo, BLOCK_K)):
-        qrows = lo + c * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK] query positions
-        q_ok = qrows < hi
-        q = _load_rows(Q, base, qrows, q_ok, offs_d, D)  # [BK, D]
-        dy = _load_rows(DY, base, qrows, q_ok, offs_d, D)  # [BK, D]
-        c_loc = tl.load(C_LOC + n * T + qrows, mask=q_ok, other=0.0)  # [BK]
-        delta = tl.load(DELTA_LOC + n * T + qrows, mask=q_ok, other=0.0)  # [BK]
-        rel = keys[:, None] - qrows[None, :]  # [BT, BK] key offset from its query
-        band = (rel >= -window) & (rel <= right) & key_ok[:, None] & q_ok[None, :]
-        z = _dot(k, tl.trans(q), DOT_PREC, UPCAST) * scale  # [BT, BK]
-        w = tl.where(band, tl.exp(_clamp(z, clamp, HAS_CLAMP) - c_loc[None, :]), 0.0)
-        dw = _dot(v, tl.trans(dy), DOT_PREC, UPCAST)  # [BT, BK]
-        if HAS_DROPOUT:
-            kf = _keep_factor(KEEP, n, T, qrows[None, :], rel + window, band, keep_scale, N_SLOTS)
-            dv += _dot((w * kf).to(dy.dtype), dy, DOT_PREC, UPCAST)
-            dw = dw * kf
-        else:
-            dv += _dot(w.to(dy.dtype), dy, DOT_PREC, UPCAST)
-        ds = w * (dw - delta[None, :])
-        if HAS_CLAMP:
-            ds = tl.where(tl.abs(z) <= clamp, ds, 0.0)
-        dk += _dot(ds.to(q.dtype), q, DOT_PREC, UPCAST)
-
-    if N_SKIP >= 1:
-        dv = _add_rows(dv, wd0, DY, base, keys, period, ok0, offs_d, D)
-        dk = _add_rows(dk, ds0, Q, base, keys, period, ok0, offs_d, D)
-    if N_SKIP == 2:
-        dv = _add_rows(dv, wd1, DY, base, keys, -period, ok1, offs_d, D)
-        dk = _add_rows(dk, ds1, Q, base, keys, -period, ok1, offs_d, D)
-    out = base + keys[:, None] * D + offs_d[None, :]
-    tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=key_ok[:, None])
-    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
+from .pattern import Pattern, log_priors
+from .triton_kernels import (
+    MODE_ADAPTIVE,
+    MODE_CONSTANT,
+    MODE_SEPARATE,
+    pi_bwd_dkdv_kernel,
+    pi_bwd_dq_kernel,
+    pi_fwd_kernel,
+)
 
 
 def _tiles(D: int, halo: int, elem_size: int) -> tuple[int, int, int]:
@@ -434,97 +40,131 @@ def _tiles(D: int, halo: int, elem_size: int) -> tuple[int, int, int]:
     return 64, block_k, 4 if D <= 64 else 8
 
 
+@dataclass(frozen=True)
+class Launch:
+    """Everything the kernels take besides tensors, fixed by the forward and reused by the backward."""
+
+    window: int
+    period: int
+    mode: int
+    eps: float
+    scale: float
+    clamp: float  # 0.0 when there is no clamp (HAS_CLAMP is then False)
+    log_local: float
+    log_skip: float
+    keep_scale: float  # 1 / (1 - dropout_p)
+    n_tiles: int  # tiles of BLOCK_T rows per head
+    grid: tuple[int]  # one program per (head, tile)
+    meta: dict  # the constexprs shared by all three kernels, num_warps and num_stages
+
+
+def plan(q: torch.Tensor, *, window, period, causal, variant, prior, logit_clamp, eps, scale, dropout_p,
+         dropout: bool) -> Launch:
+    """The launch configuration for q [B, H, T, D] (D a power of two >= 16); dropout: a keep mask is passed."""
+    B, H, T, D = q.shape
+    pat = Pattern(window, period, causal)
+    block_t, block_k, num_warps = _tiles(D, pat.n_local - 1, q.element_size())
+    # Constant priors only; the kernels take "adaptive"'s from the gate and "separate" has none.
+    log_local, log_skip = log_priors("fixed", None, prior, eps) if variant == "fixed" else (0.0, 0.0)
+    mode = {"separate": MODE_SEPARATE, "adaptive": MODE_ADAPTIVE}.get(variant, MODE_CONSTANT).value
+    upcast = q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+    # fp32 operands: three TF32 products per dot, about fp32-accurate on tensor cores ("ieee" would
+    # fall back to FMA loops that spill kilobytes of registers on sm_90; TRITON.md).
+    prec = "tf32x3" if q.dtype == torch.float32 or upcast else "tf32"
+    meta = dict(
+        CAUSAL=causal, N_SKIP=len(pat.skip_offsets), N_SLOTS=pat.n_slots,
+        HAS_CLAMP=logit_clamp is not None, HAS_DROPOUT=dropout, D=D, BLOCK_T=block_t,
+        BLOCK_K=block_k, DOT_PREC=prec, UPCAST=upcast,
+        num_warps=num_warps, num_stages=2,
+    )
+    n_tiles = triton.cdiv(T, block_t)
+    return Launch(
+        window=window, period=period, mode=mode, eps=eps, scale=scale,
+        clamp=0.0 if logit_clamp is None else float(logit_clamp), log_local=log_local, log_skip=log_skip,
+        keep_scale=1.0 / (1.0 - dropout_p), n_tiles=n_tiles, grid=(B * H * n_tiles,), meta=meta,
+    )
+
+
 def _or(t: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:
     """t, or a tensor standing in for a pointer argument the kernel never reads (no gate, no dropout)."""
     return stand_in if t is None else t
 
 
+def triton_forward(q, k, v, gate, keep, launch: Launch) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k, v [B, H, T, D], gate [B, H, T] or None, keep uint8 [B, H, T, |U|] or None, all contiguous
+    -> (y [B, H, T, D], stats fp32 [2, N, T]: c_local, c_skip)."""
+    B, H, T, D = q.shape
+    out = torch.empty_like(q)
+    stats = torch.empty(2, B * H, T, dtype=torch.float32, device=q.device)
+    L = launch
+    pi_fwd_kernel[L.grid](
+        q, k, v, _or(gate, q), _or(keep, q), out, stats[0], stats[1],
+        T, L.n_tiles, L.window, L.period, L.scale, L.clamp, L.log_local, L.log_skip, L.eps, L.keep_scale,
+        MODE=L.mode, **L.meta,
+    )
+    return out, stats
+
+
+def triton_backward(dy, q, k, v, gate, keep, stats, launch: Launch, *, want_dgate: bool):
+    """The gradients (dq, dk, dv, dgate or None) for the cotangent dy of `triton_forward`'s output."""
+    B, H, T, D = q.shape
+    N = B * H
+    L = launch
+    dy = dy.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    delta = torch.empty(2, N, T, dtype=torch.float32, device=q.device)  # Δ_local, Δ_skip
+    dgate = torch.empty(N, T, dtype=torch.float32, device=q.device) if want_dgate else None
+    # Δ is written by the dQ kernel and read by the dK/dV kernel: stream order makes it ready.
+    pi_bwd_dq_kernel[L.grid](
+        q, k, v, _or(gate, q), _or(keep, q), dy, stats[0], stats[1], dq, delta[0], delta[1],
+        _or(dgate, q), T, L.n_tiles, L.window, L.period, L.scale, L.clamp, L.eps, L.keep_scale,
+        MODE=L.mode, HAS_DGATE=want_dgate, **L.meta,
+    )
+    pi_bwd_dkdv_kernel[L.grid](
+        q, k, v, _or(keep, q), dy, stats[0], stats[1], delta[0], delta[1], dk, dv,
+        T, L.n_tiles, L.window, L.period, L.scale, L.clamp, L.keep_scale, **L.meta,
+    )
+    dgate = None if dgate is None else dgate.view(B, H, T).to(gate.dtype)
+    return dq, dk, dv, dgate
+
+
 class _PiAttentionTriton(torch.autograd.Function):
+    """Autograd around the launchers: q, k, v, gate differentiable; keep and launch are not."""
+
     @staticmethod
-    def forward(ctx, q, k, v, gate, window, period, causal, variant, prior, logit_clamp, eps, scale,
-                dropout_keep, dropout_p):
-        B, H, T, D = q.shape
-        N = B * H
-        pat = Pattern(window, period, causal)
-        q, k, v = (x.contiguous() for x in (q, k, v))
-        gate_c = None if gate is None else gate.contiguous()
-        keep = None if dropout_keep is None else dropout_keep.contiguous().view(torch.uint8)
-        block_t, block_k, num_warps = _tiles(D, pat.n_local - 1, q.element_size())
-        n_tiles = triton.cdiv(T, block_t)
-        out = torch.empty_like(q)
-        stats = torch.empty(2, N, T, dtype=torch.float32, device=q.device)  # c_local, c_skip
-        if variant == "fixed":
-            log_local, log_skip = math.log(max(prior, eps)), math.log(max(1 - prior, eps))
-        else:
-            log_local = log_skip = 0.0
-        mode = {"separate": _SEPARATE, "adaptive": _ADAPTIVE}.get(variant, _CONSTANT).value
-        upcast = q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
-        # fp32 operands: three TF32 products per dot, about fp32-accurate on tensor cores ("ieee" would
-        # fall back to FMA loops that spill kilobytes of registers on sm_90; TRITON.md).
-        prec = "tf32x3" if q.dtype == torch.float32 or upcast else "tf32"
-        common = dict(
-            CAUSAL=causal, N_SKIP=len(pat.skip_offsets), N_SLOTS=pat.n_slots,
-            HAS_CLAMP=logit_clamp is not None, HAS_DROPOUT=keep is not None, D=D, BLOCK_T=block_t,
-            BLOCK_K=block_k, DOT_PREC=prec, UPCAST=upcast,
-            num_warps=num_warps, num_stages=2,
-        )
-        clamp = 0.0 if logit_clamp is None else float(logit_clamp)
-        keep_scale = 1.0 / (1.0 - dropout_p)
-        _pi_fwd_kernel[(N * n_tiles,)](
-            q, k, v, _or(gate_c, q), _or(keep, q), out, stats[0], stats[1],
-            T, n_tiles, window, period, scale, clamp, log_local, log_skip, eps, keep_scale,
-            MODE=mode, **common,
-        )
-        ctx.save_for_backward(q, k, v, gate_c, keep, stats)
-        ctx.args = (window, period, mode, eps, scale, clamp, keep_scale, n_tiles, common)
+    def forward(ctx, q, k, v, gate, keep, launch):
+        out, stats = triton_forward(q, k, v, gate, keep, launch)
+        ctx.save_for_backward(q, k, v, gate, keep, stats)
+        ctx.launch = launch
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         q, k, v, gate, keep, stats = ctx.saved_tensors
-        window, period, mode, eps, scale, clamp, keep_scale, n_tiles, common = ctx.args
-        B, H, T, D = q.shape
-        N = B * H
-        dy = dy.contiguous()
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        delta = torch.empty(2, N, T, dtype=torch.float32, device=q.device)  # Δ_local, Δ_skip
         want_dgate = gate is not None and ctx.needs_input_grad[3]
-        dgate = torch.empty(N, T, dtype=torch.float32, device=q.device) if want_dgate else None
-        grid = (N * n_tiles,)
-        # Δ is written by the dQ kernel and read by the dK/dV kernel: stream order makes it ready.
-        _pi_bwd_dq_kernel[grid](
-            q, k, v, _or(gate, q), _or(keep, q), dy, stats[0], stats[1], dq, delta[0], delta[1],
-            _or(dgate, q), T, n_tiles, window, period, scale, clamp, eps, keep_scale,
-            MODE=mode, HAS_DGATE=want_dgate, **common,
-        )
-        _pi_bwd_dkdv_kernel[grid](
-            q, k, v, _or(keep, q), dy, stats[0], stats[1], delta[0], delta[1], dk, dv,
-            T, n_tiles, window, period, scale, clamp, keep_scale, **common,
-        )
-        dgate = None if dgate is None else dgate.view(B, H, T).to(gate.dtype)
-        return dq, dk, dv, dgate, *(None,) * 10
+        dq, dk, dv, dgate = triton_backward(dy, q, k, v, gate, keep, stats, ctx.launch, want_dgate=want_dgate)
+        return dq, dk, dv, dgate, None, None
 
 
 def pi_attention_triton(q, k, v, gate, *, window, period, causal, variant, prior, logit_clamp, eps, scale,
                         dropout_keep, dropout_p):
     """Same contract as `pi_attention_reference`: q, k, v [B, H, T, D] -> [B, H, T, D] in q's dtype.
 
-    fp32, bf16 and fp16 inputs; scores, softmax and outputs accumulate in fp32 (fp32 inputs: 3xTF32 dots,
-    about fp32-accurate). `tl.dot` needs a power-of-two head dim of at least 16: other D (8, 48, 96, …) are
-    zero-padded to the next one here, which leaves every dot product unchanged, and the padding is
-    sliced off the output (and, through autograd, off the gradients). D up to 256.
+    fp32, bf16 and fp16 inputs, head dims up to 256 (`backends.py` declares this); scores, softmax and
+    outputs accumulate in fp32 (fp32 inputs: 3xTF32 dots, about fp32-accurate). `tl.dot` needs a
+    power-of-two head dim of at least 16: other D (8, 48, 96, …) are zero-padded to the next one here,
+    which leaves every dot product unchanged, and the padding is sliced off the output (and, through
+    autograd, off the gradients).
     """
-    if q.dtype == torch.float64:
-        raise ValueError(
-            'backend "triton" runs fp32, bf16 and fp16 inputs; for fp64 use backend "torch" or "reference"'
-        )
     D = q.shape[-1]
     d_pad = max(16, triton.next_power_of_2(D))
-    if d_pad > 256:
-        raise ValueError(f'backend "triton" supports head dims up to 256, got {D}; use backend "torch"')
     if d_pad != D:
         q, k, v = (F.pad(x, (0, d_pad - D)) for x in (q, k, v))
-    y = _PiAttentionTriton.apply(q, k, v, gate, window, period, causal, variant, prior, logit_clamp, eps,
-                                 scale, dropout_keep, dropout_p)
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    gate = None if gate is None else gate.contiguous()
+    keep = None if dropout_keep is None else dropout_keep.contiguous().view(torch.uint8)
+    launch = plan(q, window=window, period=period, causal=causal, variant=variant, prior=prior,
+                  logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p, dropout=keep is not None)
+    y = _PiAttentionTriton.apply(q, k, v, gate, keep, launch)
     return y if d_pad == D else y[..., :D]

@@ -1,16 +1,17 @@
-"""Argument checks for `pi_attention`: every bad input becomes a ValueError naming the argument."""
+"""Argument checks for `pi_attention`: every bad input becomes a ValueError naming the argument.
+
+The scalar settings (window, period, variant, prior, logit_clamp, eps) are checked by
+`piattn.config.pi.check_pi_settings`, their one home; this module checks the tensors and the rest.
+Whether a backend can run a call is not checked here: see `backends.py`.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from .pattern import GATED_VARIANTS, VARIANTS
+from ...config.pi import GATED_VARIANTS, check_pi_settings
 
 SUPPORTED_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def check_arguments(
@@ -35,24 +36,14 @@ def check_arguments(
         raise ValueError(f"q, k and v must be on one device; got {q.device}, {k.device}, {v.device}")
     if q.shape[2] < 1 or q.shape[3] < 1:
         raise ValueError(f"q must have T >= 1 and D >= 1, got shape {tuple(q.shape)}")
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-    if not _is_int(window) or window < 0:
-        raise ValueError(f"window must be an int >= 0, got {window!r}")
-    if not _is_int(period) or period < 1:
-        raise ValueError(f"period must be an int >= 1, got {period!r}")
+    check_pi_settings(window=window, period=period, variant=variant, prior=prior, logit_clamp=logit_clamp,
+                      eps=eps)
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")
-    if not 0.0 < eps < 0.5:
-        raise ValueError(f"eps must lie in (0, 0.5), got {eps!r}")
-    if logit_clamp is not None and not logit_clamp > 0:
-        raise ValueError(f"logit_clamp must be > 0 or None, got {logit_clamp!r}")
     if scale is not None and not scale > 0:
         raise ValueError(f"scale must be > 0 or None (None means 1/sqrt(D)), got {scale!r}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p!r}")
-    if variant == "fixed" and not 0.0 < prior < 1.0:
-        raise ValueError(f"prior must lie in (0, 1) for variant 'fixed', got {prior!r}")
     _check_gate(q, gate, variant)
 
 

@@ -1,0 +1,169 @@
+"""What each backend can run, declared once, and the choice of backend for a call.
+
+Each backend is a `Backend`: where its function lives, and the dtypes, devices, head dims, gradients and
+dropout it supports. `Backend.refusal` turns that declaration into a verdict on one concrete call, and
+`select` uses it both for `backend="auto"` (the first backend of `AUTO_ORDER` that can run the call) and
+to explain why an explicitly named backend cannot. The backend functions themselves check nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .validate import SUPPORTED_DTYPES
+
+# Triton runs on the CPU only in its interpreter, which must be switched on before triton is imported.
+TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@functools.cache
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _device_present(device: str) -> bool:
+    if device == "cpu":
+        return True
+    accelerator = getattr(torch, device, None)
+    return bool(getattr(accelerator, "is_available", lambda: False)())
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One backend and what it supports.
+
+    devices: device types it runs on (None: any). forward_only_on: device types where it has no backward.
+    max_head_dim: the largest D (None: no limit). requires: modules that must be installed.
+    """
+
+    name: str
+    module: str  # submodule of piattn.ops.pi
+    function: str  # with the signature of `reference.pi_attention_reference`
+    dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES
+    devices: tuple[str, ...] | None = None
+    max_head_dim: int | None = None
+    forward_only_on: tuple[str, ...] = ()
+    dropout: bool = True
+    requires: tuple[str, ...] = ()
+    note: str = ""  # appended to a device refusal: how to get a supported device
+
+    def available(self) -> bool:
+        """Whether this install can run it at all: its modules exist and one of its devices is present."""
+        if not all(_installed(m) for m in self.requires):
+            return False
+        return self.devices is None or any(_device_present(d) for d in self.devices)
+
+    def refusal(
+        self, *, device: torch.device | str, dtype: torch.dtype, head_dim: int, needs_grad: bool, dropout_p: float
+    ) -> str | None:
+        """None if this backend can run a call with these properties, else a short reason why not."""
+        device = torch.device(device).type
+        missing = [m for m in self.requires if not _installed(m)]
+        if missing:
+            return f"needs {', '.join(missing)}, which is not installed"
+        if self.devices is not None and device not in self.devices:
+            return f"runs on {'/'.join(self.devices)}, not {device}{self.note}"
+        if dtype not in self.dtypes:
+            return f"no {_dtype_name(dtype)} (runs {', '.join(map(_dtype_name, self.dtypes))})"
+        if self.max_head_dim is not None and head_dim > self.max_head_dim:
+            return f"head dim {head_dim} > {self.max_head_dim}"
+        if needs_grad and device in self.forward_only_on:
+            return f"forward-only on {device} (no backward there): run it under torch.no_grad()"
+        if dropout_p > 0 and not self.dropout:
+            return f"no dropout (dropout_p={dropout_p})"
+        return None
+
+    def load(self) -> Callable:
+        """The backend function (its module is imported on first use, so that `import piattn` stays cheap)."""
+        return _load(self.module, self.function)
+
+
+@functools.cache
+def _load(module: str, function: str) -> Callable:
+    return getattr(importlib.import_module(f"{__package__}.{module}"), function)
+
+
+_LOW_AND_FP32 = (torch.float32, torch.bfloat16, torch.float16)
+
+REGISTRY: dict[str, Backend] = {
+    b.name: b
+    for b in (
+        # The ground truth: a loop over offsets, O(T·|U|·D) memory.
+        Backend("reference", "reference", "pi_attention_reference"),
+        # Blocked matrix products with a hand-written backward; any device torch runs on.
+        Backend("torch", "torch", "pi_attention_torch"),
+        # Fused kernels; tl.dot has no fp64, and D is padded to a power of two of at most 256.
+        Backend(
+            "triton", "triton", "pi_attention_triton", dtypes=_LOW_AND_FP32,
+            devices=("cuda", "cpu") if TRITON_INTERPRET else ("cuda",), max_head_dim=256, requires=("triton",),
+            note="" if TRITON_INTERPRET else " (set TRITON_INTERPRET=1 before importing triton for its CPU "
+                                             "interpreter)",
+        ),
+        # torch's FlexAttention: no fp64 kernels, no CPU backward, no per-slot dropout mask.
+        Backend(
+            "flex", "flex", "pi_attention_flex", dtypes=_LOW_AND_FP32, devices=("cpu", "cuda"),
+            forward_only_on=("cpu",), dropout=False, requires=("torch.nn.attention.flex_attention",),
+        ),
+    )
+}
+
+# What "auto" tries, in order, per device type; devices not listed try AUTO_DEFAULT.
+AUTO_ORDER: dict[str, tuple[str, ...]] = {"cuda": ("triton", "torch"), "cpu": ("torch",)}
+AUTO_DEFAULT: tuple[str, ...] = ("torch",)
+
+
+def _describe(device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool, dropout_p: float) -> str:
+    grad = "with gradients" if needs_grad else "forward only"
+    return f"{device}, {_dtype_name(dtype)}, head dim {head_dim}, {grad}, dropout_p={dropout_p}"
+
+
+def select(
+    requested: str,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    head_dim: int,
+    needs_grad: bool,
+    dropout_p: float,
+    registry: Mapping[str, Backend] = REGISTRY,
+    auto_order: Mapping[str, tuple[str, ...]] = AUTO_ORDER,
+) -> Backend:
+    """The backend to run a call: `requested` itself, or for "auto" the first of `auto_order` that can.
+
+    Raises one ValueError that says why, backend by backend, when that backend (or, for "auto", every
+    backend) cannot run the call, and which others could.
+    """
+    device = torch.device(device).type
+    call = dict(device=device, dtype=dtype, head_dim=head_dim, needs_grad=needs_grad, dropout_p=dropout_p)
+    reasons = {name: b.refusal(**call) for name, b in registry.items()}
+    able = [name for name, reason in reasons.items() if reason is None]
+    if requested == "auto":
+        order = auto_order.get(device, AUTO_DEFAULT)
+        for name in order:
+            if reasons.get(name, "not declared") is None:
+                return registry[name]
+        refused = {**{name: "not declared" for name in order}, **reasons}
+        listing = "; ".join(f"{name}: {reason}" for name, reason in refused.items() if reason is not None)
+        unused = f". Not tried by 'auto', but can run it: {', '.join(map(repr, able))}" if able else ""
+        raise ValueError(f"backend 'auto' found no backend for this call ({_describe(**call)}): {listing}{unused}")
+    if requested not in registry:
+        names = ("auto", *(name for name, b in registry.items() if b.available()))
+        raise ValueError(f"backend must be one of {names} on this install, got {requested!r}")
+    if reasons[requested] is None:
+        return registry[requested]
+    alternatives = ", ".join(repr(name) for name in able) if able else "none"
+    raise ValueError(
+        f"backend {requested!r} cannot run this call ({_describe(**call)}): {reasons[requested]}. "
+        f"Backends that can: {alternatives}"
+    )

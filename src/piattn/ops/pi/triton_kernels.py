@@ -1,0 +1,407 @@
+"""The Triton kernels of backend "triton" (ops/pi/TRITON.md): one forward, two deterministic backward.
+
+B·H is flattened to N; every kernel works on [N, T, D] rows. A program owns a tile of BLOCK_T rows
+(`_tile`, the prologue all three kernels share) and walks the rows it needs in chunks of BLOCK_K: the local
+band through `tl.dot` on the chunk with a band mask, and each skip offset as one shifted, contiguous block
+of rows with a row-wise dot. The launchers are in `triton.py`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Kernel MODE: constant priors ("union", "fixed"), priors from the gate ("adaptive"), two groups ("separate").
+MODE_CONSTANT, MODE_ADAPTIVE, MODE_SEPARATE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+# Running-max start: finite, so that exp(m_old - m_new) is never exp(-inf + inf) in all-masked chunks.
+_NEG = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _tile(T, n_tiles, window, CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The prologue of every kernel: this program's head n (int64) and tile of rows [start, start + BT),
+    the head's base offset in [N, T, D], the band's right reach and local slot count, the tile's
+    positions [BT] with whether they lie inside [0, T), and the column offsets [D]."""
+    pid = tl.program_id(0)
+    n = (pid // n_tiles).to(tl.int64)
+    start = (pid % n_tiles) * BLOCK_T
+    base = n * T * D
+    right = 0 if CAUSAL else window
+    n_local = window + right + 1
+    rows = start + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    offs_d = tl.arange(0, D)
+    return n, start, base, right, n_local, rows, row_ok, offs_d
+
+
+@triton.jit
+def _load_rows(ptr, base, rows, ok, offs_d, D: tl.constexpr):
+    """rows [R] of a [*, T, D] tensor at `base` -> [R, D], zeros where not ok."""
+    return tl.load(ptr + base + rows[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
+
+
+@triton.jit
+def _dot(a, b, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b with fp32 accumulation. UPCAST: fp32 operands, for Triton's CPU interpreter, whose bf16 dots
+    multiply bit patterns; the operands are already rounded to the input dtype, so the products agree."""
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _clamp(z, clamp, HAS_CLAMP: tl.constexpr):
+    if HAS_CLAMP:
+        z = tl.minimum(tl.maximum(z, -clamp), clamp)
+    return z
+
+
+@triton.jit
+def _keep_factor(KEEP, n, T, qrows, slot, ok, keep_scale, N_SLOTS: tl.constexpr):
+    """1/(1-p) where the dropout mask keeps (query, slot), else 0; qrows and slot broadcast together."""
+    kept = tl.load(KEEP + (n * T + qrows) * N_SLOTS + slot, mask=ok, other=0)
+    return tl.where(kept != 0, keep_scale, 0.0)
+
+
+@triton.jit
+def _band(rows, cols, row_ok, col_ok, window, right):
+    """[len(rows), len(cols)]: key cols[j] is a local slot of query rows[i]; also that slot's offset."""
+    rel = cols[None, :] - rows[:, None]
+    return (rel >= -window) & (rel <= right) & row_ok[:, None] & col_ok[None, :], rel
+
+
+@triton.jit
+def _skip_logit(x, Y, base, rows, row_ok, offs_d, offset, T, scale, D: tl.constexpr):
+    """Raw scores [R] of x's rows [R, D] with the rows `offset` further on in Y (one contiguous block),
+    and whether those rows exist. A query tile passes (q, K), a key tile (k, Q)."""
+    cols = rows + offset
+    ok = row_ok & (cols >= 0) & (cols < T)
+    y = _load_rows(Y, base, cols, ok, offs_d, D)  # [R, D]
+    return tl.sum(x.to(tl.float32) * y.to(tl.float32), 1) * scale, ok
+
+
+@triton.jit
+def _add_rows(acc, w, X, base, rows, offset, ok, offs_d, D: tl.constexpr):
+    """acc [BT, D] + w[:, None] · X[rows + offset] (rows masked by ok)."""
+    x = _load_rows(X, base, rows + offset, ok, offs_d, D)
+    return acc + w[:, None] * x.to(tl.float32)
+
+
+@triton.jit
+def pi_fwd_kernel(
+    Q, K, V, GATE, KEEP, OUT, C_LOC, C_SKIP,
+    T, n_tiles, window, period, scale, clamp, log_local, log_skip, eps, keep_scale,
+    CAUSAL: tl.constexpr, N_SKIP: tl.constexpr, N_SLOTS: tl.constexpr, MODE: tl.constexpr,
+    HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr, D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Q, K, V, OUT [N, T, D]; GATE [N, T]; KEEP uint8 [N, T, N_SLOTS]; C_LOC, C_SKIP fp32 [N, T]."""
+    n, start, base, right, n_local, rows, row_ok, offs_d = _tile(T, n_tiles, window, CAUSAL, D, BLOCK_T)
+    q = _load_rows(Q, base, rows, row_ok, offs_d, D)  # [BT, D]
+
+    # Skip scores first, so that the skip keys are never live beside the accumulator. Slot n_local is the
+    # key i - period, slot n_local + 1 the key i + period (bidirectional); absent slots stay masked.
+    z0 = tl.zeros([BLOCK_T], tl.float32)
+    z1 = tl.zeros([BLOCK_T], tl.float32)
+    ok0 = rows < 0
+    ok1 = rows < 0
+    if N_SKIP >= 1:
+        z0, ok0 = _skip_logit(q, K, base, rows, row_ok, offs_d, -period, T, scale, D)
+        z0 = _clamp(z0, clamp, HAS_CLAMP)
+    if N_SKIP == 2:
+        z1, ok1 = _skip_logit(q, K, base, rows, row_ok, offs_d, period, T, scale, D)
+        z1 = _clamp(z1, clamp, HAS_CLAMP)
+
+    # Local band: key rows [start - window, start + BLOCK_T + right) inside [0, T), each loaded once;
+    # online softmax. Rows of the last chunk past the band are not fetched.
+    lo = tl.maximum(start - window, 0)
+    hi = tl.minimum(start + BLOCK_T + right, T)
+    m_loc = tl.full([BLOCK_T], _NEG, tl.float32)
+    l_loc = tl.zeros([BLOCK_T], tl.float32)
+    acc = tl.zeros([BLOCK_T, D], tl.float32)
+    for c in range(0, tl.cdiv(hi - lo, BLOCK_K)):
+        cols = lo + c * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK] key positions
+        col_ok = cols < hi
+        k = _load_rows(K, base, cols, col_ok, offs_d, D)  # [BK, D]
+        v = _load_rows(V, base, cols, col_ok, offs_d, D)  # [BK, D]
+        band, rel = _band(rows, cols, row_ok, col_ok, window, right)  # [BT, BK]
+        z = _clamp(_dot(q, tl.trans(k), DOT_PREC, UPCAST) * scale, clamp, HAS_CLAMP)
+        z = tl.where(band, z, float("-inf"))  # [BT, BK]
+        m_new = tl.maximum(m_loc, tl.max(z, 1))
+        alpha = tl.exp(m_loc - m_new)
+        p = tl.exp(z - m_new[:, None])  # exactly 0 off the band, since m_new is finite
+        l_loc = l_loc * alpha + tl.sum(p, 1)
+        if HAS_DROPOUT:
+            p = p * _keep_factor(KEEP, n, T, rows[:, None], rel + window, band, keep_scale, N_SLOTS)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PREC, UPCAST)
+        m_loc = m_new
+
+    if MODE != MODE_CONSTANT:
+        a = tl.load(GATE + n * T + rows, mask=row_ok, other=0.5).to(tl.float32)  # [BT] α
+    if MODE == MODE_SEPARATE:
+        # α·softmax(local) + (1 - α)·softmax(skip), the local branch alone where no skip key exists.
+        has_skip = ok0 | ok1
+        a_eff = tl.where(has_skip, a, 1.0)
+        m = tl.maximum(tl.where(ok0, z0, _NEG), tl.where(ok1, z1, _NEG))
+        p0 = tl.where(ok0, tl.exp(z0 - m), 0.0)
+        p1 = tl.where(ok1, tl.exp(z1 - m), 0.0)
+        l_skip = tl.where(has_skip, p0 + p1, 1.0)
+        acc = acc * (a_eff / l_loc)[:, None]
+        w0 = (1.0 - a_eff) * p0 / l_skip
+        w1 = (1.0 - a_eff) * p1 / l_skip
+        c_loc = m_loc + tl.log(l_loc) - tl.log(a_eff)
+        c_skip = tl.where(has_skip, m + tl.log(l_skip) - tl.log(1.0 - a), 0.0)
+    else:
+        # One softmax over both groups; skip logits taken relative to the local prior.
+        if MODE == MODE_ADAPTIVE:
+            log_local = tl.log(tl.maximum(a, eps))
+            log_skip = tl.log(tl.maximum(1.0 - a, eps))
+        shift = log_skip - log_local
+        z0 += shift
+        z1 += shift
+        m = tl.maximum(m_loc, tl.maximum(tl.where(ok0, z0, _NEG), tl.where(ok1, z1, _NEG)))
+        alpha = tl.exp(m_loc - m)
+        p0 = tl.where(ok0, tl.exp(z0 - m), 0.0)
+        p1 = tl.where(ok1, tl.exp(z1 - m), 0.0)
+        l_all = l_loc * alpha + p0 + p1
+        acc = acc * (alpha / l_all)[:, None]
+        w0 = p0 / l_all
+        w1 = p1 / l_all
+        c_loc = m + tl.log(l_all)  # the log-sum-exp less the local prior
+        c_skip = c_loc - shift
+    if HAS_DROPOUT:
+        w0 = w0 * _keep_factor(KEEP, n, T, rows, n_local, ok0, keep_scale, N_SLOTS)
+        w1 = w1 * _keep_factor(KEEP, n, T, rows, n_local + 1, ok1, keep_scale, N_SLOTS)
+    if N_SKIP >= 1:
+        acc = _add_rows(acc, w0, V, base, rows, -period, ok0, offs_d, D)
+    if N_SKIP == 2:
+        acc = _add_rows(acc, w1, V, base, rows, period, ok1, offs_d, D)
+    out = base + rows[:, None] * D + offs_d[None, :]
+    tl.store(OUT + out, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(C_LOC + n * T + rows, c_loc, mask=row_ok)
+    tl.store(C_SKIP + n * T + rows, c_skip, mask=row_ok)
+
+
+@triton.jit
+def _dq_band_terms(
+    q, dy, K, V, KEEP, n, base, T, lo, hi, c, rows, row_ok, offs_d, c_loc, window, right, scale, clamp,
+    keep_scale, N_SLOTS: tl.constexpr, HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    D: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Chunk c of the key rows [lo, hi) of a query tile's band: raw scores z, weights w and
+    dW = dY·V (dropped), all [BT, BK], and the chunk's keys [BK, D]."""
+    cols = lo + c * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK] key positions
+    col_ok = cols < hi
+    k = _load_rows(K, base, cols, col_ok, offs_d, D)  # [BK, D]
+    v = _load_rows(V, base, cols, col_ok, offs_d, D)  # [BK, D]
+    band, rel = _band(rows, cols, row_ok, col_ok, window, right)
+    z = _dot(q, tl.trans(k), DOT_PREC, UPCAST) * scale
+    w = tl.where(band, tl.exp(_clamp(z, clamp, HAS_CLAMP) - c_loc[:, None]), 0.0)
+    dw = _dot(dy, tl.trans(v), DOT_PREC, UPCAST)
+    if HAS_DROPOUT:
+        dw = dw * _keep_factor(KEEP, n, T, rows[:, None], rel + window, band, keep_scale, N_SLOTS)
+    return z, w, dw, k
+
+
+@triton.jit
+def _dq_skip_terms(
+    q, dy, K, V, KEEP, n, base, T, rows, row_ok, offs_d, offset, slot, c_skip, scale, clamp, keep_scale,
+    N_SLOTS: tl.constexpr, HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr, D: tl.constexpr,
+):
+    """The skip slot at `offset` of each query: raw score z, weight w, dW (dropped) and validity, all [BT]."""
+    z, ok = _skip_logit(q, K, base, rows, row_ok, offs_d, offset, T, scale, D)
+    w = tl.where(ok, tl.exp(_clamp(z, clamp, HAS_CLAMP) - c_skip), 0.0)
+    v = _load_rows(V, base, rows + offset, ok, offs_d, D)  # [BT, D]
+    dw = tl.sum(dy.to(tl.float32) * v.to(tl.float32), 1)
+    if HAS_DROPOUT:
+        dw = dw * _keep_factor(KEEP, n, T, rows, slot, ok, keep_scale, N_SLOTS)
+    return z, w, dw, ok
+
+
+@triton.jit
+def pi_bwd_dq_kernel(
+    Q, K, V, GATE, KEEP, DY, C_LOC, C_SKIP, DQ, DELTA_LOC, DELTA_SKIP, DGATE,
+    T, n_tiles, window, period, scale, clamp, eps, keep_scale,
+    CAUSAL: tl.constexpr, N_SKIP: tl.constexpr, N_SLOTS: tl.constexpr, MODE: tl.constexpr,
+    HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_DGATE: tl.constexpr, D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """dQ [N, T, D], dα [N, T] and Δ_local, Δ_skip [N, T] (for the dK/dV kernel) of a tile of queries.
+
+    dlogit = w·(dW - Δ) with Δ = Σ_m w·dW over the slot's softmax group, summed exactly from the slots
+    (pass 1 over the band), then dQ = Σ_m dlogit·K·scale (pass 2).
+    """
+    n, start, base, right, n_local, rows, row_ok, offs_d = _tile(T, n_tiles, window, CAUSAL, D, BLOCK_T)
+    q = _load_rows(Q, base, rows, row_ok, offs_d, D)  # [BT, D]
+    dy = _load_rows(DY, base, rows, row_ok, offs_d, D)  # [BT, D]
+    c_loc = tl.load(C_LOC + n * T + rows, mask=row_ok, other=0.0)  # [BT]
+    c_skip = tl.load(C_SKIP + n * T + rows, mask=row_ok, other=0.0)  # [BT]
+    lo = tl.maximum(start - window, 0)  # the band's key rows [lo, hi)
+    hi = tl.minimum(start + BLOCK_T + right, T)
+    n_chunks = tl.cdiv(hi - lo, BLOCK_K)
+
+    # Skip slots first and as [BT] vectors only: their rows are not live during the band passes.
+    z0 = tl.zeros([BLOCK_T], tl.float32)
+    w0 = tl.zeros([BLOCK_T], tl.float32)
+    dw0 = tl.zeros([BLOCK_T], tl.float32)
+    z1, w1, dw1 = z0, w0, dw0
+    ok0 = rows < 0
+    ok1 = rows < 0
+    if N_SKIP >= 1:
+        z0, w0, dw0, ok0 = _dq_skip_terms(q, dy, K, V, KEEP, n, base, T, rows, row_ok, offs_d, -period,
+                                          n_local, c_skip, scale, clamp, keep_scale, N_SLOTS, HAS_CLAMP,
+                                          HAS_DROPOUT, D)
+    if N_SKIP == 2:
+        z1, w1, dw1, ok1 = _dq_skip_terms(q, dy, K, V, KEEP, n, base, T, rows, row_ok, offs_d, period,
+                                          n_local + 1, c_skip, scale, clamp, keep_scale, N_SLOTS, HAS_CLAMP,
+                                          HAS_DROPOUT, D)
+    has_skip = ok0 | ok1
+
+    sig_loc = tl.zeros([BLOCK_T], tl.float32)
+    for c in range(0, n_chunks):
+        z, w, dw, k = _dq_band_terms(q, dy, K, V, KEEP, n, base, T, lo, hi, c, rows, row_ok, offs_d, c_loc,
+                                     window, right, scale, clamp, keep_scale, N_SLOTS, HAS_CLAMP,
+                                     HAS_DROPOUT, D, BLOCK_K, DOT_PREC, UPCAST)
+        sig_loc += tl.sum(w * dw, 1)
+    sig_skip = w0 * dw0 + w1 * dw1
+    if MODE == MODE_SEPARATE:
+        # Each group is a softmax of its own times its coefficient: Δ_g = σ_g / coef_g = Σ_g p·dW.
+        a = tl.load(GATE + n * T + rows, mask=row_ok, other=0.5).to(tl.float32)
+        delta_loc = sig_loc / tl.where(has_skip, a, 1.0)
+        delta_skip = tl.where(has_skip, sig_skip / (1.0 - a), 0.0)
+    else:
+        delta_loc = sig_loc + sig_skip
+        delta_skip = delta_loc
+    tl.store(DELTA_LOC + n * T + rows, delta_loc, mask=row_ok)
+    tl.store(DELTA_SKIP + n * T + rows, delta_skip, mask=row_ok)
+
+    dq = tl.zeros([BLOCK_T, D], tl.float32)
+    g_loc = tl.zeros([BLOCK_T], tl.float32)  # Σ_local dlogit, for dα
+    for c in range(0, n_chunks):
+        z, w, dw, k = _dq_band_terms(q, dy, K, V, KEEP, n, base, T, lo, hi, c, rows, row_ok, offs_d, c_loc,
+                                     window, right, scale, clamp, keep_scale, N_SLOTS, HAS_CLAMP,
+                                     HAS_DROPOUT, D, BLOCK_K, DOT_PREC, UPCAST)
+        ds = w * (dw - delta_loc[:, None])  # [BT, BK]
+        g_loc += tl.sum(ds, 1)
+        if HAS_CLAMP:
+            ds = tl.where(tl.abs(z) <= clamp, ds, 0.0)  # torch.clamp passes the gradient inside [-L, L]
+        dq += _dot(ds.to(k.dtype), k, DOT_PREC, UPCAST)
+    ds0 = w0 * (dw0 - delta_skip)
+    ds1 = w1 * (dw1 - delta_skip)
+    g_skip = ds0 + ds1
+    if HAS_CLAMP:
+        ds0 = tl.where(tl.abs(z0) <= clamp, ds0, 0.0)
+        ds1 = tl.where(tl.abs(z1) <= clamp, ds1, 0.0)
+    if N_SKIP >= 1:
+        dq = _add_rows(dq, ds0, K, base, rows, -period, ok0, offs_d, D)
+    if N_SKIP == 2:
+        dq = _add_rows(dq, ds1, K, base, rows, period, ok1, offs_d, D)
+    tl.store(DQ + base + rows[:, None] * D + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+             mask=row_ok[:, None])
+
+    if HAS_DGATE:
+        a = tl.load(GATE + n * T + rows, mask=row_ok, other=0.5).to(tl.float32)
+        if MODE == MODE_SEPARATE:
+            # y = α·local + (1 - α)·skip where a skip exists: dα = Σ_local p·dW - Σ_skip p·dW.
+            dgate = tl.where(has_skip, delta_loc - delta_skip, 0.0)
+        else:
+            # Local logits carry log max(α, ε), skip logits log max(1 - α, ε).
+            dgate = tl.where(a >= eps, g_loc / a, 0.0) - tl.where(1.0 - a >= eps, g_skip / (1.0 - a), 0.0)
+        tl.store(DGATE + n * T + rows, dgate, mask=row_ok)
+
+
+@triton.jit
+def _dkdv_skip_terms(
+    k, v, Q, DY, KEEP, C_SKIP, DELTA_SKIP, n, base, T, keys, key_ok, offs_d, offset, slot, scale, clamp,
+    keep_scale, N_SLOTS: tl.constexpr, HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr, D: tl.constexpr,
+):
+    """For each key, the query keys - offset whose skip slot it is: that slot's dropped weight (the factor
+    of dY in dV) and its dlogit with the clamp mask (the factor of Q in dK), both [BT], and validity."""
+    qrows = keys - offset
+    ok = key_ok & (qrows >= 0) & (qrows < T)
+    z, _ = _skip_logit(k, Q, base, keys, ok, offs_d, -offset, T, scale, D)
+    c_skip = tl.load(C_SKIP + n * T + qrows, mask=ok, other=0.0)
+    delta = tl.load(DELTA_SKIP + n * T + qrows, mask=ok, other=0.0)
+    w = tl.where(ok, tl.exp(_clamp(z, clamp, HAS_CLAMP) - c_skip), 0.0)
+    dy = _load_rows(DY, base, qrows, ok, offs_d, D)  # [BT, D]
+    dw = tl.sum(dy.to(tl.float32) * v.to(tl.float32), 1)
+    wd = w
+    if HAS_DROPOUT:
+        kf = _keep_factor(KEEP, n, T, qrows, slot, ok, keep_scale, N_SLOTS)
+        wd = w * kf
+        dw = dw * kf
+    ds = w * (dw - delta)
+    if HAS_CLAMP:
+        ds = tl.where(tl.abs(z) <= clamp, ds, 0.0)
+    return wd, ds, ok
+
+
+@triton.jit
+def pi_bwd_dkdv_kernel(
+    Q, K, V, KEEP, DY, C_LOC, C_SKIP, DELTA_LOC, DELTA_SKIP, DK, DV,
+    T, n_tiles, window, period, scale, clamp, keep_scale,
+    CAUSAL: tl.constexpr, N_SKIP: tl.constexpr, N_SLOTS: tl.constexpr,
+    HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr, D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """dK, dV [N, T, D] of a tile of keys, gathered from every query that sees them (no atomics).
+
+    Key j is local to the queries j - right … j + window, and the skip of j + period (and j - period).
+    """
+    # The tile's rows are keys here: `keys` [BT] are key positions.
+    n, start, base, right, n_local, keys, key_ok, offs_d = _tile(T, n_tiles, window, CAUSAL, D, BLOCK_T)
+    k = _load_rows(K, base, keys, key_ok, offs_d, D)  # [BT, D]
+    v = _load_rows(V, base, keys, key_ok, offs_d, D)  # [BT, D]
+
+    # Skip terms first, as [BT] vectors: the skip queries' rows are not live during the band loop.
+    wd0 = tl.zeros([BLOCK_T], tl.float32)
+    ds0 = tl.zeros([BLOCK_T], tl.float32)
+    wd1, ds1 = wd0, ds0
+    ok0 = keys < 0
+    ok1 = keys < 0
+    if N_SKIP >= 1:  # slot n_local of query j + period
+        wd0, ds0, ok0 = _dkdv_skip_terms(k, v, Q, DY, KEEP, C_SKIP, DELTA_SKIP, n, base, T, keys, key_ok,
+                                         offs_d, -period, n_local, scale, clamp, keep_scale, N_SLOTS,
+                                         HAS_CLAMP, HAS_DROPOUT, D)
+    if N_SKIP == 2:  # slot n_local + 1 of query j - period
+        wd1, ds1, ok1 = _dkdv_skip_terms(k, v, Q, DY, KEEP, C_SKIP, DELTA_SKIP, n, base, T, keys, key_ok,
+                                         offs_d, period, n_local + 1, scale, clamp, keep_scale, N_SLOTS,
+                                         HAS_CLAMP, HAS_DROPOUT, D)
+
+    dk = tl.zeros([BLOCK_T, D], tl.float32)
+    dv = tl.zeros([BLOCK_T, D], tl.float32)
+    lo = tl.maximum(start - right, 0)  # the query rows [lo, hi) that hold these keys in their band
+    hi = tl.minimum(start + BLOCK_T + window, T)
+    for c in range(0, tl.cdiv(hi - lo, BLOCK_K)):
+        qrows = lo + c * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK] query positions
+        q_ok = qrows < hi
+        q = _load_rows(Q, base, qrows, q_ok, offs_d, D)  # [BK, D]
+        dy = _load_rows(DY, base, qrows, q_ok, offs_d, D)  # [BK, D]
+        c_loc = tl.load(C_LOC + n * T + qrows, mask=q_ok, other=0.0)  # [BK]
+        delta = tl.load(DELTA_LOC + n * T + qrows, mask=q_ok, other=0.0)  # [BK]
+        rel = keys[:, None] - qrows[None, :]  # [BT, BK] key offset from its query
+        band = (rel >= -window) & (rel <= right) & key_ok[:, None] & q_ok[None, :]
+        z = _dot(k, tl.trans(q), DOT_PREC, UPCAST) * scale  # [BT, BK]
+        w = tl.where(band, tl.exp(_clamp(z, clamp, HAS_CLAMP) - c_loc[None, :]), 0.0)
+        dw = _dot(v, tl.trans(dy), DOT_PREC, UPCAST)  # [BT, BK]
+        if HAS_DROPOUT:
+            kf = _keep_factor(KEEP, n, T, qrows[None, :], rel + window, band, keep_scale, N_SLOTS)
+            dv += _dot((w * kf).to(dy.dtype), dy, DOT_PREC, UPCAST)
+            dw = dw * kf
+        else:
+            dv += _dot(w.to(dy.dtype), dy, DOT_PREC, UPCAST)
+        ds = w * (dw - delta[None, :])
+        if HAS_CLAMP:
+            ds = tl.where(tl.abs(z) <= clamp, ds, 0.0)
+        dk += _dot(ds.to(q.dtype), q, DOT_PREC, UPCAST)
+
+    if N_SKIP >= 1:
+        dv = _add_rows(dv, wd0, DY, base, keys, period, ok0, offs_d, D)
+        dk = _add_rows(dk, ds0, Q, base, keys, period, ok0, offs_d, D)
+    if N_SKIP == 2:
+        dv = _add_rows(dv, wd1, DY, base, keys, -period, ok1, offs_d, D)
+        dk = _add_rows(dk, ds1, Q, base, keys, -period, ok1, offs_d, D)
+    out = base + keys[:, None] * D + offs_d[None, :]
+    tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=key_ok[:, None])
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=key_ok[:, None])

@@ -1,0 +1,152 @@
+"""The choice of backend (piattn.ops.pi.backends): what each declares, what "auto" picks, and the errors.
+
+A GPU is simulated by passing device="cuda" to `select`: the declarations, not the hardware, decide.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+import piattn
+from piattn.ops.pi.backends import AUTO_ORDER, REGISTRY, Backend, select
+from piattn.ops.pi.validate import SUPPORTED_DTYPES
+from utils import assert_close, make_inputs
+
+CALL = dict(dtype=torch.float32, head_dim=64, needs_grad=True, dropout_p=0.0)
+
+
+def test_backends_lists_auto_then_what_this_install_runs():
+    names = ("auto", *(name for name, b in REGISTRY.items() if b.available()))
+    assert names == piattn.BACKENDS
+    assert {"reference", "torch"} <= set(piattn.BACKENDS)
+
+
+def test_every_backend_loads_its_function():
+    for name in piattn.BACKENDS[1:]:
+        fn = REGISTRY[name].load()
+        assert callable(fn) and fn.__name__ == f"pi_attention_{name}"
+
+
+def test_auto_on_cpu_is_torch_and_correct():
+    q, k, v, gate = make_inputs(1, 2, 33, 8, requires_grad=False)
+    assert select("auto", device="cpu", **CALL).name == "torch"
+    assert_close("auto", piattn.pi_attention(q, k, v, gate, backend="reference"), piattn.pi_attention(q, k, v, gate))
+
+
+CALLS = list(itertools.product(("cpu", "cuda"), SUPPORTED_DTYPES, (8, 64, 256, 257, 512), (False, True), (0.0, 0.1)))
+
+
+@pytest.mark.parametrize("device,dtype,head_dim,needs_grad,dropout_p", CALLS)
+def test_auto_picks_the_first_backend_that_can_run_the_call(device, dtype, head_dim, needs_grad, dropout_p):
+    call = dict(device=device, dtype=dtype, head_dim=head_dim, needs_grad=needs_grad, dropout_p=dropout_p)
+    chosen = select("auto", **call)
+    assert chosen.refusal(**call) is None
+    order = AUTO_ORDER[device]
+    assert chosen.name in order
+    before = order[: order.index(chosen.name)]
+    assert all(REGISTRY[name].refusal(**call) is not None for name in before)
+
+
+def test_auto_on_a_simulated_gpu():
+    """Triton where its kernels run it (when this install has triton), torch for fp64 and head dims > 256."""
+    triton_ok = REGISTRY["triton"].refusal(device="cuda", **CALL) is None
+    assert select("auto", device="cuda", **CALL).name == ("triton" if triton_ok else "torch")
+    for change in (dict(dtype=torch.float64), dict(head_dim=257)):
+        assert select("auto", device="cuda", **{**CALL, **change}).name == "torch"
+        assert REGISTRY["triton"].refusal(device="cuda", **{**CALL, **change}) is not None
+
+
+@pytest.mark.skipif("triton" not in piattn.BACKENDS, reason="backend 'triton' is not runnable on this install")
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_what_auto_picks_on_a_gpu_runs(dtype):
+    """The calls "auto" hands triton on a GPU run in triton (here on its CPU interpreter): the largest head
+    dim, gradients and dropout included; one more head dim and "auto" leaves triton."""
+    call = dict(dtype=dtype, head_dim=256, needs_grad=True, dropout_p=0.2)
+    assert select("auto", device="cuda", **call).name == "triton"
+    assert select("auto", device="cuda", **{**call, "head_dim": 257}).name == "torch"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v, gate = make_inputs(1, 1, 5, 256, dtype=dtype, device=device)
+    y = piattn.pi_attention(q, k, v, gate, window=2, period=3, dropout_p=0.2, backend="triton")
+    y.sum().backward()
+    assert torch.isfinite(y).all() and torch.isfinite(gate.grad).all()
+
+
+def _limited(**fields) -> dict[str, Backend]:
+    return {name: dataclasses.replace(b, **fields) for name, b in REGISTRY.items()}
+
+
+def test_auto_error_lists_every_backend_and_why():
+    registry = _limited(dtypes=(torch.float16,))
+    with pytest.raises(ValueError) as err:
+        select("auto", device="cuda", **CALL, registry=registry)
+    message = str(err.value)
+    assert message.startswith("backend 'auto' found no backend for this call (cuda, float32, head dim 64")
+    for name in REGISTRY:
+        assert f"{name}: " in message, name
+    assert message.count("no float32") == len(REGISTRY)
+
+
+def test_auto_error_names_backends_outside_its_order_that_could():
+    registry = {**REGISTRY, "torch": dataclasses.replace(REGISTRY["torch"], devices=("cpu", "cuda"))}
+    with pytest.raises(ValueError, match=r"torch: runs on cpu/cuda, not mps.*can run it: 'reference'"):
+        select("auto", device="mps", **CALL, registry=registry)
+
+
+def test_auto_error_names_backends_missing_from_the_registry():
+    registry = {"reference": REGISTRY["reference"]}
+    with pytest.raises(ValueError, match="torch: not declared"):
+        select("auto", device="cpu", **CALL, registry=registry)
+
+
+@pytest.mark.parametrize(
+    "backend,dtype,D,kwargs,reason",
+    [
+        ("flex", torch.float64, 8, {}, "no float64"),
+        ("flex", torch.float32, 8, dict(dropout_p=0.1), r"no dropout \(dropout_p=0.1\)"),
+        ("flex", torch.float32, 8, dict(grad=True), "forward-only on cpu"),
+        ("triton", torch.float64, 8, {}, "no float64"),
+        ("triton", torch.float32, 320, {}, "head dim 320 > 256"),
+    ],
+)
+def test_explicit_backend_that_cannot_run_the_call(backend, dtype, D, kwargs, reason):
+    """One ValueError naming the backend, the call, the reason and the backends that could run it."""
+    if backend not in piattn.BACKENDS:
+        pytest.skip(f"backend {backend!r} is not runnable on this install")
+    grad = kwargs.pop("grad", False)
+    q, k, v, gate = make_inputs(1, 1, 6, D, dtype=dtype, requires_grad=grad)
+    can = [name for name in REGISTRY if name != backend and name in piattn.BACKENDS
+           and REGISTRY[name].refusal(device="cpu", dtype=dtype, head_dim=D, needs_grad=grad,
+                                      dropout_p=kwargs.get("dropout_p", 0.0)) is None]
+    assert "reference" in can and "torch" in can
+    pattern = rf"backend '{backend}' cannot run this call \(cpu, .*\): {reason}.*Backends that can: " + ", ".join(
+        f"'{name}'" for name in can)
+    with pytest.raises(ValueError, match=pattern):
+        piattn.pi_attention(q, k, v, gate, backend=backend, **kwargs)
+
+
+def test_explicit_backend_on_a_simulated_gpu():
+    with pytest.raises(ValueError, match=r"backend 'triton' cannot run .*no float64.*can: 'reference', 'torch'$"):
+        select("triton", device="cuda", **{**CALL, "dtype": torch.float64})
+
+
+def test_explicit_backend_without_its_device():
+    registry = {**REGISTRY, "triton": dataclasses.replace(REGISTRY["triton"], devices=("cuda",))}
+    with pytest.raises(ValueError, match="backend 'triton' cannot run .*runs on cuda, not cpu"):
+        select("triton", device="cpu", **CALL, registry=registry)
+
+
+def test_explicit_backend_without_its_dependency():
+    registry = {**REGISTRY, "triton": dataclasses.replace(REGISTRY["triton"], requires=("no_such_module_xyz",))}
+    assert not registry["triton"].available()
+    with pytest.raises(ValueError, match="needs no_such_module_xyz, which is not installed"):
+        select("triton", device="cuda", **CALL, registry=registry)
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'reference', 'torch'"):
+        select("cuda-magic", device="cpu", **CALL)
