@@ -26,7 +26,7 @@ SHAPES = [(37, 4, 16), (10, 4, 16), (33, 0, 5), (40, 5, 3), (29, 3, 28), (17, 2,
 
 def dense_pi_attention(q, k, v, gate, *, window, period, causal, variant, prior=0.5, logit_clamp=20.0,
                        eps=1e-4, scale=None):
-    """The operator written as dense [T, T] masked attention, from the definitions in design.md alone."""
+    """The operator written as dense [T, T] masked attention, from the definitions in docs/design.md alone."""
     T, D = q.shape[-2:]
     scale = D**-0.5 if scale is None else scale
     i = torch.arange(T)[:, None]
@@ -127,7 +127,7 @@ def test_logit_clamp_bounds_scores():
 
 
 def test_fixed_half_equals_union():
-    """design.md: α = 0.5 adds one constant to every logit, so "fixed" with prior 0.5 is "union"."""
+    """docs/design.md: α = 0.5 adds one constant to every logit, so "fixed" with prior 0.5 is "union"."""
     q, k, v, _ = make_inputs(2, 2, 50, 8, variant="union", requires_grad=False)
     a = piattn.pi_attention(q, k, v, variant="fixed", prior=0.5, backend="torch")
     b = piattn.pi_attention(q, k, v, variant="union", backend="torch")
