@@ -41,9 +41,19 @@ def _entry(rank: int, world: int, store: str, out: str, job: str, payload) -> No
         dist.destroy_process_group()
 
 
+def _context():
+    """Fresh processes (no inherited OpenMP or allocator state) forked from one server that imported torch
+    once, where the platform has forkserver; else spawn."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "piattn", "sp_jobs"])
+    return ctx
+
+
 def run_ranks(world: int, job: str, payload=None, deadline: float = 120.0) -> list:
     """Each rank's result, in rank order; RankFailure if a rank raised or hung."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         procs = [ctx.Process(target=_entry, args=(r, world, store, tmp, job, payload)) for r in range(world)]

@@ -79,10 +79,11 @@ def _agree(shard: int, fingerprint: int, error: Exception | None, group, device:
                          "dtypes or the presence of a gate do; every rank must pass the same")
 
 
-def _exchange(sends: dict[int, torch.Tensor], recv_rows: dict[int, int], like: torch.Tensor, group
+def _exchange(sends: dict[int, torch.Tensor], recv_rows: dict[int, int], like: torch.Tensor, width: int, group
               ) -> dict[int, torch.Tensor]:
-    """Point-to-point: send each tensor to its peer (group rank), receive `rows` rows from each peer."""
-    B, H, _, C = like.shape
+    """Point-to-point: send each tensor to its peer (group rank); from each peer receive `rows` rows of
+    [B, H, rows, width] (B, H, dtype and device of `like`)."""
+    B, H, C = like.shape[0], like.shape[1], width
     received = {peer: like.new_empty(B, H, rows, C) for peer, rows in recv_rows.items() if rows}
     ops = [dist.P2POp(dist.irecv, buf, dist.get_global_rank(group, peer), group) for peer, buf in received.items()]
     ops += [dist.P2POp(dist.isend, t.contiguous(), dist.get_global_rank(group, peer), group)
@@ -100,43 +101,56 @@ def _by_peer(transfers: tuple[Transfer, ...], peer_of) -> dict[int, list[Transfe
     return out
 
 
+def _pack(parts: list[torch.Tensor], transfers: list[Transfer], rows_of) -> torch.Tensor:
+    """One message: for each transfer, the rows `rows_of(t)` of every tensor in `parts`, side by side."""
+    return torch.cat([torch.cat([x[:, :, rows_of(t)] for x in parts], -1) for t in transfers], 2)
+
+
 class _HaloExchange(torch.autograd.Function):
-    """local [B, H, S, C] -> received [B, H, N, C], the rows of the plan's `receives(rank)`, in order.
+    """k, v [B, H, S, D] -> the received rows of k and of v [B, H, N, D], in the order of the plan's
+    `receives(rank)`. Only the rows that travel are copied into messages (keys and values side by side).
     Backward: the received rows' gradients go back to their owners, which add them to their own."""
 
     @staticmethod
-    def forward(ctx, local: torch.Tensor, plan: HaloPlan, rank: int, group) -> torch.Tensor:
-        ctx.plan, ctx.rank, ctx.group, ctx.local_shape = plan, rank, group, local.shape
-        base = rank * plan.shard
+    def forward(ctx, k: torch.Tensor, v: torch.Tensor, plan: HaloPlan, rank: int, group):
+        ctx.plan, ctx.rank, ctx.group = plan, rank, group
+        base, D = rank * plan.shard, k.shape[3]
         outgoing = _by_peer(plan.sends(rank), lambda t: t.dst)
         incoming = _by_peer(plan.receives(rank), lambda t: t.src)
-        sends = {dst: torch.cat([local[:, :, t.start - base:t.end - base] for t in ts], 2)
-                 for dst, ts in outgoing.items()}
-        got = _exchange(sends, {src: sum(t.rows for t in ts) for src, ts in incoming.items()}, local, group)
-        B, H, _, C = local.shape
-        out = local.new_empty(B, H, plan.rows_received(rank), C)
+        local_rows = lambda t: slice(t.start - base, t.end - base)
+        sends = {dst: _pack([k, v], ts, local_rows) for dst, ts in outgoing.items()}
+        got = _exchange(sends, {src: sum(t.rows for t in ts) for src, ts in incoming.items()}, k, 2 * D, group)
+        B, H, N = k.shape[0], k.shape[1], plan.rows_received(rank)
+        k_recv, v_recv = k.new_empty(B, H, N, D), v.new_empty(B, H, N, D)
         for src, ts in incoming.items():
             row = 0
             for t in ts:
-                out[:, :, t.at:t.at + t.rows] = got[src][:, :, row:row + t.rows]
+                block = got[src][:, :, row:row + t.rows]
+                k_recv[:, :, t.at:t.at + t.rows] = block[..., :D]
+                v_recv[:, :, t.at:t.at + t.rows] = block[..., D:]
                 row += t.rows
-        return out
+        return k_recv, v_recv
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad_k: torch.Tensor, grad_v: torch.Tensor):
         plan, rank, group = ctx.plan, ctx.rank, ctx.group
-        base = rank * plan.shard
+        base, D = rank * plan.shard, grad_k.shape[3]
         outgoing = _by_peer(plan.sends(rank), lambda t: t.dst)  # their gradients come back from dst
         incoming = _by_peer(plan.receives(rank), lambda t: t.src)  # their gradients go back to src
-        sends = {src: torch.cat([grad[:, :, t.at:t.at + t.rows] for t in ts], 2) for src, ts in incoming.items()}
-        got = _exchange(sends, {dst: sum(t.rows for t in ts) for dst, ts in outgoing.items()}, grad, group)
-        grad_local = grad.new_zeros(ctx.local_shape)
+        sends = {src: _pack([grad_k, grad_v], ts, lambda t: slice(t.at, t.at + t.rows))
+                 for src, ts in incoming.items()}
+        got = _exchange(sends, {dst: sum(t.rows for t in ts) for dst, ts in outgoing.items()}, grad_k, 2 * D,
+                        group)
+        B, H = grad_k.shape[:2]
+        dk, dv = grad_k.new_zeros(B, H, plan.shard, D), grad_v.new_zeros(B, H, plan.shard, D)
         for dst, ts in outgoing.items():
             row = 0
-            for t in ts:
-                grad_local[:, :, t.start - base:t.end - base] += got[dst][:, :, row:row + t.rows]
+            for t in ts:  # a row sent to several ranks collects a gradient from each
+                block = got[dst][:, :, row:row + t.rows]
+                dk[:, :, t.start - base:t.end - base] += block[..., :D]
+                dv[:, :, t.start - base:t.end - base] += block[..., D:]
                 row += t.rows
-        return grad_local, None, None, None
+        return dk, dv, None, None, None
 
 
 def plan_for(q: torch.Tensor, group=None, **pi_attention_kwargs) -> HaloPlan | None:
@@ -191,13 +205,14 @@ def sequence_parallel_pi_attention(
     _agree(shard, fingerprint, error, group, device)
 
     plan = HaloPlan(world, shard, settings["window"], settings["period"], settings["causal"])
-    D = q.shape[3]
-    received = _HaloExchange.apply(torch.cat([k, v], -1), plan, rank, group)
-    before = plan.own_offset(rank)
+    k_recv, v_recv = _HaloExchange.apply(k, v, plan, rank, group)
+    before = plan.own_offset(rank)  # received rows that precede the own rows in the extended array
     after = plan.rows_received(rank) - before
-    k_ext = torch.cat([received[:, :, :before, :D], k, received[:, :, before:, :D]], 2)
-    v_ext = torch.cat([received[:, :, :before, D:], v, received[:, :, before:, D:]], 2)
-    B, H = q.shape[:2]
+    # The received tensors always take part (even with no rows), so that every rank runs the backward
+    # exchange and returns the gradients its peers are waiting for.
+    k_ext = torch.cat([k_recv[:, :, :before], k, k_recv[:, :, before:]], 2)
+    v_ext = torch.cat([v_recv[:, :, :before], v, v_recv[:, :, before:]], 2)
+    B, H, _, D = q.shape
     q_ext = torch.cat([q.new_zeros(B, H, before, D), q, q.new_zeros(B, H, after, D)], 2)
     gate_ext = None
     if gate is not None:
