@@ -1,0 +1,221 @@
+"""`sequence_parallel_pi_attention`: π-Attention over a sequence split into contiguous shards across ranks.
+
+Each rank receives, point to point, only the key/value rows its queries read (its halos and skip blocks,
+see `plan.py`), runs the ordinary operator on [received rows + own rows] with zero queries in the received
+rows, and keeps its own rows' outputs. In backward the gradients of the received rows go back to their
+owners and are added to theirs. The only collective is one all-reduce of five integers per call, which
+checks that the ranks agree on the shard length and the settings (and that none of them failed its own
+argument checks), so that a mistake raises the same ValueError on every rank instead of a hang.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+
+import torch
+import torch.distributed as dist
+
+from ..ops.pi import BACKENDS, pi_attention
+from ..ops.pi.validate import check_arguments
+from .plan import HaloPlan, Transfer
+
+# The operator's keyword arguments and their defaults, read from its signature so they cannot drift.
+OPERATOR_DEFAULTS = {
+    name: p.default for name, p in inspect.signature(pi_attention).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY
+}
+_INT64_MASK = (1 << 62) - 1
+
+
+def _settings_hash(settings: dict, q: torch.Tensor, gate: torch.Tensor | None) -> int:
+    """A 62-bit fingerprint of what must agree across ranks: settings (not the backend, which may differ
+    per device), B, H, D, dtypes and whether a gate is given."""
+    B, H, _, D = q.shape
+    fields = sorted((k, repr(v)) for k, v in settings.items() if k != "backend")
+    key = repr((fields, B, H, D, str(q.dtype), None if gate is None else str(gate.dtype)))
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") & _INT64_MASK
+
+
+def _resolve_group(group):
+    """(group, rank in it, its size), or None where the plain operator applies (no process group)."""
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        group = dist.group.WORLD
+    else:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("group was given, but no torch.distributed process group is initialised; "
+                             "call dist.init_process_group first, or pass group=None for one process")
+        if not isinstance(group, dist.ProcessGroup):
+            if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:  # new_group's answer
+                raise ValueError(f"group: this process (global rank {dist.get_rank()}) is not a member of the group")
+            raise ValueError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"group: this process (global rank {dist.get_rank()}) is not a member of the group")
+    return group, rank, dist.get_world_size(group)
+
+
+def _agree(shard: int, fingerprint: int, error: Exception | None, group, device: torch.device) -> None:
+    """One all-reduce (max) of [S, −S, h, −h, failed]: raise on every rank if any rank failed its checks,
+    if shard lengths differ, or if settings differ."""
+    t = torch.tensor([shard, -shard, fingerprint, -fingerprint, int(error is not None)], dtype=torch.int64,
+                     device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    hi_s, lo_s, hi_h, lo_h, failed = (int(x) for x in t.tolist())
+    if error is not None:
+        raise error
+    if failed:
+        raise ValueError("sequence_parallel_pi_attention: another rank of the group passed invalid arguments "
+                         "(its error names them); every rank must pass a valid shard")
+    if hi_s != -lo_s:
+        raise ValueError(f"q: shard lengths differ across the ranks of the group (from {-lo_s} to {hi_s} "
+                         "positions); every rank must hold T / P positions, so T must be divisible by the "
+                         "group size")
+    if hi_h != -lo_h:
+        raise ValueError("pi_attention_kwargs differ across the ranks of the group (window, period, causal, "
+                         "variant, prior, logit_clamp, eps, scale, dropout_p), or the shapes B, H, D, the "
+                         "dtypes or the presence of a gate do; every rank must pass the same")
+
+
+def _exchange(sends: dict[int, torch.Tensor], recv_rows: dict[int, int], like: torch.Tensor, width: int, group
+              ) -> dict[int, torch.Tensor]:
+    """Point-to-point: send each tensor to its peer (group rank); from each peer receive `rows` rows of
+    [B, H, rows, width] (B, H, dtype and device of `like`)."""
+    B, H, C = like.shape[0], like.shape[1], width
+    received = {peer: like.new_empty(B, H, rows, C) for peer, rows in recv_rows.items() if rows}
+    ops = [dist.P2POp(dist.irecv, buf, dist.get_global_rank(group, peer), group) for peer, buf in received.items()]
+    ops += [dist.P2POp(dist.isend, t.contiguous(), dist.get_global_rank(group, peer), group)
+            for peer, t in sends.items() if t.shape[2]]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return received
+
+
+def _by_peer(transfers: tuple[Transfer, ...], peer_of) -> dict[int, list[Transfer]]:
+    out: dict[int, list[Transfer]] = {}
+    for t in transfers:
+        out.setdefault(peer_of(t), []).append(t)
+    return out
+
+
+def _pack(parts: list[torch.Tensor], transfers: list[Transfer], rows_of) -> torch.Tensor:
+    """One message: for each transfer, the rows `rows_of(t)` of every tensor in `parts`, side by side."""
+    return torch.cat([torch.cat([x[:, :, rows_of(t)] for x in parts], -1) for t in transfers], 2)
+
+
+class _HaloExchange(torch.autograd.Function):
+    """k, v [B, H, S, D] -> the received rows of k and of v [B, H, N, D], in the order of the plan's
+    `receives(rank)`. Only the rows that travel are copied into messages (keys and values side by side).
+    Backward: the received rows' gradients go back to their owners, which add them to their own."""
+
+    @staticmethod
+    def forward(ctx, k: torch.Tensor, v: torch.Tensor, plan: HaloPlan, rank: int, group):
+        ctx.plan, ctx.rank, ctx.group = plan, rank, group
+        base, D = rank * plan.shard, k.shape[3]
+        outgoing = _by_peer(plan.sends(rank), lambda t: t.dst)
+        incoming = _by_peer(plan.receives(rank), lambda t: t.src)
+        local_rows = lambda t: slice(t.start - base, t.end - base)
+        sends = {dst: _pack([k, v], ts, local_rows) for dst, ts in outgoing.items()}
+        got = _exchange(sends, {src: sum(t.rows for t in ts) for src, ts in incoming.items()}, k, 2 * D, group)
+        B, H, N = k.shape[0], k.shape[1], plan.rows_received(rank)
+        k_recv, v_recv = k.new_empty(B, H, N, D), v.new_empty(B, H, N, D)
+        for src, ts in incoming.items():
+            row = 0
+            for t in ts:
+                block = got[src][:, :, row:row + t.rows]
+                k_recv[:, :, t.at:t.at + t.rows] = block[..., :D]
+                v_recv[:, :, t.at:t.at + t.rows] = block[..., D:]
+                row += t.rows
+        return k_recv, v_recv
+
+    @staticmethod
+    def backward(ctx, grad_k: torch.Tensor, grad_v: torch.Tensor):
+        plan, rank, group = ctx.plan, ctx.rank, ctx.group
+        base, D = rank * plan.shard, grad_k.shape[3]
+        outgoing = _by_peer(plan.sends(rank), lambda t: t.dst)  # their gradients come back from dst
+        incoming = _by_peer(plan.receives(rank), lambda t: t.src)  # their gradients go back to src
+        sends = {src: _pack([grad_k, grad_v], ts, lambda t: slice(t.at, t.at + t.rows))
+                 for src, ts in incoming.items()}
+        got = _exchange(sends, {dst: sum(t.rows for t in ts) for dst, ts in outgoing.items()}, grad_k, 2 * D,
+                        group)
+        B, H = grad_k.shape[:2]
+        dk, dv = grad_k.new_zeros(B, H, plan.shard, D), grad_v.new_zeros(B, H, plan.shard, D)
+        for dst, ts in outgoing.items():
+            row = 0
+            for t in ts:  # a row sent to several ranks collects a gradient from each
+                block = got[dst][:, :, row:row + t.rows]
+                dk[:, :, t.start - base:t.end - base] += block[..., :D]
+                dv[:, :, t.start - base:t.end - base] += block[..., D:]
+                row += t.rows
+        return dk, dv, None, None, None
+
+
+def plan_for(q: torch.Tensor, group=None, **pi_attention_kwargs) -> HaloPlan | None:
+    """The exchange plan a call with this local shard would use (None where the plain operator runs)."""
+    resolved = _resolve_group(group)
+    if resolved is None or resolved[2] == 1:
+        return None
+    settings = {**OPERATOR_DEFAULTS, **pi_attention_kwargs}
+    return HaloPlan(resolved[2], q.shape[2], settings["window"], settings["period"], settings["causal"])
+
+
+def sequence_parallel_pi_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None = None, *, group=None,
+    **pi_attention_kwargs,
+) -> torch.Tensor:
+    """`piattn.pi_attention` on a sequence sharded contiguously over the ranks of `group`.
+
+    Args:
+        q, k, v: [B, H, S, D] this rank's shard: group rank r holds positions r·S … (r+1)·S − 1 of a
+            sequence of T = P·S positions (P = group size). S must be the same on every rank.
+        gate: [B, H, S] this rank's gate (variants "adaptive", "separate"), else None.
+        group: a torch.distributed ProcessGroup; None means the default (world) group. With no process
+            group initialised, or a group of one rank, this is `pi_attention` itself.
+        **pi_attention_kwargs: window, period, causal, variant, prior, logit_clamp, eps, scale, dropout_p,
+            backend, as for `pi_attention`; every rank must pass the same (the backend may differ).
+
+    Returns:
+        [B, H, S, D]: this rank's shard of the output of `pi_attention` on the whole sequence. Backward
+        gives each rank its shard of the gradients (q, k, v, gate). Every rank of the group must call this
+        (and, when gradients are needed, run backward through it) the same number of times in the same
+        order, as with any collective. With dropout_p > 0 each rank draws its own dropout mask, so the
+        result is a valid dropout sample but not the one the unsharded call would draw.
+    """
+    unknown = sorted(set(pi_attention_kwargs) - set(OPERATOR_DEFAULTS))
+    if unknown:
+        raise ValueError(f"pi_attention_kwargs: unknown argument(s) {unknown}; allowed: {sorted(OPERATOR_DEFAULTS)}")
+    resolved = _resolve_group(group)
+    if resolved is None or resolved[2] == 1:
+        return pi_attention(q, k, v, gate, **pi_attention_kwargs)
+    group, rank, world = resolved
+    settings = {**OPERATOR_DEFAULTS, **pi_attention_kwargs}
+
+    error, shard, fingerprint = None, 0, 0
+    try:  # local checks first, but the verdict is shared, so that a bad rank cannot leave others waiting
+        check_arguments(q, k, v, gate, **{n: x for n, x in settings.items() if n != "backend"})
+        if settings["backend"] not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS} on this install, got {settings['backend']!r}")
+        shard, fingerprint = q.shape[2], _settings_hash(settings, q, gate)
+    except ValueError as e:
+        error = e
+    device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
+    _agree(shard, fingerprint, error, group, device)
+
+    plan = HaloPlan(world, shard, settings["window"], settings["period"], settings["causal"])
+    k_recv, v_recv = _HaloExchange.apply(k, v, plan, rank, group)
+    before = plan.own_offset(rank)  # received rows that precede the own rows in the extended array
+    after = plan.rows_received(rank) - before
+    # The received tensors always take part (even with no rows), so that every rank runs the backward
+    # exchange and returns the gradients its peers are waiting for.
+    k_ext = torch.cat([k_recv[:, :, :before], k, k_recv[:, :, before:]], 2)
+    v_ext = torch.cat([v_recv[:, :, :before], v, v_recv[:, :, before:]], 2)
+    B, H, _, D = q.shape
+    q_ext = torch.cat([q.new_zeros(B, H, before, D), q, q.new_zeros(B, H, after, D)], 2)
+    gate_ext = None
+    if gate is not None:
+        gate_ext = torch.cat([gate.new_full((B, H, before), 0.5), gate, gate.new_full((B, H, after), 0.5)], 2)
+    y = pi_attention(q_ext, k_ext, v_ext, gate_ext, **{**settings, "period": plan.ext_period})
+    return y[:, :, before:before + shard]

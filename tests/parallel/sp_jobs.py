@@ -1,0 +1,186 @@
+"""What each rank runs in the multi-process tests (see sp_harness.run_ranks). Results are JSON-able."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+from piattn import pi_attention
+from piattn.parallel import sequence_parallel_pi_attention
+
+GATED = ("separate", "adaptive")
+# Collectives that would move the whole sequence; the exchange must use none of them.
+FORBIDDEN = ("all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast", "all_to_all",
+             "all_to_all_single", "gather", "scatter", "reduce_scatter", "reduce_scatter_tensor", "send", "recv")
+
+
+class Traffic:
+    """Counts what the library hands to torch.distributed: rows and bytes of every P2P op, per phase,
+    all-reduce calls, and any call to a forbidden collective."""
+
+    def __init__(self):
+        self.phase = "fwd"
+        self.counts: Counter = Counter()
+        self._saved = {}
+
+    def __enter__(self):
+        originals = {name: getattr(dist, name) for name in ("batch_isend_irecv", "all_reduce", "irecv", *FORBIDDEN)}
+        self._saved = originals
+
+        def batch(ops):
+            for op in ops:
+                kind = "recv" if op.op is originals["irecv"] else "send"
+                self.counts[f"{self.phase}_{kind}_rows"] += op.tensor.shape[2]
+                self.counts[f"{self.phase}_{kind}_bytes"] += op.tensor.numel() * op.tensor.element_size()
+            return originals["batch_isend_irecv"](ops)
+
+        def all_reduce(*args, **kwargs):
+            self.counts["all_reduce"] += 1
+            return originals["all_reduce"](*args, **kwargs)
+
+        def forbidden(name):
+            def call(*args, **kwargs):
+                self.counts[f"forbidden:{name}"] += 1
+                return originals[name](*args, **kwargs)
+            return call
+
+        dist.batch_isend_irecv = batch
+        dist.all_reduce = all_reduce
+        for name in FORBIDDEN:
+            setattr(dist, name, forbidden(name))
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self._saved.items():  # (isend / irecv are left alone: P2POp checks their identity)
+            setattr(dist, name, fn)
+
+
+def make_inputs(case: dict, T: int):
+    g = torch.Generator().manual_seed(case["seed"])
+    B, H, D = case.get("B", 1), case.get("H", 2), case.get("D", 4)
+    q, k, v, dy = (torch.randn(B, H, T, D, dtype=torch.float64, generator=g) for _ in range(4))
+    gate = None
+    if case["variant"] in GATED:
+        gate = 0.05 + 0.9 * torch.rand(B, H, T, dtype=torch.float64, generator=g)
+    return q, k, v, gate, dy
+
+
+def operator_kwargs(case: dict) -> dict:
+    kw = dict(window=case["window"], period=case["period"], causal=case["causal"], variant=case["variant"],
+              backend=case.get("backend", "reference"), logit_clamp=case.get("logit_clamp", 20.0))
+    if case["variant"] == "fixed":
+        kw["prior"] = 0.3
+    return kw
+
+
+def full_and_grads(q, k, v, gate, dy, kw):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)] + ([] if gate is None else [gate.clone().requires_grad_()])
+    y = pi_attention(*leaves[:3], leaves[3] if gate is not None else None, **kw)
+    y.backward(dy)
+    return y.detach(), [t.grad for t in leaves]
+
+
+def _groups(world: int, cases: list[dict]) -> dict:
+    """Every process group the cases name, created in the same order on every rank (as new_group needs)."""
+    groups = {}
+    for case in cases:
+        spec = case["ranks"]
+        if spec == "self":
+            for r in range(world):
+                if (r,) not in groups:
+                    groups[(r,)] = dist.new_group([r])
+        elif spec is not None and tuple(spec) not in groups:
+            groups[tuple(spec)] = dist.new_group(list(spec))
+    return groups
+
+
+def equivalence(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """Each case: the sharded call's output and gradients against the single-process operator on the
+    whole sequence (computed here from the same seed), plus what the exchange moved."""
+    groups = _groups(world, cases)
+    results = []
+    for case in cases:
+        spec = case["ranks"]
+        if spec == "self":
+            members, group = [rank], groups[(rank,)]
+        elif spec is None:
+            members, group = list(range(world)), None
+        else:
+            members, group = list(spec), groups[tuple(spec)]
+        if rank not in members:
+            continue
+        r, P, S = members.index(rank), len(members), case["shard"]
+        kw = operator_kwargs(case)
+        q, k, v, gate, dy = make_inputs(case, P * S)
+        y_full, grads_full = full_and_grads(q, k, v, gate, dy, kw)
+
+        own = slice(r * S, (r + 1) * S)
+        shard = [t[:, :, own].clone().requires_grad_() for t in (q, k, v)]
+        gshard = None if gate is None else gate[:, :, own].clone().requires_grad_()
+        with Traffic() as traffic:
+            y = sequence_parallel_pi_attention(*shard, gshard, group=group, **kw)
+            traffic.phase = "bwd"
+            y.backward(dy[:, :, own])
+        errors = {"out": (y.detach() - y_full[:, :, own]).abs().max().item()}
+        for name, t, full in zip(("dq", "dk", "dv", "dgate"), [*shard, gshard], [*grads_full, None][:4], strict=True):
+            if t is not None:
+                errors[name] = (t.grad - full[:, :, own]).abs().max().item()
+        scale = max(t[:, :, own].abs().max().item() for t in grads_full)
+        results.append(dict(case=case["name"], rank=r, world=P, errors=errors, grad_scale=scale,
+                            traffic=dict(traffic.counts)))
+    return results
+
+
+def _attempt(fn) -> str:
+    """'ok' or the ValueError message of fn()."""
+    try:
+        fn()
+    except ValueError as e:
+        return f"ValueError: {e}"
+    return "ok"
+
+
+def mismatch(rank: int, world: int, _payload) -> dict:
+    """Wrong calls on some ranks: every rank must get a ValueError (none may hang), and the group must
+    still work afterwards."""
+    case = dict(seed=1, variant="adaptive", window=2, period=3, causal=True)
+    S = 4
+    q, k, v, gate, _ = make_inputs(case, world * (S + 1))
+    kw = operator_kwargs(case)
+
+    def call(n=S, group=None, gate_value=None, **over):
+        g = gate[:, :, :n] if gate_value is None else torch.full_like(gate[:, :, :n], gate_value)
+        return sequence_parallel_pi_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], g, group=group,
+                                              **{**kw, **over})
+
+    only_first = dist.new_group([0])
+    out = {
+        "shard_lengths": _attempt(lambda: call(n=S + (rank == world - 1))),
+        "settings": _attempt(lambda: call(window=2 + (rank == world - 1))),
+        "causal": _attempt(lambda: call(causal=rank != 0)),
+        "invalid_on_one_rank": _attempt(lambda: call(variant="bogus" if rank == 1 else "adaptive")),
+        "gate_out_of_range_on_one_rank": _attempt(lambda: call(gate_value=1.5 if rank == 1 else 0.5)),
+        "group_type": _attempt(lambda: call(group="world")),
+        "not_a_member": _attempt(lambda: call(group=only_first)) if rank != 0 else "skipped",
+    }
+    # The ranks are still in step: a correct call now gives the unsharded result.
+    T = world * S
+    q, k, v, gate, dy = make_inputs(case, T)
+    y_full, _ = full_and_grads(q, k, v, gate, dy, kw)
+    own = slice(rank * S, (rank + 1) * S)
+    y = sequence_parallel_pi_attention(q[:, :, own], k[:, :, own], v[:, :, own], gate[:, :, own], **kw)
+    out["after"] = (y - y_full[:, :, own]).abs().max().item()
+    return out
+
+
+JOBS = {"equivalence": equivalence, "mismatch": mismatch}
+
+
+def needed_positions(world: int, shard: int, window: int, period: int, causal: bool, rank: int) -> set[int]:
+    """Brute force, from the operator's definition: every in-range key position a query of `rank` reads
+    that `rank` does not own."""
+    T, a, b = world * shard, rank * shard, (rank + 1) * shard
+    offsets = set(range(-window, (0 if causal else window) + 1)) | ({-period} if causal else {-period, period})
+    return {i + o for i in range(a, b) for o in offsets if 0 <= i + o < T and not a <= i + o < b}
