@@ -1,6 +1,7 @@
 """Attention layers, one module per kind, and the registry models pick them from by name.
 
 Every kind subclasses `AttentionLayer` (shared projections and RoPE) and implements `attend`.
+`sequence_parallel(group)` (sharding.py) runs the kinds built on the π operator on a shard of each sequence.
 """
 
 from .base import AttentionLayer
@@ -10,6 +11,7 @@ from .local import LocalAttention
 from .longformer import LongformerAttention
 from .pi import PiAttention
 from .reformer import ReformerAttention
+from .sharding import sequence_parallel
 
 ATTENTION: dict[str, type[AttentionLayer]] = {
     "bigbird": BigBirdAttention,
@@ -30,4 +32,4 @@ def attention_class(name: str) -> type[AttentionLayer]:
 
 
 __all__ = ["ATTENTION", "attention_class", "AttentionLayer", "BigBirdAttention", "DenseAttention", "LocalAttention",
-           "LongformerAttention", "PiAttention", "ReformerAttention"]
+           "LongformerAttention", "PiAttention", "ReformerAttention", "sequence_parallel"]

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
 from ..config import ModelConfig
 from ..decoding.cache import GrowingCache, LayerCache, RingCache
 from .rotary import Rotary
+from .sharding import active_shard
 
 
 class AttentionLayer(nn.Module):
@@ -28,7 +31,15 @@ class AttentionLayer(nn.Module):
     Cached decoding: a kind whose query i reads no key older than i − (capacity − 1) sets
     `cache_capacity()`; it then decodes from a fixed-size `RingCache` with no code of its own (see
     `attend_cached`). Dense attention overrides both; kinds that set neither cannot decode incrementally.
+
+    Sequence parallelism: inside `piattn.layers.sharding.sequence_parallel(group)` the input x is this
+    rank's shard of each sequence; `forward` then rotates by the shard's global positions, and a kind whose
+    `attend` calls `pi_operator` (which then exchanges halo rows with the other shards) says so with
+    `sequence_parallel = True`. The other kinds refuse to run sharded.
     """
+
+    # True for kinds whose `attend` is exact on a shard (it calls `sharding.pi_operator`); see `forward`.
+    sequence_parallel: ClassVar[bool] = False
 
     def __init__(self, d_model: int, n_heads: int, *, causal: bool = True, dropout: float = 0.0,
                  rotary: bool = False, rope_base: float = 10000.0):
@@ -100,8 +111,27 @@ class AttentionLayer(nn.Module):
                         torch.cat([v_old, v], 2), torch.cat([pad, x], 1))
         return y[:, :, n:]
 
+    def shard_offset(self, shard_len: int) -> int:
+        """Global position of the first row of x: 0, or r·S inside `sequence_parallel` (ValueError for a
+        kind that cannot run sharded)."""
+        shard = active_shard()
+        if shard is None:
+            return 0
+        if not self.sequence_parallel:
+            raise ValueError(f"attention kind {type(self).__name__} cannot run sequence-parallel; "
+                             "kinds that can: local, pi")
+        return shard.offset(shard_len)
+
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        """x [B, T, d_model] -> [B, T, d_model]; with `cache`, x continues the text the cache has seen."""
+        """x [B, T, d_model] -> [B, T, d_model]; with `cache`, x continues the text the cache has seen.
+
+        Inside `sequence_parallel(group)`, x is positions r·T … r·T + T − 1 of a sequence sharded over group.
+        """
         B, T, d = x.shape
-        y = self.attend(*self.heads(x), x) if cache is None else self.attend_cached(x, cache)
+        if cache is None:
+            y = self.attend(*self.heads(x, offset=self.shard_offset(T)), x)
+        elif active_shard() is not None:
+            raise ValueError("cached decoding cannot run sequence-parallel")
+        else:
+            y = self.attend_cached(x, cache)
         return self.out(y.transpose(1, 2).reshape(B, T, d))

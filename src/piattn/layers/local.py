@@ -6,8 +6,8 @@ import torch
 
 from ..config import PI_DEFAULTS, ModelConfig
 from ..masks.local import check_window
-from ..ops.pi import pi_attention
 from .base import AttentionLayer
+from .sharding import pi_operator
 
 
 class LocalAttention(AttentionLayer):
@@ -15,8 +15,11 @@ class LocalAttention(AttentionLayer):
 
     This is π-Attention with the skip folded into the window (period = window, see `Pattern`) and no
     prior ("union"), so it runs on the same O(T·window) operator backends, exactly, with no kernel of its
-    own. Needs window >= 1 (window 0 would leave the fold a skip at distance 1).
+    own. Needs window >= 1 (window 0 would leave the fold a skip at distance 1). Runs sequence-parallel
+    like `PiAttention` (`piattn.layers.sharding`).
     """
+
+    sequence_parallel = True
 
     def __init__(self, d_model: int, n_heads: int, *, window: int = PI_DEFAULTS.window, causal: bool = True,
                  dropout: float = 0.0, rotary: bool = False, rope_base: float = 10000.0,
@@ -39,4 +42,4 @@ class LocalAttention(AttentionLayer):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """q, k, v [B, H, T, D] -> [B, H, T, D]."""
-        return pi_attention(q, k, v, dropout_p=self.attention_dropout, **self.op_kwargs)
+        return pi_operator(q, k, v, dropout_p=self.attention_dropout, **self.op_kwargs)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from ..config import PI_DEFAULTS, ModelConfig, PiSettings
-from ..ops.pi import pi_attention
 from .base import AttentionLayer
 from .gate import gate_mlp, gate_values
+from .sharding import pi_operator
 
 
 class PiAttention(AttentionLayer):
@@ -27,7 +27,11 @@ class PiAttention(AttentionLayer):
 
     The gate α = ε + (1 − 2ε)·σ(MLP(x)) is computed from the layer input x (one value per head and
     token) for the variants that use it ("adaptive", "separate"); "union" and "fixed" have no gate MLP.
+    Inside `piattn.layers.sharding.sequence_parallel(group)` it runs on a shard of the sequence: the gate
+    is per token, and the operator exchanges the halo rows the shard's queries read with the other ranks.
     """
+
+    sequence_parallel = True
 
     def __init__(self, d_model: int, n_heads: int, *, window: int = PI_DEFAULTS.window,
                  period: int = PI_DEFAULTS.period, causal: bool = True, variant: str = PI_DEFAULTS.variant,
@@ -56,4 +60,4 @@ class PiAttention(AttentionLayer):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """q, k, v [B, H, T, D], x [B, T, d] (the gate's input) -> [B, H, T, D]."""
-        return pi_attention(q, k, v, self.gate_values(x), dropout_p=self.attention_dropout, **self.op_kwargs)
+        return pi_operator(q, k, v, self.gate_values(x), dropout_p=self.attention_dropout, **self.op_kwargs)

@@ -1,0 +1,81 @@
+"""Model-level sequence parallelism: attention layers that run on this rank's shard of every sequence.
+
+    with sequence_parallel(group):              # group: the ranks that share each sequence (P of them)
+        logits = model(idx[:, r * S:(r + 1) * S])   # r = this rank in group, S = T / P
+
+Inside the context every `AttentionLayer` takes its input x [B, S, d] as positions r·S … r·S + S − 1 of a
+sequence of T = P·S positions: RoPE rotates q and k by those global positions, and the kinds whose
+`attend` calls `pi_operator` (`pi`, `local`) reach the keys of other shards through
+`piattn.parallel.sequence_parallel_pi_attention` (a point-to-point halo exchange, exact in forward and
+backward). Everything else in a Transformer (embedding, norms, the π gate MLP, the FFN, the LM head) works
+per token, so it runs on the shard unchanged and no model class has sequence-parallel code. Other kinds,
+and cached decoding, raise ValueError inside the context. See docs/sequence_parallel.md §5.
+
+The context holds for the forward pass only; backward needs none (the exchange remembers its group).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..ops.pi import pi_attention
+from ..parallel import sequence_parallel_pi_attention
+
+
+@dataclass(frozen=True)
+class SequenceShard:
+    """This process's place in a sequence group: rank `rank` of `size` ranks, over ProcessGroup `group`."""
+
+    group: object
+    rank: int
+    size: int
+
+    def offset(self, shard_len: int) -> int:
+        """Position of this shard's first row in the whole sequence."""
+        return self.rank * shard_len
+
+
+_ACTIVE: ContextVar[SequenceShard | None] = ContextVar("piattn_sequence_shard", default=None)
+
+
+def active_shard() -> SequenceShard | None:
+    """The shard set by the innermost `sequence_parallel` context, or None (whole sequences)."""
+    return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def sequence_parallel(group):
+    """Run the forward passes inside as this rank's contiguous shard of sequences split over `group`.
+
+    group: a torch.distributed ProcessGroup this process belongs to, or None (no sharding: a no-op, as is a
+    group of one rank).
+    """
+    if group is None:
+        yield None
+        return
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"sequence_parallel: this process (global rank {dist.get_rank()}) is not a member "
+                         "of the group")
+    size = dist.get_world_size(group)
+    shard = SequenceShard(group, rank, size) if size > 1 else None
+    token = _ACTIVE.set(shard)
+    try:
+        yield shard
+    finally:
+        _ACTIVE.reset(token)
+
+
+def pi_operator(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None = None,
+                **kwargs) -> torch.Tensor:
+    """`pi_attention(q, k, v, gate, **kwargs)`, or, inside `sequence_parallel(group)`, the same operator
+    on the sequence whose shard q, k, v [B, H, S, D] are (`sequence_parallel_pi_attention` over group)."""
+    shard = _ACTIVE.get()
+    if shard is None:
+        return pi_attention(q, k, v, gate, **kwargs)
+    return sequence_parallel_pi_attention(q, k, v, gate, group=shard.group, **kwargs)
