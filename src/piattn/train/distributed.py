@@ -2,6 +2,11 @@
 
 torchrun sets RANK, WORLD_SIZE and LOCAL_RANK (and MASTER_ADDR/PORT); with WORLD_SIZE > 1 the process group
 is started over NCCL on CUDA, Gloo on CPU, and each rank takes GPU LOCAL_RANK.
+
+With sequence parallelism (`--sequence-parallel N`) the world is a 2-D grid, data parallel × sequence
+parallel: global rank g is rank g % N of sequence group g // N (N consecutive ranks, on one node when N
+divides the GPUs per node), which is data-parallel replica g // N. The ranks of a sequence group take the
+same batches, each its contiguous shard of every sequence; the replicas take different batches.
 """
 
 from __future__ import annotations
@@ -19,12 +24,33 @@ DEVICES = ("auto", "cpu", "cuda")
 
 @dataclass(frozen=True)
 class DistContext:
-    """Where this process runs: rank among world_size processes, and its device."""
+    """Where this process runs: rank among world_size processes, and its device.
+
+    sequence_parallel: N, the ranks that share each sequence; sequence_group: their ProcessGroup (None
+    when N = 1). See the module docstring for the layout.
+    """
 
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
+    sequence_parallel: int = 1
+    sequence_group: object = None
+
+    @property
+    def sequence_rank(self) -> int:
+        """This rank's place in its sequence group: it holds shard `sequence_rank` of every sequence."""
+        return self.rank % self.sequence_parallel
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's data-parallel replica (its sequence group): what shards the batches."""
+        return self.rank // self.sequence_parallel
+
+    @property
+    def data_size(self) -> int:
+        """How many data-parallel replicas take different batches: world_size / sequence_parallel."""
+        return self.world_size // self.sequence_parallel
 
     @property
     def is_main(self) -> bool:
@@ -65,13 +91,25 @@ def parse_device(device: str) -> torch.device:
     return torch.device("cuda", index)
 
 
-def setup(device: str = "auto") -> DistContext:
+def check_layout(world_size: int, sequence_parallel: int) -> None:
+    """ValueError naming --sequence-parallel unless it is a positive divisor of the world size."""
+    if isinstance(sequence_parallel, bool) or not isinstance(sequence_parallel, int) or sequence_parallel < 1:
+        raise ValueError(f"--sequence-parallel must be an integer >= 1, got {sequence_parallel!r}")
+    if world_size % sequence_parallel:
+        raise ValueError(f"--sequence-parallel {sequence_parallel} must divide the number of processes, "
+                         f"{world_size} (start a multiple of {sequence_parallel} with torchrun --nproc_per_node)")
+
+
+def setup(device: str = "auto", sequence_parallel: int = 1) -> DistContext:
     """Read the torchrun environment, start the process group if there are several ranks, pick the device.
 
     device: "auto" (CUDA when available), "cpu" or "cuda" (or "cuda:N" for a single process).
+    sequence_parallel: N ranks per sequence group (must divide the world size; checked before any process
+    group starts, so every rank refuses alike).
     """
     rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
+    check_layout(world_size, sequence_parallel)
     dev = parse_device(device)
     use_cuda = dev.type == "cuda"
     if use_cuda:
@@ -80,7 +118,14 @@ def setup(device: str = "auto") -> DistContext:
         dev = torch.device("cuda", index)
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size)
-    return DistContext(rank, world_size, local_rank, dev)
+    group = None
+    if sequence_parallel > 1:
+        # Every rank creates every group, in the same order (torch.distributed.new_group requires it).
+        for first in range(0, world_size, sequence_parallel):
+            new = dist.new_group(list(range(first, first + sequence_parallel)))
+            if first <= rank < first + sequence_parallel:
+                group = new
+    return DistContext(rank, world_size, local_rank, dev, sequence_parallel, group)
 
 
 def teardown(ctx: DistContext) -> None:
@@ -90,7 +135,15 @@ def teardown(ctx: DistContext) -> None:
 
 
 def wrap(model: nn.Module, ctx: DistContext) -> nn.Module:
-    """The model the training step calls: DDP over all ranks, or the model itself on one process."""
+    """The model the training step calls: DDP over all ranks, or the model itself on one process.
+
+    With sequence parallelism DDP still spans the whole world, which gives the unsharded gradient: each
+    rank's loss is the mean over its shard's B·S targets, and its backward (the halo exchange sends the
+    gradients of borrowed keys and values back to their owners) leaves on it the gradient of that loss
+    through its own computations. The gradient of the mean over all B·T targets of a sequence group is
+    the sum of those over the group divided by N (equal token counts), and the data-parallel average
+    divides by the replicas: DDP's average over all N × replicas ranks is exactly both, in one all-reduce.
+    """
     if not ctx.distributed:
         return model
     ids = [ctx.device.index] if ctx.device.type == "cuda" else None
