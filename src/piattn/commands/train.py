@@ -8,7 +8,9 @@
 The flags are the fields of `piattn.config.TrainConfig` (sections model, data, task, optim, run); a flag
 given to a task or attention kind that ignores it is an error. Tasks: `piattn.tasks.TASKS`.
 
-Multi-GPU: `torchrun --nproc_per_node 8 -m piattn.cli train ...` (one process per GPU, DDP).
+Multi-GPU: `torchrun --nproc_per_node 8 -m piattn.cli train ...` (one process per GPU, DDP). Long sequences:
+`--sequence-parallel N` splits each sequence over N ranks (--task lm, --attention pi or local; the world
+is N ranks per sequence × world / N data-parallel replicas; docs/sequence_parallel.md §5).
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ def checked_config(cfg: TrainConfig) -> TrainConfig:
     if cfg.data.seq_len is None:
         seq_len = task_class(cfg.task.task).resolve_seq_len(cfg)
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=seq_len))
+    if cfg.data.seq_len % cfg.run.sequence_parallel:
+        raise ValueError(f"--seq-len {cfg.data.seq_len} must be divisible by --sequence-parallel "
+                         f"{cfg.run.sequence_parallel}: each rank of a sequence group takes seq-len / N positions")
     return cfg
 
 

@@ -113,6 +113,9 @@ class RunFlags:
     keep: int = flag(3, "checkpoints to keep", low=1, defines_run=False)
     log_every: int = flag(10, "write training metrics every N steps", low=1, defines_run=False)
     device: str = flag("auto", "auto, cpu, cuda or cuda:N", defines_run=False)
+    sequence_parallel: int = flag(1, "ranks that share each sequence (under torchrun), each taking seq-len / N "
+                                  "contiguous positions; the world size must be a multiple of N", low=1,
+                                  defines_run=False, applies={"task": ("lm",), "attention": ("pi", "local")})
     precision: str = flag("auto", "auto (bf16 on capable GPUs), fp32 or bf16", choices=PRECISIONS,
                           defines_run=False)
     progress: bool = flag(True, "progress bar", defines_run=False)

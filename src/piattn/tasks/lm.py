@@ -14,6 +14,7 @@ from ..config import GPTConfig, TrainConfig
 from ..data.packing import PackedSequences, SequenceLoader, load_corpus, tokenize_corpus
 from ..data.text import load_documents, source_fingerprint
 from ..data.tokenizers import load_tokenizer, make_tokenizer
+from ..layers import sequence_parallel
 from ..models import GPT
 from ..train.checkpoint import load_weights, read_config
 from ..train.distributed import DistContext, barrier
@@ -68,6 +69,11 @@ class LanguageModelTask(Task):
     the tokenizer (`--tokenizer byte|char|bpe`) is fitted on the train split. Tokenized splits are cached
     under `--cache-dir` (default `run_dir/cache`), keyed by the split's content (`source_fingerprint`) and
     the tokenizer's files, so an edited corpus is tokenized again.
+
+    Under `--sequence-parallel N` the N ranks of a sequence group take the same batches (loaders shard
+    over the data-parallel replicas, not the ranks) and each runs the model on its contiguous shard of
+    every sequence inside `piattn.layers.sequence_parallel`; its loss is the mean over its shard's
+    targets (see `piattn.train.distributed.wrap` for why that gives the unsharded gradient).
     """
 
     name = "lm"
@@ -160,24 +166,34 @@ class LanguageModelTask(Task):
 
     def train_loader(self) -> SequenceLoader:
         return SequenceLoader(self.sequences("train"), self.cfg.optim.batch_size, seed=self.cfg.optim.seed,
-                              shuffle=True, rank=self.ctx.rank, world_size=self.ctx.world_size)
+                              shuffle=True, rank=self.ctx.data_rank, world_size=self.ctx.data_size)
+
+    def _forward(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, targets) of this rank's positions of batch [B, T + 1]: all T of them, or with N ranks
+        per sequence the contiguous S = T / N positions r·S … r·S + S − 1 and their next tokens. A shard's
+        last target is the next shard's first input, read from the whole batch every rank holds."""
+        batch = batch.to(self.ctx.device, non_blocking=True)
+        n, r = self.ctx.sequence_parallel, self.ctx.sequence_rank
+        T = batch.shape[1] - 1
+        if T % n:
+            raise ValueError(f"--seq-len {T} must be divisible by --sequence-parallel {n}")
+        S = T // n
+        inputs, targets = batch[:, r * S:(r + 1) * S], batch[:, r * S + 1:(r + 1) * S + 1]
+        with sequence_parallel(self.ctx.sequence_group):
+            return model(inputs), targets
 
     def loss(self, model, batch):
-        batch = batch.to(self.ctx.device, non_blocking=True)
-        inputs, targets = batch[:, :-1], batch[:, 1:]
-        logits = model(inputs)
+        logits, targets = self._forward(model, batch)
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()), targets.numel()
 
     def _score(self, model, batch) -> dict:
-        batch = batch.to(self.ctx.device, non_blocking=True)
-        targets = batch[:, 1:]
-        logits = model(batch[:, :-1])
+        logits, targets = self._forward(model, batch)
         nats = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum").double()
         return {"nats": nats, "tokens": targets.numel(), "bytes": self._byte_lengths[targets].sum()}
 
     def evaluate(self, model, split, max_batches):
         loader = SequenceLoader(self.sequences(split), self.cfg.optim.batch_size, shuffle=False,
-                                rank=self.ctx.rank, world_size=self.ctx.world_size, drop_last=False)
+                                rank=self.ctx.data_rank, world_size=self.ctx.data_size, drop_last=False)
         sums, seconds = evaluation_sums(model, loader, max_batches, self.ctx, ("nats", "tokens", "bytes"),
                                         self._score)
         return {**lm_metrics(sums["nats"], int(sums["tokens"]), int(sums["bytes"])),

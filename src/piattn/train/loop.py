@@ -182,6 +182,12 @@ class Trainer:
         return latest
 
     def _load_state(self, state: dict) -> None:
+        # The ranks of a sequence group share batches: only the data-parallel size shapes a step's batches.
+        saved_replicas = state.get("data_parallel", state["world_size"])
+        if saved_replicas != self.ctx.data_size:
+            raise ValueError(f"--resume: the run was saved with {saved_replicas} data-parallel replica(s) (world "
+                             f"size / --sequence-parallel), this one has {self.ctx.data_size}, so the batches of "
+                             f"a step would differ; resume on {saved_replicas} × --sequence-parallel processes")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         try:
@@ -215,7 +221,8 @@ class Trainer:
         if not self.ctx.is_main:
             return None
         state = {**boundary, "rng": rngs, "optimizer": self.optimizer.state_dict(),
-                 "scheduler": self.scheduler.state_dict(), "world_size": self.ctx.world_size}
+                 "scheduler": self.scheduler.state_dict(), "world_size": self.ctx.world_size,
+                 "data_parallel": self.ctx.data_size}
         return ckpt.save_checkpoint(self.ckpt_root, boundary["step"], model=self.model, trainer_state=state,
                                     config={**self.config, "step": boundary["step"]},
                                     save_assets=self.task.save_assets, keep=self.cfg.run.keep)
@@ -323,7 +330,7 @@ class Trainer:
 
 def train(cfg: TrainConfig, build_task: TaskFactory, on_micro_step: MicroStepHook | None = None) -> dict:
     """Run a training configuration; `on_micro_step(step, micro)` is called before each micro batch."""
-    ctx = setup(cfg.run.device)
+    ctx = setup(cfg.run.device, cfg.run.sequence_parallel)
     try:
         return Trainer(cfg, build_task, ctx, on_micro_step).run()
     finally:
