@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 
 from piattn import pi_attention
+from piattn.layers.sharding import active_shard, sequence_parallel
+from piattn.models import GPT, GPTConfig
 from piattn.parallel import sequence_parallel_pi_attention
 
 GATED = ("separate", "adaptive")
@@ -175,7 +177,64 @@ def mismatch(rank: int, world: int, _payload) -> dict:
     return out
 
 
-JOBS = {"equivalence": equivalence, "mismatch": mismatch}
+def _model(case: dict):
+    """A 2-layer, width-32 GPT of `case` in fp64, seeded; gate biases moved away from α = 0.5."""
+    torch.manual_seed(case["seed"])
+    cfg = GPTConfig.from_name("tiny", vocab_size=50, n_layer=2, d_model=32, n_head=2, dropout=0.0,
+                              backend="reference", **case["model"])
+    model = GPT(cfg).double()
+    for block in model.blocks:
+        if getattr(block.attn, "gate", None) is not None:
+            torch.nn.init.normal_(block.attn.gate[2].bias, std=2.0)
+    return model
+
+
+def model_shards(rank: int, world: int, cases: list[dict]) -> dict:
+    """Model-level sequence parallelism: the world is split into sequence groups of `size` consecutive
+    ranks (so group ranks differ from global ones); each rank runs the GPT on its shard of every sequence
+    inside `sequence_parallel(group)`. Its logits must be its rows of the unsharded logits, and the
+    parameter gradients summed over the group must be the unsharded gradients."""
+    out = {}
+    for case in cases:
+        size = case["size"]
+        groups = [dist.new_group(list(range(first, first + size))) for first in range(0, world, size)]
+        group, r = groups[rank // size], rank % size
+        model = _model(case)
+        g = torch.Generator().manual_seed(case["seed"] + 1)
+        T = size * case["shard"]
+        idx = torch.randint(0, 50, (2, T), generator=g)
+        weight = torch.randn(2, T, 50, generator=g, dtype=torch.float64)
+        logits_full = model(idx)
+        (logits_full * weight).sum().backward()
+        grads_full = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad()
+
+        own = slice(r * case["shard"], (r + 1) * case["shard"])
+        try:
+            with sequence_parallel(group) as shard:
+                inside = active_shard()
+                logits = model(idx[:, own])
+        except ValueError as e:
+            out[case["name"]] = {"error": str(e)}
+            continue
+        (logits * weight[:, own]).sum().backward()
+        errors = {"logits": (logits.detach() - logits_full[:, own]).abs().max().item()}
+        for n, p in model.named_parameters():
+            dist.all_reduce(p.grad, group=group)
+            errors[n] = (p.grad - grads_full[n]).abs().max().item()
+        scale = max(t.abs().max().item() for t in grads_full.values())
+        decoding = _attempt(lambda: _decode_inside(model, idx[:, own], group))  # noqa: B023
+        out[case["name"]] = {"errors": errors, "grad_scale": scale, "group_rank": shard.rank,
+                             "inside": inside == shard, "after": active_shard() is None, "decoding": decoding}
+    return out
+
+
+def _decode_inside(model, idx, group):
+    with sequence_parallel(group):
+        model(idx, model.init_cache(idx.shape[0]))
+
+
+JOBS = {"equivalence": equivalence, "mismatch": mismatch, "model_shards": model_shards}
 
 
 def needed_positions(world: int, shard: int, window: int, period: int, causal: bool, rank: int) -> set[int]:
