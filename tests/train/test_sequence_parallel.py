@@ -1,0 +1,176 @@
+"""`piattn train --sequence-parallel N` under torchrun (CPU, Gloo) trains like one process with the same batch.
+
+One process with a batch of 2 sequences of 32 tokens is the reference. With `--sequence-parallel 2` on 2
+processes both ranks take the same 2 sequences, each its 16 positions; on 4 processes (2 data-parallel
+replicas × 2 ranks per sequence) each replica takes 1 of the 2 sequences (replica r takes every 2nd of
+the shared order). Losses, gradient norms and validation loss must agree to fp32 round-off, the weights
+closely. The learning rate is high (0.02) so that a subtly wrong model (say, RoPE at shard-local
+positions) moves the losses of later steps far beyond the tolerance; the first Adam step amplifies
+round-off in near-zero gradient entries, hence the absolute weight tolerance of a few lr · 1e-3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from piattn.cli import main
+from piattn.commands.train import add_arguments, train_config
+from piattn.config import TrainConfig
+from piattn.train.checkpoint import load_trainer_state, read_latest
+from piattn.train.metrics import read_metrics
+from utils import write_word_corpus
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
+
+STEPS = 4
+EXPECTED_RECORDS = [(1, "train"), (2, "train"), (3, "train"), (4, "train"), (4, "validation")]
+
+
+PI = ("--attention", "pi", "--window", "2", "--period", "8")
+
+
+def common_args(corpus, out, *extra, attention=PI):
+    return ["train", "--data", str(corpus), "--out", str(out), *attention, "--n-layer", "2", "--d-model", "32",
+            "--n-head", "2", "--seq-len", "32", "--steps", str(STEPS), "--lr", "0.02", "--min-lr", "0.01",
+            "--warmup", "1", "--dropout", "0",
+            "--eval-every", str(STEPS), "--eval-batches", "2", "--save-every", "1", "--keep", str(STEPS),
+            "--log-every", "1", "--device", "cpu", "--precision", "fp32", "--no-progress", *extra]
+
+
+def torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+              "-m", "piattn.cli", *args]
+    return subprocess.run(launch, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=300)
+
+
+def weights(run, step):
+    return load_file(run / "checkpoints" / f"step_{step:08d}" / "model.safetensors")
+
+
+def assert_same_training(run, reference):
+    got, want = read_metrics(run), read_metrics(reference)
+    assert [(r["step"], r["split"]) for r in got] == [(r["step"], r["split"]) for r in want] == EXPECTED_RECORDS
+    for r, s in zip(got, want, strict=True):
+        where = f"step {r['step']} {r['split']}"
+        assert r["tokens"] == s["tokens"], where  # global tokens: sequence shards and replicas add up
+        assert r["loss"] == pytest.approx(s["loss"], rel=1e-5), where
+        if r["split"] == "train":
+            assert r["grad_norm"] == pytest.approx(s["grad_norm"], rel=1e-5), where
+    for step in range(1, STEPS + 1):
+        a, b = weights(run, step), weights(reference, step)
+        assert a.keys() == b.keys()
+        for name in a:
+            torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=5e-5, msg=f"step {step}: {name}")
+    moved = max(float((weights(reference, STEPS)[k] - weights(reference, 1)[k]).abs().max()) for k in a)
+    assert moved > 1e-2  # training moves the weights far beyond the tolerance
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_word_corpus(tmp_path_factory.mktemp("sp") / "corpus",
+                             {"train": [300] * 3, "validation": [300], "test": [300]})
+
+
+@pytest.fixture(scope="module")
+def reference(corpus):
+    out = corpus.parent / "reference"
+    assert main(common_args(corpus, out, "--batch-size", "2")) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def sequence_parallel_run(corpus):
+    out = corpus.parent / "sp2"
+    done = torchrun(2, common_args(corpus, out, "--batch-size", "2", "--sequence-parallel", "2"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_by_two_run(corpus):
+    out = corpus.parent / "dp2_sp2"
+    done = torchrun(4, common_args(corpus, out, "--batch-size", "1", "--sequence-parallel", "2"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def test_two_ranks_per_sequence_match_one_process(sequence_parallel_run, reference):
+    assert_same_training(sequence_parallel_run, reference)
+
+
+def test_two_replicas_of_two_ranks_per_sequence_match_one_process(two_by_two_run, reference):
+    assert_same_training(two_by_two_run, reference)
+    state = load_trainer_state(read_latest(two_by_two_run / "checkpoints"))
+    assert (state["world_size"], state["data_parallel"]) == (4, 2)
+
+
+def stopped_at(run, step, into):
+    """A copy of `run` as if it had stopped after checkpoint `step`."""
+    shutil.copytree(run, into)
+    root = into / "checkpoints"
+    for later in range(step + 1, STEPS + 1):
+        shutil.rmtree(root / f"step_{later:08d}")
+    (root / "latest").write_text(f"step_{step:08d}\n")
+    return into
+
+
+def parse(args: list[str]) -> TrainConfig:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return TrainConfig.from_args(parser.parse_args(args[1:]))
+
+
+def test_a_sequence_parallel_checkpoint_resumes_on_one_process(sequence_parallel_run, reference, corpus, tmp_path):
+    """Written by 2 ranks sharing each sequence (1 data-parallel replica), resumed by 1 process (1 replica):
+    the batches of every step are the same, so the run continues exactly (to round-off)."""
+    run = stopped_at(sequence_parallel_run, 2, tmp_path / "run")
+    assert load_trainer_state(read_latest(run / "checkpoints"))["world_size"] == 2
+    train_config(parse(common_args(corpus, run, "--batch-size", "2", "--resume")))
+    assert_same_training(run, reference)
+
+
+def test_resume_refuses_another_data_parallel_size(two_by_two_run, corpus, tmp_path):
+    """Written by 2 replicas × 2 ranks per sequence, a step took 2 × 1 sequences; one process with
+    --batch-size 1 would take 1: the batches would differ, so the resume is refused (with the fix)."""
+    run = stopped_at(two_by_two_run, 2, tmp_path / "run")
+    with pytest.raises(ValueError, match=r"^--resume: the run was saved with 2 data-parallel replica\(s\) .*this "
+                                         r"one has 1.*resume on 2 × --sequence-parallel processes$"):
+        train_config(parse(common_args(corpus, run, "--batch-size", "1", "--resume")))
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--seq-len", "30", "--sequence-parallel", "4"],
+     "--seq-len 30 must be divisible by --sequence-parallel 4: each rank of a sequence group takes seq-len / N "
+     "positions"),
+    (["--attention", "dense", "--sequence-parallel", "2"],
+     "--sequence-parallel applies to --attention pi / local only, not 'dense'"),
+    (["--task", "listops", "--sequence-parallel", "2"],
+     "--sequence-parallel applies to --task lm only, not 'listops'"),
+    (["--sequence-parallel", "0"], "--sequence-parallel must be >= 1, got 0"),
+])
+def test_bad_layouts_are_refused_in_one_line(extra, message, corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(common_args(corpus, out, "--batch-size", "2", *extra, attention=())) == 2
+    assert capsys.readouterr().err == f"piattn train: error: {message}\n"
+    assert not out.exists()
+
+
+def test_a_world_size_not_divisible_by_the_sequence_group_is_refused(corpus, tmp_path, capsys, monkeypatch):
+    """Checked from the torchrun environment before any process group starts, so every rank refuses alike
+    (nothing waits for a peer: this process alone claims to be rank 0 of 3)."""
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "3"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "run"
+    assert main(common_args(corpus, out, "--batch-size", "2", "--sequence-parallel", "2")) == 2
+    assert capsys.readouterr().err == ("piattn train: error: --sequence-parallel 2 must divide the number of "
+                                       "processes, 3 (start a multiple of 2 with torchrun --nproc_per_node)\n")
+    assert not out.exists()
