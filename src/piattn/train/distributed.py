@@ -137,12 +137,14 @@ def teardown(ctx: DistContext) -> None:
 def wrap(model: nn.Module, ctx: DistContext) -> nn.Module:
     """The model the training step calls: DDP over all ranks, or the model itself on one process.
 
-    With sequence parallelism DDP still spans the whole world, which gives the unsharded gradient: each
-    rank's loss is the mean over its shard's B·S targets, and its backward (the halo exchange sends the
-    gradients of borrowed keys and values back to their owners) leaves on it the gradient of that loss
-    through its own computations. The gradient of the mean over all B·T targets of a sequence group is
-    the sum of those over the group divided by N (equal token counts), and the data-parallel average
-    divides by the replicas: DDP's average over all N × replicas ranks is exactly both, in one all-reduce.
+    With sequence parallelism DDP still spans the whole world, and that gives the unsharded gradient.
+    Each rank's loss L_r is the mean over its shard's B·S targets. The weights are replicated, and after
+    backward (in which the halo exchange sends the gradients of borrowed keys and values back to the
+    ranks that own them) the parameter gradients of the N ranks of a sequence group sum to ∇ Σ_r L_r.
+    The shards hold equal token counts, so the loss of the whole sequences is (1/N) Σ_r L_r: the group's
+    gradient is the sum over the group divided by N. The data-parallel average then divides by the number
+    of replicas, so the optimiser needs the mean over all N × replicas ranks: DDP's own all-reduce (mean
+    over the world) is exactly that, with no second all-reduce over the sequence group.
     """
     if not ctx.distributed:
         return model
