@@ -23,6 +23,12 @@ GPU: `--device cuda --dtype bf16` (autocast) runs the same rows with flash SDPA 
 no GPU figure has been measured by this script yet. On a CPU MFU is not reported.
 
     python benchmarks/efficiency_bench.py --out benchmarks/results        # CPU plan: tiny 1K/4K/8K, small 1K
+    python benchmarks/efficiency_bench.py --threads 1 --rounds 2 --out benchmarks/results   # the committed table
+    python benchmarks/efficiency_bench.py --render benchmarks/results   # the .md again from the .json
+
+On a shared machine single timings move a lot between minutes; `--rounds N` runs the whole plan N times,
+rows interleaved, and reports medians, each ratio as the median [range] of the rounds' ratios (each round's
+pair measured minutes apart). `--threads 1` keeps a busy machine's other work from stalling intra-op threads.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ KINDS = ("dense", "local", "pi")
 # bf16 dense peaks (FLOP/s, no sparsity) of devices the GPU plan may meet; matched by substring of the name
 PEAK_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
 # CONFIG:T[:DROPOUTS[:REPEATS]]; `small` (85M parameters with bytes) takes ~20-40 s a step on 2 CPU cores
-DEFAULT_PLAN = ("tiny:1024", "tiny:4096", "tiny:8192", "small:1024:0.1,0:1")
+DEFAULT_PLAN = ("tiny:1024", "tiny:4096", "tiny:8192", "small:1024:0:1")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 
@@ -188,21 +194,57 @@ def fmt(value, spec: str, missing: str = "–") -> str:
     return missing if value is None else format(value, spec)
 
 
+MEASURES = ("train_step_s", "train_peak_mib", "prefill_ms", "decode_tokens_per_s", "mfu")
+
+
+def merge_rounds(rows: list[dict]) -> dict:
+    """One row from the rounds of a case: each measure the median over rounds, the rounds kept under
+    "rounds" (for the paired ratios)."""
+    if len(rows) == 1:
+        return {**rows[0], "rounds": [{k: rows[0].get(k) for k in MEASURES}]}
+    merged = dict(rows[0])
+    for key in MEASURES:
+        values = [r[key] for r in rows if r.get(key) is not None]
+        merged[key] = statistics.median(values) if values else None
+    merged["train_tokens_per_s"] = merged["batch"] * merged["context"] / merged["train_step_s"]
+    merged["rounds"] = [{k: r.get(k) for k in MEASURES} for r in rows]
+    return merged
+
+
+def paired_ratio(row: dict, base: dict | None, key: str, invert: bool = False) -> str:
+    """Median over rounds of row/base (base/row with `invert`), each round's pair measured side by side;
+    with several rounds, the range follows in brackets."""
+    if base is None:
+        return "–"
+    if base is row:
+        return "1.00"
+    pairs = [(a[key], b[key]) for a, b in zip(row["rounds"], base["rounds"], strict=False)
+             if a.get(key) and b.get(key)]
+    ratios = sorted((b / a) if invert else (a / b) for a, b in pairs)
+    if not ratios:
+        return "–"
+    text = f"{statistics.median(ratios):.2f}"
+    return text + (f" [{ratios[0]:.2f}–{ratios[-1]:.2f}]" if len(ratios) > 1 else "")
+
+
 def markdown(result: dict) -> str:
     m, rows = result["machine"], result["rows"]
     threads = sorted({r["threads"] for r in rows if "threads" in r}) or [m["cpu_count"]]
-    out = [f"# Efficiency table ({m['processor']}, {'/'.join(map(str, threads))} threads, torch {m['torch']}, "
-           f"{result['device']}, "
-           f"{result['dtype']})", "",
+    rounds = result.get("rounds", 1)
+    out = [f"# Efficiency table ({m['processor']}, {'/'.join(map(str, threads))} "
+           f"thread{'s' if threads != [1] else ''}, torch {m['torch']}, {result['device']}, {result['dtype']})", "",
            f"`{result['command']}`", "",
            f"GPT configs {', '.join(sorted({r['config'] for r in rows}))}, vocabulary {result['vocab_size']}, "
            f"batch {result['batch']} sequence(s) of T tokens, window 4, period 16 (π adaptive); each row a fresh "
            f"process, median of {result['repeats']} after one warm-up (or the group's own count, in the JSON). "
            "Training step = forward + backward + clip + AdamW; peak = memory growth of the training step (CPU: "
-           "resident set; CUDA: allocated). Prefill = "
-           f"eval forward over the T-token prompt; decode = {result['decode_steps']} single-token steps at "
-           "position T. × dense: time ratio to dense (training: with the same dropout) in the same run (< 1: faster). "
-           "Prefill and decode run in eval mode (no dropout), so they are given once per kind.", ""]
+           "resident set; CUDA: allocated). Prefill = eval forward over the T-token prompt; decode = "
+           f"{result['decode_steps']} single-token steps at position T. × dense: time ratio to dense (training: "
+           "with the same dropout), < 1 is faster. Prefill and decode run in eval mode (no dropout), so they are "
+           "given once per kind."
+           + (f" The whole plan ran {rounds} times, rows interleaved; figures are medians over the rounds and each "
+              "ratio is the median of the rounds' ratios, each round's pair measured minutes apart, with the "
+              "range in brackets." if rounds > 1 else ""), ""]
     header = ("| config | T | attention (dropout) | train step (s) | train tokens/s | step time × dense | "
               "train peak MiB | prefill (ms) | prefill × dense | decode tok/s at T | decode time × dense | MFU |")
     out += [header, "|" + "---|" * (header.count("|") - 1)]
@@ -214,15 +256,14 @@ def markdown(result: dict) -> str:
         dense = next((d for d in rows if d["kind"] == "dense" and d["config"] == r["config"]
                       and d["context"] == r["context"] and d["dropout"] == r["dropout"] and "skipped" not in d), None)
         dense0 = next((d for d in rows if d["kind"] == "dense" and d["config"] == r["config"]
-                       and d["context"] == r["context"] and "prefill_ms" in d), None)
-        step_ratio = fmt(dense and r["train_step_s"] / dense["train_step_s"], ".2f")
-        inference = "prefill_ms" in r
+                       and d["context"] == r["context"] and d.get("prefill_ms") is not None), None)
+        inference = r.get("prefill_ms") is not None
         out.append(
             f"| {r['config']} | {r['context']:,} | {label(r)} | {r['train_step_s']:.3f} | "
-            f"{r['train_tokens_per_s']:,.0f} | {step_ratio} | {fmt(r['train_peak_mib'], ',.0f')} | "
-            + (f"{r['prefill_ms']:,.1f} | {fmt(dense0 and r['prefill_ms'] / dense0['prefill_ms'], '.2f')} | "
-               f"{r['decode_tokens_per_s']:,.0f} | "
-               f"{fmt(dense0 and dense0['decode_tokens_per_s'] / r['decode_tokens_per_s'], '.2f')} | "
+            f"{r['train_tokens_per_s']:,.0f} | {paired_ratio(r, dense, 'train_step_s')} | "
+            f"{fmt(r['train_peak_mib'], ',.0f')} | "
+            + (f"{r['prefill_ms']:,.1f} | {paired_ratio(r, dense0, 'prefill_ms')} | "
+               f"{r['decode_tokens_per_s']:,.0f} | {paired_ratio(r, dense0, 'decode_tokens_per_s', invert=True)} | "
                if inference else "= dropout 0 | | = dropout 0 | | ")
             + f"{fmt(r['mfu'] and 100 * r['mfu'], '.1f', 'not measured')}{'' if r['mfu'] is None else ' %'} |")
     out += ["", "MFU needs a GPU with a known bf16 peak; on a CPU it is not measured."
@@ -241,7 +282,7 @@ def plan(args: argparse.Namespace) -> list[dict]:
         dropouts = [float(p) for p in parts[2].split(",")] if len(parts) > 2 else args.dropouts
         repeats = int(parts[3]) if len(parts) > 3 else args.repeats
         for kind in args.kinds:
-            for dropout in dropouts:
+            for dropout in dropouts if kind in args.dropout_kinds else [d for d in dropouts if d == 0]:
                 case = dict(config=config, context=context, kind=kind, dropout=dropout, batch=args.batch,
                             repeats=repeats, decode_steps=args.decode_steps, vocab_size=args.vocab_size,
                             device=args.device, dtype=args.dtype, inference=dropout == 0, threads=args.threads)
@@ -253,6 +294,23 @@ def plan(args: argparse.Namespace) -> list[dict]:
                                        "for backward); raise --dense-dropout-max-context to run it")
                 cases.append(case)
     return cases
+
+
+def run_row(case: dict) -> dict:
+    """`run_case` in a fresh process; a failed one comes back as {"skipped": "failed: <last stderr line>"}."""
+    proc = subprocess.run([sys.executable, __file__, "--case", json.dumps(case)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
+        return {k: case[k] for k in ("config", "context", "kind", "dropout")} | {"skipped": f"failed: {last}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def describe(row: dict) -> str:
+    if "skipped" in row:
+        return row["skipped"]
+    inference = (f", prefill {row['prefill_ms']:.1f} ms, decode {row['decode_tokens_per_s']:.0f} tok/s"
+                 if "prefill_ms" in row else "")
+    return f"step {row['train_step_s']:.3f} s, {row['train_tokens_per_s']:,.0f} tok/s{inference}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,32 +330,42 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dense-dropout-max-context", type=int, default=4096,
                         help="CPU: longest context at which dense runs with dropout (math kernel, [T, T])")
     parser.add_argument("--threads", type=int, help="intra-op threads of each row (default: torch's, the cores)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the whole plan this many times, rows interleaved; medians and ratio ranges")
+    parser.add_argument("--dropout-kinds", nargs="+", default=["dense", "pi"], choices=KINDS,
+                        help="kinds measured at every --dropouts rate; the others at dropout 0 only")
     parser.add_argument("--case", help=argparse.SUPPRESS)
+    parser.add_argument("--render", type=Path, metavar="DIR", help="rewrite DIR/efficiency_bench.md from its .json")
     args = parser.parse_args(argv)
+    if args.render:
+        result = json.loads((args.render / "efficiency_bench.json").read_text())
+        save_results(args.render, "efficiency_bench", result, markdown(result))
+        return 0
     if args.case:  # child process: one row, printed as JSON
         print(json.dumps(run_case(json.loads(args.case))))
         return 0
-    rows, started = [], time.perf_counter()
-    for case in plan(args):
-        if "skipped" in case:
-            row = {k: case[k] for k in ("config", "context", "kind", "dropout", "skipped")}
+    cases, started = plan(args), time.perf_counter()
+    measured: list[list[dict]] = [[] for _ in cases]
+    for round_ in range(args.rounds):
+        for case, results in zip(cases, measured, strict=True):
+            if "skipped" in case or (results and "skipped" in results[-1]):
+                continue
+            row = run_row(case)
+            results.append(row)
+            print(f"{round_ + 1}/{args.rounds} {row['config']:6s} T={row['context']:6,d} {label(row):22s} "
+                  f"{describe(row)}", flush=True)
+    rows = []
+    for case, results in zip(cases, measured, strict=True):
+        failed = next((r for r in results if "skipped" in r), None)
+        if "skipped" in case or failed:
+            rows.append({k: case[k] for k in ("config", "context", "kind", "dropout")}
+                        | {"skipped": case.get("skipped") or failed["skipped"]})
         else:
-            proc = subprocess.run([sys.executable, __file__, "--case", json.dumps(case)], capture_output=True,
-                                  text=True)
-            if proc.returncode != 0:
-                last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"
-                row = {k: case[k] for k in ("config", "context", "kind", "dropout")} | {"skipped": f"failed: {last}"}
-            else:
-                row = json.loads(proc.stdout.strip().splitlines()[-1])
-        rows.append(row)
-        shown = row.get("skipped") or (f"step {row['train_step_s']:.3f} s, {row['train_tokens_per_s']:,.0f} tok/s"
-                                       + (f", prefill {row['prefill_ms']:.1f} ms, decode "
-                                          f"{row['decode_tokens_per_s']:.0f} tok/s" if "prefill_ms" in row else ""))
-        print(f"{row['config']:6s} T={row['context']:6,d} {label(row):22s} {shown}", flush=True)
+            rows.append(merge_rounds(results))
     command = "python benchmarks/efficiency_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
     result = dict(machine=machine_info(), command=command.strip(), device=args.device, dtype=args.dtype,
                   vocab_size=args.vocab_size, batch=args.batch, repeats=args.repeats, decode_steps=args.decode_steps,
-                  seconds=time.perf_counter() - started, rows=rows)
+                  rounds=args.rounds, seconds=time.perf_counter() - started, rows=rows)
     table = markdown(result)
     if args.out:
         save_results(args.out, "efficiency_bench", result, table)

@@ -34,18 +34,22 @@ def _load():
 
 def test_plan_labels_and_skips_dense_dropout_beyond_the_limit():
     bench = _load()
-    ns = argparse.Namespace(plan=["tiny:1024", "tiny:8192", "small:1024:0:1"], kinds=["dense", "pi"],
+    ns = argparse.Namespace(plan=["tiny:1024", "tiny:8192", "small:1024:0:1"], kinds=["dense", "local", "pi"],
+                            dropout_kinds=["dense", "pi"],
                             dropouts=[0.1, 0.0], batch=1, repeats=3,
                             decode_steps=4, vocab_size=256, device="cpu", dtype="fp32", dense_dropout_max_context=4096,
                             threads=None)
     cases = bench.plan(ns)
     keys = [(c["config"], c["context"], c["kind"], c["dropout"], "skipped" in c) for c in cases]
     assert keys == [("tiny", 1024, "dense", 0.1, False), ("tiny", 1024, "dense", 0.0, False),
+                    ("tiny", 1024, "local", 0.0, False),  # local: dropout 0 only (not in dropout_kinds)
                     ("tiny", 1024, "pi", 0.1, False), ("tiny", 1024, "pi", 0.0, False),
                     ("tiny", 8192, "dense", 0.1, True), ("tiny", 8192, "dense", 0.0, False),
+                    ("tiny", 8192, "local", 0.0, False),
                     ("tiny", 8192, "pi", 0.1, False), ("tiny", 8192, "pi", 0.0, False),
-                    ("small", 1024, "dense", 0.0, False), ("small", 1024, "pi", 0.0, False)]
-    assert [c["repeats"] for c in cases[-2:]] == [1, 1]
+                    ("small", 1024, "dense", 0.0, False), ("small", 1024, "local", 0.0, False),
+                    ("small", 1024, "pi", 0.0, False)]
+    assert [c["repeats"] for c in cases[-3:]] == [1, 1, 1]
     assert all(c["inference"] == (c["dropout"] == 0) for c in cases)
 
 
@@ -65,7 +69,8 @@ def case(kind, dropout, **extra):
 
 def test_rows_and_their_table():
     bench = _load()
-    rows = [bench.run_case(case(kind, dropout)) for kind, dropout in (("dense", 0.0), ("pi", 0.0), ("pi", 0.1))]
+    rows = [bench.merge_rounds([bench.run_case(case(kind, dropout))])
+            for kind, dropout in (("dense", 0.0), ("pi", 0.0), ("pi", 0.1))]
     rows.insert(0, {**case("dense", 0.1), "skipped": "dropout on CPU needs the [T, T] math kernel"})
     for r in rows[1:3]:
         assert r["train_step_s"] > 0 and r["prefill_ms"] > 0 and r["decode_tokens_per_s"] > 0
@@ -82,6 +87,22 @@ def test_rows_and_their_table():
     assert "| tiny | 64 | dense (dropout 0.1) | not run" in table and "not measured" in table
     # the π row with dropout 0.1 has no dense row of its rate to compare with (that one was not run)
     assert next(line for line in table.splitlines() if "pi (dropout 0.1)" in line).split("|")[6].strip() == "–"
+
+
+def test_rounds_give_medians_and_paired_ratio_ranges():
+    bench = _load()
+
+    def row(kind, steps):
+        rounds = [dict(case(kind, 0.0), train_step_s=t, train_peak_mib=10.0, prefill_ms=2 * t,
+                       decode_tokens_per_s=1 / t, mfu=None) for t in steps]
+        return bench.merge_rounds(rounds)
+
+    dense, pi = row("dense", [4.0, 8.0, 6.0]), row("pi", [1.0, 1.0, 3.0])
+    assert dense["train_step_s"] == 6.0 and pi["train_step_s"] == 1.0 and pi["train_tokens_per_s"] == 64.0
+    # paired by round: 1/4, 1/8, 3/6 -> median 0.25, range 0.125-0.5 (the ratio of medians would say 0.17)
+    assert bench.paired_ratio(pi, dense, "train_step_s") == "0.25 [0.12–0.50]"
+    assert bench.paired_ratio(pi, dense, "decode_tokens_per_s", invert=True) == "0.25 [0.12–0.50]"
+    assert bench.paired_ratio(pi, None, "train_step_s") == "–"
 
 
 def test_main_writes_json_and_markdown(tmp_path):
