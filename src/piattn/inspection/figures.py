@@ -108,9 +108,9 @@ def plot_token_flow(runs: list[tuple[str, dict]], out: str | Path) -> Path:
             L = influence.shape[0]
             image = ax.imshow(influence, aspect="auto", origin="lower", norm=norm, cmap="viridis",
                               interpolation="nearest",
-                              extent=(offsets[0] - 0.5, offsets[-1] + 0.5, 0.5, L + 0.5))
+                              extent=(offsets[0] - 0.5, offsets[-1] + 0.5, -0.5, L - 0.5))
             ax.set_facecolor("#f2f2f2")
-            ax.set_yticks(range(1, L + 1))
+            ax.set_yticks(range(L))
             period = report.get("model", {}).get("period")
             if report.get("model", {}).get("attention") == "pi" and period:
                 for mult in range(1, L + 1):
@@ -120,7 +120,7 @@ def plot_token_flow(runs: list[tuple[str, dict]], out: str | Path) -> Path:
                             ax.axvline(d, color="white", lw=0.6, ls=":")
             cut = flow["window"][1] - flow["window"][0] < flow["sequence_length"] and not flow["causal"]
             ax.set_xlabel("offset j − p of input position j" + ("; paths leaving the window are cut" if cut else ""))
-            ax.set_ylabel("after layer")
+            ax.set_ylabel("output of layer")
             n = flow["sequences"]
             ax.set_title(f"{name}\ntoken flow into position p = {flow['position']} "
                          f"(mean of {n} sequence{'s' if n != 1 else ''})", fontsize=10)
@@ -129,7 +129,7 @@ def plot_token_flow(runs: list[tuple[str, dict]], out: str | Path) -> Path:
             ax.set_title(name, fontsize=10)
         ax = axes[1][col]
         layers = report["layers"]
-        xs = [entry["layer"] + 1 for entry in layers]
+        xs = [entry["layer"] for entry in layers]
         bottom = [0.0] * len(layers)
         for cls in KEY_CLASSES:
             heights = [entry["mass"].get(cls, 0.0) for entry in layers]
