@@ -13,6 +13,7 @@ COMMANDS = {
     "train": ("piattn.commands.train", "train a language model or a long-range classifier; checkpoints, exact resume"),
     "eval": ("piattn.commands.eval", "score a checkpoint: bits per byte and perplexity, or accuracy"),
     "generate": ("piattn.commands.generate", "continue a prompt with a trained language model, streaming tokens"),
+    "inspect": ("piattn.commands.inspect", "inside a checkpoint: attention mass per layer, token flow, gate dynamics"),
 }
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..config import PI_DEFAULTS, ModelConfig, PiSettings
@@ -27,8 +29,13 @@ class PiAttention(AttentionLayer):
 
     The gate α = ε + (1 − 2ε)·σ(MLP(x)) is computed from the layer input x (one value per head and
     token) for the variants that use it ("adaptive", "separate"); "union" and "fixed" have no gate MLP.
+<<<<<<< HEAD
     Inside `piattn.layers.sharding.sequence_parallel(group)` it runs on a shard of the sequence: the gate
     is per token, and the operator exchanges the halo rows the shard's queries read with the other ranks.
+=======
+    `observe_gate` lets a caller (the trainer's gate statistics, `piattn inspect`) read the α̃ each forward
+    computes, at no cost while no observer is set.
+>>>>>>> wave2-inspect
     """
 
     sequence_parallel = True
@@ -43,6 +50,7 @@ class PiAttention(AttentionLayer):
                                    logit_clamp=logit_clamp, eps=eps)
         self.op_kwargs = dict(**self.settings.as_kwargs(), causal=causal, backend=backend)
         self.gate = gate_mlp(d_model, n_heads, gate_hidden) if self.settings.gated else None
+        self._gate_observer: Callable[[torch.Tensor], None] | None = None
 
     @classmethod
     def config_kwargs(cls, cfg: ModelConfig, layer: int) -> dict:
@@ -52,6 +60,14 @@ class PiAttention(AttentionLayer):
         """x [B, T, d] -> α̃ [B, H, T] in [ε, 1 − ε] (Eq. app_gate), or None for ungated variants."""
         return None if self.gate is None else gate_values(self.gate, x, self.settings.eps)
 
+    def observe_gate(self, observer: Callable[[torch.Tensor], None] | None) -> bool:
+        """From now on call `observer(α̃)` with the gate [B, H, T] (detached) of every forward; None stops.
+
+        Returns whether this layer has a gate; the ungated variants ("union", "fixed") observe nothing.
+        """
+        self._gate_observer = observer if self.gate is not None else None
+        return self.gate is not None
+
     def cache_capacity(self) -> int:
         """Decoding position t reads t−window … t and t−period (docs/design.md: not O(window) as the paper says)."""
         if not self.causal:
@@ -60,4 +76,7 @@ class PiAttention(AttentionLayer):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """q, k, v [B, H, T, D], x [B, T, d] (the gate's input) -> [B, H, T, D]."""
-        return pi_operator(q, k, v, self.gate_values(x), dropout_p=self.attention_dropout, **self.op_kwargs)
+        gate = self.gate_values(x)
+        if self._gate_observer is not None:
+            self._gate_observer(gate.detach())
+        return pi_operator(q, k, v, gate, dropout_p=self.attention_dropout, **self.op_kwargs)

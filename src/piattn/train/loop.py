@@ -7,6 +7,8 @@ Ctrl-C is deferred to the next safe point (between micro batches, or once a step
 what is saved is always the state of a step boundary; a second Ctrl-C stops at once. When the loop is left
 by an exception or Ctrl-C, rank 0 first saves the state at the last completed step (unless the stop came
 in the middle of an optimiser update, whose half-written weights must not be saved).
+On logging steps the records also carry the gate statistics of gated π layers (`train/gates.py`),
+captured from that step's own forward passes.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import piattn
 from ..config import PRECISIONS, TrainConfig
 from . import checkpoint as ckpt
 from .distributed import DistContext, all_reduce_sum, setup, sync_gradients, teardown, wrap
+from .gates import GateMonitor
 from .metrics import MetricsWriter, peak_memory_bytes
 from .optim import build_optimizer, clip_gradients, warmup_cosine
 from .task import Task
@@ -157,6 +160,7 @@ class Trainer:
         if ctx.rank:  # the same initial weights everywhere (DDP broadcasts rank 0's), different dropout masks
             seed_everything(cfg.optim.seed + ctx.rank)
         self.ddp_model = wrap(self.model, ctx)
+        self.gates = GateMonitor(self.model)  # α statistics of the gated π layers, on logging steps only
         o = cfg.optim
         self.optimizer = build_optimizer(self.model, o.lr, o.weight_decay)
         self.scheduler = warmup_cosine(self.optimizer, peak=o.lr, minimum=o.min_lr, warmup=o.warmup, total=o.steps)
@@ -279,7 +283,9 @@ class Trainer:
         try:
             with self.interrupt:
                 while self.step < steps:
-                    loss, grad_norm, lr, tokens = self._train_step()
+                    logging = (self.step + 1) % r.log_every == 0 or self.step + 1 == steps
+                    with self.gates.capture(enabled=logging and ctx.is_main):
+                        loss, grad_norm, lr, tokens = self._train_step()
                     self.tokens_seen += tokens * ctx.world_size  # every rank takes batches of one shape
                     interval_tokens += tokens * ctx.world_size
                     self.wall_seconds = wall_base + time.perf_counter() - wall_start
@@ -292,7 +298,7 @@ class Trainer:
                         record = {"loss": loss_sum / ctx.world_size, "grad_norm": float(grad_norm), "lr": lr,
                                   "tokens_per_second": interval_tokens / seconds,
                                   "tokens": self.tokens_seen, "wall_seconds": self.wall_seconds,
-                                  "peak_memory_bytes": peak_memory_bytes(ctx.device)}
+                                  "peak_memory_bytes": peak_memory_bytes(ctx.device), **self.gates.summary()}
                         metrics.log(self.step, "train", record)
                         bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_second']:,.0f}")
                         summary["train"] = record

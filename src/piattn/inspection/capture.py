@@ -1,0 +1,194 @@
+"""Looking inside a model while it runs over data: attention mass per key class, the gate, token flow.
+
+    with Inspector(model, flow_window=64) as inspector:
+        run_the_model_over_some_data()          # e.g. task.evaluate(model, "validation", 4)
+    report = inspector.result()                  # {"layers": [...], "flow": {...}, "tokens": ...}
+
+Forward hooks on every `AttentionLayer` read the layer input x, recompute its q, k (and gate), and add
+this batch's sums (`probes.masses`) and, for the token flow, the layer's probabilities restricted to a
+window of W positions around one query position; nothing [T, T] is built beyond that window. Queries
+on padding tokens (the model's `pad_id`, read from its `embed` input) are left out of the averages.
+Cached (incremental) forwards are ignored.
+
+Token flow ("attention rollout", Abnar & Zuidema 2020): with A_l the layer-l probabilities averaged over
+heads and Ã_l = ½(A_l + I) (the residual path), the influence of position j on the query p after layer l
+is (Ã_l ⋯ Ã_1)[p, j], composed for each sequence and then averaged over sequences. For a causal model
+it is exact on the window [p − W + 1, p]: a path from p to j only passes positions between j and p. For
+a bidirectional model paths that leave the window are cut, so the window is centred on p and the
+figure says so.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..layers import ATTENTION, AttentionLayer
+from . import probes
+
+RESIDUAL_MIX = 0.5  # Ã = RESIDUAL_MIX·A + (1 − RESIDUAL_MIX)·I
+
+
+def kind_name(layer: AttentionLayer) -> str:
+    """The registry name of a layer's kind ("pi", "local", "dense", …), else its class name."""
+    return next((name for name, cls in ATTENTION.items() if type(layer) is cls), type(layer).__name__)
+
+
+def default_position(model: nn.Module, causal: bool, T: int) -> int:
+    """The query whose flow is drawn: the last position of a causal model (what the next-token logits and
+    the reach task read), the first of a "cls"-pooled encoder, else the middle."""
+    if causal:
+        return T - 1
+    return 0 if getattr(getattr(model, "config", None), "pool", None) == "cls" else T // 2
+
+
+class _LayerSums:
+    def __init__(self, heads: int):
+        self.mass: dict[str, torch.Tensor] = {}
+        self.distance = torch.zeros(heads, dtype=torch.float64)
+        self.alpha = torch.zeros(heads, dtype=torch.float64)
+        self.alpha_sq = torch.zeros(heads, dtype=torch.float64)
+        self.gated = False
+        self.tokens = 0.0
+
+
+class Inspector:
+    """Context manager: hooks `model`'s attention layers; `result()` averages what the forwards showed.
+
+    position: the query of the token flow (None: `default_position`); flow_window: W, the positions the
+    flow is computed on (clipped to the sequence length).
+    """
+
+    def __init__(self, model: nn.Module, *, position: int | None = None, flow_window: int = 64):
+        if flow_window < 1:
+            raise ValueError(f"flow window must be >= 1, got {flow_window}")
+        self.model, self.position, self.flow_window = model, position, flow_window
+        self.layers = [m for m in model.modules() if isinstance(m, AttentionLayer)]
+        if not self.layers:
+            raise ValueError(f"{type(model).__name__} has no attention layer to inspect")
+        self.index = {id(m): i for i, m in enumerate(self.layers)}
+        self.sums = [_LayerSums(m.n_heads) for m in self.layers]
+        self.pad_id = getattr(model, "pad_id", None)
+        self._ids: torch.Tensor | None = None
+        self._pass: list[torch.Tensor] = []  # per layer of the current forward: [B, W, W] head-averaged
+        self._window: tuple[int, int, int, int] | None = None  # (T, position, lo, hi)
+        self.flow_sum: torch.Tensor | None = None
+        self.flow_sequences = 0.0
+        self._hooks: list = []
+
+    def __enter__(self) -> Inspector:
+        embed = getattr(self.model, "embed", None)
+        if isinstance(embed, nn.Embedding):
+            self._hooks.append(embed.register_forward_pre_hook(self._on_ids))
+        for layer in self.layers:
+            self._hooks.append(layer.register_forward_hook(self._on_layer))
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        return False
+
+    def _on_ids(self, module, args) -> None:
+        self._ids = args[0]
+
+    def _query_mask(self, B: int, T: int, device) -> torch.Tensor:
+        ids = self._ids
+        if self.pad_id is None or ids is None or ids.shape != (B, T):
+            return torch.ones(B, T, dtype=torch.bool, device=device)
+        return ids.to(device) != self.pad_id
+
+    def _resolve_window(self, T: int, causal: bool) -> tuple[int, int, int, int]:
+        if self._window is None or self._window[0] != T:
+            p = default_position(self.model, causal, T) if self.position is None else self.position
+            if not 0 <= p < T:
+                raise ValueError(f"flow position must lie in [0, {T - 1}] for sequences of {T} tokens, got {p}")
+            W = min(self.flow_window, T)
+            lo = max(0, p - W + 1) if causal else min(max(0, p - W // 2), T - W)
+            self._window = (T, p, lo, lo + W)
+        return self._window
+
+    @torch.no_grad()
+    def _on_layer(self, layer: AttentionLayer, args: tuple, output) -> None:
+        if len(args) > 1 and args[1] is not None:  # a cached decoding step
+            return
+        i = self.index[id(layer)]
+        x = args[0]
+        q, k, _ = layer.heads(x)
+        B, H, T, _ = q.shape
+        mask = self._query_mask(B, T, q.device)
+        sums = self.sums[i]
+        mass, distance = probes.masses(layer, q, k, x, mask)
+        for cls, value in mass.items():
+            sums.mass[cls] = sums.mass.get(cls, 0) + value.cpu()
+        sums.distance += distance.cpu()
+        sums.tokens += float(mask.sum())
+        gate = probes.layer_gate(layer, x)
+        if gate is not None:
+            g = gate.double() * mask[:, None, :]
+            sums.gated = True
+            sums.alpha += g.sum((0, 2)).cpu()
+            sums.alpha_sq += (g * gate.double()).sum((0, 2)).cpu()
+        self._flow_step(i, layer, q, k, x, mask)
+
+    def _flow_step(self, i: int, layer: AttentionLayer, q, k, x, mask) -> None:
+        if i == 0:
+            self._pass = []
+        if len(self._pass) != i:  # a forward that skipped layers: no flow from it
+            return
+        T = q.shape[2]
+        _, p, lo, hi = self._resolve_window(T, layer.causal)
+        window = torch.arange(lo, hi, device=q.device)
+        self._pass.append(probes.columns(layer, q, k, x, window, window).double().mean(1).cpu())
+        if i < len(self.layers) - 1:
+            return
+        W = hi - lo
+        eye = torch.eye(W, dtype=torch.float64)
+        product = eye.expand(q.shape[0], W, W)
+        rows = []
+        for a in self._pass:
+            product = (RESIDUAL_MIX * a + (1 - RESIDUAL_MIX) * eye) @ product
+            rows.append(product[:, p - lo])  # [B, W]: influence on query p after this layer
+        weight = mask[:, p].double().cpu()
+        flow = torch.stack(rows, 1) * weight[:, None, None]  # [B, L, W]
+        self.flow_sum = flow.sum(0) if self.flow_sum is None else self.flow_sum + flow.sum(0)
+        self.flow_sequences += float(weight.sum())
+        self._pass = []
+
+    def result(self) -> dict:
+        """What the forwards so far showed, averaged over their (non-padding) query tokens.
+
+        {"tokens", "layers": [{"layer", "kind", "heads", "mass": {class: share}, "mass_by_head": [{…}],
+        "mean_distance", "mean_distance_by_head", and for gated layers "alpha_mean", "alpha_std",
+        "alpha_by_head"}], "flow": {"position", "window": [lo, hi], "causal", "offsets", "influence"
+        [L][W], "sequences", "rollout"} or None}
+        """
+        layers = []
+        for i, (layer, s) in enumerate(zip(self.layers, self.sums, strict=True)):
+            if s.tokens == 0:
+                raise ValueError("no batch reached the model: nothing to inspect")
+            per_head_tokens = s.tokens
+            classes = [c for c in probes.KEY_CLASSES if c in s.mass]
+            entry = {"layer": i, "kind": kind_name(layer), "heads": layer.n_heads,
+                     "mass": {c: float(s.mass[c].sum() / (per_head_tokens * layer.n_heads)) for c in classes},
+                     "mass_by_head": [{c: float(s.mass[c][h] / per_head_tokens) for c in classes}
+                                      for h in range(layer.n_heads)],
+                     "mean_distance": float(s.distance.sum() / (per_head_tokens * layer.n_heads)),
+                     "mean_distance_by_head": (s.distance / per_head_tokens).tolist()}
+            if s.gated:
+                n = per_head_tokens * layer.n_heads
+                mean = float(s.alpha.sum() / n)
+                entry |= {"alpha_mean": mean, "alpha_std": max(float(s.alpha_sq.sum() / n) - mean**2, 0.0) ** 0.5,
+                          "alpha_by_head": (s.alpha / per_head_tokens).tolist()}
+            layers.append(entry)
+        flow = None
+        if self.flow_sum is not None and self.flow_sequences > 0:
+            T, p, lo, hi = self._window
+            flow = {"position": p, "window": [lo, hi], "sequence_length": T, "causal": self.layers[0].causal,
+                    "offsets": list(range(lo - p, hi - p)),
+                    "influence": (self.flow_sum / self.flow_sequences).tolist(),
+                    "sequences": int(self.flow_sequences),
+                    "rollout": f"{RESIDUAL_MIX}·A + {1 - RESIDUAL_MIX}·I per layer, heads averaged, "
+                               "composed per sequence, then averaged"}
+        return {"tokens": int(self.sums[0].tokens), "layers": layers, "flow": flow}
