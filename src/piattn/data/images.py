@@ -37,6 +37,28 @@ def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split())[:200] or type(err).__name__
 
 
+def check_readable(paths: Sequence[Path]) -> None:
+    """ValueError naming the first of `paths` (in order) that Pillow cannot identify as an image.
+
+    Only headers are read (Pillow opens lazily), a few milliseconds per thousand warm files, so a split whose
+    files are not all images is refused before training starts; damage past the header (a truncated JPEG)
+    is still found by `load_image` when the file is decoded.
+    """
+    Image = pillow()
+
+    def problem(path: Path) -> str | None:
+        try:
+            with Image.open(path):
+                return None
+        except (OSError, ValueError, Image.DecompressionBombError) as err:
+            return f"{path}: not a readable image ({_one_line(err)})"
+
+    with ThreadPoolExecutor(max_workers=DECODE_THREADS) as pool:
+        message = next((m for m in pool.map(problem, paths) if m is not None), None)
+    if message is not None:
+        raise ValueError(message)
+
+
 def load_image(path: str | Path, size: int) -> torch.Tensor:
     """uint8 [3, size, size]: the image file at `path` in RGB, its shorter side resized to `size` (bicubic),
     then the centre `size` × `size` square cropped (CLIP's preprocessing).

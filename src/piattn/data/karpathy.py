@@ -10,8 +10,8 @@ captions (a few MSCOCO images have six or seven). A caption is its lower-case `t
 (the datasets' normalised form, no punctuation), or its `raw` text when it has no tokens.
 
 Every problem with the folder (a missing file, a JSON that is not a Karpathy split file, an image listed
-but absent) is one ValueError naming the file; an image file that cannot be decoded is reported by
-`images.load_image` when it is first read.
+but absent or not an image) is one ValueError naming the file, raised when the split is read; damage
+that only decoding finds (a truncated JPEG) is reported by `images.load_image` when the file is read.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .images import ImageFiles
+from .images import ImageFiles, check_readable
 from .vl import CaptionedImages
 
 JSON_FILES = {"coco": "dataset_coco.json", "flickr30k": "dataset_flickr30k.json"}
@@ -54,7 +54,7 @@ def read_entries(path: Path) -> list[dict]:
 def _field(entry, key: str, kind: type, path: Path, index: int):
     value = entry.get(key) if isinstance(entry, dict) else None
     if not isinstance(value, kind):
-        raise ValueError(f"{path}: images[{index}] has no {key!r} {kind.__name__}")
+        raise ValueError(f"{path}: images[{index}] needs {key!r}, a {'string' if kind is str else 'list'}")
     return value
 
 
@@ -74,8 +74,8 @@ def read_split(kind: str, root: str | Path, split: str, image_size: int, limit: 
     decoded on access at `image_size` pixels, with their (first five) captions.
 
     ValueError naming the file: missing JSON, no `images` list, an entry without filename / split /
-    sentences (/ filepath for COCO), an image without captions, a listed image file that does not exist,
-    a split without images.
+    sentences (/ filepath for COCO), an image without captions, a listed image file that does not exist or
+    whose header Pillow cannot read (`images.check_readable`), a split without images.
     """
     path = split_file(kind, root)
     folder = path.parent
@@ -98,4 +98,5 @@ def read_split(kind: str, root: str | Path, split: str, image_size: int, limit: 
         paths.append(image)
     if not paths:
         raise ValueError(f"{path}: no image in the {split} split (JSON split {' / '.join(SPLITS[split])})")
+    check_readable(paths)
     return CaptionedImages(ImageFiles(paths, image_size), captions, torch.tensor(caption_image, dtype=torch.int64))
