@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from piattn.config.vision import VisionLanguageConfig
+from piattn.layers import ATTENTION
 from piattn.models import DualEncoder, ImageEncoder, clip_loss
 
 
@@ -95,3 +96,11 @@ def test_clip_loss_by_hand():
 def test_images_of_another_size_are_refused():
     with pytest.raises(ValueError, match=r"images must be \[B, C, 16, 16\]"):
         ImageEncoder(config())(torch.randn(1, 3, 12, 12))
+
+
+@pytest.mark.parametrize("kind", sorted(ATTENTION))
+def test_every_attention_kind_runs_the_image_tower(kind):
+    torch.manual_seed(0)
+    cfg = config(attention=kind, image_size=32, sparse_block=4, bucket_size=8)  # 64 patches
+    features = ImageEncoder(cfg)(torch.randn(2, 3, 32, 32))
+    assert features.shape == (2, cfg.embed_dim) and features.isfinite().all()
