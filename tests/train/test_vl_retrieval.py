@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -245,3 +246,19 @@ def test_importing_piattn_needs_no_pillow():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             env={"PYTHONPATH": ":".join(sys.path), "PATH": ""})
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
+def test_two_processes_train_and_validate(tmp_path):
+    """torchrun, 2 CPU ranks: each trains on its half of the images; validation ranks the whole split."""
+    out = tmp_path / "ddp"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m",
+              "piattn.cli", "train", "--task", "vl-retrieval", "--image-size", "16", "--train-size", "8",
+              "--eval-size", "6", "--batch-size", "2", "--steps", "2", "--eval-every", "2", "--eval-batches", "0",
+              "--log-every", "1", "--out", str(out), *TINY]
+    done = subprocess.run(launch, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (validation,) = [r for r in read_metrics(out) if r["split"] == "validation"]
+    assert (validation["images"], validation["captions"]) == (6, 30)
+    assert read_latest(out / "checkpoints").name == "step_00000002"
