@@ -13,6 +13,7 @@ from PIL import Image
 from karpathy_folders import image_file, write_karpathy
 from piattn.data import karpathy, shapes
 from piattn.data.images import MEAN, STD, ImageFiles, ImageTensor, load_image, normalize, pillow
+from piattn.data.retrieval import encode_text
 from piattn.data.vl import CaptionedImages, CaptionLoader, encode_captions, parse_source
 
 
@@ -209,3 +210,8 @@ def test_captions_must_be_grouped_by_image():
         CaptionedImages(images, ["a", "b", "c"], torch.tensor([0, 1, 0]))
     with pytest.raises(ValueError, match="image 1 has no caption"):
         CaptionedImages(images, ["a"], torch.tensor([0]))
+
+
+def test_encode_captions_gives_the_ids_of_the_byte_encoder():
+    texts = ["a dog", "ÿ" * 3, "x" * 40, ""]
+    assert torch.equal(encode_captions(texts, 16).long(), torch.stack([encode_text(t, 16) for t in texts]))
