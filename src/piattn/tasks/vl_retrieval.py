@@ -143,6 +143,24 @@ class VisionLanguageTask(Task):
         logits = model(images, captions.to(self.ctx.device, non_blocking=True))
         return clip_loss(logits.float()), len(images) * (self.config.n_patches + self.config.caption_len)
 
+    def embeddings(self, model, split: str, n_images: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(image embeddings [n, E], caption embeddings [m, E], caption_image int64 [m]) of the first n images of
+        `split` and their m captions, --batch-size at a time, in eval mode without gradients (the model's
+        mode is given back)."""
+        data, ids = self.split(split)
+        ids = ids[:int((data.caption_image < n_images).sum())]  # captions are grouped by image
+        batch, device, was_training = self.cfg.optim.batch_size, self.ctx.device, model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                images = [model.encode_images(normalize(data.images.batch(torch.arange(s, min(s + batch, n_images)))
+                                                        .to(device))) for s in range(0, n_images, batch)]
+                captions = [model.encode_texts(ids[s:s + batch].to(device).long())
+                            for s in range(0, len(ids), batch)]
+        finally:
+            model.train(was_training)
+        return torch.cat(images), torch.cat(captions), data.caption_image[:len(ids)]
+
     def evaluate(self, model, split, max_batches):
         """{"i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10", "images", "captions",
         "images_per_second"}: Recall@K (fractions) over the split's first max_batches × batch-size images
@@ -151,23 +169,10 @@ class VisionLanguageTask(Task):
         Ranking needs every embedding, so with several ranks each rank encodes and ranks the same images
         (same result everywhere; the work is repeated, not shared).
         """
-        data, ids = self.split(split)
-        batch = self.cfg.optim.batch_size
-        n_images = len(data.images) if max_batches <= 0 else min(len(data.images), max_batches * batch)
-        n_captions = int((data.caption_image < n_images).sum())  # captions are grouped by image
-        device, was_training = self.ctx.device, model.training
-        model.eval()
+        total = len(self.split(split)[0].images)
+        n_images = total if max_batches <= 0 else min(total, max_batches * self.cfg.optim.batch_size)
         start = time.perf_counter()
-        try:
-            with torch.no_grad():
-                image_emb = torch.cat([
-                    model.encode_images(normalize(data.images.batch(torch.arange(s, min(s + batch, n_images)))
-                                                  .to(device)))
-                    for s in range(0, n_images, batch)])
-                caption_emb = torch.cat([model.encode_texts(ids[s:min(s + batch, n_captions)].to(device).long())
-                                         for s in range(0, n_captions, batch)])
-        finally:
-            model.train(was_training)
-        recalls = retrieval_recalls(image_emb, caption_emb, data.caption_image[:n_captions])
-        return {**recalls, "images": n_images, "captions": n_captions,
+        image_emb, caption_emb, caption_image = self.embeddings(model, split, n_images)
+        recalls = retrieval_recalls(image_emb, caption_emb, caption_image)
+        return {**recalls, "images": n_images, "captions": len(caption_image),
                 "images_per_second": per_second(n_images, time.perf_counter() - start)}
