@@ -18,6 +18,8 @@ from .pi import PI_DEFAULTS, VARIANTS
 
 # Task families whose flags only they read.
 CLASSIFICATION = ("listops", "pathfinder", "retrieval", "reach")
+# Tasks with fixed splits of examples, generated from --data-seed or read at most --train-size / --eval-size.
+FIXED_SPLITS = (*CLASSIFICATION, "vl-retrieval")
 # Attention kinds that read each π-related model field (the others ignore it).
 WINDOWED = ("local", "pi", "longformer", "bigbird")
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -28,7 +30,8 @@ class ModelFlags:
     config: str = flag("tiny", "model size", choices=tuple(SIZES))
     attention: str = flag("pi", "attention kind", choices="attention")
     window: int | None = flag(None, "local window k (default: the config's, 4)", low=0, applies={"attention": WINDOWED})
-    period: int | None = flag(None, "π, the distance of the long-range key (default 16)", low=1,
+    period: int | None = flag(None, "π, the distance of the long-range key (default 16; vl-retrieval: the "
+                              "image's patches per row, so the skip key is the patch above / below)", low=1,
                               applies={"attention": ("pi",)})
     variant: str | None = flag(None, "π-Attention fusion variant (default adaptive)", choices=VARIANTS,
                                applies={"attention": ("pi",)})
@@ -53,12 +56,15 @@ class ModelFlags:
 class DataFlags:
     data: str | None = flag(None, "lm (required): a folder with train/ validation/ test/ text files, books:<dir>, "
                             "wikitext:<dir>, hf:<name>; listops: a folder with LRA's basic_{train,val,test}.tsv "
-                            "(default: generated); retrieval (required): a folder with LRA's new_aan_pairs.*.tsv")
+                            "(default: generated); retrieval (required): a folder with LRA's new_aan_pairs.*.tsv; "
+                            "vl-retrieval: shapes (default, generated), coco:DIR or flickr30k:DIR (Karpathy "
+                            "splits: DIR/dataset_coco.json or DIR/dataset_flickr30k.json and the images)")
     tokenizer: str = flag("byte", "tokenizer kind", choices="tokenizer", applies={"task": ("lm",)})
     vocab_size: int | None = flag(None, "BPE vocabulary size (bpe only)", low=256,
                                   applies={"task": ("lm",), "tokenizer": ("bpe",)})
     seq_len: int | None = flag(None, "tokens per sequence (default: lm 1024, listops 2000, retrieval 4000 per "
-                               "text, pathfinder image-size², reach 64)", low=1)
+                               "text, pathfinder image-size², reach 64, vl-retrieval (image-size / patch-size)², "
+                               "the image's patches)", low=1)
     cross_documents: bool = flag(False, "let sequences span document boundaries", applies={"task": ("lm",)})
     cache_dir: str | None = flag(None, "where tokenized corpora are cached (default: OUT/cache)",
                                  defines_run=False, applies={"task": ("lm",)})
@@ -68,17 +74,18 @@ class DataFlags:
 class TaskFlags:
     task: str = flag("lm", "what to learn", choices="task")
     train_size: int | None = flag(None, "training examples: generated (default 10000) or read at most (default "
-                                  "all)", low=1, applies={"task": CLASSIFICATION})
+                                  "all)", low=1, applies={"task": FIXED_SPLITS})
     eval_size: int | None = flag(None, "examples of the validation and of the test split: generated (default "
-                                 "1000) or read at most (default all)", low=1, applies={"task": CLASSIFICATION})
+                                 "1000) or read at most (default all); vl-retrieval: images", low=1,
+                                 applies={"task": FIXED_SPLITS})
     data_seed: int = flag(0, "seed of generated splits (each split its own)", low=0,
-                          applies={"task": CLASSIFICATION})
+                          applies={"task": FIXED_SPLITS})
     listops_min_len: int | None = flag(None, "fewest tokens of a generated ListOps expression (default "
                                        "seq-len / 4 + 1)", low=1, applies={"task": ("listops",)})
     listops_max_len: int | None = flag(None, "most tokens of a generated ListOps expression (default seq-len - 1)",
                                        low=1, applies={"task": ("listops",)})
-    image_size: int | None = flag(None, "Pathfinder image side in pixels (default 32)", low=1,
-                                  applies={"task": ("pathfinder",)})
+    image_size: int | None = flag(None, "image side in pixels (default: pathfinder 32; vl-retrieval shapes 32, "
+                                  "coco / flickr30k 224)", low=1, applies={"task": ("pathfinder", "vl-retrieval")})
     contour_length: int | None = flag(None, "Pathfinder paddles per target curve (LRA: 6, 9, 14; default 14)",
                                       low=1, applies={"task": ("pathfinder",)})
     lag: int | None = flag(None, "reach: positions from the answer to the query (required)", low=1,
@@ -87,6 +94,16 @@ class TaskFlags:
                                    high=2**15 - 1, applies={"task": ("reach",)})
     causal: bool | None = flag(None, "reach: a causal GPT read at the query (default) or, with --no-causal, a "
                                "bidirectional Encoder", applies={"task": ("reach",)})
+    patch_size: int | None = flag(None, "vl-retrieval: side of an image patch in pixels, dividing --image-size "
+                                  "(default: shapes 4, coco / flickr30k 16)", low=1,
+                                  applies={"task": ("vl-retrieval",)})
+    caption_len: int | None = flag(None, "vl-retrieval: UTF-8 bytes kept of a caption (default 64)", low=1,
+                                   applies={"task": ("vl-retrieval",)})
+    embed_dim: int | None = flag(None, "vl-retrieval: width of the shared image-text space (default d-model)",
+                                 low=2, applies={"task": ("vl-retrieval",)})
+    text_attention: str | None = flag(None, "vl-retrieval: attention kind of the text tower (default dense; "
+                                      "--attention is the image tower's)", choices="attention",
+                                      applies={"task": ("vl-retrieval",)})
 
 
 @dataclass

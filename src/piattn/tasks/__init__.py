@@ -4,6 +4,7 @@
     listops, pathfinder, retrieval
                   the Long Range Arena classifiers (lra.py, on classification.py)
     reach         recall the token a fixed lag back (reach.py)
+    vl-retrieval  image-text retrieval with a CLIP dual encoder, Recall@K (vl_retrieval.py, ranking.py)
 
 Every task implements `piattn.train.task.Task`, the interface the trainer uses.
 """
@@ -14,9 +15,11 @@ from ..train.task import Task
 from .lm import LanguageModelTask
 from .lra import ListOpsTask, PathfinderTask, RetrievalTask
 from .reach import ReachTask
+from .vl_retrieval import VisionLanguageTask
 
 TASKS: dict[str, type[Task]] = {
-    task.name: task for task in (LanguageModelTask, ListOpsTask, PathfinderTask, RetrievalTask, ReachTask)}
+    task.name: task for task in (LanguageModelTask, ListOpsTask, PathfinderTask, RetrievalTask, ReachTask,
+                                 VisionLanguageTask)}
 
 
 def task_class(name: str) -> type[Task]:
@@ -27,4 +30,4 @@ def task_class(name: str) -> type[Task]:
 
 
 __all__ = ["TASKS", "LanguageModelTask", "ListOpsTask", "PathfinderTask", "ReachTask", "RetrievalTask", "Task",
-           "task_class"]
+           "VisionLanguageTask", "task_class"]
