@@ -21,24 +21,11 @@ from pathlib import Path
 
 import torch
 
-from piattn.benchmarking import machine_info, rss_kib, save_results
+from piattn.benchmarking import fill_cache, machine_info, rss_kib, save_results
 from piattn.models import GPT, GPTConfig
 
 KINDS = ("pi", "local", "dense")
 POSITIONS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
-
-
-def fill_cache(cache, position: int, generator: torch.Generator) -> None:
-    """Bring every layer cache to `position` tokens seen, with random contents."""
-    for layer in cache.layers:
-        if hasattr(layer, "capacity"):
-            layer.k.normal_(generator=generator)
-            layer.v.normal_(generator=generator)
-        else:
-            B, H, _, D = layer.k.shape
-            layer.k = torch.randn(B, H, position, D, generator=generator)
-            layer.v = torch.randn(B, H, position, D, generator=generator)
-        layer.seen = position
 
 
 def run_case(kind: str, position: int, steps: int, config: str) -> dict:

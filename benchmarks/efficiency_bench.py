@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from piattn.benchmarking import machine_info, rss_kib, save_results
+from piattn.benchmarking import fill_cache, machine_info, reset_peak_rss, rss_kib, save_results
 from piattn.models import GPT, GPTConfig
 
 KINDS = ("dense", "local", "pi")
@@ -54,32 +54,9 @@ DEFAULT_PLAN = ("tiny:1024", "tiny:4096", "tiny:8192", "small:1024:0:1")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 
 
-def reset_peak_rss() -> bool:
-    """Reset Linux's VmHWM to the current resident set; False where the kernel does not allow it."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def fill_cache(cache, position: int, generator: torch.Generator) -> None:
-    """Bring every layer cache to `position` tokens seen, with random contents (decode_bench.py's way)."""
-    for layer in cache.layers:
-        if hasattr(layer, "capacity"):
-            layer.k.normal_(generator=generator)
-            layer.v.normal_(generator=generator)
-        else:
-            B, H, _, D = layer.k.shape
-            layer.k = torch.randn(B, H, position, D, generator=generator).to(layer.k)
-            layer.v = torch.randn(B, H, position, D, generator=generator).to(layer.v)
-        layer.seen = position
 
 
 def keys_per_query(cfg: GPTConfig, T: int) -> float:

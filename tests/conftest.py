@@ -28,3 +28,12 @@ def nan_poison(monkeypatch):
     monkeypatch.setattr(torch, "empty", poisoned(torch.empty))
     monkeypatch.setattr(torch, "empty_like", poisoned(torch.empty_like))
     monkeypatch.setattr(torch.Tensor, "new_empty", poisoned(torch.Tensor.new_empty))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread: tiny models run many times faster than with threads competing on a busy CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

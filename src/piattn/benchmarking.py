@@ -53,7 +53,7 @@ def rss_kib(field: str = "VmRSS") -> int:
     raise RuntimeError(f"{field} not found in /proc/self/status")
 
 
-def _reset_peak_rss() -> bool:
+def reset_peak_rss() -> bool:
     """Reset VmHWM to the current RSS (Linux >= 4.0). False where that is not possible."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -90,7 +90,7 @@ def measure(case: str, *, B: int, H: int, T: int, D: int, dtype: torch.dtype = t
     step(*(t[:, :, :64].detach().requires_grad_(grad) for t in (q, k, v, gate)), dy[:, :, :64])
     step = functools.partial(step, q, k, v, gate, dy)
     peak_mib = None
-    if device == "cpu" and _reset_peak_rss():
+    if device == "cpu" and reset_peak_rss():
         before = rss_kib("VmRSS")
         step()
         peak_mib = (rss_kib("VmHWM") - before) / 1024
@@ -118,6 +118,21 @@ def measure_isolated(case: str, **kwargs) -> dict:
         return dict(case=case, **{k: str(v) for k, v in kwargs.items()},
                     error=proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def fill_cache(cache, position: int, generator: torch.Generator) -> None:
+    """Bring every layer of a model's decoding cache to `position` tokens seen, with random keys and values:
+    decoding speed at a position without decoding the text before it (ring caches are full-size already,
+    growing ones get `position` rows)."""
+    for layer in cache.layers:
+        if hasattr(layer, "capacity"):
+            layer.k.normal_(generator=generator)
+            layer.v.normal_(generator=generator)
+        else:
+            B, H, _, D = layer.k.shape
+            layer.k = torch.randn(B, H, position, D, generator=generator).to(layer.k)
+            layer.v = torch.randn(B, H, position, D, generator=generator).to(layer.v)
+        layer.seen = position
 
 
 def save_results(out: Path, name: str, result: dict, table: str) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from piattn.cli import main
 from utils import write_word_corpus
@@ -13,12 +12,7 @@ from utils import write_word_corpus
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def train(out, *flags):

@@ -3,13 +3,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: tiny models run many times faster than with threads competing on a busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def single_threaded(one_thread):
+    """Every training test module runs with one intra-op thread (`one_thread` in tests/conftest.py)."""

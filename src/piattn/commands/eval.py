@@ -10,7 +10,6 @@ its UTF-8 bytes)), perplexity per token.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import re
 import sys
@@ -19,10 +18,10 @@ from pathlib import Path
 
 from ..config import PRECISIONS
 from ..data.text import normalize_split
-from ..tasks import task_class
+from ..tasks import restore
 from ..train import checkpoint as ckpt
 from ..train.distributed import DEVICES, DistContext, setup, teardown
-from ..train.loop import autocast, autocast_dtype, saved_train_config, writable_folder
+from ..train.loop import autocast, autocast_dtype, writable_folder
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,11 +35,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help=f"one of {list(DEVICES)} or cuda:N")
     p.add_argument("--precision", default="auto", help=f"one of {list(PRECISIONS)}")
     p.add_argument("--output", help="JSON file to write (default: RUN/eval/<checkpoint>_<split>[_<data>].json)")
-
-
-def run_dir_of(checkpoint: Path) -> Path:
-    """The run directory a checkpoint folder belongs to (runs/NAME for runs/NAME/checkpoints/step_…)."""
-    return checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
 
 
 def default_name(checkpoint: Path, args: argparse.Namespace) -> str:
@@ -61,23 +55,14 @@ def evaluate_checkpoint(args: argparse.Namespace, ctx: DistContext) -> dict:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     split = normalize_split(args.split)
     folder = ckpt.resolve_checkpoint(args.checkpoint)
-    config = ckpt.read_config(folder)
-    cfg = saved_train_config(folder)
-    cache_dir = writable_folder(Path(args.cache_dir), "--cache-dir") if args.cache_dir else None
-    cfg = dataclasses.replace(
-        cfg, run=dataclasses.replace(cfg.run, progress=False),
-        data=dataclasses.replace(cfg.data, data=args.data or cfg.data.data, cache_dir=cache_dir and str(cache_dir)),
-        optim=dataclasses.replace(cfg.optim, batch_size=args.batch_size or cfg.optim.batch_size))
     amp = autocast_dtype(args.precision, ctx.device)
-    task = task_class(config.get("task")).from_config(cfg, run_dir_of(folder), ctx, checkpoint=folder)
-    model = task.build_model()
-    ckpt.load_weights(model, folder)
-    model.to(ctx.device)
+    task, model, cfg = restore(folder, ctx, data=args.data, batch_size=args.batch_size, cache_dir=args.cache_dir)
     start = time.perf_counter()
     with autocast(ctx.device, amp):
         metrics = task.evaluate(model, split, args.batches)
-    return {"checkpoint": str(folder), "step": config.get("step"), "data": cfg.data.data, "split": split,
-            **metrics, "seconds": time.perf_counter() - start}
+    step = ckpt.read_config(folder).get("step")
+    return {"checkpoint": str(folder), "step": step, "data": cfg.data.data, "split": split, **metrics,
+            "seconds": time.perf_counter() - start}
 
 
 def output_file(path: str | Path) -> Path:
@@ -99,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     if not ctx.is_main:  # under torchrun every rank scores its share; rank 0 reports
         return 0
     folder = Path(result["checkpoint"])
-    output = chosen_output or output_file(run_dir_of(folder) / "eval" / default_name(folder, args))
+    output = chosen_output or output_file(ckpt.run_dir_of(folder) / "eval" / default_name(folder, args))
     text = json.dumps(result, indent=2)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(text + "\n")

@@ -14,19 +14,17 @@ with attention sinks). Each layer's shares sum to 1.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
 
 from ..data.text import normalize_split
 from ..inspection import Inspector, plot_gate_dynamics, plot_token_flow
-from ..tasks import task_class
+from ..tasks import restore
 from ..train import checkpoint as ckpt
 from ..train.distributed import DEVICES, DistContext, setup, teardown
-from ..train.loop import saved_train_config, writable_folder
+from ..train.loop import writable_folder
 from ..train.metrics import METRICS_FILE, read_metrics
-from .eval import run_dir_of
 
 MODEL_FIELDS = ("attention", "n_layer", "n_head", "d_model", "window", "period", "variant")
 
@@ -51,17 +49,9 @@ def inspect_checkpoint(checkpoint: str, args: argparse.Namespace, ctx: DistConte
     """(the report of one checkpoint, the train records of its run's metrics.jsonl)."""
     folder = ckpt.resolve_checkpoint(checkpoint)
     config = ckpt.read_config(folder)
-    cfg = saved_train_config(folder)
-    cache_dir = writable_folder(Path(args.cache_dir), "--cache-dir") if args.cache_dir else None
-    cfg = dataclasses.replace(
-        cfg, run=dataclasses.replace(cfg.run, progress=False),
-        data=dataclasses.replace(cfg.data, data=args.data or cfg.data.data, cache_dir=cache_dir and str(cache_dir)),
-        optim=dataclasses.replace(cfg.optim, batch_size=args.batch_size or cfg.optim.batch_size))
-    run_dir = run_dir_of(folder)
-    task = task_class(config.get("task")).from_config(cfg, run_dir, ctx, checkpoint=folder)
-    model = task.build_model()
-    ckpt.load_weights(model, folder)
-    model.to(ctx.device).eval()
+    task, model, cfg = restore(folder, ctx, data=args.data, batch_size=args.batch_size, cache_dir=args.cache_dir)
+    model.eval()
+    run_dir = ckpt.run_dir_of(folder)
     split = normalize_split(args.split)
     with Inspector(model, position=args.position, flow_window=args.flow_window) as inspector:
         metrics = task.evaluate(model, split, args.batches)

@@ -11,6 +11,15 @@ Every task implements `piattn.train.task.Task`, the interface the trainer uses.
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
+from torch import nn
+
+from ..config import TrainConfig
+from ..train import checkpoint as ckpt
+from ..train.distributed import DistContext
+from ..train.loop import saved_train_config, writable_folder
 from ..train.task import Task
 from .lm import LanguageModelTask
 from .lra import ListOpsTask, PathfinderTask, RetrievalTask
@@ -29,5 +38,27 @@ def task_class(name: str) -> type[Task]:
     return TASKS[name]
 
 
+def restore(folder: Path, ctx: DistContext, *, data: str | None = None, batch_size: int | None = None,
+            cache_dir: str | None = None) -> tuple[Task, nn.Module, TrainConfig]:
+    """The task, model (weights loaded, on ctx.device) and training settings of a checkpoint folder, for
+    scoring or inspecting it: `data` and `batch_size` replace the recorded ones when given.
+
+    Files go only where the user says: tokenized text to `cache_dir` or the run directory's cache/,
+    never to a folder the checkpoint's config names.
+    """
+    cfg = saved_train_config(folder)
+    if cache_dir is not None:
+        writable_folder(Path(cache_dir), "--cache-dir")
+    cfg = dataclasses.replace(
+        cfg, run=dataclasses.replace(cfg.run, progress=False),
+        data=dataclasses.replace(cfg.data, data=data or cfg.data.data, cache_dir=cache_dir),
+        optim=dataclasses.replace(cfg.optim, batch_size=batch_size or cfg.optim.batch_size))
+    task = task_class(ckpt.read_config(folder).get("task")).from_config(cfg, ckpt.run_dir_of(folder), ctx,
+                                                                         checkpoint=folder)
+    model = task.build_model()
+    ckpt.load_weights(model, folder)
+    return task, model.to(ctx.device), cfg
+
+
 __all__ = ["TASKS", "LanguageModelTask", "ListOpsTask", "PathfinderTask", "ReachTask", "RetrievalTask", "Task",
-           "VisionLanguageTask", "task_class"]
+           "VisionLanguageTask", "restore", "task_class"]

@@ -240,6 +240,11 @@ def _require_file(file: Path) -> None:
         raise ValueError(f"{file}: missing; not a complete checkpoint")
 
 
+def run_dir_of(checkpoint: Path) -> Path:
+    """The run directory a checkpoint folder belongs to (runs/NAME for runs/NAME/checkpoints/step_…)."""
+    return checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
+
+
 def read_config(ckpt: Path) -> dict:
     """The config.json of a checkpoint (a JSON object); ValueError naming the file when it is missing or invalid."""
     file = Path(ckpt) / CONFIG_FILE
