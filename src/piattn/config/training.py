@@ -133,6 +133,9 @@ class RunFlags:
     sequence_parallel: int = flag(1, "ranks that share each sequence (under torchrun), each taking seq-len / N "
                                   "contiguous positions; the world size must be a multiple of N", low=1,
                                   defines_run=False, applies={"task": ("lm",), "attention": ("pi", "local")})
+    fsdp: bool = flag(False, "shard weights, gradients and optimiser state over the processes (FSDP2) "
+                      "instead of replicating them (DDP); checkpoints hold the full state as without it; "
+                      "nothing to shard on one process", defines_run=False)
     precision: str = flag("auto", "auto (bf16 on capable GPUs), fp32 or bf16", choices=PRECISIONS,
                           defines_run=False)
     progress: bool = flag(True, "progress bar", defines_run=False)

@@ -172,10 +172,13 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 
 def save_checkpoint(root: Path, step: int, *, model: nn.Module, trainer_state: dict, config: dict,
-                    save_assets: Callable[[Path], None] | None = None, keep: int = 3) -> Path:
+                    save_assets: Callable[[Path], None] | None = None, keep: int = 3,
+                    model_state: dict[str, torch.Tensor] | None = None) -> Path:
     """Write checkpoint `step` under `root` atomically, point `latest` at it, keep the newest `keep`.
 
     model: the plain (unwrapped) model; tied weights are stored once (safetensors `save_model`).
+    model_state: its state dict, when `model.state_dict()` is not it (a sharded model's, gathered); tied
+    weights must be one tensor in it, stored once like the plain model's.
     trainer_state: optimizer/scheduler/loader/RNG states and counters (saved with `torch.save`).
     config: JSON-able dict (model config and training arguments).
     save_assets: writes extra files into the folder (the tokenizer), before it becomes visible.
@@ -190,7 +193,7 @@ def save_checkpoint(root: Path, step: int, *, model: nn.Module, trainer_state: d
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        save_model(model, str(tmp / MODEL_FILE))
+        save_model(model if model_state is None else _StateHolder(model_state), str(tmp / MODEL_FILE))
         torch.save(trainer_state, tmp / STATE_FILE)
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if save_assets is not None:
@@ -214,6 +217,16 @@ def save_checkpoint(root: Path, step: int, *, model: nn.Module, trainer_state: d
         if old != final:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+class _StateHolder:
+    """What `save_model` reads of a model, its `state_dict()`, for a state dict given as such."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        self._state = state
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return dict(self._state)
 
 
 def resolve_checkpoint(path: Path | str, flag: str = "--checkpoint") -> Path:

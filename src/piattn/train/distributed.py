@@ -7,6 +7,9 @@ With sequence parallelism (`--sequence-parallel N`) the world is a 2-D grid, dat
 parallel: global rank g is rank g % N of sequence group g // N (N consecutive ranks, on one node when N
 divides the GPUs per node), which is data-parallel replica g // N. The ranks of a sequence group take the
 same batches, each its contiguous shard of every sequence; the replicas take different batches.
+
+With `--fsdp` the model is not replicated but sharded with FSDP2 (`fully_shard`) over the whole world; the
+helpers at the end gather full (unsharded) weights and optimiser state for checkpoints and load them back.
 """
 
 from __future__ import annotations
@@ -18,6 +21,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from ..models.block import Block
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -134,8 +147,11 @@ def teardown(ctx: DistContext) -> None:
         dist.destroy_process_group()
 
 
-def wrap(model: nn.Module, ctx: DistContext) -> nn.Module:
+def wrap(model: nn.Module, ctx: DistContext, fsdp: bool = False) -> nn.Module:
     """The model the training step calls: DDP over all ranks, or the model itself on one process.
+
+    fsdp: shard it instead with FSDP2 (`shard`), in place; the returned module is `model` itself.
+    Ignored on one process, where there is nothing to shard over.
 
     With sequence parallelism DDP still spans the whole world, and that gives the unsharded gradient.
     Each rank's loss L_r is the mean over its shard's B·S targets. The weights are replicated, and after
@@ -148,6 +164,8 @@ def wrap(model: nn.Module, ctx: DistContext) -> nn.Module:
     """
     if not ctx.distributed:
         return model
+    if fsdp:
+        return shard(model, ctx)
     ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     return nn.parallel.DistributedDataParallel(model, device_ids=ids)
 
@@ -172,3 +190,77 @@ def barrier(ctx: DistContext) -> None:
     """Wait for every rank (no-op on one process)."""
     if ctx.distributed:
         dist.barrier()
+
+
+def shard(model: nn.Module, ctx: DistContext) -> nn.Module:
+    """Shard `model` in place with FSDP2 over all world ranks: each transformer `Block`, then the root (which
+    takes the rest: embeddings, final norm, the tied head, and so on). Every rank must hold the same weights.
+
+    Over the whole world, with sequence parallelism too, not only over the data-parallel replicas: as for
+    DDP (see `wrap`), the gradient the optimiser needs is the mean of the rank gradients over all world
+    ranks, and FSDP2's reduce-scatter averages over its mesh, so a mesh of the world gives exactly that
+    mean, each rank receiving its shard of it. The sequence groups' halo exchange runs on its own groups
+    beside FSDP's all-gathers, in the same order on every rank. Gradients are reduce-scattered after each
+    micro batch's backward (a sum of means over grad_accum, as with DDP up to float rounding), so no
+    unsharded gradient outlives its backward.
+    """
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    for block in [m for m in model.modules() if isinstance(m, Block)]:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether `model` was sharded by `shard` (FSDP2)."""
+    return isinstance(model, FSDPModule)
+
+
+_GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The unsharded state dict of a sharded model, on the CPU of rank 0 ({} on the others); collective.
+
+    Tied parameters (the LM head's weight is the embedding's) come back as separate copies: they are made
+    one tensor again, so that a checkpoint stores them once, as `model.state_dict()` of the plain model.
+    """
+    state = get_model_state_dict(model, options=_GATHER)
+    if state:
+        first: dict[int, str] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            kept = first.setdefault(id(param), name)
+            if kept != name and name in state:
+                state[name] = state[kept]
+    return state
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The unsharded state of the optimiser of a sharded model, on the CPU of rank 0 ({} on the others),
+    in the format of a plain optimiser's `state_dict()` (parameters numbered in group order), so that a
+    process without FSDP loads it; collective."""
+    state = get_optimizer_state_dict(model, optimizer, options=_GATHER)
+    if not state:
+        return {}
+    by_index, groups, index = {}, [], 0
+    for group in state["param_groups"]:  # parameters named by FQN, in the optimiser's group order
+        numbers = []
+        for name in group["params"]:
+            if name in state["state"]:
+                by_index[index] = state["state"][name]
+            numbers.append(index)
+            index += 1
+        groups.append({**group, "params": numbers})
+    return {"state": by_index, "param_groups": groups}
+
+
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Load a plain optimiser `state_dict()` (every rank holds the whole of it) into the optimiser of a
+    sharded model: each rank keeps its shard of every state tensor."""
+    names = {id(p): name for name, p in model.named_parameters()}  # a tied parameter under its first name
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    if len(order) != sum(len(g["params"]) for g in state["param_groups"]):
+        raise ValueError("the saved optimiser state holds another number of parameters than the model")
+    full = {"state": {order[i]: s for i, s in state["state"].items()},
+            "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, full, options=StateDictOptions(full_state_dict=True))

@@ -6,7 +6,9 @@ generator) is in its checkpoint, so a resumed run repeats the uninterrupted one 
 Ctrl-C is deferred to the next safe point (between micro batches, or once a step is complete) so that
 what is saved is always the state of a step boundary; a second Ctrl-C stops at once. When the loop is left
 by an exception or Ctrl-C, rank 0 first saves the state at the last completed step (unless the stop came
-in the middle of an optimiser update, whose half-written weights must not be saved).
+in the middle of an optimiser update, whose half-written weights must not be saved). With `--fsdp` saving
+gathers the sharded state from every rank, so after an exception nothing is saved (a rank stuck in a
+collective would make the save hang); the message names the latest checkpoint instead.
 On logging steps the records also carry the gate statistics of gated π layers (`train/gates.py`),
 captured from that step's own forward passes.
 """
@@ -33,7 +35,18 @@ import piattn
 
 from ..config import PRECISIONS, TrainConfig
 from . import checkpoint as ckpt
-from .distributed import DistContext, all_reduce_sum, setup, sync_gradients, teardown, wrap
+from .distributed import (
+    DistContext,
+    all_reduce_sum,
+    full_model_state,
+    full_optimizer_state,
+    is_sharded,
+    load_optimizer_state,
+    setup,
+    sync_gradients,
+    teardown,
+    wrap,
+)
 from .gates import GateMonitor
 from .metrics import MetricsWriter, peak_memory_bytes
 from .optim import build_optimizer, clip_gradients, warmup_cosine
@@ -159,7 +172,9 @@ class Trainer:
             ckpt.load_weights(self.model, resume_from)
         if ctx.rank:  # the same initial weights everywhere (DDP broadcasts rank 0's), different dropout masks
             seed_everything(cfg.optim.seed + ctx.rank)
-        self.ddp_model = wrap(self.model, ctx)
+        # FSDP2 shards self.model in place (each rank keeps its shard of the weights every rank built alike).
+        self.ddp_model = wrap(self.model, ctx, fsdp=cfg.run.fsdp)
+        self.sharded = is_sharded(self.model)
         self.gates = GateMonitor(self.model)  # α statistics of the gated π layers, on logging steps only
         o = cfg.optim
         self.optimizer = build_optimizer(self.model, o.lr, o.weight_decay)
@@ -192,7 +207,10 @@ class Trainer:
             raise ValueError(f"--resume: the run was saved with {saved_replicas} data-parallel replica(s) (world "
                              f"size / --sequence-parallel), this one has {self.ctx.data_size}, so the batches of "
                              f"a step would differ; resume on {saved_replicas} × --sequence-parallel processes")
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.sharded:  # every rank read the full state; each keeps its shard
+            load_optimizer_state(self.model, self.optimizer, state["optimizer"])
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         try:
             self.loader.load_state_dict(state["loader"])
@@ -213,7 +231,12 @@ class Trainer:
                 "tokens_seen": self.tokens_seen, "wall_seconds": self.wall_seconds}
 
     def _save(self, boundary: dict, rng_of_all_ranks: bool) -> Path | None:
-        """Rank 0 writes the checkpoint of `boundary`; with `rng_of_all_ranks` every rank must call this."""
+        """Rank 0 writes the checkpoint of `boundary`; with `rng_of_all_ranks`, or a sharded model, every rank
+        must call this (a sharded model's full weights and optimiser state are gathered onto rank 0)."""
+        model_state = optimizer_state = None
+        if self.sharded:
+            model_state, optimizer_state = full_model_state(self.model), full_optimizer_state(self.model,
+                                                                                               self.optimizer)
         rngs = [boundary["rng"]]
         if rng_of_all_ranks and self.ctx.distributed:
             # As bytes: all_gather_object cannot carry the tensors inside an RNG state (torch 2.13).
@@ -224,10 +247,13 @@ class Trainer:
             rngs = [torch.load(io.BytesIO(b), weights_only=True) for b in gathered]
         if not self.ctx.is_main:
             return None
-        state = {**boundary, "rng": rngs, "optimizer": self.optimizer.state_dict(),
+        if optimizer_state is None:
+            optimizer_state = self.optimizer.state_dict()
+        state = {**boundary, "rng": rngs, "optimizer": optimizer_state,
                  "scheduler": self.scheduler.state_dict(), "world_size": self.ctx.world_size,
                  "data_parallel": self.ctx.data_size}
-        return ckpt.save_checkpoint(self.ckpt_root, boundary["step"], model=self.model, trainer_state=state,
+        return ckpt.save_checkpoint(self.ckpt_root, boundary["step"], model=self.model, model_state=model_state,
+                                    trainer_state=state,
                                     config={**self.config, "step": boundary["step"]},
                                     save_assets=self.task.save_assets, keep=self.cfg.run.keep)
 
@@ -269,6 +295,10 @@ class Trainer:
         r, ctx, steps = self.cfg.run, self.ctx, self.cfg.optim.steps
         if ctx.is_main:
             start = f"resumed from {self.resumed_from} at step {self.step}" if self.resumed_from else "fresh start"
+            if self.sharded:
+                start += "; weights, gradients and optimiser state sharded (FSDP2)"
+            elif self.cfg.run.fsdp:
+                start += "; --fsdp: one process, nothing to shard"
             print(f"piattn train: {self.task.name}, {sum(p.numel() for p in self.model.parameters()):,} parameters, "
                   f"{ctx.world_size} × {ctx.device}, "
                   f"{self.amp_dtype or torch.float32}; {start}", file=sys.stderr)
@@ -317,7 +347,11 @@ class Trainer:
                     self.interrupt.check()
         except BaseException:
             # Only rank 0 writes, from its own state: other ranks may be stuck in a collective by now.
-            if ctx.is_main and self._updating:
+            if ctx.is_main and self.sharded:
+                print(f"piattn train: stopped; not saved (with --fsdp a save gathers from every rank, which "
+                      f"could hang now); the latest checkpoint is {ckpt.read_latest(self.ckpt_root)}",
+                      file=sys.stderr)
+            elif ctx.is_main and self._updating:
                 print(f"piattn train: stopped inside an optimiser update, not saved; the latest checkpoint "
                       f"is {ckpt.read_latest(self.ckpt_root)}", file=sys.stderr)
             elif ctx.is_main and boundary["step"] > 0:

@@ -10,6 +10,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 BETAS = (0.9, 0.95)
 EPS = 1e-8
@@ -76,7 +77,10 @@ def clip_gradients(parameters, max_norm: float) -> torch.Tensor:
     """Scale all gradients together so their global ℓ2 norm is at most `max_norm` (<= 0: no clipping).
 
     Returns the norm before clipping as a 0-d tensor (reading it waits for the device, so callers read
-    it only when they log it).
+    it only when they log it). With FSDP2 the gradients are DTensor shards and `clip_grad_norm_` computes
+    the norm over all shards (a replicated DTensor, returned here as its local, full value), so the scale
+    is that of the unsharded gradient on every rank.
     """
     params = [p for p in parameters if p.grad is not None]
-    return nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
+    norm = nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
