@@ -68,13 +68,40 @@ def pi_attention(
     needs_grad = _torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     chosen = select(backend, device=q.device, dtype=q.dtype, head_dim=D, needs_grad=needs_grad,
                     dropout_p=dropout_p)
+    asked = Pattern(window, period, causal)
+    used = usable_pattern(asked, T)
     keep = None
     if dropout_p > 0:
-        # One mask layout for every backend, so that equal seeds give equal results across backends.
-        n_slots = Pattern(window, period, causal).n_slots
-        keep = _torch.rand(B, H, T, n_slots, device=q.device) >= dropout_p
+        # One mask layout for every backend, so that equal seeds give equal results across backends; drawn
+        # for the pattern asked for, so that clamping it changes no result.
+        keep = _torch.rand(B, H, T, asked.n_slots, device=q.device) >= dropout_p
+        if used != asked:
+            keep = _slots_of(keep, asked, used)
     return chosen.load()(
-        q, k, v, gate, window=window, period=period, causal=causal, variant=variant, prior=prior,
+        q, k, v, gate, window=used.window, period=used.period, causal=causal, variant=variant, prior=prior,
         logit_clamp=logit_clamp, eps=eps, scale=D**-0.5 if scale is None else scale,
         dropout_keep=keep, dropout_p=dropout_p,
     )
+
+
+def usable_pattern(pattern: Pattern, T: int) -> Pattern:
+    """The pattern with the same keys inside [0, T) for every query, no wider than T can use.
+
+    A window beyond T - 1 reads nothing more (and costs memory ~window² in blocked backends), so it is
+    clamped to T - 1; a period >= T never reaches a key, so it becomes no skip at all: a period within the
+    window (1), or where the window is 0, the period T (a skip slot that no query can use).
+    """
+    window = min(pattern.window, T - 1)
+    period = pattern.period
+    if period >= T:
+        period = 1 if window >= 1 else T
+    return Pattern(window, period, pattern.causal)
+
+
+def _slots_of(keep: _torch.Tensor, asked: Pattern, used: Pattern) -> _torch.Tensor:
+    """A dropout mask [B, H, T, |U|] laid out for `asked` -> laid out for `used`, slot by offset; a slot
+    `asked` lacks (its key lies outside [0, T) for every query) is kept."""
+    slot = {o: m for m, o in enumerate(asked.offsets)}
+    keep = _torch.cat([keep, keep.new_ones(keep.shape[:-1] + (1,))], -1)
+    index = _torch.tensor([slot.get(o, asked.n_slots) for o in used.offsets], device=keep.device)
+    return keep.index_select(-1, index)

@@ -23,6 +23,16 @@ from .validate import SUPPORTED_DTYPES
 TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def refuse_double_backward(backend: str) -> None:
+    """Called first in a hand-written backward: raise a clear error when autograd is asked for a graph of
+    the gradient (create_graph=True, for double backward), which that backward cannot give."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(
+            f"double backward (create_graph=True) is not supported by backend {backend!r}; "
+            f"backend='reference' (plain autograd) supports it"
+        )
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

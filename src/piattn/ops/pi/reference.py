@@ -43,7 +43,11 @@ def pi_attention_reference(
         raw = idx + o
         valid = (raw >= 0) & (raw < T)
         g = raw.clamp(0, T - 1).view(1, 1, T, 1).expand(B, H, T, D)
-        kg, vg = torch.gather(k, 2, g), torch.gather(v, 2, g)
+        # Keys outside [0, T) are zeros, not the clamped edge rows: 0·NaN would carry a NaN in k[0], v[0],
+        # k[T-1] or v[T-1] to queries that never read it (through the weight 0, and dq through z's mask).
+        inside = valid.view(1, 1, T, 1)
+        kg = torch.where(inside, torch.gather(k, 2, g), 0.0)
+        vg = torch.where(inside, torch.gather(v, 2, g), 0.0)
         z = (q * kg).sum(-1) * scale  # Eq. (z)
         if logit_clamp is not None:
             z = z.clamp(-logit_clamp, logit_clamp)
@@ -52,7 +56,7 @@ def pi_attention_reference(
         values.append(vg)
     logits = torch.stack(logits, -1)  # [B, H, T, |U|]
     if variant == "separate":
-        w = _separate_weights(logits, gate.to(acc), pat.n_local)
+        w = _separate_weights(logits, gate.to(acc), pat.n_local, pat.valid(T, q.device))
     else:
         w = torch.softmax(logits, -1)  # Eq. (alphahat_adapt)
     if dropout_keep is not None:
@@ -60,10 +64,13 @@ def pi_attention_reference(
     return (w.unsqueeze(-1) * torch.stack(values, -2)).sum(-2).to(out_dtype)  # Eq. (attn_adapt)
 
 
-def _separate_weights(logits: torch.Tensor, gate: torch.Tensor, n_local: int) -> torch.Tensor:
-    """Variant 1 (Eq. gamma): α·softmax over N_r and (1 − α)·softmax over N_π, local alone where N_π is empty."""
+def _separate_weights(logits: torch.Tensor, gate: torch.Tensor, n_local: int, valid: torch.Tensor) -> torch.Tensor:
+    """Variant 1 (Eq. gamma): α·softmax over N_r and (1 − α)·softmax over N_π, local alone where N_π is empty.
+
+    valid [T, |U|]: whether a slot's key lies in [0, T) (from the pattern, not from finite logits, so
+    that a NaN skip logit is not mistaken for an empty N_π)."""
     local, skip = logits[..., :n_local], logits[..., n_local:]
-    has_skip = torch.isfinite(skip).any(-1, keepdim=True)
+    has_skip = valid[:, n_local:].any(-1, keepdim=True)
     # Rows without a valid skip would softmax over all -inf; give them finite logits, then drop them.
     skip_w = torch.softmax(torch.where(has_skip, skip, torch.zeros_like(skip)), -1) * has_skip
     a = torch.where(has_skip, gate.unsqueeze(-1), torch.ones_like(gate).unsqueeze(-1))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from .backends import refuse_double_backward
 from .pattern import Pattern, log_priors
 
 BLOCK = 16  # query rows per matrix product: few enough that the band wastes little work (see benchmarks)
@@ -143,19 +144,35 @@ def _skip_rows(c: _Chunk, offset: int) -> tuple[slice, slice, slice]:
     return slice(lo, hi), slice(lo + offset, hi + offset), slice(lo - c.start, hi - c.start)
 
 
-def _slot_scores(a, b, c: _Chunk, pat: Pattern, out) -> None:
+def _slot_scores(a, b, c: _Chunk, pat: Pattern, out, finite: bool = True) -> None:
     """out[:, m, i - start] = a[i] · b[i + offset_m] for i in the chunk (a, b [N, T, D]; out [N, M, L]).
 
-    Skip slots whose key lies outside [0, T) are left untouched.
+    Slots whose key lies outside [0, T) are left untouched when not `finite` (skip slots always).
+    `finite=False` (some input is NaN or ±inf) computes slot by slot, so that a bad row only reaches the
+    queries that read it: a blocked product would multiply it by the zeros off the band (0·NaN = NaN).
     """
-    c.extract(c.blocks(a) @ c.windows(b).transpose(-1, -2), out[:, : pat.n_local])
+    if finite:
+        c.extract(c.blocks(a) @ c.windows(b).transpose(-1, -2), out[:, : pat.n_local])
+    else:
+        for m, o in enumerate(pat.local_offsets):
+            rows, keys, rel = _skip_rows(c, o)
+            out[:, m, rel] = torch.linalg.vecdot(a[:, rows], b[:, keys])
     for m, o in enumerate(pat.skip_offsets, start=pat.n_local):
         rows, keys, rel = _skip_rows(c, o)
         out[:, m, rel] = torch.linalg.vecdot(a[:, rows], b[:, keys])
 
 
-def _apply_weights(w, x, c: _Chunk, pat: Pattern, out, zeros: dict) -> None:
-    """out[i] = Σ_m w[:, m, i - start] · x[i + offset_m] for i in the chunk (w [N, M, L], x, out [N, T, D])."""
+def _apply_weights(w, x, c: _Chunk, pat: Pattern, out, zeros: dict, finite: bool = True) -> None:
+    """out[i] = Σ_m w[:, m, i - start] · x[i + offset_m] for i in the chunk (w [N, M, L], x, out [N, T, D]).
+
+    `finite=False`: slot by slot over keys inside [0, T) only (see `_slot_scores`).
+    """
+    if not finite:
+        out[:, c.rows] = 0
+        for m, o in enumerate(pat.offsets):
+            rows, keys, rel = _skip_rows(c, o)
+            out[:, rows].addcmul_(w[:, m, rel, None], x[:, keys])
+        return
     weights, values = c.scatter(w[:, : pat.n_local], zeros), c.windows(x)
     if c.end == c.stop:  # whole blocks: the product lands in `out` directly
         torch.matmul(weights, values, out=out[:, c.rows].unflatten(1, (c.nb, c.block)))
@@ -166,25 +183,31 @@ def _apply_weights(w, x, c: _Chunk, pat: Pattern, out, zeros: dict) -> None:
         out[:, rows].addcmul_(w[:, m, rel, None], x[:, keys])
 
 
-def _apply_weights_transposed(w, x, c: _Chunk, pat: Pattern, out, zeros: dict) -> None:
+def _apply_weights_transposed(w, x, c: _Chunk, pat: Pattern, out, zeros: dict, finite: bool = True) -> None:
     """out[i + offset_m] += w[:, m, i - start] · x[i] for i in the chunk: the adjoint of `_apply_weights`."""
-    c.fold_into(c.scatter(w[:, : pat.n_local], zeros).transpose(-1, -2) @ c.blocks(x), out)
+    if finite:
+        c.fold_into(c.scatter(w[:, : pat.n_local], zeros).transpose(-1, -2) @ c.blocks(x), out)
+    else:
+        for m, o in enumerate(pat.local_offsets):
+            rows, keys, rel = _skip_rows(c, o)
+            out[:, keys].addcmul_(w[:, m, rel, None], x[:, rows])
     for m, o in enumerate(pat.skip_offsets, start=pat.n_local):
         rows, keys, rel = _skip_rows(c, o)
         out[:, keys].addcmul_(w[:, m, rel, None], x[:, rows])
 
 
-def _weights(logits: torch.Tensor, variant: str, gate: torch.Tensor | None, n_local: int):
+def _weights(logits: torch.Tensor, variant: str, gate: torch.Tensor | None, n_local: int, valid: torch.Tensor):
     """Softmax of the fused logits [N, M, L] over slots. Returns (w, probs, coef): w = coef·probs.
 
     One group (every slot) for all variants but "separate", which normalises local and skip slots
-    apart and mixes them with coef = (α, 1 − α), or (1, 0) where no skip key exists.
+    apart and mixes them with coef = (α, 1 − α), or (1, 0) where no skip key exists (valid [M, L]: the
+    slot's key lies in [0, T); from the pattern, not the logits, so that a NaN logit is not taken for none).
     """
     if variant != "separate" or logits.shape[1] == n_local:
         p = torch.softmax(logits, 1)
         return p, p, None
     local, skip = logits[:, :n_local], logits[:, n_local:]
-    has_skip = torch.isfinite(skip).any(1, keepdim=True)
+    has_skip = valid[None, n_local:].any(1, keepdim=True)
     p_skip = torch.softmax(skip.masked_fill(~has_skip, 0.0), 1) * has_skip
     probs = torch.cat([torch.softmax(local, 1), p_skip], 1)
     a = torch.where(has_skip, gate.unsqueeze(1), torch.ones_like(gate).unsqueeze(1))
@@ -236,6 +259,7 @@ class PiAttentionFunction(torch.autograd.Function):
         log_local, log_skip = log_priors(variant, gf, prior, eps)
         valid = pat.valid(T, q.device).T  # [M, T]
         keep = _keep_multiplier(dropout_keep, dropout_p, acc)
+        finite = _all_finite(qf, kf, vf, gf)
 
         y = torch.empty(N, T, D, dtype=acc, device=q.device)
         w = torch.empty(N, pat.n_slots, T, dtype=acc, device=q.device)
@@ -246,7 +270,7 @@ class PiAttentionFunction(torch.autograd.Function):
         for h, c in _chunks(T, window, causal, qf):
             r = c.rows
             z = torch.empty(h.stop - h.start, pat.n_slots, c.stop - c.start, dtype=acc, device=q.device)
-            _slot_scores(qf[h], kf[h], c, pat, z)
+            _slot_scores(qf[h], kf[h], c, pat, z, finite)
             z *= scale
             if logit_clamp is not None:
                 clamp_pass[h, :, r] = z.abs() <= logit_clamp
@@ -254,11 +278,11 @@ class PiAttentionFunction(torch.autograd.Function):
             z[:, : pat.n_local] += _chunk_addend(log_local, h, r)
             z[:, pat.n_local :] += _chunk_addend(log_skip, h, r)
             z.masked_fill_(~valid[:, r], float("-inf"))
-            wc, pc, cc = _weights(z, variant, None if gf is None else gf[h, r], pat.n_local)
+            wc, pc, cc = _weights(z, variant, None if gf is None else gf[h, r], pat.n_local, valid[:, r])
             w[h, :, r] = wc
             if coef is not None:
                 probs[h, :, r], coef[h, :, r] = pc, cc
-            _apply_weights(wc if keep is None else wc * keep[h, :, r], vf[h], c, pat, y[h], zeros)
+            _apply_weights(wc if keep is None else wc * keep[h, :, r], vf[h], c, pat, y[h], zeros, finite)
 
         ctx.save_for_backward(q, k, v, gate, w, None if probs is w else probs, coef, clamp_pass, dropout_keep)
         ctx.cfg = (window, period, causal, variant, eps, scale, dropout_p)
@@ -266,6 +290,7 @@ class PiAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        refuse_double_backward("torch")
         q, k, v, gate, w, probs, coef, clamp_pass, keep = ctx.saved_tensors
         probs = w if probs is None else probs
         window, period, causal, variant, eps, scale, dropout_p = ctx.cfg
@@ -278,6 +303,7 @@ class PiAttentionFunction(torch.autograd.Function):
         gf = None if gate is None else gate.reshape(N, T).to(acc)
         keep = _keep_multiplier(keep, dropout_p, acc)
         want_gate = ctx.needs_input_grad[3]
+        finite = _all_finite(qf, kf, vf, gf, dyf)
 
         dq = torch.empty_like(qf)
         dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
@@ -287,11 +313,11 @@ class PiAttentionFunction(torch.autograd.Function):
             r = c.rows
             wc, pc = w[h, :, r], probs[h, :, r]
             dw = torch.zeros_like(wc)  # dL/dW = dY · V over U(i); invalid skip slots stay 0
-            _slot_scores(dyf[h], vf[h], c, pat, dw)
+            _slot_scores(dyf[h], vf[h], c, pat, dw, finite)
             if keep is not None:
                 wc_kept = wc * keep[h, :, r]
                 dw *= keep[h, :, r]
-            _apply_weights_transposed(wc if keep is None else wc_kept, dyf[h], c, pat, dv[h], zeros)
+            _apply_weights_transposed(wc if keep is None else wc_kept, dyf[h], c, pat, dv[h], zeros, finite)
             d_logits, d_coef = _softmax_backward(dw, wc, pc, None if coef is None else coef[h, :, r],
                                                  pat.n_local)
             if want_gate:
@@ -299,11 +325,20 @@ class PiAttentionFunction(torch.autograd.Function):
             if clamp_pass is not None:
                 d_logits *= clamp_pass[h, :, r]
             d_logits *= scale
-            _apply_weights(d_logits, kf[h], c, pat, dq[h], zeros)
-            _apply_weights_transposed(d_logits, qf[h], c, pat, dk[h], zeros)
+            _apply_weights(d_logits, kf[h], c, pat, dq[h], zeros, finite)
+            _apply_weights_transposed(d_logits, qf[h], c, pat, dk[h], zeros, finite)
         return (dq.view(B, H, T, D).to(q.dtype), dk.view(B, H, T, D).to(k.dtype),
                 dv.view(B, H, T, D).to(v.dtype), None if dgate is None else dgate.view_as(gate).to(gate.dtype),
                 ) + (None,) * 10
+
+
+def _all_finite(*xs: torch.Tensor | None) -> bool:
+    """Whether every element is finite: then blocked products (fast); else slot by slot (a host sync).
+
+    From the sums (one fast reduction each): a NaN or ±inf element makes its sum NaN or ±inf. A sum that
+    overflows from finite elements only sends the call down the slow path, which gives the same results.
+    """
+    return bool(torch.isfinite(torch.stack([x.sum() for x in xs if x is not None])).all())
 
 
 def _keep_multiplier(keep: torch.Tensor | None, p: float, dtype: torch.dtype) -> torch.Tensor | None:

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from .backends import refuse_double_backward
 from .pattern import Pattern, log_priors
 from .triton_kernels import (
     MODE_ADAPTIVE,
@@ -139,8 +140,8 @@ class _PiAttentionTriton(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
+        refuse_double_backward("triton")
         q, k, v, gate, keep, stats = ctx.saved_tensors
         want_dgate = gate is not None and ctx.needs_input_grad[3]
         dq, dk, dv, dgate = triton_backward(dy, q, k, v, gate, keep, stats, ctx.launch, want_dgate=want_dgate)
