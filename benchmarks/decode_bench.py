@@ -6,7 +6,7 @@ values rather than by decoding every earlier token (decoding 128K tokens per poi
 CPU); the time of a step does not depend on what the cache holds. Memory: the cache's own bytes and the
 process's resident set after the timed steps.
 
-    python benchmarks/decode_bench.py --out benchmarks/results          # 1K … 128K, ~3 min on 2 cores
+    python benchmarks/decode_bench.py --out benchmarks/results          # 512 … 128K, ~3 min on 2 cores
     python benchmarks/plot_decode.py benchmarks/results/decode_bench.json
 """
 
@@ -25,7 +25,7 @@ from piattn.benchmarking import fill_cache, machine_info, rss_kib, save_results
 from piattn.models import GPT, GPTConfig
 
 KINDS = ("pi", "local", "dense")
-POSITIONS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+POSITIONS = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 
 def run_case(kind: str, position: int, steps: int, config: str) -> dict:
@@ -71,8 +71,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--positions", type=int, nargs="+", default=list(POSITIONS))
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--config", default="tiny")
+    parser.add_argument("--threads", type=int, help="intra-op threads (default: torch's); 1 is steadier on a "
+                        "shared machine, where two threads wait on each other")
     parser.add_argument("--case", nargs=2, metavar=("KIND", "POSITION"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.case:  # child process: one measurement, printed as JSON
         print(json.dumps(run_case(args.case[0], int(args.case[1]), args.steps, args.config)))
         return
@@ -80,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     for position in args.positions:
         for kind in KINDS:
             cmd = [sys.executable, __file__, "--case", kind, str(position), "--steps", str(args.steps),
-                   "--config", args.config]
+                   "--config", args.config] + (["--threads", str(args.threads)] if args.threads else [])
             row = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
             rows.append(row)
             print(f"{kind:6s} position {position:>7,}: {row['tokens_per_s']:8.1f} tok/s, "

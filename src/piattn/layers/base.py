@@ -93,22 +93,41 @@ class AttentionLayer(nn.Module):
             return GrowingCache(batch_size, self.n_heads, self.head_dim, device=device, dtype=dtype)
         return RingCache(batch_size, self.n_heads, self.head_dim, capacity, device=device, dtype=dtype)
 
+    # `attend_cached` uses `attend_recent` (when the kind has one) for steps of at most this many new tokens.
+    # Its cost is t·(window + 2) gathered keys against the blocked operator's fixed per-call overhead plus
+    # O((n + t)·window): a win for the one-token steps of generation and for short drafts, while prompts
+    # (hundreds of rows) are better served by the blocked operator, which never materialises [t, |U|, D].
+    fast_decode_max_tokens: ClassVar[int] = 4
+
+    def attend_recent(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      x: torch.Tensor) -> torch.Tensor | None:
+        """The last t rows of `attend` on N rows, from q [B, H, t, D] and x [B, t, d] of those t rows and
+        k, v [B, H, N, D] of all N, in eval (no dropout); None for kinds without such a path."""
+        return None
+
     def attend_cached(self, x: torch.Tensor, cache: LayerCache) -> torch.Tensor:
         """x [B, t, d] of the t tokens after what `cache` has seen -> [B, H, t, D]; appends them to cache.
 
-        The n cached positions are put back in front of the new ones and `attend` runs on the n + t
-        rows; the outputs of the n old rows are dropped. This is exact because the cache reaches back as
-        far as any new query looks (`cache_capacity`), and when it holds fewer positions than that the
-        text starts there, so positions outside the block are outside the text too. The old rows cost
-        O(capacity) per step: constant.
+        Few new tokens (t <= `fast_decode_max_tokens`, no dropout, not sharded): `attend_recent` on the
+        new queries against the n cached and t new keys, if the kind has it (`pi`, `local`: only the
+        <= window + 2 keys each query reads are touched). Otherwise the n cached positions are put back in
+        front of the new ones and `attend` runs on the n + t rows; the outputs of the n old rows are
+        dropped. Both are exact because the cache reaches back as far as any new query looks
+        (`cache_capacity`), and when it holds fewer positions than that the text starts there, so
+        positions outside the block are outside the text too. The old rows cost O(capacity) per step:
+        constant.
         """
         q, k, v = self.heads(x, offset=cache.seen)
         k_old, v_old = cache.recent()
         cache.append(k, v)
-        n = k_old.shape[2]
+        k_all, v_all = torch.cat([k_old, k], 2), torch.cat([v_old, v], 2)
+        t, n = x.shape[1], k_old.shape[2]
+        if t <= self.fast_decode_max_tokens and self.attention_dropout == 0 and active_shard() is None:
+            y = self.attend_recent(q, k_all, v_all, x)
+            if y is not None:
+                return y
         pad = x.new_zeros(x.shape[0], n, x.shape[2])
-        y = self.attend(torch.cat([torch.zeros_like(k_old), q], 2), torch.cat([k_old, k], 2),
-                        torch.cat([v_old, v], 2), torch.cat([pad, x], 1))
+        y = self.attend(torch.cat([torch.zeros_like(k_old), q], 2), k_all, v_all, torch.cat([pad, x], 1))
         return y[:, :, n:]
 
     def shard_offset(self, shard_len: int) -> int:

@@ -6,6 +6,7 @@ import torch
 
 from ..config import PI_DEFAULTS, ModelConfig
 from ..masks.local import check_window
+from ..ops.pi.decode import decode_rows
 from .base import AttentionLayer
 from .sharding import pi_operator
 
@@ -43,3 +44,9 @@ class LocalAttention(AttentionLayer):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """q, k, v [B, H, T, D] -> [B, H, T, D]."""
         return pi_operator(q, k, v, dropout_p=self.attention_dropout, **self.op_kwargs)
+
+    def attend_recent(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The last t rows of `attend` (causal, eval) from the t new rows' q and all N rows' k, v."""
+        w = self.op_kwargs["window"]
+        return decode_rows(q, k, v, None, window=w, period=w, variant="union", prior=PI_DEFAULTS.prior,
+                           logit_clamp=self.op_kwargs["logit_clamp"], eps=PI_DEFAULTS.eps, scale=self.head_dim**-0.5)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 
 from ..config import PI_DEFAULTS, ModelConfig, PiSettings
+from ..ops.pi.decode import decode_rows
 from .base import AttentionLayer
 from .gate import gate_mlp, gate_values
 from .sharding import pi_operator
@@ -29,13 +30,11 @@ class PiAttention(AttentionLayer):
 
     The gate α = ε + (1 − 2ε)·σ(MLP(x)) is computed from the layer input x (one value per head and
     token) for the variants that use it ("adaptive", "separate"); "union" and "fixed" have no gate MLP.
-<<<<<<< HEAD
     Inside `piattn.layers.sharding.sequence_parallel(group)` it runs on a shard of the sequence: the gate
     is per token, and the operator exchanges the halo rows the shard's queries read with the other ranks.
-=======
     `observe_gate` lets a caller (the trainer's gate statistics, `piattn inspect`) read the α̃ each forward
-    computes, at no cost while no observer is set.
->>>>>>> wave2-inspect
+    computes, at no cost while no observer is set. Cached decoding steps of a few tokens run `pi_decode`
+    (`attend_recent`), which reads only the keys the new queries attend to.
     """
 
     sequence_parallel = True
@@ -50,6 +49,8 @@ class PiAttention(AttentionLayer):
                                    logit_clamp=logit_clamp, eps=eps)
         self.op_kwargs = dict(**self.settings.as_kwargs(), causal=causal, backend=backend)
         self.gate = gate_mlp(d_model, n_heads, gate_hidden) if self.settings.gated else None
+        # `attend_recent`'s settings (no causal, backend; the scale spelled out), once rather than per step.
+        self._decode_kwargs = dict(**self.settings.as_kwargs(), scale=self.head_dim**-0.5)
         self._gate_observer: Callable[[torch.Tensor], None] | None = None
 
     @classmethod
@@ -80,3 +81,10 @@ class PiAttention(AttentionLayer):
         if self._gate_observer is not None:
             self._gate_observer(gate.detach())
         return pi_operator(q, k, v, gate, dropout_p=self.attention_dropout, **self.op_kwargs)
+
+    def attend_recent(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The last t rows of `attend` (causal, eval) from the t new rows' q, x and all N rows' k, v."""
+        gate = self.gate_values(x)
+        if self._gate_observer is not None:
+            self._gate_observer(gate.detach())
+        return decode_rows(q, k, v, gate, **self._decode_kwargs)
