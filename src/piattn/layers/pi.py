@@ -16,7 +16,7 @@ from .sharding import pi_operator
 class PiAttention(AttentionLayer):
     """Multi-head π-Attention on [B, T, d_model] inputs.
 
-    Parameter names match the seed's appendix module (`qkv`, `out`, `gate.0`, `gate.2`), so its state
+    Parameter names match the paper's appendix module (`qkv`, `out`, `gate.0`, `gate.2`), so its state
     dict loads strictly and, with rotary=False, gives the same output.
 
     Args:
