@@ -67,7 +67,7 @@ def test_low_precision_accumulates_in_fp32():
     (dict(k=torch.zeros(2, 3, 1, 8), v=torch.zeros(2, 3, 1, 8)), r"^k must hold at least"),
     (dict(k=torch.zeros(2, 3, 9, 4), v=torch.zeros(2, 3, 9, 4)), r"^k must have shape"),
     (dict(v=torch.zeros(2, 3, 8, 8)), r"^k and v must share"),
-    (dict(q=torch.zeros(2, 3, 8)), r"^q must have 4 dims"),
+    (dict(q=torch.zeros(2, 3, 8)), r"^q must have shape \[B, H, \*, D\] \(4 dims\)"),
     (dict(q=torch.zeros(2, 3, 2, 8, dtype=torch.float64)), r"^q, k and v must share one dtype"),
     (dict(gate=None), r"^variant 'adaptive' needs gate"),
     (dict(gate=torch.full((2, 3, 3), 0.5)), r"^gate must have shape"),

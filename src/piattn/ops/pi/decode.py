@@ -17,7 +17,7 @@ import torch
 
 from ...config.pi import PI_DEFAULTS, check_pi_settings
 from .pattern import Pattern, log_priors
-from .validate import SUPPORTED_DTYPES, _check_gate
+from .validate import _check_gate, check_qkv_tensors
 
 
 @functools.lru_cache(maxsize=256)
@@ -34,14 +34,7 @@ def _slots(window: int, period: int, n_queries: int, n_keys: int, device: torch.
 
 
 def _check(q, k, v) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor of shape [B, H, *, D], got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dims [B, H, *, D], got shape {tuple(t.shape)}")
-        if t.dtype not in SUPPORTED_DTYPES:
-            allowed = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
-            raise ValueError(f"{name} has dtype {t.dtype}; allowed: {allowed}")
+    check_qkv_tensors(q, k, v, layout="[B, H, *, D]")
     if k.shape != v.shape:
         raise ValueError(f"k and v must share one shape [B, H, N, D]; got k {tuple(k.shape)}, v {tuple(v.shape)}")
     B, H, t, D = q.shape
@@ -51,10 +44,6 @@ def _check(q, k, v) -> None:
         raise ValueError(f"q must have at least one row and D >= 1, got shape {tuple(q.shape)}")
     if k.shape[2] < t:
         raise ValueError(f"k must hold at least the t = {t} new rows of q, got N = {k.shape[2]}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k and v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.device != q.device or v.device != q.device:
-        raise ValueError(f"q, k and v must be on one device; got {q.device}, {k.device}, {v.device}")
 
 
 def pi_decode(

@@ -14,26 +14,31 @@ from ...config.pi import GATED_VARIANTS, check_pi_settings
 SUPPORTED_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
-def check_arguments(
-    q, k, v, gate, *, window, period, causal, variant, prior, logit_clamp, eps, scale, dropout_p
-) -> None:
+def check_qkv_tensors(q, k, v, layout: str = "[B, H, T, D]") -> None:
+    """q, k, v are 4-dim tensors of a supported dtype, one dtype and one device (shapes: the caller's)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor of shape [B, H, T, D], got {type(t).__name__}")
+            raise ValueError(f"{name} must be a torch.Tensor of shape {layout}, got {type(t).__name__}")
         if t.dim() != 4:
-            raise ValueError(f"{name} must have shape [B, H, T, D] (4 dims), got {tuple(t.shape)}")
+            raise ValueError(f"{name} must have shape {layout} (4 dims), got {tuple(t.shape)}")
         if t.dtype not in SUPPORTED_DTYPES:
             allowed = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
             raise ValueError(f"{name} has dtype {t.dtype}; allowed: {allowed}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k and v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k and v must be on one device; got {q.device}, {k.device}, {v.device}")
+
+
+def check_arguments(
+    q, k, v, gate, *, window, period, causal, variant, prior, logit_clamp, eps, scale, dropout_p
+) -> None:
+    check_qkv_tensors(q, k, v)
     if k.shape != q.shape or v.shape != q.shape:
         raise ValueError(
             f"q, k and v must share one shape [B, H, T, D]; got q {tuple(q.shape)}, "
             f"k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k and v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.device != q.device or v.device != q.device:
-        raise ValueError(f"q, k and v must be on one device; got {q.device}, {k.device}, {v.device}")
     if q.shape[2] < 1 or q.shape[3] < 1:
         raise ValueError(f"q must have T >= 1 and D >= 1, got shape {tuple(q.shape)}")
     check_pi_settings(window=window, period=period, variant=variant, prior=prior, logit_clamp=logit_clamp,
