@@ -3,7 +3,9 @@ comparison of a run's metrics and weights with a one-process reference."""
 
 from __future__ import annotations
 
+import argparse
 import os
+import shutil
 import subprocess
 import sys
 
@@ -11,6 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from piattn.commands.train import add_arguments
+from piattn.config import TrainConfig
 from piattn.train.metrics import read_metrics
 
 STEPS = 4
@@ -59,3 +63,20 @@ def assert_same_training(run, reference):
             torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=5e-5, msg=f"step {step}: {name}")
     moved = max(float((weights(reference, STEPS)[k] - weights(reference, 1)[k]).abs().max()) for k in a)
     assert moved > 1e-2  # training moves the weights far beyond the tolerance
+
+
+def stopped_at(run, step, into):
+    """A copy of `run` as if it had stopped after checkpoint `step`."""
+    shutil.copytree(run, into)
+    root = into / "checkpoints"
+    for later in range(step + 1, STEPS + 1):
+        shutil.rmtree(root / f"step_{later:08d}")
+    (root / "latest").write_text(f"step_{step:08d}\n")
+    return into
+
+
+def parse(args: list[str]) -> TrainConfig:
+    """The TrainConfig of a `piattn train ...` argument list (`args[0]` is "train")."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return TrainConfig.from_args(parser.parse_args(args[1:]))

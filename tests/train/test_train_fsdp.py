@@ -12,38 +12,21 @@ the weights after every step closely. Checkpoints are gathered onto rank 0 and w
 
 from __future__ import annotations
 
-import argparse
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
-from distributed_runs import STEPS, assert_same_training, checkpoint, common_args, torchrun, weights
+from distributed_runs import STEPS, assert_same_training, checkpoint, common_args, parse, stopped_at, torchrun, weights
 from safetensors import safe_open
 
 from piattn.cli import main
-from piattn.commands.train import add_arguments, train_config
-from piattn.config import TrainConfig
+from piattn.commands.train import train_config
 from piattn.train.checkpoint import load_trainer_state
 from piattn.train.metrics import read_metrics
-from utils import write_word_corpus
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_word_corpus(tmp_path_factory.mktemp("fsdp") / "corpus",
-                             {"train": [300] * 3, "validation": [300], "test": [300]})
-
-
-@pytest.fixture(scope="module")
-def reference(corpus):
-    out = corpus.parent / "reference"
-    assert main(common_args(corpus, out, "--batch-size", "2")) == 0
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -61,22 +44,6 @@ def fsdp_sequence_parallel_run(corpus):
     done = torchrun(2, common_args(corpus, out, "--batch-size", "2", "--sequence-parallel", "2", "--fsdp"))
     assert done.returncode == 0, done.stderr[-3000:]
     return out
-
-
-def stopped_at(run, step, into):
-    """A copy of `run` as if it had stopped after checkpoint `step`."""
-    shutil.copytree(run, into)
-    root = into / "checkpoints"
-    for later in range(step + 1, STEPS + 1):
-        shutil.rmtree(root / f"step_{later:08d}")
-    (root / "latest").write_text(f"step_{step:08d}\n")
-    return into
-
-
-def parse(args: list[str]) -> TrainConfig:
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    return TrainConfig.from_args(parser.parse_args(args[1:]))
 
 
 def test_fsdp_on_two_ranks_matches_one_process(fsdp_run, reference):

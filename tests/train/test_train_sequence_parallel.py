@@ -11,33 +11,15 @@ round-off in near-zero gradient entries, hence the absolute weight tolerance of 
 
 from __future__ import annotations
 
-import argparse
-import shutil
-
 import pytest
 import torch
-from distributed_runs import STEPS, assert_same_training, common_args, torchrun
+from distributed_runs import assert_same_training, common_args, parse, stopped_at, torchrun
 
 from piattn.cli import main
-from piattn.commands.train import add_arguments, train_config
-from piattn.config import TrainConfig
+from piattn.commands.train import train_config
 from piattn.train.checkpoint import load_trainer_state, read_latest
-from utils import write_word_corpus
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    return write_word_corpus(tmp_path_factory.mktemp("sp") / "corpus",
-                             {"train": [300] * 3, "validation": [300], "test": [300]})
-
-
-@pytest.fixture(scope="module")
-def reference(corpus):
-    out = corpus.parent / "reference"
-    assert main(common_args(corpus, out, "--batch-size", "2")) == 0
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -64,22 +46,6 @@ def test_two_replicas_of_two_ranks_per_sequence_match_one_process(two_by_two_run
     assert_same_training(two_by_two_run, reference)
     state = load_trainer_state(read_latest(two_by_two_run / "checkpoints"))
     assert (state["world_size"], state["data_parallel"]) == (4, 2)
-
-
-def stopped_at(run, step, into):
-    """A copy of `run` as if it had stopped after checkpoint `step`."""
-    shutil.copytree(run, into)
-    root = into / "checkpoints"
-    for later in range(step + 1, STEPS + 1):
-        shutil.rmtree(root / f"step_{later:08d}")
-    (root / "latest").write_text(f"step_{step:08d}\n")
-    return into
-
-
-def parse(args: list[str]) -> TrainConfig:
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    return TrainConfig.from_args(parser.parse_args(args[1:]))
 
 
 def test_a_sequence_parallel_checkpoint_resumes_on_one_process(sequence_parallel_run, reference, corpus, tmp_path):
