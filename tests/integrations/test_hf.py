@@ -289,7 +289,7 @@ def test_a_model_that_cannot_switch_attention_is_left_unchanged(monkeypatch):
 def test_stored_settings_are_the_pi_settings_and_the_backend():
     model = convert_to_pi(tiny_llama(), period=8, prior=0.3)
     assert model.config.pi_attention == dict(window=4, period=8, variant="adaptive", prior=0.3, logit_clamp=20.0,
-                                             eps=1e-4, backend="auto")
+                                             eps=1e-4, sinks=0, backend="auto")
 
 
 def test_loading_checks_the_stored_settings(tmp_path):

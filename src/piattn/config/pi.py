@@ -25,7 +25,7 @@ class PiSettings:
 
     window: local radius k >= 0; period: skip distance π >= 1; variant: one of VARIANTS; prior: the
     constant α of variant "fixed", in (0, 1); logit_clamp: > 0 or None (no clamp); eps: gate floor in
-    (0, 0.5).
+    (0, 0.5); sinks: the first `sinks` keys of each document are visible to all its later queries (0: none).
     """
 
     window: int = 4
@@ -34,6 +34,7 @@ class PiSettings:
     prior: float = 0.5
     logit_clamp: float | None = 20.0
     eps: float = 1e-4
+    sinks: int = 0
 
     def __post_init__(self):
         self.check()
@@ -49,14 +50,15 @@ class PiSettings:
 
     @property
     def reach(self) -> int:
-        """How far back a causal query looks: it reads no key older than i − max(window, period)."""
+        """How far back a causal query looks: besides its document's first `sinks` keys, it reads no key
+        older than i − max(window, period)."""
         return max(self.window, self.period)
 
     def as_kwargs(self) -> dict:
         return dataclasses.asdict(self)
 
 
-def check_pi_settings(*, window, period, variant, prior, logit_clamp, eps) -> None:
+def check_pi_settings(*, window, period, variant, prior, logit_clamp, eps, sinks=0) -> None:
     """The range checks of `PiSettings`, for callers that hold the values loose (the operator itself)."""
     if not is_int(window) or window < 0:
         raise ValueError(f"window must be an int >= 0, got {window!r}")
@@ -70,6 +72,8 @@ def check_pi_settings(*, window, period, variant, prior, logit_clamp, eps) -> No
         raise ValueError(f"logit_clamp must be a number > 0, or None (no clamp), got {logit_clamp!r}")
     if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0.0 < eps < 0.5:
         raise ValueError(f"eps must lie in (0, 0.5), got {eps!r}")
+    if not is_int(sinks) or sinks < 0:
+        raise ValueError(f"sinks must be an int >= 0 (0: no sink keys), got {sinks!r}")
 
 
 PI_DEFAULTS = PiSettings()

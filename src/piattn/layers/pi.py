@@ -22,7 +22,7 @@ class PiAttention(AttentionLayer):
     Args:
         d_model: model width d; must be divisible by n_heads.
         n_heads: H; head width d / H.
-        window, period, causal, variant, prior, logit_clamp, eps, backend: as in `piattn.pi_attention`.
+        window, period, causal, variant, prior, logit_clamp, eps, sinks, backend: as in `piattn.pi_attention`.
         dropout: attention-weight dropout, active in training mode only.
         rotary: apply rotary position embeddings to q and k (off by default, as in the appendix).
         rope_base: rotary frequency base.
@@ -42,11 +42,12 @@ class PiAttention(AttentionLayer):
     def __init__(self, d_model: int, n_heads: int, *, window: int = PI_DEFAULTS.window,
                  period: int = PI_DEFAULTS.period, causal: bool = True, variant: str = PI_DEFAULTS.variant,
                  prior: float = PI_DEFAULTS.prior, logit_clamp: float | None = PI_DEFAULTS.logit_clamp,
-                 eps: float = PI_DEFAULTS.eps, dropout: float = 0.0, rotary: bool = False,
+                 eps: float = PI_DEFAULTS.eps, sinks: int = PI_DEFAULTS.sinks, dropout: float = 0.0,
+                 rotary: bool = False,
                  rope_base: float = 10000.0, gate_hidden: int | None = None, backend: str = "auto"):
         super().__init__(d_model, n_heads, causal=causal, dropout=dropout, rotary=rotary, rope_base=rope_base)
         self.settings = PiSettings(window=window, period=period, variant=variant, prior=prior,
-                                   logit_clamp=logit_clamp, eps=eps)
+                                   logit_clamp=logit_clamp, eps=eps, sinks=sinks)
         self.op_kwargs = dict(**self.settings.as_kwargs(), causal=causal, backend=backend)
         self.gate = gate_mlp(d_model, n_heads, gate_hidden) if self.settings.gated else None
         # `attend_recent`'s settings (no causal, backend; the scale spelled out), once rather than per step.

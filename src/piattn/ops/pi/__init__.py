@@ -33,13 +33,16 @@ def pi_attention(
     eps: float = PI_DEFAULTS.eps,
     scale: float | None = None,
     dropout_p: float = 0.0,
+    sinks: int = PI_DEFAULTS.sinks,
+    document_ids: _torch.Tensor | None = None,
     backend: str = "auto",
 ) -> _torch.Tensor:
     """π-Attention: each query attends to a local window plus the keys ±period away, under one softmax.
 
     Args:
-        q, k, v: [B, H, T, D] queries, keys, values (fp64, fp32, bf16 or fp16; low precision accumulates
-            in fp32).
+        q: [B, H, T, D] queries; k, v: [B, H_kv, T, D] keys and values, H_kv dividing H (grouped-query
+            attention: query head h reads key/value head h // (H // H_kv); H_kv = H is plain multi-head).
+            fp64, fp32, bf16 or fp16; low precision accumulates in fp32.
         gate: [B, H, T] the local prior α in (0, 1), for variants "adaptive" and "separate"; else None.
         window: local radius k >= 0. Causal queries see i-k … i, bidirectional ones i-k … i+k.
         period: skip distance π >= 1; the key i-π (and i+π when bidirectional). period <= window adds
@@ -52,6 +55,11 @@ def pi_attention(
         eps: floor of the priors: log max(α, eps) and log max(1 - α, eps).
         scale: score scale; None means 1/sqrt(D).
         dropout_p: dropout on the attention weights (like SDPA, applied whenever > 0: pass 0 in eval).
+        sinks: the first `sinks` keys of each document are seen by every query of it at or after them
+            (causal) or by all its queries (bidirectional), with the local prior; a key already in the
+            window or at ±period is not counted twice.
+        document_ids: [B, T] integer ids, or None (one document). A new document starts wherever the id
+            changes; every document gets exactly what it would alone (no key crosses a boundary).
         backend: one of `piattn.BACKENDS`. "auto" picks the first backend that can run the call (device,
             dtype, head dim, gradients, dropout; `backends.py`): on CUDA "triton", then "torch"; elsewhere
             "torch". A backend that cannot run the call raises a ValueError saying why.
@@ -61,14 +69,17 @@ def pi_attention(
     """
     check_arguments(
         q, k, v, gate, window=window, period=period, causal=causal, variant=variant, prior=prior,
-        logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p,
+        logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p, sinks=sinks,
+        document_ids=document_ids,
     )
     B, H, T, D = q.shape
     inputs = (q, k, v) if gate is None else (q, k, v, gate)
     needs_grad = _torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    features = {name for name, used in (("sinks", sinks > 0), ("documents", document_ids is not None),
+                                        ("gqa", k.shape[1] != H)) if used}
     chosen = select(backend, device=q.device, dtype=q.dtype, head_dim=D, needs_grad=needs_grad,
-                    dropout_p=dropout_p)
-    asked = Pattern(window, period, causal)
+                    dropout_p=dropout_p, features=frozenset(features))
+    asked = Pattern(window, period, causal, sinks)
     used = usable_pattern(asked, T)
     keep = None
     if dropout_p > 0:
@@ -80,7 +91,7 @@ def pi_attention(
     return chosen.load()(
         q, k, v, gate, window=used.window, period=used.period, causal=causal, variant=variant, prior=prior,
         logit_clamp=logit_clamp, eps=eps, scale=D**-0.5 if scale is None else scale,
-        dropout_keep=keep, dropout_p=dropout_p,
+        dropout_keep=keep, dropout_p=dropout_p, sinks=used.sinks, document_ids=document_ids,
     )
 
 
@@ -89,19 +100,22 @@ def usable_pattern(pattern: Pattern, T: int) -> Pattern:
 
     A window beyond T - 1 reads nothing more (and costs memory ~window² in blocked backends), so it is
     clamped to T - 1; a period >= T never reaches a key, so it becomes no skip at all: a period within the
-    window (1), or where the window is 0, the period T (a skip slot that no query can use).
+    window (1), or where the window is 0, the period T (a skip slot that no query can use). Sinks beyond
+    T are clamped to T.
     """
     window = min(pattern.window, T - 1)
     period = pattern.period
     if period >= T:
         period = 1 if window >= 1 else T
-    return Pattern(window, period, pattern.causal)
+    return Pattern(window, period, pattern.causal, min(pattern.sinks, T))
 
 
 def _slots_of(keep: _torch.Tensor, asked: Pattern, used: Pattern) -> _torch.Tensor:
-    """A dropout mask [B, H, T, |U|] laid out for `asked` -> laid out for `used`, slot by offset; a slot
-    `asked` lacks (its key lies outside [0, T) for every query) is kept."""
+    """A dropout mask [B, H, T, |U|] laid out for `asked` -> laid out for `used`, slot by offset (sink slots
+    by their index); a slot `asked` lacks (its key lies outside [0, T) for every query) is kept."""
     slot = {o: m for m, o in enumerate(asked.offsets)}
+    n_rel = len(asked.offsets)
     keep = _torch.cat([keep, keep.new_ones(keep.shape[:-1] + (1,))], -1)
-    index = _torch.tensor([slot.get(o, asked.n_slots) for o in used.offsets], device=keep.device)
+    index = [slot.get(o, asked.n_slots) for o in used.offsets] + [n_rel + s for s in range(used.sinks)]
+    index = _torch.tensor(index, device=keep.device)
     return keep.index_select(-1, index)

@@ -66,6 +66,8 @@ class Backend:
     forward_only_on: tuple[str, ...] = ()
     dropout: bool = True
     requires: tuple[str, ...] = ()
+    # Optional parts of the contract it implements: "sinks", "documents" (document_ids), "gqa" (H_kv < H).
+    features: frozenset[str] = frozenset()
     note: str = ""  # appended to a device refusal: how to get a supported device
 
     def available(self) -> bool:
@@ -75,7 +77,8 @@ class Backend:
         return self.devices is None or any(_device_present(d) for d in self.devices)
 
     def refusal(
-        self, *, device: torch.device | str, dtype: torch.dtype, head_dim: int, needs_grad: bool, dropout_p: float
+        self, *, device: torch.device | str, dtype: torch.dtype, head_dim: int, needs_grad: bool, dropout_p: float,
+        features: frozenset[str] = frozenset(),
     ) -> str | None:
         """None if this backend can run a call with these properties, else a short reason why not."""
         device = torch.device(device).type
@@ -92,6 +95,9 @@ class Backend:
             return f"forward-only on {device} (no backward there): run it under torch.no_grad()"
         if dropout_p > 0 and not self.dropout:
             return f"no dropout (dropout_p={dropout_p})"
+        missing = sorted(features - self.features)
+        if missing:
+            return f"does not implement {', '.join(missing)} yet"
         return None
 
     def load(self) -> Callable:
@@ -105,12 +111,13 @@ def _load(module: str, function: str) -> Callable:
 
 
 _LOW_AND_FP32 = (torch.float32, torch.bfloat16, torch.float16)
+ALL_FEATURES = frozenset({"sinks", "documents", "gqa"})
 
 REGISTRY: dict[str, Backend] = {
     b.name: b
     for b in (
         # The ground truth: a loop over offsets, O(T·|U|·D) memory.
-        Backend("reference", "reference", "pi_attention_reference"),
+        Backend("reference", "reference", "pi_attention_reference", features=ALL_FEATURES),
         # Blocked matrix products with a hand-written backward; any device torch runs on.
         Backend("torch", "torch", "pi_attention_torch"),
         # Fused kernels; tl.dot has no fp64, and D is padded to a power of two of at most 256.
@@ -129,13 +136,17 @@ REGISTRY: dict[str, Backend] = {
 }
 
 # What "auto" tries, in order, per device type; devices not listed try AUTO_DEFAULT.
-AUTO_ORDER: dict[str, tuple[str, ...]] = {"cuda": ("triton", "torch"), "cpu": ("torch",)}
-AUTO_DEFAULT: tuple[str, ...] = ("torch",)
+# The reference comes last: slow, but it implements every feature, so a call the fast backends cannot run
+# yet still runs.
+AUTO_ORDER: dict[str, tuple[str, ...]] = {"cuda": ("triton", "torch", "reference"), "cpu": ("torch", "reference")}
+AUTO_DEFAULT: tuple[str, ...] = ("torch", "reference")
 
 
-def _describe(device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool, dropout_p: float) -> str:
+def _describe(device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool, dropout_p: float,
+              features: frozenset[str]) -> str:
     grad = "with gradients" if needs_grad else "forward only"
-    return f"{device}, {_dtype_name(dtype)}, head dim {head_dim}, {grad}, dropout_p={dropout_p}"
+    used = f", with {', '.join(sorted(features))}" if features else ""
+    return f"{device}, {_dtype_name(dtype)}, head dim {head_dim}, {grad}, dropout_p={dropout_p}{used}"
 
 
 def select(
@@ -146,6 +157,7 @@ def select(
     head_dim: int,
     needs_grad: bool,
     dropout_p: float,
+    features: frozenset[str] = frozenset(),
     registry: Mapping[str, Backend] = REGISTRY,
     auto_order: Mapping[str, tuple[str, ...]] = AUTO_ORDER,
 ) -> Backend:
@@ -155,7 +167,8 @@ def select(
     backend) cannot run the call, and which others could.
     """
     device = torch.device(device).type
-    call = dict(device=device, dtype=dtype, head_dim=head_dim, needs_grad=needs_grad, dropout_p=dropout_p)
+    call = dict(device=device, dtype=dtype, head_dim=head_dim, needs_grad=needs_grad, dropout_p=dropout_p,
+                features=features)
     reasons = {name: b.refusal(**call) for name, b in registry.items()}
     able = [name for name, reason in reasons.items() if reason is None]
     if requested == "auto":

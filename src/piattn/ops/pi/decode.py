@@ -85,9 +85,11 @@ def pi_decode(
 
 def decode_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, *, window: int,
                 period: int, variant: str, prior: float, logit_clamp: float | None, eps: float,
-                scale: float) -> torch.Tensor:
+                scale: float, sinks: int = 0) -> torch.Tensor:
     """`pi_decode` without its argument checks, for callers whose inputs are right by construction (the
     decoding layers: a step is a few dozen small ops, and the checks would be a third of them)."""
+    if sinks:
+        raise NotImplementedError("cached decoding with sinks > 0 is not implemented yet")
     B, H, t, D = q.shape
     out_dtype = q.dtype
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32

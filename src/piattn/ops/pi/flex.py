@@ -130,6 +130,8 @@ def pi_attention_flex(
     scale: float,
     dropout_keep: torch.Tensor | None = None,
     dropout_p: float = 0.0,
+    sinks: int = 0,
+    document_ids: torch.Tensor | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
 ) -> torch.Tensor:
     """π-Attention through FlexAttention with sparse tiles of `block_size` rows and columns.

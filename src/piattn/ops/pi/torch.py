@@ -350,7 +350,7 @@ def _keep_multiplier(keep: torch.Tensor | None, p: float, dtype: torch.dtype) ->
 
 
 def pi_attention_torch(q, k, v, gate, *, window, period, causal, variant, prior, logit_clamp, eps, scale,
-                       dropout_keep, dropout_p):
+                       dropout_keep, dropout_p, sinks=0, document_ids=None):
     """Same contract as `pi_attention_reference`."""
     return PiAttentionFunction.apply(q, k, v, gate, window, period, causal, variant, prior, logit_clamp,
                                      eps, scale, dropout_keep, dropout_p)

@@ -149,7 +149,7 @@ class _PiAttentionTriton(torch.autograd.Function):
 
 
 def pi_attention_triton(q, k, v, gate, *, window, period, causal, variant, prior, logit_clamp, eps, scale,
-                        dropout_keep, dropout_p):
+                        dropout_keep, dropout_p, sinks=0, document_ids=None):
     """Same contract as `pi_attention_reference`: q, k, v [B, H, T, D] -> [B, H, T, D] in q's dtype.
 
     fp32, bf16 and fp16 inputs, head dims up to 256 (`backends.py` declares this); scores, softmax and

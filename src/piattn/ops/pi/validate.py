@@ -31,18 +31,15 @@ def check_qkv_tensors(q, k, v, layout: str = "[B, H, T, D]") -> None:
 
 
 def check_arguments(
-    q, k, v, gate, *, window, period, causal, variant, prior, logit_clamp, eps, scale, dropout_p
+    q, k, v, gate, *, window, period, causal, variant, prior, logit_clamp, eps, scale, dropout_p, sinks=0,
+    document_ids=None,
 ) -> None:
     check_qkv_tensors(q, k, v)
-    if k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(
-            f"q, k and v must share one shape [B, H, T, D]; got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
+    check_kv_heads(q, k, v)
     if q.shape[2] < 1 or q.shape[3] < 1:
         raise ValueError(f"q must have T >= 1 and D >= 1, got shape {tuple(q.shape)}")
     check_pi_settings(window=window, period=period, variant=variant, prior=prior, logit_clamp=logit_clamp,
-                      eps=eps)
+                      eps=eps, sinks=sinks)
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")
     if scale is not None and not scale > 0:
@@ -50,6 +47,40 @@ def check_arguments(
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p!r}")
     _check_gate(q, gate, variant)
+    check_document_ids(document_ids, q)
+
+
+def check_kv_heads(q, k, v) -> None:
+    """k and v share one shape [B, H_kv, T, D] matching q [B, H, T, D] but for the heads, H % H_kv == 0."""
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must share one shape [B, H_kv, T, D]; got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    B, H, T, D = q.shape
+    Bk, H_kv, Tk, Dk = k.shape
+    if (Bk, Tk, Dk) != (B, T, D):
+        raise ValueError(
+            f"k and v must have shape [B, H_kv, T, D] with B, T, D of q {tuple(q.shape)}; got {tuple(k.shape)}"
+        )
+    if H_kv < 1 or H % H_kv:
+        raise ValueError(
+            f"k and v have {H_kv} heads, which must divide the {H} query heads (grouped-query attention: "
+            f"query head h reads key/value head h // (H // H_kv))"
+        )
+
+
+def check_document_ids(document_ids, q: torch.Tensor) -> None:
+    """None, or an integer tensor [B, T] on q's device: a new document starts wherever the id changes."""
+    if document_ids is None:
+        return
+    B, T = q.shape[0], q.shape[2]
+    if not isinstance(document_ids, torch.Tensor):
+        raise ValueError(f"document_ids must be None or an integer torch.Tensor [B, T], got "
+                         f"{type(document_ids).__name__}")
+    if tuple(document_ids.shape) != (B, T):
+        raise ValueError(f"document_ids must have shape [B, T] = {(B, T)}, got {tuple(document_ids.shape)}")
+    if document_ids.is_floating_point() or document_ids.is_complex() or document_ids.dtype == torch.bool:
+        raise ValueError(f"document_ids must have an integer dtype (e.g. torch.int64), got {document_ids.dtype}")
+    if document_ids.device != q.device:
+        raise ValueError(f"document_ids must be on the device of q ({q.device}), got {document_ids.device}")
 
 
 def _check_gate(q: torch.Tensor, gate, variant: str) -> None:
