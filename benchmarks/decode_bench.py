@@ -4,9 +4,13 @@ Each (kind, position) runs in a fresh process: a tiny-config GPT, batch 1, whose
 position, then `--steps` single-token decoding steps are timed. The cache is filled with random keys and
 values rather than by decoding every earlier token (decoding 128K tokens per point would take hours on a
 CPU); the time of a step does not depend on what the cache holds. Memory: the cache's own bytes and the
-process's resident set after the timed steps.
+process's resident set after the timed steps. With `--repeats R` every point is measured R times, the
+repeats interleaved (all points once, then all again) so that a slow spell of a shared machine touches
+every kind alike, and the table gives the median tokens/s.
 
     python benchmarks/decode_bench.py --out benchmarks/results          # 512 … 128K, ~3 min on 2 cores
+    python benchmarks/decode_bench.py --out benchmarks/results --threads 1 --repeats 5 \
+        --positions 128 256 512 1024 2048 4096 8192                    # the medians of the decoding issue
     python benchmarks/plot_decode.py benchmarks/results/decode_bench.json
 """
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -45,6 +50,14 @@ def run_case(kind: str, position: int, steps: int, config: str) -> dict:
                 ms_per_token=1000 * elapsed / steps, cache_mib=cache.nbytes / 2**20, rss_mib=rss_kib("VmRSS") / 1024)
 
 
+def median_row(repeats: list[dict]) -> dict:
+    """One point's row: the median tokens/s (and its ms/token) of its repeats, every repeat's tokens/s."""
+    tps = statistics.median(r["tokens_per_s"] for r in repeats)
+    return {**repeats[0], "tokens_per_s": tps, "ms_per_token": 1000 / tps,
+            "repeats_tokens_per_s": [r["tokens_per_s"] for r in repeats],
+            "rss_mib": max(r["rss_mib"] for r in repeats)}
+
+
 def markdown(result: dict) -> str:
     m = result["machine"]
     rows = result["rows"]
@@ -52,7 +65,8 @@ def markdown(result: dict) -> str:
     positions = sorted({r["position"] for r in rows})
     out = [f"# Decoding benchmark ({m['processor']}, {m['cpu_count']} threads, torch {m['torch']})", "",
            f"`{result['command']}`; GPT `{result['config']}` config, vocab 256, batch 1, fp32, window 4, "
-           f"period 16; {result['steps']} timed single-token steps per point, each point in a fresh process.",
+           f"period 16; {result['steps']} timed single-token steps per point, each point in a fresh process; "
+           f"tokens/s: median of {result.get('repeats', 1)} interleaved repeats.",
            "", "| position | " + " | ".join(f"{k} tok/s" for k in KINDS) + " | pi / dense | "
            + " | ".join(f"{k} cache MiB" for k in KINDS) + " | " + " | ".join(f"{k} RSS MiB" for k in KINDS) + " |",
            "|" + "---|" * (2 + 3 * len(KINDS))]
@@ -70,6 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help="directory for decode_bench.{json,md}")
     parser.add_argument("--positions", type=int, nargs="+", default=list(POSITIONS))
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=1, help="measurements per point; the table gives medians")
+    parser.add_argument("--name", default="decode_bench", help="file name of the results in --out")
     parser.add_argument("--config", default="tiny")
     parser.add_argument("--threads", type=int, help="intra-op threads (default: torch's); 1 is steadier on a "
                         "shared machine, where two threads wait on each other")
@@ -80,20 +96,24 @@ def main(argv: list[str] | None = None) -> None:
     if args.case:  # child process: one measurement, printed as JSON
         print(json.dumps(run_case(args.case[0], int(args.case[1]), args.steps, args.config)))
         return
-    rows = []
-    for position in args.positions:
-        for kind in KINDS:
-            cmd = [sys.executable, __file__, "--case", kind, str(position), "--steps", str(args.steps),
-                   "--config", args.config] + (["--threads", str(args.threads)] if args.threads else [])
-            row = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-            rows.append(row)
-            print(f"{kind:6s} position {position:>7,}: {row['tokens_per_s']:8.1f} tok/s, "
-                  f"cache {row['cache_mib']:8.3f} MiB, RSS {row['rss_mib']:6.0f} MiB", flush=True)
+    runs: dict[tuple[str, int], list[dict]] = {}
+    for repeat in range(args.repeats):
+        for position in args.positions:
+            for kind in KINDS:
+                cmd = [sys.executable, __file__, "--case", kind, str(position), "--steps", str(args.steps),
+                       "--config", args.config] + (["--threads", str(args.threads)] if args.threads else [])
+                row = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+                runs.setdefault((kind, position), []).append(row)
+                print(f"[{repeat + 1}/{args.repeats}] {kind:6s} position {position:>7,}: "
+                      f"{row['tokens_per_s']:8.1f} tok/s, cache {row['cache_mib']:8.3f} MiB, "
+                      f"RSS {row['rss_mib']:6.0f} MiB", flush=True)
+    rows = [median_row(r) for r in runs.values()]
     command = "python benchmarks/decode_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    result = dict(machine=machine_info(), command=command.strip(), config=args.config, steps=args.steps, rows=rows)
+    result = dict(machine=machine_info(), command=command.strip(), config=args.config, steps=args.steps,
+                  repeats=args.repeats, rows=rows)
     table = markdown(result)
     if args.out:
-        save_results(args.out, "decode_bench", result, table)
+        save_results(args.out, args.name, result, table)
     print(table)
 
 
