@@ -20,14 +20,22 @@ SIZES: dict[str, dict[str, int]] = {
 }
 
 
+def check_kv_heads(n_heads: int, n_kv_heads: int, name: str = "n_kv_heads") -> None:
+    """ValueError unless n_kv_heads is a positive int dividing n_heads (grouped-query attention)."""
+    if not is_int(n_kv_heads) or n_kv_heads < 1 or n_heads % n_kv_heads:
+        raise ValueError(f"{name} must be a positive integer dividing the {n_heads} query heads, got {n_kv_heads!r}")
+
+
 @dataclass
 class ModelConfig:
     """Fields shared by the causal LM and the encoder classifier.
 
     Sizes: n_layer, n_head, d_model (head dim d_model / n_head), d_ff (FFN width, default 4·d_model),
-    block_size (longest sequence), vocab_size.
+    block_size (longest sequence), vocab_size; n_kv_head: key/value heads (grouped-query attention, dividing
+    n_head; None: n_head, plain multi-head; `dense`, `local` and `pi` accept fewer).
     Attention: `attention` names the kind; window, period, variant, prior, logit_clamp, gate_eps are the
-    π-Attention knobs (`PiSettings`; window is also the radius of local and longformer; bigbird slides over
+    π-Attention knobs (`PiSettings`, with sinks: the first `sinks` keys of each document seen by all its
+    later queries, for `pi`; window is also the radius of local and longformer; bigbird slides over
     ceil(window / sparse_block) blocks each side); n_global global tokens (longformer) or global blocks of
     sparse_block tokens (bigbird); sparse_block and n_random (bigbird's block size and random blocks per
     query block); n_hashes and bucket_size (reformer's LSH rounds and bucket width); backend (π operator backend).
@@ -36,6 +44,7 @@ class ModelConfig:
 
     n_layer: int = 12
     n_head: int = 12
+    n_kv_head: int | None = None
     d_model: int = 768
     d_ff: int | None = None
     block_size: int = 1024
@@ -47,6 +56,7 @@ class ModelConfig:
     prior: float = PI_DEFAULTS.prior
     logit_clamp: float | None = PI_DEFAULTS.logit_clamp
     gate_eps: float = PI_DEFAULTS.eps
+    sinks: int = PI_DEFAULTS.sinks
     n_global: int = 1
     sparse_block: int = 16
     n_random: int = 2
@@ -64,6 +74,8 @@ class ModelConfig:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.d_model % self.n_head:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
+        if self.n_kv_head is not None:
+            check_kv_heads(self.n_head, self.n_kv_head, name="n_kv_head")
         if self.d_ff is None:
             self.d_ff = 4 * self.d_model
         if not is_int(self.d_ff) or self.d_ff < 1:
@@ -77,10 +89,15 @@ class ModelConfig:
         return self.d_model // self.n_head
 
     @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_head, or n_head when it is None."""
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    @property
     def pi(self) -> PiSettings:
         """The π-Attention operator settings of this config (checked on construction)."""
         return PiSettings(window=self.window, period=self.period, variant=self.variant, prior=self.prior,
-                          logit_clamp=self.logit_clamp, eps=self.gate_eps)
+                          logit_clamp=self.logit_clamp, eps=self.gate_eps, sinks=self.sinks)
 
     @classmethod
     def from_name(cls, name: str, **overrides):

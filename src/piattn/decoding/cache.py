@@ -2,7 +2,9 @@
 
 Decoding position t with π-Attention reads keys t−window … t and t−π, so a ring of
 max(window, period) + 1 positions per layer is exact: its size never depends on how far the text has run.
-Keys are stored after RoPE (rotated at their own absolute position), so they never need touching again.
+With attention sinks it also reads positions 0 … sinks − 1, which the cache keeps in `sinks` fixed slots
+besides the ring: still constant. Keys are stored after RoPE (rotated at their own absolute position), so
+they never need touching again. Caches hold the layer's key/value heads (H_kv of grouped-query attention).
 """
 
 from __future__ import annotations
@@ -11,33 +13,63 @@ import torch
 
 
 class RingCache:
-    """Keys and values of the last `capacity` positions of one layer: [B, H, capacity, D] each.
+    """Keys and values of the first `sinks` and the last `capacity` positions of one layer:
+    [B, H_kv, sinks + capacity, D] each.
 
-    Position p lives in slot p mod capacity; `recent()` reads the live slots back in position order.
+    Position p < sinks lives in slot p (and in the ring too while the ring holds it); position p lives in
+    ring slot sinks + p mod capacity. `recent()` reads the live positions back in the order an operator on
+    a contiguous block needs.
     """
 
-    def __init__(self, batch_size: int, n_heads: int, head_dim: int, capacity: int, *,
+    def __init__(self, batch_size: int, n_heads: int, head_dim: int, capacity: int, *, sinks: int = 0,
                  device: torch.device | str | None = None, dtype: torch.dtype = torch.float32):
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
-        shape = (batch_size, n_heads, capacity, head_dim)
+        if sinks < 0:
+            raise ValueError(f"sinks must be >= 0, got {sinks}")
+        shape = (batch_size, n_heads, sinks + capacity, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.capacity, self.seen = capacity, 0
-        # Slot of every position in a run of up to `capacity` starting anywhere: slicing it costs one op
-        # per decoding step instead of an arange and a modulo.
-        self._slots = torch.arange(2 * capacity, device=device) % capacity
+        self.capacity, self.sinks, self.seen = capacity, sinks, 0
+        # Slot of every position in a run of up to `capacity` starting anywhere (then the sink slots): slicing
+        # it costs one op per decoding step instead of an arange and a modulo.
+        self._slots = torch.cat([sinks + torch.arange(2 * capacity, device=device) % capacity,
+                                 torch.arange(sinks, device=device)])
+        self._recent: dict[tuple[int, int], torch.Tensor] = {}
+
+    def recent_slots(self) -> torch.Tensor:
+        """The slots `recent()` reads, int64 [m + n] (see there)."""
+        n = min(self.seen, self.capacity)
+        m = min(self.sinks, self.seen - n)
+        start = (self.seen - n) % self.capacity
+        if not m:
+            return self._slots[start:start + n]
+        key = (m, start)
+        if key not in self._recent:  # at most `capacity` distinct ones once the sinks have left the ring
+            self._recent[key] = torch.cat([self._slots[2 * self.capacity:2 * self.capacity + m],
+                                           self._slots[start:start + n]])
+        return self._recent[key]
 
     def recent(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v [B, H, n, D] of positions seen−n … seen−1, n = min(seen, capacity), oldest first."""
-        n = min(self.seen, self.capacity)
-        start = (self.seen - n) % self.capacity
-        slots = self._slots[start:start + n]
+        """k, v [B, H, m + n, D]: positions 0 … m − 1, then seen−n … seen−1, n = min(seen, capacity),
+        m = min(sinks, seen − n), the sinks the ring no longer holds.
+
+        When m > 0 the two runs are not adjacent in the text, but reading them as one block of m + n
+        positions changes nothing for a query after them: every key it reads in the window or at −period
+        is in the ring (the ring reaches back `capacity` − 1 positions), and the m sinks are farther back
+        than that both in the text and in the block, so they are read as sinks only.
+        """
+        slots = self.recent_slots()
         return self.k.index_select(2, slots), self.v.index_select(2, slots)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v [B, H, t, D] of positions seen … seen+t−1 (only the last `capacity` can matter)."""
+        """Store k, v [B, H, t, D] of positions seen … seen+t−1 (only the last `capacity` and the first
+        `sinks` positions can matter)."""
         t = k.shape[2]
+        if self.seen < self.sinks:  # some of these are sinks: slots seen … min(sinks, seen + t) − 1
+            n = min(self.sinks, self.seen + t) - self.seen
+            self.k[:, :, self.seen:self.seen + n] = k[:, :, :n]
+            self.v[:, :, self.seen:self.seen + n] = v[:, :, :n]
         keep = min(t, self.capacity)
         start = (self.seen + t - keep) % self.capacity
         slots = self._slots[start:start + keep]

@@ -8,7 +8,9 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..config.model import check_kv_heads
 from ..decoding.cache import GrowingCache, LayerCache, RingCache
+from ..ops.pi.pattern import document_bounds
 from .rotary import Rotary
 from .sharding import active_shard
 
@@ -19,6 +21,9 @@ class AttentionLayer(nn.Module):
     Args:
         d_model: model width d, divisible by n_heads.
         n_heads: H; head width D = d / H.
+        n_kv_heads: H_kv, the key/value heads (grouped-query attention: query head h reads key/value head
+            h // (H / H_kv)); None means H. Must divide H; only kinds with `grouped_query` accept H_kv < H.
+            `qkv` then projects to d + 2·H_kv·D channels (q, then k, then v).
         causal: queries see only keys at positions <= their own.
         dropout: attention-weight dropout, active in training mode only.
         rotary: rotate q and k by position (RoPE) before `attend`.
@@ -32,6 +37,11 @@ class AttentionLayer(nn.Module):
     `cache_capacity()`; it then decodes from a fixed-size `RingCache` with no code of its own (see
     `attend_cached`). Dense attention overrides both; kinds that set neither cannot decode incrementally.
 
+    Packed documents: `forward(x, document_ids=ids)` with ids [B, T] (a new document wherever the id
+    changes) runs every document as if it were alone: RoPE positions restart at each document's start and
+    kinds with `documents = True` take `attend(q, k, v, x, document_ids=ids)` and keep keys inside the
+    query's document; the other kinds refuse document ids.
+
     Sequence parallelism: inside `piattn.layers.sharding.sequence_parallel(group)` the input x is this
     rank's shard of each sequence; `forward` then rotates by the shard's global positions, and a kind whose
     `attend` calls `pi_operator` (which then exchanges halo rows with the other shards) says so with
@@ -40,16 +50,27 @@ class AttentionLayer(nn.Module):
 
     # True for kinds whose `attend` is exact on a shard (it calls `sharding.pi_operator`); see `forward`.
     sequence_parallel: ClassVar[bool] = False
+    # True for kinds that accept n_kv_heads < n_heads (their `attend` takes k, v with H_kv heads).
+    grouped_query: ClassVar[bool] = False
+    # True for kinds whose `attend` takes `document_ids` [B, T] and keeps every key in its query's document.
+    documents: ClassVar[bool] = False
 
-    def __init__(self, d_model: int, n_heads: int, *, causal: bool = True, dropout: float = 0.0,
-                 rotary: bool = False, rope_base: float = 10000.0):
+    def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: int | None = None, causal: bool = True,
+                 dropout: float = 0.0, rotary: bool = False, rope_base: float = 10000.0):
         super().__init__()
         if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1 or d_model % n_heads:
             raise ValueError(f"d_model ({d_model}) must be a positive multiple of n_heads ({n_heads})")
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        check_kv_heads(n_heads, n_kv_heads)
+        if n_kv_heads != n_heads and not self.grouped_query:
+            raise ValueError(f"n_kv_heads must equal n_heads ({n_heads}) for attention kind "
+                             f"{type(self).__name__}, got {n_kv_heads}; kinds with grouped-query attention: "
+                             "dense, local, pi")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
         self.n_heads, self.head_dim, self.causal, self.dropout = n_heads, d_model // n_heads, causal, dropout
-        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.n_kv_heads = n_kv_heads
+        self.qkv = nn.Linear(d_model, d_model + 2 * n_kv_heads * self.head_dim)
         self.out = nn.Linear(d_model, d_model)
         self.rotary = Rotary(self.head_dim, rope_base) if rotary else None
 
@@ -62,20 +83,33 @@ class AttentionLayer(nn.Module):
     @classmethod
     def from_config(cls, cfg: ModelConfig, *, causal: bool, layer: int = 0) -> AttentionLayer:
         """The attention of block `layer` of a model of config `cfg`: RoPE on, dropout and sizes from it."""
+        heads = {}
+        if cfg.kv_heads != cfg.n_head:
+            if not cls.grouped_query:
+                raise ValueError(f"n_kv_head must equal n_head ({cfg.n_head}) for attention {cfg.attention!r}, "
+                                 f"got {cfg.kv_heads}; kinds with grouped-query attention: dense, local, pi")
+            heads["n_kv_heads"] = cfg.kv_heads
         return cls(cfg.d_model, cfg.n_head, causal=causal, dropout=cfg.dropout, rotary=True,
-                   rope_base=cfg.rope_base, **cls.config_kwargs(cfg, layer))
+                   rope_base=cfg.rope_base, **heads, **cls.config_kwargs(cfg, layer))
 
     @property
     def attention_dropout(self) -> float:
         """The dropout probability to apply now (0 outside training)."""
         return self.dropout if self.training else 0.0
 
-    def heads(self, x: torch.Tensor, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [B, T, d] at positions offset … offset+T−1 -> q, k, v [B, H, T, D], q and k rotated by RoPE."""
+    def heads(self, x: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, d] at positions offset … offset+T−1 (or at `positions` [B, T] int64) -> q [B, H, T, D],
+        k, v [B, H_kv, T, D], q and k rotated by RoPE."""
         B, T, _ = x.shape
-        q, k, v = (t.view(B, T, self.n_heads, self.head_dim).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        kv = self.n_kv_heads * self.head_dim
+        q, k, v = self.qkv(x).split((x.shape[2], kv, kv), -1)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if self.rotary is not None:
-            q, k = self.rotary(q, offset), self.rotary(k, offset)
+            cos, sin = self.rotary.cos_sin(T, offset, positions, x.device)
+            q, k = self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)
         return q, k, v
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -86,12 +120,18 @@ class AttentionLayer(nn.Module):
         raise ValueError(f"attention kind {type(self).__name__} has no incremental decoding; "
                          "kinds that have one: dense, local, pi")
 
+    def cache_sinks(self) -> int:
+        """Positions 0 … n − 1 a ring cache keeps besides its ring (attention sinks): 0 unless overridden."""
+        return 0
+
     def init_cache(self, batch_size: int, *, device=None, dtype=torch.float32) -> LayerCache:
-        """An empty cache for this layer: a ring of `cache_capacity()` positions, or a growing one."""
+        """An empty cache for this layer (H_kv heads): a ring of `cache_capacity()` positions (plus
+        `cache_sinks()` fixed ones), or a growing one."""
         capacity = self.cache_capacity()
         if capacity is None:
-            return GrowingCache(batch_size, self.n_heads, self.head_dim, device=device, dtype=dtype)
-        return RingCache(batch_size, self.n_heads, self.head_dim, capacity, device=device, dtype=dtype)
+            return GrowingCache(batch_size, self.n_kv_heads, self.head_dim, device=device, dtype=dtype)
+        return RingCache(batch_size, self.n_kv_heads, self.head_dim, capacity, sinks=self.cache_sinks(),
+                         device=device, dtype=dtype)
 
     # `attend_cached` uses `attend_recent` (when the kind has one) for steps of at most this many new tokens.
     # Its cost is t·(window + 2) gathered keys against the blocked operator's fixed per-call overhead plus
@@ -127,7 +167,8 @@ class AttentionLayer(nn.Module):
             if y is not None:
                 return y
         pad = x.new_zeros(x.shape[0], n, x.shape[2])
-        y = self.attend(torch.cat([torch.zeros_like(k_old), q], 2), k_all, v_all, torch.cat([pad, x], 1))
+        y = self.attend(torch.cat([q.new_zeros(*q.shape[:2], n, q.shape[3]), q], 2), k_all, v_all,
+                        torch.cat([pad, x], 1))
         return y[:, :, n:]
 
     def shard_offset(self, shard_len: int) -> int:
@@ -141,16 +182,35 @@ class AttentionLayer(nn.Module):
                              "kinds that can: local, pi")
         return shard.offset(shard_len)
 
-    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        """x [B, T, d_model] -> [B, T, d_model]; with `cache`, x continues the text the cache has seen.
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, d_model] -> [B, T, d_model]; with `cache`, x continues the text the cache has seen; with
+        `document_ids` [B, T], each document of x is attended to (and rotated) as if it were alone.
 
         Inside `sequence_parallel(group)`, x is positions r·T … r·T + T − 1 of a sequence sharded over group.
         """
         B, T, d = x.shape
-        if cache is None:
+        if document_ids is not None:
+            y = self.attend_documents(x, cache, document_ids)
+        elif cache is None:
             y = self.attend(*self.heads(x, offset=self.shard_offset(T)), x)
         elif active_shard() is not None:
             raise ValueError("cached decoding cannot run sequence-parallel")
         else:
             y = self.attend_cached(x, cache)
         return self.out(y.transpose(1, 2).reshape(B, T, d))
+
+    def attend_documents(self, x: torch.Tensor, cache: LayerCache | None, document_ids: torch.Tensor) -> torch.Tensor:
+        """x [B, T, d] of packed documents, document_ids [B, T] -> [B, H, T, D]; RoPE position t − start(t)."""
+        if not self.documents:
+            raise ValueError(f"document_ids are not supported by attention kind {type(self).__name__}; "
+                             "kinds that support them: dense, local, pi")
+        if cache is not None or active_shard() is not None:
+            raise ValueError("document_ids cannot be combined with cached decoding or sequence parallelism")
+        if document_ids.shape != x.shape[:2] or document_ids.dtype.is_floating_point:
+            raise ValueError(f"document_ids must be integer ids of shape [B, T] = {tuple(x.shape[:2])}, "
+                             f"got {document_ids.dtype} {tuple(document_ids.shape)}")
+        document_ids = document_ids.to(x.device)
+        start, _ = document_bounds(document_ids)
+        positions = torch.arange(x.shape[1], device=x.device) - start
+        return self.attend(*self.heads(x, positions=positions), x, document_ids=document_ids)

@@ -13,12 +13,27 @@ class DenseAttention(AttentionLayer):
     """Every query attends to every key (causal: every key at or before it), Eq. (attn) of the paper.
 
     Runs on `scaled_dot_product_attention`, which picks FlashAttention on CUDA where it applies and a
-    fused CPU kernel otherwise; memory is O(T) with those kernels, time O(T²).
+    fused CPU kernel otherwise; memory is O(T) with those kernels, time O(T²). Grouped-query attention
+    (n_kv_heads < n_heads) uses SDPA's `enable_gqa`; packed documents (`document_ids`) a block-diagonal
+    boolean mask, which costs a [B, 1, T, T] mask and keeps SDPA off its flash path.
     """
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """q, k, v [B, H, T, D] -> [B, H, T, D]."""
-        return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, dropout_p=self.attention_dropout)
+    grouped_query = True
+    documents = True
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor,
+               document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, H, T, D], k, v [B, H_kv, T, D], document_ids [B, T] or None -> [B, H, T, D]."""
+        gqa = k.shape[1] != q.shape[1]
+        if document_ids is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, dropout_p=self.attention_dropout,
+                                                  enable_gqa=gqa)
+        mask = document_ids[:, :, None] == document_ids[:, None, :]  # [B, T, T]: same document
+        if self.causal:
+            T = q.shape[2]
+            mask &= torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], dropout_p=self.attention_dropout,
+                                              enable_gqa=gqa)
 
     def cache_capacity(self) -> int | None:
         if not self.causal:
@@ -32,4 +47,5 @@ class DenseAttention(AttentionLayer):
         t, n = q.shape[2], cache.seen - q.shape[2]
         # SDPA's is_causal aligns the mask to the top-left corner; new queries sit at the bottom-right
         mask = None if t == 1 else torch.ones(t, n + t, dtype=torch.bool, device=q.device).tril(n)
-        return F.scaled_dot_product_attention(q, cache.k, cache.v, attn_mask=mask)
+        return F.scaled_dot_product_attention(q, cache.k, cache.v, attn_mask=mask,
+                                              enable_gqa=cache.k.shape[1] != q.shape[1])

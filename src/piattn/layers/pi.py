@@ -22,6 +22,8 @@ class PiAttention(AttentionLayer):
     Args:
         d_model: model width d; must be divisible by n_heads.
         n_heads: H; head width d / H.
+        n_kv_heads: H_kv key/value heads dividing H (grouped-query attention; None: H). The operator reads
+            k, v with H_kv heads directly, nothing is repeated.
         window, period, causal, variant, prior, logit_clamp, eps, sinks, backend: as in `piattn.pi_attention`.
         dropout: attention-weight dropout, active in training mode only.
         rotary: apply rotary position embeddings to q and k (off by default, as in the appendix).
@@ -34,18 +36,22 @@ class PiAttention(AttentionLayer):
     is per token, and the operator exchanges the halo rows the shard's queries read with the other ranks.
     `observe_gate` lets a caller (the trainer's gate statistics, `piattn inspect`) read the α̃ each forward
     computes, at no cost while no observer is set. Cached decoding steps of a few tokens run `pi_decode`
-    (`attend_recent`), which reads only the keys the new queries attend to.
+    (`attend_recent`), which reads only the keys the new queries attend to; with sinks the cache keeps
+    the first `sinks` positions besides its ring, so it stays constant in size.
     """
 
     sequence_parallel = True
+    grouped_query = True
+    documents = True
 
-    def __init__(self, d_model: int, n_heads: int, *, window: int = PI_DEFAULTS.window,
+    def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: int | None = None, window: int = PI_DEFAULTS.window,
                  period: int = PI_DEFAULTS.period, causal: bool = True, variant: str = PI_DEFAULTS.variant,
                  prior: float = PI_DEFAULTS.prior, logit_clamp: float | None = PI_DEFAULTS.logit_clamp,
                  eps: float = PI_DEFAULTS.eps, sinks: int = PI_DEFAULTS.sinks, dropout: float = 0.0,
                  rotary: bool = False,
                  rope_base: float = 10000.0, gate_hidden: int | None = None, backend: str = "auto"):
-        super().__init__(d_model, n_heads, causal=causal, dropout=dropout, rotary=rotary, rope_base=rope_base)
+        super().__init__(d_model, n_heads, n_kv_heads=n_kv_heads, causal=causal, dropout=dropout, rotary=rotary,
+                         rope_base=rope_base)
         self.settings = PiSettings(window=window, period=period, variant=variant, prior=prior,
                                    logit_clamp=logit_clamp, eps=eps, sinks=sinks)
         self.op_kwargs = dict(**self.settings.as_kwargs(), causal=causal, backend=backend)
@@ -76,12 +82,18 @@ class PiAttention(AttentionLayer):
             raise ValueError("incremental decoding needs causal attention")
         return self.settings.reach + 1
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """q, k, v [B, H, T, D], x [B, T, d] (the gate's input) -> [B, H, T, D]."""
+    def cache_sinks(self) -> int:
+        return self.settings.sinks
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor,
+               document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, H, T, D], k, v [B, H_kv, T, D], x [B, T, d] (the gate's input), document_ids [B, T] or None
+        -> [B, H, T, D]."""
         gate = self.gate_values(x)
         if self._gate_observer is not None:
             self._gate_observer(gate.detach())
-        return pi_operator(q, k, v, gate, dropout_p=self.attention_dropout, **self.op_kwargs)
+        return pi_operator(q, k, v, gate, dropout_p=self.attention_dropout, document_ids=document_ids,
+                           **self.op_kwargs)
 
     def attend_recent(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The last t rows of `attend` (causal, eval) from the t new rows' q, x and all N rows' k, v."""

@@ -12,6 +12,11 @@ class Rotary(nn.Module):
     Args:
         head_dim: D, even.
         base: the frequency base (10000 in RoFormer and most LMs).
+
+    cos and sin are read from a table of positions 0 … n − 1 kept per device (grown by doubling when a
+    later position is asked for): a decoding step then costs a slice, not an arange, a product and two
+    trigonometric calls per layer. The table holds exactly what computing them afresh gives (the same
+    fp32 product position·θ_i), so results do not depend on the table's history.
     """
 
     def __init__(self, head_dim: int, base: float = 10000.0):
@@ -20,12 +25,35 @@ class Rotary(nn.Module):
             raise ValueError(f"head_dim must be even for rotary embeddings, got {head_dim}")
         inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        """x [B, H, T, D] at positions offset … offset + T - 1 -> rotated, same shape and dtype."""
-        T = x.shape[-2]
-        pos = torch.arange(offset, offset + T, device=x.device, dtype=torch.float32)
-        angles = pos[:, None] * self.inv_freq.to(x.device)[None, :]  # [T, D/2]
-        cos, sin = angles.cos(), angles.sin()
+    def _table(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [≥ n, D/2] fp32 of positions 0 … on `device`."""
+        table = self._tables.get(device)
+        if table is None or table[0].shape[0] < n:
+            size = max(n, 2 * table[0].shape[0] if table is not None else 256)
+            angles = torch.arange(size, device=device, dtype=torch.float32)[:, None] * self.inv_freq.to(device)
+            table = self._tables[device] = (angles.cos(), angles.sin())
+        return table
+
+    def cos_sin(self, T: int, offset: int = 0, positions: torch.Tensor | None = None,
+                device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin fp32 of positions offset … offset + T − 1 ([T, D/2]) or of `positions` [B, T] int
+        ([B, 1, T, D/2]), ready to broadcast against [B, H, T, D/2]."""
+        device = self.inv_freq.device if device is None else device
+        if positions is None:
+            cos, sin = self._table(offset + T, device)
+            return cos[offset:offset + T], sin[offset:offset + T]
+        cos, sin = self._table(int(positions.max()) + 1 if positions.numel() else 1, device)
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, H, T, D] rotated by the angles whose cos, sin `cos_sin` gave; same shape and dtype."""
         x1, x2 = x.float().chunk(2, -1)
         return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).to(x.dtype)
+
+    def forward(self, x: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, H, T, D] at positions offset … offset + T - 1, or at `positions` [B, T] (int64) when given
+        -> rotated, same shape and dtype."""
+        return self.rotate(x, *self.cos_sin(x.shape[-2], offset, positions, x.device))

@@ -34,9 +34,11 @@ class Block(nn.Module):
         self.ffn = FeedForward(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, cache: LayerCache | None = None) -> torch.Tensor:
-        """x [B, T, d] -> [B, T, d]; with `cache`, x continues the text the layer's cache has seen."""
-        x = x + self.drop(self.attn(self.ln1(x), cache))
+    def forward(self, x: torch.Tensor, cache: LayerCache | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, d] -> [B, T, d]; with `cache`, x continues the text the layer's cache has seen; with
+        `document_ids` [B, T], attention keeps to each packed document."""
+        x = x + self.drop(self.attn(self.ln1(x), cache, document_ids))
         return x + self.ffn(self.ln2(x))
 
 

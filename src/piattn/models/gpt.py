@@ -31,17 +31,20 @@ class GPT(nn.Module):
         init_weights(self, cfg.init_std)
         self.head.weight = self.embed.weight
 
-    def forward(self, idx: torch.Tensor, cache: Cache | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, cache: Cache | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """idx int64 [B, T] -> logits [B, T, vocab_size].
 
         With `cache` (from `init_cache`), idx is the continuation of the text the cache has seen: its
-        logits equal those of the same positions in one forward over the whole text.
+        logits equal those of the same positions in one forward over the whole text. With `document_ids`
+        [B, T] (integer ids; a new document wherever the id changes: `dense`, `local` and `pi`), idx holds
+        documents packed back to back and each document's logits equal those of the document alone.
         """
         if idx.dim() != 2:
             raise ValueError(f"idx must be [B, T] token ids, got shape {tuple(idx.shape)}")
         x = self.drop(self.embed(idx))
         for i, block in enumerate(self.blocks):
-            x = block(x, None if cache is None else cache.layers[i])
+            x = block(x, None if cache is None else cache.layers[i], document_ids)
         return self.head(self.ln_f(x))
 
     def init_cache(self, batch_size: int) -> Cache:
