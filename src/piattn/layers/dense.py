@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ..decoding.cache import GrowingCache
+from ..ops.pi.pattern import document_bounds
 from .base import AttentionLayer
 
 
@@ -28,7 +29,9 @@ class DenseAttention(AttentionLayer):
         if document_ids is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, dropout_p=self.attention_dropout,
                                                   enable_gqa=gqa)
-        mask = document_ids[:, :, None] == document_ids[:, None, :]  # [B, T, T]: same document
+        # Same document = same start: an id may come back later as another document (runs, not values).
+        start, _ = document_bounds(document_ids)
+        mask = start[:, :, None] == start[:, None, :]  # [B, T, T]
         if self.causal:
             T = q.shape[2]
             mask &= torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
