@@ -6,7 +6,9 @@ values rather than by decoding every earlier token (decoding 128K tokens per poi
 CPU); the time of a step does not depend on what the cache holds. Memory: the cache's own bytes and the
 process's resident set after the timed steps. With `--repeats R` every point is measured R times, the
 repeats interleaved (all points once, then all again) so that a slow spell of a shared machine touches
-every kind alike, and the table gives the median tokens/s.
+every kind alike, and the table gives the median tokens/s. With `--baseline DIR` (the `src` folder of
+another checkout of piattn, e.g. an older commit unpacked with `git archive`) every point is also measured
+with that code, interleaved with the current one, and a before / after table is added.
 
     python benchmarks/decode_bench.py --out benchmarks/results          # 512 … 128K, ~3 min on 2 cores
     python benchmarks/decode_bench.py --out benchmarks/results --threads 1 --repeats 5 \
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -58,6 +61,20 @@ def median_row(repeats: list[dict]) -> dict:
             "rss_mib": max(r["rss_mib"] for r in repeats)}
 
 
+def before_after(result: dict) -> list[str]:
+    """Markdown lines: tokens/s of the baseline code and of the current code per position and kind."""
+    by = {(r["kind"], r["position"]): r for r in result["rows"]}
+    old = {(r["kind"], r["position"]): r for r in result["baseline_rows"]}
+    out = ["", f"Before (`{result['baseline']}`) and after (this code), medians of the same interleaved run:", "",
+           "| position | " + " | ".join(f"{k} before | {k} after" for k in KINDS)
+           + " | pi / dense before | pi / dense after |", "|" + "---|" * (3 + 2 * len(KINDS))]
+    for p in sorted({r["position"] for r in result["rows"]}):
+        cells = [f"{old[(k, p)]['tokens_per_s']:.0f} | {by[(k, p)]['tokens_per_s']:.0f}" for k in KINDS]
+        ratios = [d[("pi", p)]["tokens_per_s"] / d[("dense", p)]["tokens_per_s"] for d in (old, by)]
+        out.append(f"| {p:,} | " + " | ".join(cells) + f" | {ratios[0]:.2f}× | {ratios[1]:.2f}× |")
+    return out
+
+
 def markdown(result: dict) -> str:
     m = result["machine"]
     rows = result["rows"]
@@ -76,6 +93,8 @@ def markdown(result: dict) -> str:
                    + f" | {r[0]['tokens_per_s'] / r[2]['tokens_per_s']:.2f}× | "
                    + " | ".join(f"{x['cache_mib']:.3f}" for x in r) + " | "
                    + " | ".join(f"{x['rss_mib']:.0f}" for x in r) + " |")
+    if result.get("baseline_rows"):
+        out += before_after(result)
     return "\n".join(out) + "\n"
 
 
@@ -87,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=1, help="measurements per point; the table gives medians")
     parser.add_argument("--name", default="decode_bench", help="file name of the results in --out")
     parser.add_argument("--config", default="tiny")
+    parser.add_argument("--baseline", help="src folder of another piattn to measure alongside (before / after)")
     parser.add_argument("--threads", type=int, help="intra-op threads (default: torch's); 1 is steadier on a "
                         "shared machine, where two threads wait on each other")
     parser.add_argument("--case", nargs=2, metavar=("KIND", "POSITION"), help=argparse.SUPPRESS)
@@ -96,21 +116,27 @@ def main(argv: list[str] | None = None) -> None:
     if args.case:  # child process: one measurement, printed as JSON
         print(json.dumps(run_case(args.case[0], int(args.case[1]), args.steps, args.config)))
         return
-    runs: dict[tuple[str, int], list[dict]] = {}
+    codes = {"current": None, **({"baseline": str(Path(args.baseline).resolve())} if args.baseline else {})}
+    runs: dict[tuple[str, str, int], list[dict]] = {}
     for repeat in range(args.repeats):
         for position in args.positions:
             for kind in KINDS:
-                cmd = [sys.executable, __file__, "--case", kind, str(position), "--steps", str(args.steps),
-                       "--config", args.config] + (["--threads", str(args.threads)] if args.threads else [])
-                row = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-                runs.setdefault((kind, position), []).append(row)
-                print(f"[{repeat + 1}/{args.repeats}] {kind:6s} position {position:>7,}: "
-                      f"{row['tokens_per_s']:8.1f} tok/s, cache {row['cache_mib']:8.3f} MiB, "
-                      f"RSS {row['rss_mib']:6.0f} MiB", flush=True)
-    rows = [median_row(r) for r in runs.values()]
+                for code, src in codes.items():
+                    cmd = [sys.executable, __file__, "--case", kind, str(position), "--steps", str(args.steps),
+                           "--config", args.config] + (["--threads", str(args.threads)] if args.threads else [])
+                    env = None if src is None else {**os.environ, "PYTHONPATH": src}
+                    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+                    row = json.loads(out)
+                    runs.setdefault((code, kind, position), []).append(row)
+                    print(f"[{repeat + 1}/{args.repeats}] {code:8s} {kind:6s} position {position:>7,}: "
+                          f"{row['tokens_per_s']:8.1f} tok/s, cache {row['cache_mib']:8.3f} MiB, "
+                          f"RSS {row['rss_mib']:6.0f} MiB", flush=True)
+    rows = {code: [median_row(r) for (c, *_), r in runs.items() if c == code] for code in codes}
     command = "python benchmarks/decode_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
     result = dict(machine=machine_info(), command=command.strip(), config=args.config, steps=args.steps,
-                  repeats=args.repeats, rows=rows)
+                  repeats=args.repeats, rows=rows["current"])
+    if args.baseline:
+        result.update(baseline=args.baseline, baseline_rows=rows["baseline"])
     table = markdown(result)
     if args.out:
         save_results(args.out, args.name, result, table)

@@ -109,14 +109,17 @@ def test_steps_of_one_to_four_tokens_equal_the_full_forward(variant, window, per
 
 
 def _spy(monkeypatch, module):
+    """Records the rows of each call to the decoding paths: `decode_rows` (a few tokens against the
+    gathered cache) and `decode_ring` (one token, read straight from the ring)."""
     calls = []
-    real = module.decode_rows
+    for name in ("decode_rows", "decode_ring"):
+        real = getattr(module, name)
 
-    def spy(*args, **kwargs):
-        calls.append(args[0].shape[2])
-        return real(*args, **kwargs)
+        def spy(*args, real=real, **kwargs):
+            calls.append(args[0].shape[2])
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(module, "decode_rows", spy)
+        monkeypatch.setattr(module, name, spy)
     return calls
 
 

@@ -102,15 +102,12 @@ class AttentionLayer(nn.Module):
         """x [B, T, d] at positions offset … offset+T−1 (or at `positions` [B, T] int64) -> q [B, H, T, D],
         k, v [B, H_kv, T, D], q and k rotated by RoPE."""
         B, T, _ = x.shape
-        kv = self.n_kv_heads * self.head_dim
-        q, k, v = self.qkv(x).split((x.shape[2], kv, kv), -1)
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        if self.rotary is not None:
-            cos, sin = self.rotary.cos_sin(T, offset, positions, x.device)
-            q, k = self.rotary.rotate(q, cos, sin), self.rotary.rotate(k, cos, sin)
-        return q, k, v
+        H, H_kv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self.qkv(x).view(B, T, H + 2 * H_kv, D)
+        qk, v = qkv[:, :, :H + H_kv], qkv[:, :, H + H_kv:]
+        if self.rotary is not None:  # q and k rotated in one go: a decoding step is made of such small ops
+            qk = self.rotary.rotate(qk, *self.rotary.cos_sin(T, offset, positions, x.device))
+        return qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2), v.transpose(1, 2)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -145,9 +142,19 @@ class AttentionLayer(nn.Module):
         k, v [B, H, N, D] of all N, in eval (no dropout); None for kinds without such a path."""
         return None
 
+    def attend_ring(self, q: torch.Tensor, cache: RingCache, x: torch.Tensor) -> torch.Tensor | None:
+        """The output [B, H, 1, D] of one new query q [B, H, 1, D] (layer input x [B, 1, d]) read from
+        `cache`, which already holds its key, in eval; None for kinds without such a path."""
+        return None
+
+    # Whether `attend_ring` is implemented (checked before the new key is stored, which it needs done).
+    ring_step: ClassVar[bool] = False
+
     def attend_cached(self, x: torch.Tensor, cache: LayerCache) -> torch.Tensor:
         """x [B, t, d] of the t tokens after what `cache` has seen -> [B, H, t, D]; appends them to cache.
 
+        One new token, a ring cache and a kind with `ring_step`: the token's key is stored first and
+        `attend_ring` reads its few keys straight from the ring (generation's step: the fewest ops).
         Few new tokens (t <= `fast_decode_max_tokens`, no dropout, not sharded): `attend_recent` on the
         new queries against the n cached and t new keys, if the kind has it (`pi`, `local`: only the
         <= window + 2 keys each query reads are touched). Otherwise the n cached positions are put back in
@@ -158,11 +165,16 @@ class AttentionLayer(nn.Module):
         constant.
         """
         q, k, v = self.heads(x, offset=cache.seen)
+        t = x.shape[1]
+        fast = t <= self.fast_decode_max_tokens and self.attention_dropout == 0 and active_shard() is None
+        if fast and t == 1 and self.ring_step and isinstance(cache, RingCache):
+            cache.append(k, v)
+            return self.attend_ring(q, cache, x)
         k_old, v_old = cache.recent()
         cache.append(k, v)
         k_all, v_all = torch.cat([k_old, k], 2), torch.cat([v_old, v], 2)
-        t, n = x.shape[1], k_old.shape[2]
-        if t <= self.fast_decode_max_tokens and self.attention_dropout == 0 and active_shard() is None:
+        n = k_old.shape[2]
+        if fast:
             y = self.attend_recent(q, k_all, v_all, x)
             if y is not None:
                 return y

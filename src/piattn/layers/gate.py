@@ -5,10 +5,12 @@ One definition for the `PiAttention` layer and for models converted by `piattn.i
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 
 def gate_mlp(d_model: int, n_heads: int, hidden: int | None = None) -> nn.Sequential:
@@ -28,10 +30,26 @@ def start_gate_at(gate: nn.Sequential, alpha: float) -> None:
     nn.init.constant_(gate[2].bias, math.log(alpha / (1 - alpha)))
 
 
+@functools.lru_cache(maxsize=64)
+def _clip(eps: float, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """ε and 1 − 2ε as 0-dim tensors: addcmul(ε, σ, 1 − 2ε) is the clip in one op."""
+    return torch.tensor(eps, dtype=dtype, device=device), torch.tensor(1 - 2 * eps, dtype=dtype, device=device)
+
+
 def gate_values(gate: nn.Sequential, x: torch.Tensor, eps: float) -> torch.Tensor:
     """x [B, T, d] -> α̃ [B, H, T] in [ε, 1 − ε], in at least fp32.
 
     At least fp32 because in bf16, ε + (1 − 2ε)·σ rounds to exactly 1 once σ > 0.998, outside (0, 1).
+    The MLP's layers are applied as functions, which computes what calling the modules does without their
+    per-call overhead (a decoding step is made of such small calls); a gate with hooks registered on it
+    (someone wants them called) is called as a module.
     """
-    a = gate(x).transpose(1, 2)
-    return a.to(torch.promote_types(a.dtype, torch.float32)) * (1 - 2 * eps) + eps
+    if any(m._forward_hooks or m._forward_pre_hooks for m in (gate, *gate)):
+        s = gate(x)
+    else:
+        first, _, last, _ = gate
+        s = F.linear(F.gelu(F.linear(x, first.weight, first.bias)), last.weight, last.bias).sigmoid()
+    if s.dtype not in (torch.float32, torch.float64):
+        s = s.float()
+    floor, width = _clip(eps, s.dtype, s.device)
+    return torch.addcmul(floor, s, width).transpose(1, 2)

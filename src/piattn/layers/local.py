@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from ..config import PI_DEFAULTS, ModelConfig, PiSettings
+from ..decoding.cache import RingCache
 from ..masks.local import check_window
-from ..ops.pi.decode import decode_rows
+from ..ops.pi.decode import decode_ring, decode_rows
 from .base import AttentionLayer
 from .sharding import pi_operator
 
@@ -23,6 +24,7 @@ class LocalAttention(AttentionLayer):
     """
 
     sequence_parallel = True
+    ring_step = True
     grouped_query = True
     documents = True
 
@@ -62,3 +64,8 @@ class LocalAttention(AttentionLayer):
     def attend_recent(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The last t rows of `attend` (causal, eval) from the t new rows' q and all N rows' k, v."""
         return decode_rows(q, k, v, None, **self._decode_kwargs)
+
+    def attend_ring(self, q: torch.Tensor, cache: RingCache, x: torch.Tensor) -> torch.Tensor:
+        """One new query's output [B, H, 1, D] read from the ring `cache` that already holds its key."""
+        return decode_ring(q, cache.k, cache.v, None, capacity=cache.capacity, position=cache.seen - 1,
+                           **self._decode_kwargs)

@@ -7,7 +7,8 @@ from collections.abc import Callable
 import torch
 
 from ..config import PI_DEFAULTS, ModelConfig, PiSettings
-from ..ops.pi.decode import decode_rows
+from ..decoding.cache import RingCache
+from ..ops.pi.decode import decode_ring, decode_rows
 from .base import AttentionLayer
 from .gate import gate_mlp, gate_values
 from .sharding import pi_operator
@@ -41,6 +42,7 @@ class PiAttention(AttentionLayer):
     """
 
     sequence_parallel = True
+    ring_step = True
     grouped_query = True
     documents = True
 
@@ -101,3 +103,11 @@ class PiAttention(AttentionLayer):
         if self._gate_observer is not None:
             self._gate_observer(gate.detach())
         return decode_rows(q, k, v, gate, **self._decode_kwargs)
+
+    def attend_ring(self, q: torch.Tensor, cache: RingCache, x: torch.Tensor) -> torch.Tensor:
+        """One new query's output [B, H, 1, D] read from the ring `cache` that already holds its key."""
+        gate = self.gate_values(x)
+        if self._gate_observer is not None:
+            self._gate_observer(gate.detach())
+        return decode_ring(q, cache.k, cache.v, gate, capacity=cache.capacity, position=cache.seen - 1,
+                           **self._decode_kwargs)

@@ -28,32 +28,42 @@ class Rotary(nn.Module):
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _table(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) [≥ n, D/2] fp32 of positions 0 … on `device`."""
+        """(cos, sin) [≥ n, D] fp32 of positions 0 … on `device`, in the layout `rotate` needs: cos twice,
+        then −sin and sin."""
         table = self._tables.get(device)
         if table is None or table[0].shape[0] < n:
             size = max(n, 2 * table[0].shape[0] if table is not None else 256)
             angles = torch.arange(size, device=device, dtype=torch.float32)[:, None] * self.inv_freq.to(device)
-            table = self._tables[device] = (angles.cos(), angles.sin())
+            cos, sin = angles.cos(), angles.sin()
+            table = self._tables[device] = (torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1))
         return table
 
     def cos_sin(self, T: int, offset: int = 0, positions: torch.Tensor | None = None,
                 device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin fp32 of positions offset … offset + T − 1 ([T, D/2]) or of `positions` [B, T] int
-        ([B, 1, T, D/2]), ready to broadcast against [B, H, T, D/2]."""
+        """The angles of positions offset … offset + T − 1 ([T, D]) or of `positions` [B, T] int64
+        ([B, T, 1, D]), for `rotate` on [B, T, heads, D]."""
         device = self.inv_freq.device if device is None else device
         if positions is None:
             cos, sin = self._table(offset + T, device)
-            return cos[offset:offset + T], sin[offset:offset + T]
+            return cos[offset:offset + T, None], sin[offset:offset + T, None]
         cos, sin = self._table(int(positions.max()) + 1 if positions.numel() else 1, device)
-        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        return cos[positions].unsqueeze(2), sin[positions].unsqueeze(2)
 
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [B, H, T, D] rotated by the angles whose cos, sin `cos_sin` gave; same shape and dtype."""
-        x1, x2 = x.float().chunk(2, -1)
-        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).to(x.dtype)
+        """x [B, T, heads, D] rotated by the angles `cos_sin` gave (in fp32); same shape and dtype.
+
+        y = x·cos + swap(x)·(−sin, sin), swap exchanging the halves: (x1 cos − x2 sin, x2 cos + x1 sin), the
+        same rounding as writing the two halves out, in three tensor ops.
+        """
+        xf = x.float()
+        *lead, D = xf.shape
+        swapped = xf.reshape(*lead, 2, D // 2).flip(-2).view(*lead, D)
+        y = xf * cos + swapped * sin
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def forward(self, x: torch.Tensor, offset: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, H, T, D] at positions offset … offset + T - 1, or at `positions` [B, T] (int64) when given
         -> rotated, same shape and dtype."""
-        return self.rotate(x, *self.cos_sin(x.shape[-2], offset, positions, x.device))
+        y = self.rotate(x.transpose(1, 2), *self.cos_sin(x.shape[-2], offset, positions, x.device))
+        return y.transpose(1, 2)

@@ -44,6 +44,30 @@ def _slots(window: int, period: int, sinks: int, n_queries: int, n_keys: int, de
     return idx, None if bool(valid.all()) else valid.to(device), kind, pat.n_local, pat.n_skip
 
 
+def ring_slots(window: int, period: int, sinks: int, capacity: int, position: int, device: torch.device):
+    """`_slots` for one query at `position` whose keys sit in a ring cache (`piattn.decoding.RingCache`) of
+    `capacity` >= max(window, period) + 1 positions that has just stored it: position p < sinks in slot
+    p, position p in slot sinks + p mod capacity. Returns (slot [S] into the cache's storage, valid [1, S]
+    bool or None, kind [S], n_local, n_skip).
+
+    Past the first sinks + max(window, period) positions every slot is valid and nothing depends on the
+    position but its phase in the ring, so at most `capacity` distinct answers are ever built.
+    """
+    steady = sinks + max(window, period)
+    if position >= steady:
+        position = steady + (position - steady) % capacity
+    return _ring_slots(window, period, sinks, capacity, position, device)
+
+
+@functools.lru_cache(maxsize=1024)
+def _ring_slots(window: int, period: int, sinks: int, capacity: int, position: int, device: torch.device):
+    idx, valid, kind, n_local, n_skip = _slots(window, period, sinks, 1, position + 1, torch.device("cpu"))
+    pat = Pattern(window, period, causal=True, sinks=sinks)
+    ring = sinks + idx[:len(pat.offsets)] % capacity  # local and skip slots: the ring; sink slots: themselves
+    slot = torch.cat([ring, idx[len(pat.offsets):]])
+    return (slot.to(device), None if valid is None else valid.to(device), kind.to(device), n_local, n_skip)
+
+
 def _check(q, k, v) -> None:
     check_qkv_tensors(q, k, v, layout="[B, H, *, D]")
     if k.shape != v.shape:
@@ -111,6 +135,26 @@ def decode_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.T
                            logit_clamp=logit_clamp, eps=eps, scale=scale)
 
 
+def decode_ring(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, gate: torch.Tensor | None, *,
+                capacity: int, position: int, window: int, period: int, variant: str, prior: float,
+                logit_clamp: float | None, eps: float, scale: float, sinks: int = 0) -> torch.Tensor:
+    """`decode_rows` for one new query at `position`, read straight from a ring cache's storage.
+
+    q [B, H, 1, D]; k_store, v_store [B, H_kv, sinks + capacity, D] of a `RingCache` that already holds the
+    new key (layout in `ring_slots`); gate [B, H, 1] or None. One gather per tensor, no reordering of the
+    ring and no concatenation with the new row: the decoding step of generation.
+    """
+    slot, valid, kind, n_local, n_skip = ring_slots(window, period, sinks, capacity, position, q.device)
+    return decode_gathered(q, k_store.index_select(2, slot), v_store.index_select(2, slot), valid, kind, n_local,
+                           n_skip, gate, variant=variant, prior=prior, logit_clamp=logit_clamp, eps=eps, scale=scale)
+
+
+@functools.lru_cache(maxsize=16)
+def _pair_affine(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(0, 1) and (1, −1): addcmul(offset, α, sign) is (α, 1 − α) in one op, exactly."""
+    return (torch.tensor((0.0, 1.0), dtype=dtype, device=device), torch.tensor((1.0, -1.0), dtype=dtype, device=device))
+
+
 def decode_gathered(q: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, valid: torch.Tensor | None,
                     kind: torch.Tensor, n_local: int, n_skip: int, gate: torch.Tensor | None, *, variant: str,
                     prior: float, logit_clamp: float | None, eps: float, scale: float) -> torch.Tensor:
@@ -120,38 +164,49 @@ def decode_gathered(q: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, valid: 
     key where the slot reads nothing); valid [t, S] bool or None (every slot reads a key); kind [S] int64,
     0 for the local prior (local and sink slots), 1 for the skip prior; gate [B, H, t] or None.
     Returns [B, H, t, D] in the dtype of q.
+
+    Laid out as R = B·H_kv·t batched products of the g = H / H_kv query heads of a group against the S
+    keys their query reads, in as few tensor ops as the maths allows: a decoding step is dominated by
+    the fixed cost of each op, not by its arithmetic.
     """
     B, H, t, D = q.shape
     H_kv, S = kg.shape[1], kind.shape[0]
     g = H // H_kv
+    R = B * H_kv * t
     out_dtype = q.dtype
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    # Query heads of a group side by side: [B, H_kv, t, g, D] against the group's keys [B, H_kv, t, S, D].
-    q5 = q.view(B, H_kv, g, t, D).transpose(2, 3).to(acc)
-    kg, vg = kg.view(B, H_kv, t, S, D).to(acc), vg.view(B, H_kv, t, S, D).to(acc)
-    z = (q5 @ kg.transpose(-1, -2)) * scale  # [B, H_kv, t, g, S]: Eq. (z)
+    q3 = q.view(B, H_kv, g, t, D).transpose(2, 3).reshape(R, g, D)
+    k3, v3 = kg.view(R, S, D), vg.view(R, S, D)
+    if q.dtype != acc:
+        q3, k3, v3 = q3.to(acc), k3.to(acc), v3.to(acc)
+    z = torch.baddbmm(q3.new_empty(()), q3, k3.transpose(1, 2), beta=0, alpha=scale)  # [R, g, S]: Eq. (z)
     if logit_clamp is not None:
-        z = z.clamp(-logit_clamp, logit_clamp)
-    a = None if gate is None else gate.view(B, H_kv, g, t).transpose(2, 3).to(acc).unsqueeze(-1)  # [B, H_kv, t, g, 1]
+        z.clamp_(-logit_clamp, logit_clamp)
+    a = None
+    if gate is not None:
+        a = gate.view(B, H_kv, g, t).transpose(2, 3).reshape(R, g, 1)
+        a = a if a.dtype == acc else a.to(acc)
     if variant == "adaptive":  # log max(α, ε) on local and sink slots, log max(1 − α, ε) on the skip slot
-        z = z + torch.cat((a, 1 - a), -1).clamp_min(eps).log().index_select(-1, kind)
+        offset, sign = _pair_affine(acc, z.device)
+        z.add_(torch.addcmul(offset, a, sign).clamp_min_(eps).log_().index_select(-1, kind))
     elif variant == "fixed":
         log_local, log_skip = log_priors(variant, None, prior, eps)
-        z = z + torch.tensor((log_local, log_skip), dtype=acc, device=z.device).index_select(0, kind)
+        z.add_(torch.tensor((log_local, log_skip), dtype=acc, device=z.device).index_select(0, kind))
     if valid is not None:
-        z = z.masked_fill(~valid[:, None, :], float("-inf"))
+        z.view(B * H_kv, t, g, S).masked_fill_(~valid[:, None, :], float("-inf"))
     if variant == "separate" and n_skip:  # Variant 1: α·softmax(local and sinks) and (1 − α)·softmax(skip)
         skip = z[..., n_local:n_local + n_skip]
         local = torch.cat([z[..., :n_local], z[..., n_local + n_skip:]], -1)
         if valid is None:
-            has_skip = torch.ones(t, 1, 1, dtype=torch.bool, device=z.device)
-        else:
-            has_skip = valid[:, None, n_local:n_local + n_skip].any(-1, keepdim=True)  # [t, 1, 1]
+            has_skip = torch.ones(1, 1, 1, dtype=torch.bool, device=z.device)
+        else:  # [t, 1, 1] -> one per row of z
+            has_skip = valid[:, None, n_local:n_local + n_skip].any(-1, keepdim=True)
+            has_skip = has_skip.expand(t, g, 1).repeat(B * H_kv, 1, 1)
         skip_w = torch.softmax(torch.where(has_skip, skip, torch.zeros_like(skip)), -1) * has_skip
         a = torch.where(has_skip, a, torch.ones_like(a))
         local_w = a * torch.softmax(local, -1)
         w = torch.cat([local_w[..., :n_local], (1 - a) * skip_w, local_w[..., n_local:]], -1)
     else:  # one softmax ("separate" with no skip slot, period <= window, is the local softmax alone)
         w = torch.softmax(z, -1)
-    y = w @ vg  # [B, H_kv, t, g, D]
-    return y.transpose(2, 3).reshape(B, H, t, D).to(out_dtype)
+    y = torch.bmm(w, v3).view(B, H_kv, t, g, D).transpose(2, 3).reshape(B, H, t, D)
+    return y if y.dtype == out_dtype else y.to(out_dtype)
