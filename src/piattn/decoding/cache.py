@@ -66,6 +66,12 @@ class RingCache:
         """Store k, v [B, H, t, D] of positions seen … seen+t−1 (only the last `capacity` and the first
         `sinks` positions can matter)."""
         t = k.shape[2]
+        if t == 1 and self.seen >= self.sinks:  # the decoding step: one slot, no index tensor
+            slot = self.sinks + self.seen % self.capacity
+            self.k[:, :, slot:slot + 1] = k
+            self.v[:, :, slot:slot + 1] = v
+            self.seen += 1
+            return
         if self.seen < self.sinks:  # some of these are sinks: slots seen … min(sinks, seen + t) − 1
             n = min(self.sinks, self.seen + t) - self.seen
             self.k[:, :, self.seen:self.seen + n] = k[:, :, :n]

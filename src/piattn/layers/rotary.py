@@ -28,26 +28,26 @@ class Rotary(nn.Module):
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _table(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) [≥ n, D] fp32 of positions 0 … on `device`, in the layout `rotate` needs: cos twice,
+        """(cos, sin) [≥ n, 1, D] fp32 of positions 0 … on `device`, in the layout `rotate` needs: cos twice,
         then −sin and sin."""
         table = self._tables.get(device)
         if table is None or table[0].shape[0] < n:
             size = max(n, 2 * table[0].shape[0] if table is not None else 256)
             angles = torch.arange(size, device=device, dtype=torch.float32)[:, None] * self.inv_freq.to(device)
-            cos, sin = angles.cos(), angles.sin()
+            cos, sin = angles.cos()[:, None], angles.sin()[:, None]
             table = self._tables[device] = (torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1))
         return table
 
     def cos_sin(self, T: int, offset: int = 0, positions: torch.Tensor | None = None,
                 device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The angles of positions offset … offset + T − 1 ([T, D]) or of `positions` [B, T] int64
+        """The angles of positions offset … offset + T − 1 ([T, 1, D]) or of `positions` [B, T] int64
         ([B, T, 1, D]), for `rotate` on [B, T, heads, D]."""
         device = self.inv_freq.device if device is None else device
         if positions is None:
             cos, sin = self._table(offset + T, device)
-            return cos[offset:offset + T, None], sin[offset:offset + T, None]
+            return cos[offset:offset + T], sin[offset:offset + T]
         cos, sin = self._table(int(positions.max()) + 1 if positions.numel() else 1, device)
-        return cos[positions].unsqueeze(2), sin[positions].unsqueeze(2)
+        return cos[positions], sin[positions]
 
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -150,9 +150,11 @@ def decode_ring(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, g
 
 
 @functools.lru_cache(maxsize=16)
-def _pair_affine(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(0, 1) and (1, −1): addcmul(offset, α, sign) is (α, 1 − α) in one op, exactly."""
-    return (torch.tensor((0.0, 1.0), dtype=dtype, device=device), torch.tensor((1.0, -1.0), dtype=dtype, device=device))
+def _constants(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(0, 1) and (1, −1), with which addcmul(offset, α, sign) is (α, 1 − α) in one op, exactly; and a 0-dim
+    tensor for baddbmm's ignored input (beta = 0)."""
+    return (torch.tensor((0.0, 1.0), dtype=dtype, device=device), torch.tensor((1.0, -1.0), dtype=dtype, device=device),
+            torch.zeros((), dtype=dtype, device=device))
 
 
 def decode_gathered(q: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, valid: torch.Tensor | None,
@@ -175,19 +177,20 @@ def decode_gathered(q: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, valid: 
     R = B * H_kv * t
     out_dtype = q.dtype
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    q3 = q.view(B, H_kv, g, t, D).transpose(2, 3).reshape(R, g, D)
+    # With one query (t = 1) the heads of a group are already adjacent: plain views, no transposes.
+    q3 = q.reshape(R, g, D) if t == 1 else q.view(B, H_kv, g, t, D).transpose(2, 3).reshape(R, g, D)
     k3, v3 = kg.view(R, S, D), vg.view(R, S, D)
     if q.dtype != acc:
         q3, k3, v3 = q3.to(acc), k3.to(acc), v3.to(acc)
-    z = torch.baddbmm(q3.new_empty(()), q3, k3.transpose(1, 2), beta=0, alpha=scale)  # [R, g, S]: Eq. (z)
+    offset, sign, ignored = _constants(acc, q.device)
+    z = torch.baddbmm(ignored, q3, k3.transpose(1, 2), beta=0, alpha=scale)  # [R, g, S]: Eq. (z)
     if logit_clamp is not None:
         z.clamp_(-logit_clamp, logit_clamp)
     a = None
     if gate is not None:
-        a = gate.view(B, H_kv, g, t).transpose(2, 3).reshape(R, g, 1)
+        a = gate.reshape(R, g, 1) if t == 1 else gate.view(B, H_kv, g, t).transpose(2, 3).reshape(R, g, 1)
         a = a if a.dtype == acc else a.to(acc)
     if variant == "adaptive":  # log max(α, ε) on local and sink slots, log max(1 − α, ε) on the skip slot
-        offset, sign = _pair_affine(acc, z.device)
         z.add_(torch.addcmul(offset, a, sign).clamp_min_(eps).log_().index_select(-1, kind))
     elif variant == "fixed":
         log_local, log_skip = log_priors(variant, None, prior, eps)
@@ -208,5 +211,6 @@ def decode_gathered(q: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, valid: 
         w = torch.cat([local_w[..., :n_local], (1 - a) * skip_w, local_w[..., n_local:]], -1)
     else:  # one softmax ("separate" with no skip slot, period <= window, is the local softmax alone)
         w = torch.softmax(z, -1)
-    y = torch.bmm(w, v3).view(B, H_kv, t, g, D).transpose(2, 3).reshape(B, H, t, D)
+    y = torch.bmm(w, v3)
+    y = y.view(B, H, 1, D) if t == 1 else y.view(B, H_kv, t, g, D).transpose(2, 3).reshape(B, H, t, D)
     return y if y.dtype == out_dtype else y.to(out_dtype)
