@@ -9,6 +9,24 @@ Two facts the seed gets wrong, checked by the tests against breadth-first search
   therefore L·max(k, π); the seed's bound L(k + π) (Eq. rf_pi) holds but is not tight.
 - Eq. (lmin) minimises over all b >= 0 and so lets a backward π-hop overshoot the lag; the true minimum
   ranges b over 0 … ⌊d/π⌋ (for k=4, π=16: L_min(15) = 4, not 1).
+
+Sinks (`sinks` = s > 0, one document starting at position 0): every query also reads keys 0 … s − 1 (only
+those at or before it when causal). Information flows from a key to the queries that read it, so a sink
+position passes on what it has itself gathered, and a sink gathers, as a query, only its own window and
+skip keys (and the other sinks). Hence, with R_L the reachability without sinks and d(j) the fewest layers
+after which input j has reached the query of some sink position m < s without sinks (d(j) = 0 for j < s):
+
+    j reaches i after L layers with sinks  ⇔  R_L[i, j]  or  (L >= d(j) + 1 and, when causal, j <= i).
+
+Any path that uses a sink edge first reaches a sink on window and skip hops alone (d(j) layers), then one
+layer of sink edges reaches every query (every later one when causal), and the self offset keeps it there.
+- Causal: a path only moves forward, so from j >= s it never meets a sink position: d(j) is infinite and
+  the sinks change nothing for j >= s; each j < s reaches every i >= j after ONE layer. The sinks are
+  hubs for the first s tokens only; they do not connect a later token to anything it did not reach.
+- Bidirectional: every j reaches every position after d(j) + 1 layers, i.e. a token within the window
+  of a sink (or ±π of one) reaches the whole document in two layers. `sink_reach_depth` gives d(j) + 1.
+`reachability_with_sinks` evaluates this rule; the tests check it against breadth-first search over the
+layer graph, and `reachability_mask(…, sinks=s)` computes the same by matrix powers.
 """
 
 from __future__ import annotations
@@ -23,10 +41,22 @@ from ..masks.local import check_window
 from ..masks.pi import check_period
 
 
-def step_mask(n: int, window: int, period: int | None, causal: bool = True) -> torch.Tensor:
-    """bool [n, n]: the one-layer graph, [i, j] = query i attends key j. period=None: local window only."""
+def step_mask(n: int, window: int, period: int | None, causal: bool = True, sinks: int = 0) -> torch.Tensor:
+    """bool [n, n]: the one-layer graph, [i, j] = query i attends key j. period=None: local window only;
+    sinks: every query also attends keys 0 … sinks − 1 (those at or before it when causal)."""
     mod = local_mask(window, causal) if period is None else pi_mask(window, period, causal)
-    return dense_mask(mod, n)
+    mask = dense_mask(mod, n)
+    if sinks:
+        _check_sinks(sinks)
+        sink = torch.zeros(n, n, dtype=torch.bool)
+        sink[:, :sinks] = True
+        mask |= sink.tril() if causal else sink
+    return mask
+
+
+def _check_sinks(sinks) -> None:
+    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+        raise ValueError(f"sinks must be an int >= 0 (0: no sink keys), got {sinks!r}")
 
 
 def _powers(step: torch.Tensor, layers: int) -> Iterator[torch.Tensor]:
@@ -44,14 +74,45 @@ def _powers(step: torch.Tensor, layers: int) -> Iterator[torch.Tensor]:
 
 
 def reachability_mask(n: int, window: int, period: int | None, layers: int,
-                      causal: bool = True) -> torch.Tensor:
+                      causal: bool = True, sinks: int = 0) -> torch.Tensor:
     """bool [n, n]: [i, j] = token j can influence output i after `layers` layers (layers=0: identity).
 
-    period=None gives local-window attention only. Dense boolean matrix powers: O(layers·n³) time and
-    O(n²) memory, meant for analysis-sized n (a few thousand at most).
+    period=None gives local-window attention only; sinks > 0 adds the sink keys (module docstring). Dense
+    boolean matrix powers: O(layers·n³) time and O(n²) memory, meant for analysis-sized n (a few thousand
+    at most).
     """
-    *_, last = _powers(step_mask(n, window, period, causal), layers)
+    *_, last = _powers(step_mask(n, window, period, causal, sinks), layers)
     return last
+
+
+def sink_reach_depth(n: int, window: int, period: int | None, sinks: int, causal: bool = True) -> list[int | None]:
+    """Per input position j: d(j) + 1, the fewest layers after which j reaches every query the sinks reach
+    (all of them; when causal, all at or after j), or None if it never does on this length-n sequence
+    (every j >= sinks when causal). See the module docstring for why."""
+    _check_sinks(sinks)
+    depth: list[int | None] = [None] * n
+    if not sinks:
+        return depth
+    # d(j) <= n - 1: a shortest path visits each position at most once.
+    for layers, reach in enumerate(_powers(step_mask(n, window, period, causal), n)):
+        hit = reach[: min(sinks, n)].any(0)  # [n]: j has reached the query of some sink position
+        for j in hit.nonzero().flatten().tolist():
+            if depth[j] is None:
+                depth[j] = layers + 1
+        if all(d is not None for d in depth):
+            break
+    return depth
+
+
+def reachability_with_sinks(n: int, window: int, period: int | None, layers: int, sinks: int,
+                            causal: bool = True) -> torch.Tensor:
+    """bool [n, n]: the rule of the module docstring, R_L[i, j] or (L >= d(j) + 1 and, when causal, j <= i),
+    from the reachability without sinks and `sink_reach_depth`; equal to `reachability_mask(…, sinks)`."""
+    plain = reachability_mask(n, window, period, layers, causal)
+    depth = sink_reach_depth(n, window, period, sinks, causal)
+    hub = torch.tensor([d is not None and layers >= d for d in depth], dtype=torch.bool)
+    via_sink = hub[None, :].expand(n, n)
+    return plain | (via_sink.tril() if causal else via_sink)
 
 
 def coverage(mask: torch.Tensor) -> float:

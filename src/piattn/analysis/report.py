@@ -12,6 +12,7 @@ from .reachability import (
     coverage,
     min_depth,
     reachability_mask,
+    sink_reach_depth,
     span,
     span_bound,
     spans_by_depth,
@@ -24,8 +25,26 @@ def default_lags(n: int, window: int, period: int) -> list[int]:
     return sorted(d for d in lags if d >= 1)
 
 
+def sink_summary(n: int, window: int, period: int, layers: int, sinks: int, causal: bool = True) -> dict:
+    """What `sinks` sink keys add (see `piattn.analysis.reachability`), JSON-friendly:
+
+    {"sinks", "coverage": {"local", "pi"}, "span": {"local", "pi"}   the same numbers with the sinks,
+     "hub_depth": {"local", "pi"}   layers after which every token reaches every query (every later one
+                                    when causal), None if some token never does (causal: any j >= sinks),
+     "tokens_through_sinks": {"local", "pi"}   tokens j that reach all those queries within `layers`}
+    """
+    out = {"sinks": sinks, "coverage": {}, "span": {}, "hub_depth": {}, "tokens_through_sinks": {}}
+    for name, p in (("local", None), ("pi", period)):
+        mask = reachability_mask(n, window, p, layers, causal, sinks=sinks)
+        depth = sink_reach_depth(n, window, p, sinks, causal)
+        out["coverage"][name], out["span"][name] = coverage(mask), span(mask)
+        out["hub_depth"][name] = None if None in depth else max(depth)
+        out["tokens_through_sinks"][name] = sum(d is not None and d <= layers for d in depth)
+    return out
+
+
 def reach_summary(n: int, window: int, period: int, layers: int, causal: bool = True,
-                  lags: list[int] | None = None) -> dict:
+                  lags: list[int] | None = None, sinks: int = 0) -> dict:
     """Plain numbers (JSON-friendly) comparing local-only attention with π-Attention.
 
     {"n", "window", "period", "layers", "causal",
@@ -33,7 +52,8 @@ def reach_summary(n: int, window: int, period: int, layers: int, causal: bool = 
      "span": {"local", "pi"}                 largest |i - j| reachable on this length-n sequence,
      "attainable_span": {"local", "pi"}      kL and L·max(k, π): the span on a long enough sequence,
      "span_bound": {"local", "pi"}           kL and the seed's L(k + π) (Eq. rf_pi),
-     "min_depth": [{"lag", "local", "pi"}]   fewest layers carrying each lag (None: never)}
+     "min_depth": [{"lag", "local", "pi"}]   fewest layers carrying each lag (None: never),
+     "with_sinks": `sink_summary(…)`          only when sinks > 0}
     """
     local = reachability_mask(n, window, None, layers, causal)
     pi = reachability_mask(n, window, period, layers, causal)
@@ -47,6 +67,7 @@ def reach_summary(n: int, window: int, period: int, layers: int, causal: bool = 
         "span_bound": {"local": span_bound(layers, window, None), "pi": span_bound(layers, window, period)},
         "min_depth": [{"lag": d, "local": min_depth(d, window, None, causal),
                        "pi": min_depth(d, window, period, causal)} for d in lags],
+        **({"with_sinks": sink_summary(n, window, period, layers, sinks, causal)} if sinks else {}),
     }
 
 
@@ -75,22 +96,41 @@ def format_summary(s: dict) -> str:
         f"{'d':>6}{'local ⌈d/k⌉':>14}{'π':>8}",
     ]
     lines += [f"{r['lag']:>6}{depth(r['local']):>14}{depth(r['pi']):>8}" for r in s["min_depth"]]
+    if "with_sinks" in s:
+        w = s["with_sinks"]
+        reach_all = f"all {'later ' if s['causal'] else ''}queries in L={L}"
+        lines += [
+            "",
+            f"with {w['sinks']} sink key(s) (positions 0 … {w['sinks'] - 1}, seen by every query"
+            + (" at or after them)" if s["causal"] else ")"),
+            f"{'':44}{'local':>8}{'π':>8}",
+            f"{'coverage':44}{w['coverage']['local']:>8.1%}{w['coverage']['pi']:>8.1%}",
+            f"{'span':44}{w['span']['local']:>8}{w['span']['pi']:>8}",
+            f"{f'tokens reaching {reach_all}':44}{w['tokens_through_sinks']['local']:>8}"
+            f"{w['tokens_through_sinks']['pi']:>8}",
+            f"{'layers until every token does':44}{depth(w['hub_depth']['local']):>8}{depth(w['hub_depth']['pi']):>8}",
+        ]
+        if s["causal"]:
+            lines.append("  (causal: a sink gathers only what precedes it, so only the first tokens use it as a hub)")
+        else:
+            lines.append("  (a token reaches everything one layer after it reaches a sink's query)")
     return "\n".join(lines)
 
 
 def plot_receptive_field(n: int, window: int, period: int, layers: int, out: str | Path,
-                         causal: bool = True) -> Path:
+                         causal: bool = True, sinks: int = 0) -> Path:
     """Write the seed's Fig. rf_app to `out` (PNG): (a) local and (b) π reachability after `layers` layers
     (dark = key j can influence query i), (c) span vs depth L = 1 … layers, measured on this length-n
-    sequence, with the bounds kL and L(k + π). Needs matplotlib (the `plot` extra)."""
+    sequence, with the bounds kL and L(k + π); (a) and (b) include `sinks` sink keys. Needs matplotlib
+    (the `plot` extra)."""
     try:
         # a bare Figure renders with Agg and leaves pyplot's global backend and figure list alone
         from matplotlib.figure import Figure
     except ImportError as e:
         raise ImportError("the figure needs matplotlib: pip install piattn[plot]") from e
 
-    local = reachability_mask(n, window, None, layers, causal)
-    pi = reachability_mask(n, window, period, layers, causal)
+    local = reachability_mask(n, window, None, layers, causal, sinks=sinks)
+    pi = reachability_mask(n, window, period, layers, causal, sinks=sinks)
     depths = list(range(1, layers + 1))
     mode = "causal" if causal else "bidirectional"
 
@@ -99,7 +139,8 @@ def plot_receptive_field(n: int, window: int, period: int, layers: int, out: str
     for ax, mask, label in ((axes[0], local, f"(a) local, k={window}"),
                             (axes[1], pi, f"(b) π-Attention, k={window}, π={period}")):
         ax.imshow(mask.numpy(), cmap="Greys", vmin=0, vmax=1, interpolation="nearest")
-        ax.set_title(f"{label}\nL={layers}, {mode}: {coverage(mask):.1%} of n²")
+        sink_note = f", {sinks} sinks" if sinks else ""
+        ax.set_title(f"{label}{sink_note}\nL={layers}, {mode}: {coverage(mask):.1%} of n²")
         ax.set_xlabel("key j (source)")
         ax.set_ylabel("query i")
 
