@@ -39,6 +39,10 @@ class ModelFlags:
                                applies={"attention": ("pi",), "variant": ("fixed",)})
     n_layer: int | None = flag(None, "override the config's number of layers", low=1)
     n_head: int | None = flag(None, "override the config's number of heads", low=1)
+    n_kv_head: int | None = flag(None, "key/value heads, dividing the heads (grouped-query attention; default: as "
+                                 "many as heads)", low=1, applies={"attention": ("pi", "local", "dense")})
+    sinks: int | None = flag(None, "sink keys: the first N tokens of each document, seen by every later query "
+                             "(default 0)", low=0, applies={"attention": ("pi", "local")})
     d_model: int | None = flag(None, "override the config's width", low=1)
     d_ff: int | None = flag(None, "override the feed-forward width (default 4 × d-model)", low=1)
     backend: str | None = flag(None, "π operator backend (default auto)", choices="backend",
@@ -66,6 +70,9 @@ class DataFlags:
                                "text, pathfinder image-size², reach 64, vl-retrieval (image-size / patch-size)², "
                                "the image's patches)", low=1)
     cross_documents: bool = flag(False, "let sequences span document boundaries", applies={"task": ("lm",)})
+    pack_documents: bool = flag(False, "pack documents back to back into full sequences, attention kept inside "
+                                "each document (document ids in the batch) and no target across a boundary",
+                                applies={"task": ("lm",), "attention": ("pi", "local", "dense")})
     cache_dir: str | None = flag(None, "where tokenized corpora are cached (default: OUT/cache)",
                                  defines_run=False, applies={"task": ("lm",)})
 

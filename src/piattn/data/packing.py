@@ -4,6 +4,11 @@
 `load_corpus` memory-maps. `PackedSequences` cuts the token stream into sequences of seq_len + 1 tokens
 (inputs and their next-token targets), and `SequenceLoader` batches them: shuffled per epoch from a seed,
 sharded across ranks, and resumable from a checkpoint to exactly the batch where it stopped.
+
+Three ways to cut (`PackedSequences`): inside each document (the default: a document's tail shorter than a
+sequence is dropped), across documents as one stream (`cross_documents`: attention would mix documents),
+or packed (`document_ids`): one stream whose items also carry each token's document index, so that the
+model keeps attention inside each document and the loss skips the targets that start a new document.
 """
 
 from __future__ import annotations
@@ -113,13 +118,20 @@ class PackedSequences:
     two documents, and each document's tail that cannot fill a sequence is dropped (`dropped_tokens`
     counts them); with it, the documents form one stream and only the stream's tail is dropped.
 
+    With `document_ids` the documents form one stream as with `cross_documents`, and item i is a pair
+    (tokens [seq_len + 1], document index [seq_len + 1]) of int64: the index into doc_starts of the
+    document each token belongs to.
+
     tokens: [N] integer ids (a numpy memmap stays on disk); doc_starts: [n_documents] offsets into tokens,
     non-decreasing, the first 0.
     """
 
-    def __init__(self, tokens, doc_starts, seq_len: int, cross_documents: bool = False):
+    def __init__(self, tokens, doc_starts, seq_len: int, cross_documents: bool = False, document_ids: bool = False):
         if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
             raise ValueError(f"seq_len must be an integer >= 1, got {seq_len!r}")
+        if cross_documents and document_ids:
+            raise ValueError("cross_documents and document_ids exclude each other: packed sequences (document_ids) "
+                             "already run across documents, keeping attention inside each")
         self.tokens = tokens if isinstance(tokens, np.ndarray) else np.asarray(tokens)
         starts = np.asarray(doc_starts, dtype=np.int64)
         if self.tokens.ndim != 1 or starts.ndim != 1:
@@ -129,8 +141,10 @@ class PackedSequences:
             raise ValueError(f"doc_starts must be non-decreasing offsets in [0, {n}] starting at 0")
         self.seq_len = seq_len
         self.cross_documents = cross_documents
+        self.document_ids = document_ids
+        self._all_starts = starts
         window = seq_len + 1
-        if cross_documents:
+        if cross_documents or document_ids:
             starts, ends = np.zeros(1, dtype=np.int64), np.full(1, n, dtype=np.int64)
         else:
             ends = np.append(starts[1:], n)
@@ -157,11 +171,24 @@ class PackedSequences:
         doc = int(np.searchsorted(self._first_index, index, side="right")) - 1
         start = int(self._starts[doc]) + (index - int(self._first_index[doc])) * self.seq_len
         # np.array copies, so a caller editing the tensor in place never writes into the corpus.
-        return torch.from_numpy(np.array(self.tokens[start:start + self.seq_len + 1], dtype=np.int64))
+        tokens = torch.from_numpy(np.array(self.tokens[start:start + self.seq_len + 1], dtype=np.int64))
+        if not self.document_ids:
+            return tokens
+        positions = np.arange(start, start + self.seq_len + 1)
+        doc = np.searchsorted(self._all_starts, positions, side="right") - 1
+        return tokens, torch.from_numpy(doc.astype(np.int64))
+
+
+def _collate(items: list):
+    """Stack dataset items into a batch: tensors into one tensor, tuples of tensors into a tuple of batches."""
+    if isinstance(items[0], tuple):
+        return tuple(torch.stack(parts) for parts in zip(*items, strict=True))
+    return torch.stack(items)
 
 
 class SequenceLoader:
-    """Batches [batch_size, seq_len + 1] int64 of a PackedSequences-like dataset, shuffled, sharded, resumable.
+    """Batches [batch_size, seq_len + 1] int64 of a PackedSequences-like dataset (a tuple of such batches when its
+    items are tuples, e.g. tokens and document ids), shuffled, sharded, resumable.
 
     Epoch e visits the dataset in the order `torch.randperm(len, generator=Generator().manual_seed(seed + e))`
     (in index order when shuffle=False), the same on every rank; rank r takes every world_size-th index
@@ -212,7 +239,7 @@ class SequenceLoader:
         self.position += 1
         if self.position == self.batches_per_epoch:
             self.epoch, self.position = self.epoch + 1, 0
-        return torch.stack([self.dataset[int(i)] for i in indices])
+        return _collate([self.dataset[int(i)] for i in indices])
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         while True:

@@ -22,6 +22,7 @@ from ..train.task import Task, evaluation_sums, per_second
 
 TOKENIZER_DIR = "tokenizer"
 LM_SEQ_LEN = 1024  # --seq-len of --task lm when not given
+IGNORE = -100  # target id the loss skips: with packed documents, the first token of each document
 
 
 def token_byte_lengths(tokenizer) -> torch.Tensor:
@@ -98,6 +99,11 @@ class LanguageModelTask(Task):
             return cls(cfg, run_dir, ctx, checkpoint / TOKENIZER_DIR, config)
         if cfg.data.data is None:
             raise ValueError("--data is required with --task lm")
+        if cfg.data.pack_documents and cfg.data.cross_documents:
+            raise ValueError("--pack-documents and --cross-documents exclude each other: packed sequences already "
+                             "run across documents, keeping attention inside each")
+        if cfg.data.pack_documents and cfg.run.sequence_parallel > 1:
+            raise ValueError("--pack-documents does not run with --sequence-parallel > 1")
         if cfg.data.tokenizer == "bpe" and cfg.data.vocab_size is None:
             raise ValueError("--vocab-size is required with --tokenizer bpe (e.g. 8192; at least 256)")
         # Check everything before the tokenizer is fitted and written, so a bad flag leaves no trace.
@@ -159,7 +165,8 @@ class LanguageModelTask(Task):
             corpus = load_corpus(path)
         try:
             return PackedSequences(corpus.tokens, corpus.doc_starts, self.cfg.data.seq_len,
-                                   cross_documents=self.cfg.data.cross_documents)
+                                   cross_documents=self.cfg.data.cross_documents,
+                                   document_ids=self.cfg.data.pack_documents)
         except ValueError as err:
             raise ValueError(f"--seq-len {self.cfg.data.seq_len} is too long for the {split} split of "
                              f"{self.cfg.data.data}: {err}") from None
@@ -171,7 +178,15 @@ class LanguageModelTask(Task):
     def _forward(self, model, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, targets) of this rank's positions of batch [B, T + 1]: all T of them, or with N ranks
         per sequence the contiguous S = T / N positions r·S … r·S + S − 1 and their next tokens. A shard's
-        last target is the next shard's first input, read from the whole batch every rank holds."""
+        last target is the next shard's first input, read from the whole batch every rank holds.
+
+        Packed documents (batch = (tokens, document index), both [B, T + 1]): the model keeps attention
+        inside each document, and a target that starts a new document (nothing in its input's document
+        predicts it) is IGNORE."""
+        if isinstance(batch, tuple):
+            tokens, docs = (t.to(self.ctx.device, non_blocking=True) for t in batch)
+            targets = tokens[:, 1:].masked_fill(docs[:, 1:] != docs[:, :-1], IGNORE)
+            return model(tokens[:, :-1], document_ids=docs[:, :-1]), targets
         batch = batch.to(self.ctx.device, non_blocking=True)
         n, r = self.ctx.sequence_parallel, self.ctx.sequence_rank
         T = batch.shape[1] - 1
@@ -184,12 +199,15 @@ class LanguageModelTask(Task):
 
     def loss(self, model, batch):
         logits, targets = self._forward(model, batch)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()), targets.numel()
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+        return loss, targets.numel()  # positions processed (throughput), not only those scored
 
     def _score(self, model, batch) -> dict:
         logits, targets = self._forward(model, batch)
-        nats = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum").double()
-        return {"nats": nats, "tokens": targets.numel(), "bytes": self._byte_lengths[targets].sum()}
+        nats = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum",
+                               ignore_index=IGNORE).double()
+        scored = targets != IGNORE
+        return {"nats": nats, "tokens": scored.sum(), "bytes": self._byte_lengths[targets[scored]].sum()}
 
     def evaluate(self, model, split, max_batches):
         loader = SequenceLoader(self.sequences(split), self.cfg.optim.batch_size, shuffle=False,
