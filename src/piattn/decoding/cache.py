@@ -18,7 +18,8 @@ class RingCache:
 
     Position p < sinks lives in slot p (and in the ring too while the ring holds it); position p lives in
     ring slot sinks + p mod capacity. `recent()` reads the live positions back in the order an operator on
-    a contiguous block needs.
+    a contiguous block needs. Keys and values share one buffer `kv` [2, B, H_kv, sinks + capacity, D]
+    (`k`, `v` are its two halves), so a decoding step gathers both with one op.
     """
 
     def __init__(self, batch_size: int, n_heads: int, head_dim: int, capacity: int, *, sinks: int = 0,
@@ -27,9 +28,8 @@ class RingCache:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         if sinks < 0:
             raise ValueError(f"sinks must be >= 0, got {sinks}")
-        shape = (batch_size, n_heads, sinks + capacity, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.kv = torch.zeros((2, batch_size, n_heads, sinks + capacity, head_dim), device=device, dtype=dtype)
+        self.k, self.v = self.kv[0], self.kv[1]
         self.capacity, self.sinks, self.seen = capacity, sinks, 0
         # Slot of every position in a run of up to `capacity` starting anywhere (then the sink slots): slicing
         # it costs one op per decoding step instead of an arange and a modulo.
@@ -64,7 +64,8 @@ class RingCache:
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [B, H, t, D] of positions seen … seen+t−1 (only the last `capacity` and the first
-        `sinks` positions can matter)."""
+        `sinks` positions can matter). The cache keeps values, not autograd graphs (decoding is inference)."""
+        k, v = k.detach(), v.detach()
         t = k.shape[2]
         if t == 1 and self.seen >= self.sinks:  # the decoding step: one slot, no index tensor
             slot = self.sinks + self.seen % self.capacity
@@ -85,7 +86,7 @@ class RingCache:
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return self.kv.nbytes
 
 
 class GrowingCache:

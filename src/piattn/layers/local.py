@@ -67,5 +67,5 @@ class LocalAttention(AttentionLayer):
 
     def attend_ring(self, q: torch.Tensor, cache: RingCache, x: torch.Tensor) -> torch.Tensor:
         """One new query's output [B, H, 1, D] read from the ring `cache` that already holds its key."""
-        return decode_ring(q, cache.k, cache.v, None, capacity=cache.capacity, position=cache.seen - 1,
+        return decode_ring(q, cache.kv, None, capacity=cache.capacity, position=cache.seen - 1,
                            **self._decode_kwargs)

@@ -109,5 +109,5 @@ class PiAttention(AttentionLayer):
         gate = self.gate_values(x)
         if self._gate_observer is not None:
             self._gate_observer(gate.detach())
-        return decode_ring(q, cache.k, cache.v, gate, capacity=cache.capacity, position=cache.seen - 1,
+        return decode_ring(q, cache.kv, gate, capacity=cache.capacity, position=cache.seen - 1,
                            **self._decode_kwargs)

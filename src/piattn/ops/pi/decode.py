@@ -135,18 +135,20 @@ def decode_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.T
                            logit_clamp=logit_clamp, eps=eps, scale=scale)
 
 
-def decode_ring(q: torch.Tensor, k_store: torch.Tensor, v_store: torch.Tensor, gate: torch.Tensor | None, *,
-                capacity: int, position: int, window: int, period: int, variant: str, prior: float,
-                logit_clamp: float | None, eps: float, scale: float, sinks: int = 0) -> torch.Tensor:
+def decode_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | None, *, capacity: int, position: int,
+                window: int, period: int, variant: str, prior: float, logit_clamp: float | None, eps: float,
+                scale: float, sinks: int = 0) -> torch.Tensor:
     """`decode_rows` for one new query at `position`, read straight from a ring cache's storage.
 
-    q [B, H, 1, D]; k_store, v_store [B, H_kv, sinks + capacity, D] of a `RingCache` that already holds the
-    new key (layout in `ring_slots`); gate [B, H, 1] or None. One gather per tensor, no reordering of the
-    ring and no concatenation with the new row: the decoding step of generation.
+    q [B, H, 1, D]; kv_store [2, B, H_kv, sinks + capacity, D], keys then values, of a `RingCache` that
+    already holds the new key (layout in `ring_slots`); gate [B, H, 1] or None. One gather for keys and
+    values, no reordering of the ring and no concatenation with the new row: the decoding step of
+    generation.
     """
     slot, valid, kind, n_local, n_skip = ring_slots(window, period, sinks, capacity, position, q.device)
-    return decode_gathered(q, k_store.index_select(2, slot), v_store.index_select(2, slot), valid, kind, n_local,
-                           n_skip, gate, variant=variant, prior=prior, logit_clamp=logit_clamp, eps=eps, scale=scale)
+    kvg = kv_store.index_select(3, slot)
+    return decode_gathered(q, kvg[0], kvg[1], valid, kind, n_local, n_skip, gate, variant=variant, prior=prior,
+                           logit_clamp=logit_clamp, eps=eps, scale=scale)
 
 
 @functools.lru_cache(maxsize=16)
@@ -155,6 +157,13 @@ def _constants(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, 
     tensor for baddbmm's ignored input (beta = 0)."""
     return (torch.tensor((0.0, 1.0), dtype=dtype, device=device), torch.tensor((1.0, -1.0), dtype=dtype, device=device),
             torch.zeros((), dtype=dtype, device=device))
+
+
+@functools.lru_cache(maxsize=256)
+def _prior_map(kind: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[1, 2, S]: one-hot of each slot's prior (row 0 local, row 1 skip), so that the two log priors [R, g, 2]
+    times it add to the logits in one batched product (`kind` is one of the cached tensors of `_slots`)."""
+    return torch.nn.functional.one_hot(kind, 2).T.to(dtype)[None]
 
 
 def decode_gathered(q: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, valid: torch.Tensor | None,
@@ -191,7 +200,8 @@ def decode_gathered(q: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, valid: 
         a = gate.reshape(R, g, 1) if t == 1 else gate.view(B, H_kv, g, t).transpose(2, 3).reshape(R, g, 1)
         a = a if a.dtype == acc else a.to(acc)
     if variant == "adaptive":  # log max(α, ε) on local and sink slots, log max(1 − α, ε) on the skip slot
-        z.add_(torch.addcmul(offset, a, sign).clamp_min_(eps).log_().index_select(-1, kind))
+        pair = torch.addcmul(offset, a, sign).clamp_min_(eps).log_()  # [R, g, 2]
+        z.baddbmm_(pair, _prior_map(kind, acc).expand(R, 2, S))  # + the pair's entry of each slot, exactly
     elif variant == "fixed":
         log_local, log_skip = log_priors(variant, None, prior, eps)
         z.add_(torch.tensor((log_local, log_skip), dtype=acc, device=z.device).index_select(0, kind))
