@@ -29,13 +29,14 @@ class AttentionLayer(nn.Module):
         rotary: rotate q and k by position (RoPE) before `attend`.
         rope_base: RoPE frequency base.
 
-    A subclass implements `attend(q, k, v, x) -> [B, H, T, D]` from q, k, v [B, H, T, D] (x [B, T, d] is
-    passed for kinds that compute something from the layer input, like π-Attention's gate) and may
-    override `config_kwargs` to read its own fields of the model config.
+    A subclass implements `attend(q, k, v, x) -> [B, H, T, D]` from q [B, H, T, D] and k, v [B, H_kv, T, D]
+    (x [B, T, d] is passed for kinds that compute something from the layer input, like π-Attention's gate)
+    and may override `config_kwargs` to read its own fields of the model config.
 
-    Cached decoding: a kind whose query i reads no key older than i − (capacity − 1) sets
-    `cache_capacity()`; it then decodes from a fixed-size `RingCache` with no code of its own (see
-    `attend_cached`). Dense attention overrides both; kinds that set neither cannot decode incrementally.
+    Cached decoding: a kind whose query i reads no key older than i − (capacity − 1) (besides the first
+    `cache_sinks()` positions) sets `cache_capacity()`; it then decodes from a fixed-size `RingCache` with
+    no code of its own (see `attend_cached`), or faster with `attend_ring` / `attend_recent`. Dense
+    attention overrides both; kinds that set neither cannot decode incrementally.
 
     Packed documents: `forward(x, document_ids=ids)` with ids [B, T] (a new document wherever the id
     changes) runs every document as if it were alone: RoPE positions restart at each document's start and
@@ -139,7 +140,7 @@ class AttentionLayer(nn.Module):
     def attend_recent(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       x: torch.Tensor) -> torch.Tensor | None:
         """The last t rows of `attend` on N rows, from q [B, H, t, D] and x [B, t, d] of those t rows and
-        k, v [B, H, N, D] of all N, in eval (no dropout); None for kinds without such a path."""
+        k, v [B, H_kv, N, D] of all N, in eval (no dropout); None for kinds without such a path."""
         return None
 
     def attend_ring(self, q: torch.Tensor, cache: RingCache, x: torch.Tensor) -> torch.Tensor | None:
