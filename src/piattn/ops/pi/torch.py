@@ -175,9 +175,12 @@ def _skip_rows(c: _Chunk, offset: int) -> tuple[slice, slice, slice]:
 
 @dataclass
 class _Part:
-    """The slots of one chunk's queries. valid [n or 1, 1, |U|, L] bool; sink_key [n or 1, sinks, L] long
-    (the key row of each sink slot; 0 where invalid) or None; has_skip [n or 1, 1, 1, L]: the query has a
-    valid skip slot. The leading dim is 1 without documents (every head sees the same slots)."""
+    """The slots of one chunk's queries, for n key heads.
+
+    valid [n or 1, 1, |U|, L] bool (invalid: its negation); has_skip [n or 1, 1, 1, L]: the query has a valid
+    skip slot; the leading dim is 1 without documents (every head sees the same slots). sink_key [n, sinks,
+    L] long: the key row of each sink slot (0 where invalid), with documents; else None.
+    """
 
     valid: torch.Tensor
     invalid: torch.Tensor
@@ -202,7 +205,8 @@ class _Slots:
         if self.order is not None:
             valid = valid[..., self.order]
         self.valid = valid.transpose(1, 2)  # [B or 1, |U|, T]
-        self.sink_key = key[..., len(pat.offsets) :].transpose(1, 2) if pat.sinks else None  # [B or 1, S, T]
+        # The sink keys of each query, where documents make them differ between queries: [B, S, T].
+        self.sink_key = None if document_ids is None else key[..., len(pat.offsets) :].transpose(1, 2)
         self.relative = tuple(enumerate(pat.local_offsets)) + tuple(enumerate(pat.skip_offsets, self.n_first))
         # The batch element of each key head, to pick its document's slots (none: one document for all).
         self.batch = None if document_ids is None else torch.arange(n_heads, device=device) // kv_heads
@@ -219,14 +223,16 @@ class _Slots:
 
     def each(self, c: _Chunk, part: _Part, exact: bool):
         """(slot, query rows, chunk-relative rows, key) for the slots products take one at a time: skips and
-        sinks, and local slots too when `exact`. key: a slice of key rows for a relative slot (the queries
-        whose key i + offset lies in [0, T)), long [n or 1, L] for a sink (every query of the chunk)."""
+        sinks, and local slots too when `exact`. key (see `_read`): a slice of key rows for a relative slot
+        (the queries whose key i + offset lies in [0, T)); for a sink (every query of the chunk) an int
+        without documents, else long [n or 1, L]."""
         for m, offset in self.relative:
             if exact or m >= self.n_first:
                 rows, keys, rel = _skip_rows(c, offset)
                 yield m, rows, rel, keys
-        for s in range(self.sinks):
-            yield self.n_local + s, c.rows, slice(0, c.length), part.sink_key[:, s]
+        for s in range(self.sinks):  # without documents, sink s reads key s for every query
+            key = s if part.sink_key is None else part.sink_key[:, s]
+            yield self.n_local + s, c.rows, slice(0, c.length), key
 
 
 def _internal_order(pat: Pattern) -> list[int] | None:
@@ -237,19 +243,32 @@ def _internal_order(pat: Pattern) -> list[int] | None:
     return [*range(pat.n_local), *range(n_rel, n_rel + pat.sinks), *range(pat.n_local, n_rel)]
 
 
+def _head_rows(key: torch.Tensor, n: int, T: int) -> torch.Tensor:
+    """long key [n or 1, L] of rows within each head -> [n·L] rows of the heads flattened to [n·T, ·]."""
+    return (key + T * torch.arange(n, device=key.device)[:, None]).flatten()
+
+
 def _read(x: torch.Tensor, key) -> torch.Tensor:
-    """Key rows of x [n, T, D]: x[:, key] for a slice, a gather for long key [n or 1, L]; -> [n, L, D]."""
+    """Key rows of x [n, T, D] -> [n, L, D]. key: a slice of rows; an int, one row for every query (L = 1,
+    broadcasting); or long [n or 1, L], a row per query (whole rows picked, not element by element)."""
     if isinstance(key, slice):
         return x[:, key]
-    return x.gather(1, key.unsqueeze(-1).expand(x.shape[0], -1, x.shape[-1]))
+    if isinstance(key, int):
+        return x[:, key : key + 1]
+    n, T, D = x.shape
+    return x.reshape(n * T, D).index_select(0, _head_rows(key, n, T)).view(n, -1, D)
 
 
 def _add_rows(out: torch.Tensor, key, g: torch.Tensor) -> None:
-    """Adjoint of `_read`: out[:, key] += g (g [n, L, D]; rows of a long key may repeat, and add up)."""
+    """Adjoint of `_read`: out[:, key] += g (out [n, T, D], g [n, L, D]; the rows of a long key may repeat,
+    and add up)."""
     if isinstance(key, slice):
         out[:, key] += g
+    elif isinstance(key, int):
+        out[:, key] += g.sum(1)
     else:
-        out.scatter_add_(1, key.unsqueeze(-1).expand(out.shape[0], -1, out.shape[-1]), g)
+        n, T, D = out.shape
+        out.view(n * T, D).index_add_(0, _head_rows(key, n, T), g.reshape(-1, D))
 
 
 def _slot_scores(a, b, c: _Chunk, slots: _Slots, part: _Part, out, finite: bool = True) -> None:
@@ -300,11 +319,13 @@ def _apply_weights_transposed(w, x, c: _Chunk, slots: _Slots, part: _Part, out, 
         if finite and isinstance(key, slice):  # no temporary: one fused multiply-add per query head
             for g in range(x.shape[1]):
                 out[:, key].addcmul_(w[:, g, m, rel, None], x[:, g, rows])
-            continue
-        term = w[:, :, m, rel, None] * x[:, :, rows]
-        if not finite:
-            term = torch.where(part.valid[:, :, m, rel, None], term, 0.0)
-        _add_rows(out, key, term.sum(1))
+        elif finite and isinstance(key, int):  # one key row for all queries: a vector-matrix product per head
+            out[:, key] += (w[:, :, m, rel].unsqueeze(-2) @ x[:, :, rows]).sum(1).squeeze(-2)
+        else:
+            term = w[:, :, m, rel, None] * x[:, :, rows]
+            if not finite:
+                term = torch.where(part.valid[:, :, m, rel, None], term, 0.0)
+            _add_rows(out, key, term.sum(1))
 
 
 def _weights(logits: torch.Tensor, variant: str, gate: torch.Tensor | None, n_first: int, has_skip: torch.Tensor):
