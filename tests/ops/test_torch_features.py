@@ -92,9 +92,9 @@ def test_dropout_with_sinks(variant, causal):
     assert (y - plain).abs().max() > 1e-3, "dropout must change the output"
 
 
-def readers(key: int, pattern: Pattern, ids: torch.Tensor) -> set[int]:
+def readers(key: int, pattern: Pattern, T: int, ids: torch.Tensor | None) -> set[int]:
     """The queries (of batch row 0) with a valid slot that reads `key`, from `slot_keys`."""
-    keys, valid = slot_keys(pattern, ids.shape[1], ids)
+    keys, valid = slot_keys(pattern, T, ids)
     return set(((keys[0] == key) & valid[0]).any(-1).nonzero().flatten().tolist())
 
 
@@ -106,13 +106,14 @@ def bad_rows(x: torch.Tensor, head: int) -> set[int]:
 @pytest.mark.parametrize("variant", ["adaptive", "separate"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
 @pytest.mark.parametrize("which", ["k", "v"])
-def test_nonfinite_with_documents(variant, causal, which):
-    """A NaN key or value at p (a document's first row, so also its sink; a skip target) reaches y only in
-    the queries of its group's heads that read it, never across a document edge; dq only in those rows,
-    dk and dv only at keys those rows read; every other value equals the clean run's."""
+@pytest.mark.parametrize("docs", [True, False], ids=["documents", "one-document"])
+def test_nonfinite_with_sinks(variant, causal, which, docs):
+    """A NaN key or value at p (with documents a document's first row, so also its sink; a skip target)
+    reaches y only in the queries of its group's heads that read it, never across a document edge; dq
+    only in those rows, dk and dv only at keys those rows read; every other value equals the clean run's."""
     T, window, period, sinks = 48, 3, 8, 2
     pattern = Pattern(window, period, causal, sinks)
-    ids = documents(1, [[10, 20, 18]])
+    ids = documents(1, [[10, 20, 18]]) if docs else None
     kw = dict(window=window, period=period, causal=causal, variant=variant, sinks=sinks, document_ids=ids,
               backend="torch")
     clean = make(1, 4, 2, T, 8, variant, seed=6)
@@ -125,7 +126,7 @@ def test_nonfinite_with_documents(variant, causal, which):
         inputs[i][0, 0, p] = float("nan")  # key head 0, read by query heads 0 and 1
         inputs[i].requires_grad_()
         y, dq, dk, dv, *_ = forward_backward(*inputs, **kw)
-        tainted = readers(p, pattern, ids)
+        tainted = readers(p, pattern, T, ids)
         assert tainted and tainted != set(range(T))
         read = set(keys[0][sorted(tainted)][valid[0][sorted(tainted)]].tolist())
         for head in (0, 1):
