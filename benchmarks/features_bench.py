@@ -4,12 +4,17 @@ Two tables:
 
 1. GQA: H = 9 query heads on H_kv = 3 key/value heads, native (the operator reads each key head for its
    3 query heads) against repeat-then-attend (k and v repeated to 9 heads with repeat_interleave, then the
-   operator with H_kv = H; the repeat's backward sums the gradients back). Forward + backward time and the
-   peak resident-memory growth of one step, each case in a fresh process (Linux VmHWM, reset before it).
+   operator with H_kv = H; the repeat's backward sums the gradients back). Forward + backward time (runs of
+   the two interleaved) and the peak resident-memory growth of one step in a fresh process per case (Linux
+   VmHWM, reset before it).
 2. The cost of the features when unused: the same call through the code before they existed (the
    backend module of commit `--base`, loaded from git) and through today's, with sinks=0 and no
    documents; then sinks=4, one document passed as document_ids, and sinks=4 with 8 documents. Runs are
    interleaved in one process so that load on a shared machine hits every case alike.
+
+Every case reports wall time and the process's CPU time (`time.process_time`). On a machine shared with
+other jobs, wall time mostly measures the waits for a core; with one thread, CPU time does not, which is
+why the default also runs every case with one thread (with two, CPU time includes OpenMP's spin-waits).
 
     PYTHONPATH=src python benchmarks/features_bench.py --out benchmarks/results
 """
@@ -31,11 +36,11 @@ import torch
 
 from piattn.benchmarking import machine_info, reset_peak_rss, rss_kib, save_results
 
-THREADS = 2
+THREADS = (2, 1)
 BASE = "4084b3d"  # the last commit before the torch backend implemented sinks, GQA and documents
 GQA_SHAPE = dict(B=1, H=9, H_kv=3, T=8192, D=64)
 PATTERNS = ((256, 512), (4, 16))  # (window, period)
-COST_SHAPE = dict(B=1, H=8, T=8192, D=64)
+COST_SHAPE = dict(B=1, H=8, T=4096, D=64)
 COST_PATTERNS = ((4, 16), (64, 256))
 
 
@@ -48,42 +53,79 @@ def _inputs(B, H, H_kv, T, D):
     return [t.requires_grad_() for t in (q, k, v, gate)], dy
 
 
-def gqa_case(mode: str, window: int, period: int, repeats: int) -> dict:
-    """One GQA case in this process: median fwd+bwd ms over `repeats` and peak RSS growth of one step."""
+def _timed(step, repeats: int) -> tuple[list[float], list[float]]:
+    """Wall and CPU milliseconds of `repeats` calls of step()."""
+    wall, cpu = [], []
+    for _ in range(repeats):
+        w0, c0 = time.perf_counter(), time.process_time()
+        step()
+        wall.append((time.perf_counter() - w0) * 1e3)
+        cpu.append((time.process_time() - c0) * 1e3)
+    return wall, cpu
+
+
+def _stats(wall: list[float], cpu: list[float]) -> dict:
+    return dict(ms=statistics.median(wall), ms_min=min(wall), cpu_ms=statistics.median(cpu), cpu_ms_min=min(cpu))
+
+
+def _gqa_step(mode: str, window: int, period: int, inputs):
+    """One forward + backward on GQA_SHAPE: "native" (k, v with H_kv heads) or "repeat" (k, v repeated to H
+    heads first, inside the step, so that the repeat and its backward are timed and counted)."""
     import piattn
 
-    torch.set_num_threads(THREADS)
-    shape = GQA_SHAPE
-    (q, k, v, gate), dy = _inputs(**shape)
-    group = shape["H"] // shape["H_kv"]
+    (q, k, v, gate), dy = inputs
+    group = GQA_SHAPE["H"] // GQA_SHAPE["H_kv"]
 
     def step():
         kk, vv = (k, v) if mode == "native" else (k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
-        y = piattn.pi_attention(q, kk, vv, gate, window=window, period=period, backend="torch")
-        y.backward(dy)
+        piattn.pi_attention(q, kk, vv, gate, window=window, period=period, backend="torch").backward(dy)
         for t in (q, k, v, gate):
             t.grad = None
 
-    step()  # warm-up: thread pools and allocator caches are not the case's memory
+    return step
+
+
+def gqa_peak(mode: str, window: int, period: int) -> float:
+    """Peak resident-memory growth (MiB) of one step in this (fresh) process, after a warm-up step (thread
+    pools and allocator caches are not the case's memory)."""
+    torch.set_num_threads(1)
+    step = _gqa_step(mode, window, period, _inputs(**GQA_SHAPE))
+    step()
     reset_peak_rss()
     before = rss_kib("VmRSS")
     step()
-    peak_mib = (rss_kib("VmHWM") - before) / 1024
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return dict(mode=mode, window=window, period=period, **shape, ms=statistics.median(times), ms_min=min(times),
-                peak_mib=peak_mib, repeats=repeats)
+    return (rss_kib("VmHWM") - before) / 1024
 
 
-def gqa_isolated(mode: str, window: int, period: int, repeats: int) -> dict:
-    request = json.dumps(dict(mode=mode, window=window, period=period, repeats=repeats))
-    proc = subprocess.run([sys.executable, __file__, "--gqa-case", request], capture_output=True, text=True)
+def gqa_peak_isolated(mode: str, window: int, period: int) -> float | str:
+    request = json.dumps(dict(mode=mode, window=window, period=period))
+    proc = subprocess.run([sys.executable, __file__, "--gqa-peak", request], capture_output=True, text=True)
     if proc.returncode != 0:
-        return dict(mode=mode, window=window, period=period, error=proc.stderr.strip().splitlines()[-1])
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        return proc.stderr.strip().splitlines()[-1]
+    return float(proc.stdout.strip().splitlines()[-1])
+
+
+def gqa_table(repeats: int, threads: int) -> list[dict]:
+    """Native vs repeat, runs interleaved in this process; peak memory from a fresh process per case."""
+    torch.set_num_threads(threads)
+    inputs = _inputs(**GQA_SHAPE)
+    rows = []
+    for window, period in PATTERNS:
+        steps = {mode: _gqa_step(mode, window, period, inputs) for mode in ("native", "repeat")}
+        times = {mode: ([], []) for mode in steps}
+        for step in steps.values():
+            step()
+        for _ in range(repeats):  # interleaved: a burst of load on the shared machine hits both modes
+            for mode, step in steps.items():
+                wall, cpu = _timed(step, 1)
+                times[mode][0].extend(wall)
+                times[mode][1].extend(cpu)
+        for mode, (wall, cpu) in times.items():
+            peak = gqa_peak_isolated(mode, window, period)
+            rows.append(dict(mode=mode, window=window, period=period, threads=threads, **GQA_SHAPE,
+                             **_stats(wall, cpu), repeats=repeats,
+                             **({"peak_mib": peak} if isinstance(peak, float) else {"error": peak})))
+    return rows
 
 
 def _base_backend(base: str):
@@ -99,12 +141,12 @@ def _base_backend(base: str):
     return module
 
 
-def feature_cost(base: str, repeats: int) -> list[dict]:
+def feature_cost(base: str, repeats: int, threads: int) -> list[dict]:
     """fwd+bwd of the same causal adaptive call through the base code and today's, with and without features."""
     from piattn.ops.pi import torch as today
 
     old = _base_backend(base)
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(threads)
     (q, k, v, gate), dy = _inputs(H_kv=COST_SHAPE["H"], **COST_SHAPE)
     B, T = COST_SHAPE["B"], COST_SHAPE["T"]
     one_doc = torch.zeros(B, T, dtype=torch.long)
@@ -126,69 +168,79 @@ def feature_cost(base: str, repeats: int) -> list[dict]:
             for t in (q, k, v, gate):
                 t.grad = None
 
-        times = {name: [] for name in cases}
+        times = {name: ([], []) for name in cases}
         for fn, extra in cases.values():
             step(fn, extra)
         for _ in range(repeats):  # interleaved: a burst of load on the shared machine hits every case
             for name, (fn, extra) in cases.items():
-                t0 = time.perf_counter()
-                step(fn, extra)
-                times[name].append((time.perf_counter() - t0) * 1e3)
-        for name, ts in times.items():
-            rows.append(dict(case=name, window=window, period=period, **COST_SHAPE, ms=statistics.median(ts),
-                             ms_min=min(ts), repeats=repeats))
+                wall, cpu = _timed(lambda fn=fn, extra=extra: step(fn, extra), 1)
+                times[name][0].extend(wall)
+                times[name][1].extend(cpu)
+        for name, (wall, cpu) in times.items():
+            rows.append(dict(case=name, window=window, period=period, threads=threads, **COST_SHAPE,
+                             **_stats(wall, cpu), repeats=repeats))
     return rows
+
+
+def _ratio(x: float, ref: float) -> str:
+    return f"{x / ref:.2f}"
 
 
 def markdown(result: dict) -> str:
     m = result["machine"]
-    g = GQA_SHAPE
-    out = [f"# torch backend: GQA, sinks and documents on CPU ({m['processor']}, {THREADS} threads, "
-           f"torch {m['torch']})", "",
+    g, c = GQA_SHAPE, COST_SHAPE
+    out = [f"# torch backend: GQA, sinks and documents on CPU ({m['processor']}, torch {m['torch']})", "",
            f"Command: `{result['command']}`", "",
-           f"The machine was shared with other jobs while this ran (load average {result['load_before']} "
-           f"before, {result['load_after']} after, on {os.cpu_count()} cores): times are medians (and minima) "
-           "of interleaved or repeated runs, and differences of a few percent are within the noise.", "",
-           f"## Grouped-query attention: native vs repeat-then-attend", "",
+           f"The machine ({os.cpu_count()} cores) was shared with other jobs while this ran (load average "
+           f"{result['load_before']} before, {result['load_after']} after): wall times mostly measure waits for "
+           "a core. The one-thread CPU time (`time.process_time`) is the figure to compare; with two threads "
+           "it includes OpenMP's spin-waits. Medians (and minima) over the repeats.", "",
+           "## Grouped-query attention: native vs repeat-then-attend", "",
            f"B={g['B']}, H={g['H']}, H_kv={g['H_kv']}, T={g['T']}, D={g['D']}, fp32, adaptive, causal, "
-           "forward + backward. Each case in a fresh process; peak = resident-memory growth of one step "
-           "(outputs, gradients and the repeated K, V included).", "",
-           "| window | period | mode | ms (median) | ms (min) | peak MiB |", "|---:|---:|---|---:|---:|---:|"]
+           "forward + backward, `pi_attention(backend=\"torch\")`; the runs of both modes interleaved in one "
+           "process. Peak = resident-memory growth of one step (outputs, gradients and the repeated K, V "
+           "included), one thread, in a fresh process per case.", "",
+           "| window | period | threads | mode | wall ms (median / min) | CPU ms (median / min) | peak MiB | "
+           "CPU vs repeat |", "|---:|---:|---:|---|---:|---:|---:|---:|"]
     for r in result["gqa"]:
         if "error" in r:
-            out.append(f"| {r['window']} | {r['period']} | {r['mode']} | {r['error']} | | |")
+            out.append(f"| {r['window']} | {r['period']} | {r['threads']} | {r['mode']} | {r['error']} | | | |")
             continue
-        out.append(f"| {r['window']} | {r['period']} | {r['mode']} | {r['ms']:.0f} | {r['ms_min']:.0f} | "
-                   f"{r['peak_mib']:.0f} |")
-    c = COST_SHAPE
+        ref = next((x for x in result["gqa"] if x["mode"] == "repeat" and x["window"] == r["window"]
+                    and x["threads"] == r["threads"] and "error" not in x), None)
+        out.append(f"| {r['window']} | {r['period']} | {r['threads']} | {r['mode']} | {r['ms']:.0f} / "
+                   f"{r['ms_min']:.0f} | {r['cpu_ms']:.0f} / {r['cpu_ms_min']:.0f} | {r['peak_mib']:.0f} | "
+                   f"{_ratio(r['cpu_ms'], ref['cpu_ms']) if ref else '–'} |")
     out += ["", "## What the features cost when unused, and when used", "",
             f"B={c['B']}, H={c['H']}, T={c['T']}, D={c['D']}, fp32, adaptive, causal, forward + backward, "
-            "the backend function called directly; runs of all cases interleaved in one process.", "",
-            "| window | period | case | ms (median) | ms (min) | median vs today, sinks=0 |",
-            "|---:|---:|---|---:|---:|---:|"]
+            "the backend function called directly; the runs of all cases interleaved in one process. "
+            f"\"base\" is the backend as of commit {result['base']}, before sinks, GQA and documents.", "",
+            "| window | period | threads | case | wall ms (median / min) | CPU ms (median / min) | "
+            "CPU vs today, sinks=0 |", "|---:|---:|---:|---|---:|---:|---:|"]
     for r in result["cost"]:
-        ref = next(x for x in result["cost"] if x["window"] == r["window"] and x["case"] == "today, sinks=0")
-        out.append(f"| {r['window']} | {r['period']} | {r['case']} | {r['ms']:.0f} | {r['ms_min']:.0f} | "
-                   f"{r['ms'] / ref['ms']:.2f} |")
+        ref = next(x for x in result["cost"] if x["window"] == r["window"] and x["threads"] == r["threads"]
+                   and x["case"] == "today, sinks=0")
+        out.append(f"| {r['window']} | {r['period']} | {r['threads']} | {r['case']} | {r['ms']:.0f} / "
+                   f"{r['ms_min']:.0f} | {r['cpu_ms']:.0f} / {r['cpu_ms_min']:.0f} | "
+                   f"{_ratio(r['cpu_ms'], ref['cpu_ms'])} |")
     return "\n".join(out) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, nargs="+", default=list(THREADS))
     parser.add_argument("--base", default=BASE, help="commit whose torch backend is the 'before' of table 2")
-    parser.add_argument("--gqa-case", help=argparse.SUPPRESS)  # the child process of one GQA case
+    parser.add_argument("--gqa-peak", help=argparse.SUPPRESS)  # the child process measuring one GQA case
     args = parser.parse_args()
-    if args.gqa_case:
-        print(json.dumps(gqa_case(**json.loads(args.gqa_case))))
+    if args.gqa_peak:
+        print(gqa_peak(**json.loads(args.gqa_peak)))
         return
-    torch.set_num_threads(THREADS)
     load_before = [round(x, 1) for x in os.getloadavg()]
-    gqa = [gqa_isolated(mode, window, period, args.repeats)
-           for window, period in PATTERNS for mode in ("native", "repeat")]
-    cost = feature_cost(args.base, args.repeats)
-    result = dict(machine=machine_info(), threads=THREADS, command="PYTHONPATH=src python " + " ".join(sys.argv),
+    gqa = [row for threads in args.threads for row in gqa_table(args.repeats, threads)]
+    cost = [row for threads in args.threads for row in feature_cost(args.base, args.repeats, threads)]
+    result = dict(machine=machine_info(), threads=args.threads, command="PYTHONPATH=src python " + " ".join(sys.argv),
                   load_before=load_before, load_after=[round(x, 1) for x in os.getloadavg()], gqa=gqa, cost=cost,
                   gqa_shape=GQA_SHAPE, cost_shape=COST_SHAPE, base=args.base)
     save_results(args.out, "features_cpu", result, markdown(result))

@@ -57,8 +57,9 @@ def both(inputs, dtype, **kw):
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
 @pytest.mark.parametrize("pattern", [(3, 11, 4), (20, 45, 3)], ids=["narrow", "wider-than-block"])
-def test_many_chunks(variant, causal, pattern, small_chunks):
-    """Several chunks per key head, documents and sinks crossing their edges, GQA with 3 heads a group."""
+def test_many_chunks(variant, causal, pattern, small_chunks, nan_poison):
+    """Several chunks per key head, documents and sinks crossing their edges, GQA with 3 heads a group; fresh
+    allocations NaN-filled (tests/conftest.py), so that an element left unwritten cannot pass."""
     window, period, sinks = pattern
     T = 150
     inputs = make(2, 6, 2, T, 8, variant)
@@ -71,7 +72,7 @@ def test_many_chunks(variant, causal, pattern, small_chunks):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("variant", ["adaptive", "separate"])
-def test_low_precision(dtype, variant):
+def test_low_precision(dtype, variant, nan_poison):
     """Low precision accumulates in fp32, as the reference does: equal within TOLERANCES of the dtype."""
     inputs = make(1, 4, 2, 90, 16, variant, dtype, seed=2)
     ids = documents(1, [[20, 50, 20]])

@@ -225,7 +225,7 @@ class _Slots:
         """(slot, query rows, chunk-relative rows, key) for the slots products take one at a time: skips and
         sinks, and local slots too when `exact`. key (see `_read`): a slice of key rows for a relative slot
         (the queries whose key i + offset lies in [0, T)); for a sink (every query of the chunk) an int
-        without documents, else long [n or 1, L]."""
+        without documents, else long [n, L]."""
         for m, offset in self.relative:
             if exact or m >= self.n_first:
                 rows, keys, rel = _skip_rows(c, offset)
@@ -244,13 +244,13 @@ def _internal_order(pat: Pattern) -> list[int] | None:
 
 
 def _head_rows(key: torch.Tensor, n: int, T: int) -> torch.Tensor:
-    """long key [n or 1, L] of rows within each head -> [n·L] rows of the heads flattened to [n·T, ·]."""
+    """long key [n, L] of rows within each head -> [n·L] rows of the heads flattened to [n·T, ·]."""
     return (key + T * torch.arange(n, device=key.device)[:, None]).flatten()
 
 
 def _read(x: torch.Tensor, key) -> torch.Tensor:
     """Key rows of x [n, T, D] -> [n, L, D]. key: a slice of rows; an int, one row for every query (L = 1,
-    broadcasting); or long [n or 1, L], a row per query (whole rows picked, not element by element)."""
+    broadcasting); or long [n, L], a row per query (whole rows picked, not element by element)."""
     if isinstance(key, slice):
         return x[:, key]
     if isinstance(key, int):
