@@ -194,7 +194,9 @@ def markdown(result: dict) -> str:
            f"The machine ({os.cpu_count()} cores) was shared with other jobs while this ran (load average "
            f"{result['load_before']} before, {result['load_after']} after): wall times mostly measure waits for "
            "a core. The one-thread CPU time (`time.process_time`) is the figure to compare; with two threads "
-           "it includes OpenMP's spin-waits. Medians (and minima) over the repeats.", "",
+           "it includes OpenMP's spin-waits, and every parallel op waits until both threads get a core, so "
+           "two-thread times follow the number of ops more than their work. Medians (and minima) over the "
+           "repeats.", "",
            "## Grouped-query attention: native vs repeat-then-attend", "",
            f"B={g['B']}, H={g['H']}, H_kv={g['H_kv']}, T={g['T']}, D={g['D']}, fp32, adaptive, causal, "
            "forward + backward, `pi_attention(backend=\"torch\")`; the runs of both modes interleaved in one "
