@@ -99,7 +99,10 @@ def gqa_peak(mode: str, window: int, period: int) -> float:
 
 def gqa_peak_isolated(mode: str, window: int, period: int) -> float | str:
     request = json.dumps(dict(mode=mode, window=window, period=period))
-    proc = subprocess.run([sys.executable, __file__, "--gqa-peak", request], capture_output=True, text=True)
+    # A fixed mmap threshold: glibc then maps every large tensor afresh and unmaps it when freed, so that
+    # the resident set follows the live tensors instead of what the heap kept from earlier frees.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    proc = subprocess.run([sys.executable, __file__, "--gqa-peak", request], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         return proc.stderr.strip().splitlines()[-1]
     return float(proc.stdout.strip().splitlines()[-1])
