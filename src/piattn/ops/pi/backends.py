@@ -119,7 +119,7 @@ REGISTRY: dict[str, Backend] = {
         # The ground truth: a loop over offsets, O(T·|U|·D) memory.
         Backend("reference", "reference", "pi_attention_reference", features=ALL_FEATURES),
         # Blocked matrix products with a hand-written backward; any device torch runs on.
-        Backend("torch", "torch", "pi_attention_torch"),
+        Backend("torch", "torch", "pi_attention_torch", features=ALL_FEATURES),
         # Fused kernels; tl.dot has no fp64, and D is padded to a power of two of at most 256.
         Backend(
             "triton", "triton", "pi_attention_triton", dtypes=_LOW_AND_FP32,
