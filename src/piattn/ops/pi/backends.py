@@ -125,7 +125,7 @@ REGISTRY: dict[str, Backend] = {
             "triton", "triton", "pi_attention_triton", dtypes=_LOW_AND_FP32,
             devices=("cuda", "cpu") if TRITON_INTERPRET else ("cuda",), max_head_dim=256, requires=("triton",),
             note="" if TRITON_INTERPRET else " (set TRITON_INTERPRET=1 before importing triton for its CPU "
-                                             "interpreter)",
+                                             "interpreter)", features=ALL_FEATURES,
         ),
         # torch's FlexAttention: no fp64 kernels, no CPU backward, no per-slot dropout mask.
         Backend(
