@@ -131,6 +131,7 @@ REGISTRY: dict[str, Backend] = {
         Backend(
             "flex", "flex", "pi_attention_flex", dtypes=_LOW_AND_FP32, devices=("cpu", "cuda"),
             forward_only_on=("cpu",), dropout=False, requires=("torch.nn.attention.flex_attention",),
+            features=ALL_FEATURES,
         ),
     )
 }
