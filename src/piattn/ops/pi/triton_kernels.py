@@ -433,7 +433,7 @@ def pi_bwd_dkdv_kernel(
     # The tile's rows are keys here: `keys` [BT] are key positions of key/value head nk.
     nk, start, kvbase, right, n_local, keys, key_ok, offs_d = _tile(T, n_tiles, window, CAUSAL, D, BLOCK_T)
     lo_k, hi_k = _bounds(START, END, nk // heads_kv, keys, key_ok, T, HAS_DOCS)  # each key's document
-    k = _load_rows(K, kvbase, keys, key_ok, offs_d, D)  # [BT, D]
+    k = _load_rows(K, kvbase, keys, key_ok, offs_d, D)  # [BT, D], shared by the group's query heads
     v = _load_rows(V, kvbase, keys, key_ok, offs_d, D)  # [BT, D]
     lo = tl.maximum(start - right, 0)  # the query rows [lo, hi) that hold these keys in their band
     hi = tl.minimum(start + BLOCK_T + window, T)
@@ -452,19 +452,6 @@ def pi_bwd_dkdv_kernel(
     for g in range(0, group):
         n = nk * group + g  # a query head reading this key/value head
         qbase = n * T * D
-        if N_SKIP >= 1:  # slot n_local of query j + period
-            wd0, ds0, ok0 = _dkdv_skip_terms(k, v, Q, DY, KEEP, C_SKIP, DELTA_SKIP, n, qbase, T, keys, lo_k, hi_k,
-                                             offs_d, -period, n_local, scale, clamp, keep_scale, N_SLOTS,
-                                             HAS_CLAMP, HAS_DROPOUT, D)
-            dv = _add_rows(dv, wd0, DY, qbase, keys, period, ok0, offs_d, D)
-            dk = _add_rows(dk, ds0, Q, qbase, keys, period, ok0, offs_d, D)
-        if N_SKIP == 2:  # slot n_local + 1 of query j - period
-            wd1, ds1, ok1 = _dkdv_skip_terms(k, v, Q, DY, KEEP, C_SKIP, DELTA_SKIP, n, qbase, T, keys, lo_k, hi_k,
-                                             offs_d, period, n_local + 1, scale, clamp, keep_scale, N_SLOTS,
-                                             HAS_CLAMP, HAS_DROPOUT, D)
-            dv = _add_rows(dv, wd1, DY, qbase, keys, -period, ok1, offs_d, D)
-            dk = _add_rows(dk, ds1, Q, qbase, keys, -period, ok1, offs_d, D)
-
         for c in range(0, tl.cdiv(hi - lo, BLOCK_K)):
             qrows = lo + c * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK] query positions
             q_ok = qrows < hi
@@ -489,6 +476,19 @@ def pi_bwd_dkdv_kernel(
             if HAS_CLAMP:
                 ds = tl.where(tl.abs(z) <= clamp, ds, 0.0)
             dk += _dot(ds.to(q.dtype), q, DOT_PREC, UPCAST)
+        # Skip slots after the band, so that their rows are not live during it.
+        if N_SKIP >= 1:  # slot n_local of query j + period
+            wd0, ds0, ok0 = _dkdv_skip_terms(k, v, Q, DY, KEEP, C_SKIP, DELTA_SKIP, n, qbase, T, keys, lo_k, hi_k,
+                                             offs_d, -period, n_local, scale, clamp, keep_scale, N_SLOTS,
+                                             HAS_CLAMP, HAS_DROPOUT, D)
+            dv = _add_rows(dv, wd0, DY, qbase, keys, period, ok0, offs_d, D)
+            dk = _add_rows(dk, ds0, Q, qbase, keys, period, ok0, offs_d, D)
+        if N_SKIP == 2:  # slot n_local + 1 of query j - period
+            wd1, ds1, ok1 = _dkdv_skip_terms(k, v, Q, DY, KEEP, C_SKIP, DELTA_SKIP, n, qbase, T, keys, lo_k, hi_k,
+                                             offs_d, period, n_local + 1, scale, clamp, keep_scale, N_SLOTS,
+                                             HAS_CLAMP, HAS_DROPOUT, D)
+            dv = _add_rows(dv, wd1, DY, qbase, keys, -period, ok1, offs_d, D)
+            dk = _add_rows(dk, ds1, Q, qbase, keys, -period, ok1, offs_d, D)
 
         if SINKS > 0:
             # Sink keys: gather the saved per-slot terms of their readers, [BT, BK] per chunk of queries.
@@ -496,9 +496,9 @@ def pi_bwd_dkdv_kernel(
                 qrows = r_lo + c * BLOCK_K + tl.arange(0, BLOCK_K)
                 q_ok = qrows < r_hi
                 read = is_sink[:, None] & (qrows[None, :] >= lo_k[:, None]) & (qrows[None, :] < hi_k[:, None])
-                at = (n * T + qrows[None, :]) * SINKS + slot[:, None]
-                ds = tl.load(SINK_DS + at, mask=read, other=0.0)  # [BT, BK]
-                wk = tl.load(SINK_WK + at, mask=read, other=0.0)
+                at = qrows[None, :] * SINKS + slot[:, None]  # [BT, BK] offsets inside the head's [T, SINKS]
+                ds = tl.load(SINK_DS + n * T * SINKS + at, mask=read, other=0.0)  # [BT, BK]
+                wk = tl.load(SINK_WK + n * T * SINKS + at, mask=read, other=0.0)
                 q = _load_rows(Q, qbase, qrows, q_ok, offs_d, D)  # [BK, D]
                 dy = _load_rows(DY, qbase, qrows, q_ok, offs_d, D)
                 dk += _dot(ds.to(q.dtype), q, DOT_PREC, UPCAST)
