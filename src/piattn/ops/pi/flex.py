@@ -6,8 +6,15 @@ sparse (|U| = window + 2 keys per causal query) while flex works in tiles of `bl
 so most of the computed scores are thrown away: the smaller the block, the less waste, down to the
 smallest tile the kernel accepts (see `pi_attention_flex`'s `block_size`).
 
-    mask_mod : key offset kv - q in {-window … 0} ∪ {-period} (causal), {-window … window} ∪ {±period}
-    score_mod: z = clamp(q·k·scale) + log max(α, ε) on local keys, + log max(1 - α, ε) on skip keys
+    mask_mod : key offset kv - q in {-window … 0} ∪ {-period} (causal), {-window … window} ∪ {±period},
+               or kv among the first `sinks` keys of q's document (causal: kv <= q); with documents,
+               kv in q's document (equal document starts)
+    score_mod: z = clamp(q·k·scale) + log max(α, ε) on local and sink keys, + log max(1 - α, ε) on skip
+               keys (kv - q = ±period, period > window)
+
+Grouped-query attention (k, v with fewer heads than q) is flex's own `enable_gqa`. With documents the
+block mask has one row per batch element (`_build_block_mask`), built for each call; without, it is
+shared and cached (`block_mask`).
 
 Variant "separate" runs flex twice, once over the local keys and once over the skip keys, and mixes the
 two normalised outputs with α outside the kernel. Gradients reach the gate through the captured prior

@@ -4,9 +4,10 @@
 only connects them to autograd. Which calls this backend can run (dtypes, head dims, devices) is declared
 in `backends.py`, and `pi_attention` checks it before calling here.
 
-Saved for backward: the inputs and `stats` [2, N, T] fp32, per query the offsets c_local, c_skip such that
-the weight of a local slot is exp(z - c_local) and that of a skip slot exp(z - c_skip) (z the clamped,
-scaled score). They hold the log-sum-exp, the priors and, for "separate", the mixing coefficients.
+Saved for backward: the inputs, the document bounds (int32 [B, T], with document_ids) and `stats`
+[2, N, T] fp32, per query the offsets c_local, c_skip such that the weight of a local (or sink) slot is
+exp(z - c_local) and that of a skip slot exp(z - c_skip) (z the clamped, scaled score). They hold the
+log-sum-exp, the priors and, for "separate", the mixing coefficients.
 """
 
 from __future__ import annotations
