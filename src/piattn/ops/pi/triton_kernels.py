@@ -172,7 +172,16 @@ def pi_fwd_kernel(
         l_loc = l_loc * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:
             p = p * _keep_factor(KEEP, n, T, rows[:, None], rel + window, band, keep_scale, N_SLOTS)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PREC, UPCAST)
+        acc = acc * alpha[:, None]
+        bad = ~(tl.abs(v.to(tl.float32)) < float("inf"))  # [BK, D] NaN or ±inf
+        if tl.max(tl.max(bad.to(tl.int32), 1), 0) > 0:
+            # In P·V a non-finite value would reach every query of the tile through its weight 0
+            # (0·NaN = NaN): leave it out of the product and mark the outputs of the queries that read it.
+            acc += _dot(p.to(v.dtype), tl.where(bad, 0.0, v).to(v.dtype), DOT_PREC, UPCAST)
+            hit = _dot(band.to(v.dtype), bad.to(v.dtype), DOT_PREC, UPCAST)  # [BT, D]: bad values read
+            acc = tl.where(hit > 0, float("nan"), acc)
+        else:
+            acc += _dot(p.to(v.dtype), v, DOT_PREC, UPCAST)
         m_loc = m_new
 
     # Sink slots join the local group (local prior, local branch of "separate"): one gathered key and
