@@ -310,6 +310,24 @@ def test_low_precision_all_features(backend, dtype, variant, pass_, nan_poison):
     assert all(t.dtype == dtype for t in actual if t is not None)
 
 
+@pytest.mark.parametrize(*matrix(BACKENDS, lambda b, causal: b == "triton" and causal, causal=(True, False)))
+def test_dropout_all_features(backend, causal, nan_poison):
+    """Dropout with sinks + documents + grouped-query attention: one keep mask [B, H, T, |U|], sink slots
+    last, drawn by pi_attention; equal seeds give the reference's forward and gradients."""
+    dtype = exact(backend)
+    reason = REGISTRY[backend].refusal(device=DEVICE, dtype=dtype, head_dim=16, needs_grad=True, dropout_p=0.3,
+                                       features=frozenset({"sinks", "documents", "gqa"}))
+    if reason is not None:
+        pytest.skip(f"{backend}: {reason}")
+    q, k, v, gate = inputs(2, 4, 2, 40, 16, "adaptive", dtype, seed=5)
+    kw = dict(window=3, period=8, causal=causal, sinks=3, dropout_p=0.3, document_ids=_mixed_documents(40))
+    results = []
+    for b in ("reference", backend):
+        torch.manual_seed(7)
+        results.append(forward_backward(q, k, v, gate, **kw, backend=b))
+    compare(*results, dtype, LOOSER.get((backend, dtype)))
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     T=st.integers(1, 40), window=st.integers(0, 8), period=st.integers(1, 45), sinks=st.integers(0, 6),
