@@ -144,8 +144,8 @@ def triton_backward(dy, q, k, v, gate, keep, stats, launch: Launch, *, want_dgat
     )
     pi_bwd_dkdv_kernel[L.grid_kv](
         q, k, v, _or(keep, q), start, end, dy, stats[0], stats[1], delta[0], delta[1], sink_terms[0],
-        sink_terms[1], dk, dv, T, L.n_tiles, L.heads // L.group, L.group, L.window, L.period, L.scale, L.clamp,
-        L.keep_scale, **L.meta,
+        sink_terms[1], dk, dv, T, L.n_tiles, L.heads // L.group, L.window, L.period, L.scale, L.clamp,
+        L.keep_scale, GROUP=L.group, **L.meta,
     )
     dgate = None if dgate is None else dgate.view(B, H, T).to(gate.dtype)
     return dq, dk, dv, dgate

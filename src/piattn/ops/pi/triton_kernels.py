@@ -427,13 +427,14 @@ def _dkdv_skip_terms(
 @triton.jit
 def pi_bwd_dkdv_kernel(
     Q, K, V, KEEP, START, END, DY, C_LOC, C_SKIP, DELTA_LOC, DELTA_SKIP, SINK_DS, SINK_WK, DK, DV,
-    T, n_tiles, heads_kv, group, window, period, scale, clamp, keep_scale,
-    CAUSAL: tl.constexpr, N_SKIP: tl.constexpr, SINKS: tl.constexpr, N_SLOTS: tl.constexpr,
+    T, n_tiles, heads_kv, window, period, scale, clamp, keep_scale,
+    CAUSAL: tl.constexpr, N_SKIP: tl.constexpr, SINKS: tl.constexpr, N_SLOTS: tl.constexpr, GROUP: tl.constexpr,
     HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_DOCS: tl.constexpr, D: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """dK, dV [N_kv, T, D] of a tile of keys of one key/value head, gathered from every query that reads
-    them, over the `group` query heads that share it (a loop inside the program; no atomics).
+    them, over the GROUP query heads that share it (a loop inside the program; no atomics). GROUP is a
+    constexpr so that plain multi-head attention (GROUP = 1) compiles without the loop.
 
     Key j is local to the queries j - right … j + window, the skip of j + period (and j - period), and,
     if it is one of the first SINKS keys of its document, a sink of the document's other queries: their
@@ -458,8 +459,8 @@ def pi_bwd_dkdv_kernel(
 
     dk = tl.zeros([BLOCK_T, D], tl.float32)
     dv = tl.zeros([BLOCK_T, D], tl.float32)
-    for g in range(0, group):
-        n = nk * group + g  # a query head reading this key/value head
+    for g in range(0, GROUP):
+        n = nk * GROUP + g  # a query head reading this key/value head
         qbase = n * T * D
         for c in range(0, tl.cdiv(hi - lo, BLOCK_K)):
             qrows = lo + c * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK] query positions
