@@ -325,11 +325,16 @@ def test_nonfinite_stays_local(backend, shape, variant, causal, which, value):
             assert_close(f"{where} (head 1)", ref[0, 1], got[0, 1])
 
 
-@pytest.mark.parametrize("backend", [pytest.param(b, marks=pytest.mark.xfail(
+# triton's forward keeps a bad value out of its P·V products (its backward does not yet: not in CONTAINED).
+FORWARD_CONTAINED = ("triton",)
+
+
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=[] if b in FORWARD_CONTAINED else pytest.mark.xfail(
     strict=True, reason="its tiles multiply a bad key or value by a weight of 0 (0·NaN = NaN): not fixed yet"))
     for b in UNDER_TEST if b not in CONTAINED])
 def test_nonfinite_spreads_known(backend):
-    """triton and flex still spread a NaN in v to rows that do not read it (forward): recorded, to be fixed."""
+    """A NaN in v reaches exactly the rows that read it (forward): triton; flex still spreads it to rows that
+    do not read it (recorded, to be fixed)."""
     require(backend, torch.float32, 16, grad=False)
     T, window, period = NONFINITE_SHAPES["T40"]
     q, k, v, _ = make_inputs(1, 1, T, 16, variant="union", dtype=torch.float32, device=DEVICE, seed=7,

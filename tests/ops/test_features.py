@@ -9,6 +9,7 @@ alone. A backend that does not declare a feature (`backends.Backend.features`) i
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -148,17 +149,47 @@ def test_reference_matches_dense_oracle(variant, causal, case, docs):
 
 
 BACKENDS = tuple(name for name in REGISTRY if name != "reference")
+# Costly on a CPU: triton runs in Triton's interpreter, flex compiles a kernel per shape and pattern (tens
+# of seconds on a busy machine). They run a core of each set of cases by default, the rest with -m slow.
+COSTLY = ("flex",) if DEVICE == "cuda" else ("triton", "flex")
+HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (3, 1)}
+# fp32: dα divides Σ dlogit by α or 1 - α (down to 0.02), which scales the fp32 rounding of sums taken in
+# another order than the reference's (as in test_conformance.py).
+LOOSER = {("triton", torch.float32): dict(atol=1e-4, rtol=1e-4)}
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
-@pytest.mark.parametrize("case", ["sinks4", "sinks-in-window", "no-skip"])
-@pytest.mark.parametrize("docs", ["one", "ragged"])
-@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (3, 1)], ids=["mha", "gqa", "mqa"])
+def _id(x) -> str:
+    if isinstance(x, torch.dtype):
+        return str(x).removeprefix("torch.")
+    if isinstance(x, bool):
+        return "causal" if x else "bidir"
+    return str(x)
+
+
+def matrix(backends, core, **axes):
+    """Parametrize (backend, *axes) over `backends` and the product of the axes' values; a costly backend
+    runs by default only the cases where core(backend, *values), the others are marked slow."""
+    params = []
+    for backend in backends:
+        for values in itertools.product(*axes.values()):
+            slow = backend in COSTLY and not core(backend, *values)
+            params.append(pytest.param(backend, *values, id="-".join(map(_id, (backend, *values))),
+                                       marks=[pytest.mark.slow] if slow else []))
+    return ",".join(("backend", *axes)), params
+
+
+def _matches_core(backend, variant, causal, case, docs, heads):
+    """triton: two cases with every feature at once; flex runs no gradients on a CPU (skipped anyway)."""
+    return backend == "triton" and (variant, causal, case, docs, heads) in (
+        ("adaptive", True, "sinks-in-window", "ragged", "gqa"),
+        ("separate", False, "sinks-in-window", "ragged", "mqa"))
+
+
+@pytest.mark.parametrize(*matrix(BACKENDS, _matches_core, variant=VARIANTS, causal=(True, False),
+                                 case=("sinks4", "sinks-in-window", "no-skip"), docs=("one", "ragged"), heads=HEADS))
 def test_backend_matches_reference(backend, variant, causal, case, docs, heads):
     T, window, period, sinks = CASES[case]
-    H, Hk = heads
+    H, Hk = HEADS[heads]
     features = {"sinks"} | ({"documents"} if docs != "one" else set()) | ({"gqa"} if Hk != H else set())
     dtype = exact(backend)
     require(backend, dtype, 8, grad=True, features=features)
@@ -166,12 +197,11 @@ def test_backend_matches_reference(backend, variant, causal, case, docs, heads):
     ids = torch.tensor(IDS[docs](2, T), device=DEVICE) if docs != "one" else None
     kw = dict(window=window, period=period, causal=causal, variant=variant, sinks=sinks, document_ids=ids)
     compare(forward_backward(q, k, v, gate, **kw, backend="reference"),
-            forward_backward(q, k, v, gate, **kw, backend=backend), dtype)
+            forward_backward(q, k, v, gate, **kw, backend=backend), dtype, LOOSER.get((backend, dtype)))
 
 
-@pytest.mark.parametrize("backend", ("reference", *BACKENDS))
-@pytest.mark.parametrize("variant", ["adaptive", "separate"])
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
+@pytest.mark.parametrize(*matrix(("reference", *BACKENDS), lambda b, variant, causal: False,
+                                 variant=("adaptive", "separate"), causal=(True, False)))
 def test_each_document_as_if_alone(backend, variant, causal):
     """Packed documents give, forward and backward, what each document gives alone."""
     lengths = [5, 17, 1, 24]
@@ -197,7 +227,7 @@ def test_each_document_as_if_alone(backend, variant, causal):
         start += n
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(*matrix(BACKENDS, lambda b: b == "triton"))
 def test_sinks_zero_unchanged(backend):
     """sinks=0 and document_ids of one document change nothing, bit for bit."""
     dtype = exact(backend)
@@ -211,7 +241,7 @@ def test_sinks_zero_unchanged(backend):
     assert torch.equal(plain, same)
 
 
-@pytest.mark.parametrize("backend", ("reference", *BACKENDS))
+@pytest.mark.parametrize(*matrix(("reference", *BACKENDS), lambda b: False))
 def test_gqa_equals_repeated_heads(backend):
     """H_kv heads read by groups of query heads = the same heads repeated (repeat_kv), gradients summed."""
     dtype = exact(backend)
@@ -224,6 +254,78 @@ def test_gqa_equals_repeated_heads(backend):
     assert_close("dq", repeated[1], grouped[1], dtype)
     for name, rep, grp in (("dk", repeated[2], grouped[2]), ("dv", repeated[3], grouped[3])):
         assert_close(name, rep.unflatten(1, (2, 3)).sum(2), grp, dtype)
+
+
+def _mixed_documents(T: int) -> torch.Tensor:
+    """[2, T]: three documents whose first and last share an id (still two documents), and ragged runs."""
+    return torch.tensor([IDS["three"](1, T)[0], IDS["ragged"](1, T)[0]], device=DEVICE)
+
+
+def _all_features_core(backend, variant, causal):
+    # flex: a compile per case, up to a minute on a busy CPU; test_flex.py runs this path uncompiled.
+    return backend == "triton" and variant == "adaptive"
+
+
+@pytest.mark.parametrize(*matrix(BACKENDS, _all_features_core, variant=VARIANTS, causal=(True, False)))
+def test_forward_all_features(backend, variant, causal, nan_poison):
+    """Forward only (under no_grad, so that flex runs on a CPU too), sinks + documents + grouped-query
+    attention at once, in the backend's most exact dtype, against the reference at utils.TOLERANCES;
+    outputs NaN-poisoned, so an element a backend forgets to write fails."""
+    dtype = exact(backend)
+    require(backend, dtype, 16, grad=False, features={"sinks", "documents", "gqa"})
+    q, k, v, gate = inputs(2, 4, 2, 45, 16, variant, dtype, seed=3)
+    kw = dict(window=3, period=8, causal=causal, variant=variant, prior=0.3, sinks=3,
+              document_ids=_mixed_documents(45))
+    with torch.no_grad():
+        expected = piattn.pi_attention(q, k, v, gate, **kw, backend="reference")
+        actual = piattn.pi_attention(q, k, v, gate, **kw, backend=backend)
+    assert_close("y", expected, actual, dtype)
+
+
+def _low_precision_core(backend, dtype, variant, pass_):
+    return backend == "triton" and variant == "adaptive" and (dtype == torch.bfloat16) == (pass_ == "backward")
+
+
+@pytest.mark.parametrize(*matrix(BACKENDS, _low_precision_core, dtype=(torch.bfloat16, torch.float16),
+                                 variant=VARIANTS, pass_=("forward", "backward")))
+def test_low_precision_all_features(backend, dtype, variant, pass_, nan_poison):
+    """bf16 and fp16 with sinks + documents + grouped-query attention, against the reference run on the same
+    rounded inputs (it accumulates in fp32 too): utils.TOLERANCES, 2e-2 for bf16 and 3e-3 for fp16 (the
+    rounding of the inputs of the tensor-core products and of the results). Scores ≈ 4·N(0, 1), so a few
+    cross the clamp of 5. Outputs NaN-poisoned; results in the input dtype."""
+    grad = pass_ == "backward"
+    require(backend, dtype, 32, grad=grad, features={"sinks", "documents", "gqa"})
+    q, k, v, gate = inputs(2, 6, 2, 50, 32, variant, dtype, seed=4)
+    q = (q.detach() * 4).requires_grad_()
+    kw = dict(window=4, period=9, causal=True, variant=variant, sinks=2, logit_clamp=5.0,
+              document_ids=_mixed_documents(50))
+    if grad:
+        expected = forward_backward(q, k, v, gate, **kw, backend="reference")
+        actual = forward_backward(q, k, v, gate, **kw, backend=backend)
+    else:
+        with torch.no_grad():
+            expected = (piattn.pi_attention(q, k, v, gate, **kw, backend="reference"),)
+            actual = (piattn.pi_attention(q, k, v, gate, **kw, backend=backend),)
+    compare(expected, actual, dtype)
+    assert all(t.dtype == dtype for t in actual if t is not None)
+
+
+@pytest.mark.parametrize(*matrix(BACKENDS, lambda b, causal: b == "triton" and causal, causal=(True, False)))
+def test_dropout_all_features(backend, causal, nan_poison):
+    """Dropout with sinks + documents + grouped-query attention: one keep mask [B, H, T, |U|], sink slots
+    last, drawn by pi_attention; equal seeds give the reference's forward and gradients."""
+    dtype = exact(backend)
+    reason = REGISTRY[backend].refusal(device=DEVICE, dtype=dtype, head_dim=16, needs_grad=True, dropout_p=0.3,
+                                       features=frozenset({"sinks", "documents", "gqa"}))
+    if reason is not None:
+        pytest.skip(f"{backend}: {reason}")
+    q, k, v, gate = inputs(2, 4, 2, 40, 16, "adaptive", dtype, seed=5)
+    kw = dict(window=3, period=8, causal=causal, sinks=3, dropout_p=0.3, document_ids=_mixed_documents(40))
+    results = []
+    for b in ("reference", backend):
+        torch.manual_seed(7)
+        results.append(forward_backward(q, k, v, gate, **kw, backend=b))
+    compare(*results, dtype, LOOSER.get((backend, dtype)))
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -12,7 +12,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import piattn
 from piattn.ops.pi import flex
-from piattn.ops.pi.pattern import log_priors
+from piattn.ops.pi.pattern import Pattern, document_bounds, log_priors, slot_keys
 from utils import assert_close, compare, forward_backward, make_inputs
 
 if "flex" not in piattn.BACKENDS:
@@ -37,6 +37,28 @@ def test_block_mask_matches_create_block_mask(T, window, period, block, causal, 
     assert ours.BLOCK_SIZE == theirs.BLOCK_SIZE and ours.seq_lengths == theirs.seq_lengths
 
 
+@pytest.mark.parametrize("part", ["all", "local", "skip"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(("T", "window", "period", "sinks", "block"), [(70, 3, 8, 4, 16), (45, 2, 5, 12, 8)])
+def test_document_block_mask_matches_create_block_mask(T, window, period, sinks, block, causal, part):
+    """With sinks and documents (one block mask per batch row): the same tiles as torch's dense construction
+    from this backend's mask_mod, and that mask_mod is U's `part` as `pattern.slot_keys` gives it."""
+    ids = torch.tensor([[t // 13 for t in range(T)], [(t * 7) // 30 % 2 for t in range(T)]])
+    pat = Pattern(window, period, causal, sinks)
+    ours = flex._build_block_mask(pat, T, ids, torch.device("cpu"), block, part)
+    mask_mod = flex._mask_mod(window, period, causal, part, sinks, document_bounds(ids)[0])
+    theirs = create_block_mask(mask_mod, 2, None, T, T, device="cpu", BLOCK_SIZE=block)
+    assert torch.equal(ours.to_dense(), theirs.to_dense())
+    assert torch.equal(ours.full_kv_num_blocks, theirs.full_kv_num_blocks)
+    slots = flex._part_slots(pat, part)
+    key, valid = (t[..., slots] for t in slot_keys(pat, T, ids))
+    # Invalid slots hold key 0 and add nothing there.
+    dense = torch.zeros(2, T, T, dtype=torch.long).scatter_add_(2, key, valid.long()) > 0
+    pos = torch.arange(T)
+    got = torch.stack([mask_mod(torch.tensor(b), 0, pos[:, None], pos[None, :]) for b in range(2)])
+    assert torch.equal(got, dense)
+
+
 def test_block_mask_is_cached():
     args = (301, 4, 16, True, torch.device("cpu"), 128)
     assert flex.block_mask(*args) is flex.block_mask(*args)
@@ -50,13 +72,32 @@ def test_score_mod_gradient_reaches_gate():
     q, k, v, gate = make_inputs(*SHAPE, dtype=torch.float32, requires_grad=False)
     gate.requires_grad_()
     priors = torch.stack(log_priors("adaptive", gate, 0.5, 1e-4), -1)
-    mod = flex._score_mod(PATTERN["window"], 20.0, priors)
+    mod = flex._score_mod(PATTERN["window"], PATTERN["period"], 20.0, priors)
     mask = flex.block_mask(SHAPE[2], PATTERN["window"], PATTERN["period"], True, torch.device("cpu"), 16)
     actual = flex_attention(q, k, v, score_mod=mod, block_mask=mask, scale=SHAPE[-1] ** -0.5)
     expected = piattn.pi_attention(q, k, v, gate, backend="reference", **PATTERN)
     dy = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1))
     assert_close("y", expected, actual)
     assert_close("dgate", *(torch.autograd.grad(y, gate, dy)[0] for y in (expected, actual)))
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("variant", ["union", "fixed", "adaptive", "separate"])
+def test_all_features_uncompiled(variant, monkeypatch):
+    """Sinks, documents and grouped-query attention through this backend's whole path (block masks per batch
+    row, mask_mod, score_mod, enable_gqa, the "separate" mix), with flex's uncompiled dense path in place of
+    the compiled kernel (seconds instead of a compile per case; test_features.py runs the compiled one with
+    -m slow): the reference's forward."""
+    monkeypatch.setattr(flex, "_compiled_flex", lambda: flex_attention)
+    q, k, v, gate = make_inputs(2, 4, 45, 16, variant=variant, dtype=torch.float32, requires_grad=False)
+    k, v = k[:, :2], v[:, :2]
+    ids = torch.tensor([[0] * 10 + [1] * 20 + [0] * 15, [t // 7 for t in range(45)]])
+    for causal in (True, False):
+        kw = dict(window=3, period=8, causal=causal, variant=variant, prior=0.3, sinks=3, document_ids=ids)
+        with torch.no_grad():
+            expected = piattn.pi_attention(q, k, v, gate, backend="reference", **kw)
+            actual = piattn.pi_attention(q, k, v, gate, backend="flex", **kw)
+        assert_close(f"y ({'causal' if causal else 'bidir'})", expected, actual)
 
 
 def test_direct_call_takes_no_dropout_mask():

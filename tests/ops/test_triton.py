@@ -22,20 +22,29 @@ pytestmark = [
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("variant", ["adaptive", "fixed"])
-def test_launchers_without_autograd(variant, nan_poison):
+@pytest.mark.parametrize(("variant", "features"), [("adaptive", False), ("fixed", False), ("separate", True)])
+def test_launchers_without_autograd(variant, features, nan_poison):
     """The forward and backward launchers, called as plain functions (no autograd), give what
-    pi_attention(backend="triton") gives: the autograd.Function adds nothing but the wiring."""
+    pi_attention(backend="triton") gives: the autograd.Function adds nothing but the wiring. features:
+    with sinks, documents and one key/value head for two query heads."""
     from piattn.ops.pi import triton as tri
 
     q, k, v, gate = make_inputs(1, 2, 20, 16, variant=variant, dtype=torch.float32, device=DEVICE)
     kw = dict(window=3, period=7, causal=False, variant=variant, prior=0.3, logit_clamp=2.0, eps=1e-4)
-    y, *grads = forward_backward(q, k, v, gate, backend="triton", **kw)
-    launch = tri.plan(q, **kw, scale=16**-0.5, dropout_p=0.0, dropout=False)
+    extra, more = {}, {}
+    if features:
+        k, v = (t.detach()[:, :1].requires_grad_() for t in (k, v))
+        ids = torch.tensor([[0] * 6 + [1] * 14], device=DEVICE)
+        extra = dict(sinks=2, document_ids=ids)
+        more = dict(sinks=2, kv_heads=1, documents=True)
+    y, *grads = forward_backward(q, k, v, gate, backend="triton", **kw, **extra)
+    launch = tri.plan(q, **kw, scale=16**-0.5, dropout_p=0.0, dropout=False, **more)
+    bounds = tri.document_bounds_int32(extra.get("document_ids"))
     with torch.no_grad():
-        y2, stats = tri.triton_forward(q, k, v, gate, None, launch)
+        y2, stats = tri.triton_forward(q, k, v, gate, None, launch, bounds)
         dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(y)
-        grads2 = tri.triton_backward(dy, q, k, v, gate, None, stats, launch, want_dgate=gate is not None)
+        grads2 = tri.triton_backward(dy, q, k, v, gate, None, stats, launch, want_dgate=gate is not None,
+                                     bounds=bounds)
     assert torch.equal(y, y2)
     for name, a, b in zip(OUTPUT_NAMES[1:], grads, grads2, strict=True):
         assert (a is None and b is None) or torch.equal(a, b), name

@@ -125,12 +125,13 @@ REGISTRY: dict[str, Backend] = {
             "triton", "triton", "pi_attention_triton", dtypes=_LOW_AND_FP32,
             devices=("cuda", "cpu") if TRITON_INTERPRET else ("cuda",), max_head_dim=256, requires=("triton",),
             note="" if TRITON_INTERPRET else " (set TRITON_INTERPRET=1 before importing triton for its CPU "
-                                             "interpreter)",
+                                             "interpreter)", features=ALL_FEATURES,
         ),
         # torch's FlexAttention: no fp64 kernels, no CPU backward, no per-slot dropout mask.
         Backend(
             "flex", "flex", "pi_attention_flex", dtypes=_LOW_AND_FP32, devices=("cpu", "cuda"),
             forward_only_on=("cpu",), dropout=False, requires=("torch.nn.attention.flex_attention",),
+            features=ALL_FEATURES,
         ),
     )
 }

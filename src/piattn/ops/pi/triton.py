@@ -4,9 +4,10 @@
 only connects them to autograd. Which calls this backend can run (dtypes, head dims, devices) is declared
 in `backends.py`, and `pi_attention` checks it before calling here.
 
-Saved for backward: the inputs and `stats` [2, N, T] fp32, per query the offsets c_local, c_skip such that
-the weight of a local slot is exp(z - c_local) and that of a skip slot exp(z - c_skip) (z the clamped,
-scaled score). They hold the log-sum-exp, the priors and, for "separate", the mixing coefficients.
+Saved for backward: the inputs, the document bounds (int32 [B, T], with document_ids) and `stats`
+[2, N, T] fp32, per query the offsets c_local, c_skip such that the weight of a local (or sink) slot is
+exp(z - c_local) and that of a skip slot exp(z - c_skip) (z the clamped, scaled score). They hold the
+log-sum-exp, the priors and, for "separate", the mixing coefficients.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 import triton
 
 from .backends import refuse_double_backward
-from .pattern import Pattern, log_priors
+from .pattern import Pattern, document_bounds, log_priors
 from .triton_kernels import (
     MODE_ADAPTIVE,
     MODE_CONSTANT,
@@ -54,16 +55,22 @@ class Launch:
     log_local: float
     log_skip: float
     keep_scale: float  # 1 / (1 - dropout_p)
+    sinks: int
+    heads: int  # H, query heads per batch row
+    group: int  # H // H_kv, query heads per key/value head
     n_tiles: int  # tiles of BLOCK_T rows per head
-    grid: tuple[int]  # one program per (head, tile)
+    grid: tuple[int]  # one program per (query head, tile): forward and dQ kernels
+    grid_kv: tuple[int]  # one program per (key/value head, tile): dK/dV kernel
     meta: dict  # the constexprs shared by all three kernels, num_warps and num_stages
 
 
 def plan(q: torch.Tensor, *, window, period, causal, variant, prior, logit_clamp, eps, scale, dropout_p,
-         dropout: bool) -> Launch:
-    """The launch configuration for q [B, H, T, D] (D a power of two >= 16); dropout: a keep mask is passed."""
+         dropout: bool, sinks: int = 0, kv_heads: int | None = None, documents: bool = False) -> Launch:
+    """The launch configuration for q [B, H, T, D] (D a power of two >= 16); dropout: a keep mask is passed;
+    kv_heads: H_kv (None: H); documents: document bounds are passed."""
     B, H, T, D = q.shape
-    pat = Pattern(window, period, causal)
+    kv_heads = H if kv_heads is None else kv_heads
+    pat = Pattern(window, period, causal, sinks)
     block_t, block_k, num_warps = _tiles(D, pat.n_local - 1, q.element_size())
     # Constant priors only; the kernels take "adaptive"'s from the gate and "separate" has none.
     log_local, log_skip = log_priors("fixed", None, prior, eps) if variant == "fixed" else (0.0, 0.0)
@@ -73,8 +80,8 @@ def plan(q: torch.Tensor, *, window, period, causal, variant, prior, logit_clamp
     # fall back to FMA loops that spill kilobytes of registers on sm_90; TRITON.md).
     prec = "tf32x3" if q.dtype == torch.float32 or upcast else "tf32"
     meta = dict(
-        CAUSAL=causal, N_SKIP=len(pat.skip_offsets), N_SLOTS=pat.n_slots,
-        HAS_CLAMP=logit_clamp is not None, HAS_DROPOUT=dropout, D=D, BLOCK_T=block_t,
+        CAUSAL=causal, N_SKIP=pat.n_skip, SINKS=sinks, N_SLOTS=pat.n_slots,
+        HAS_CLAMP=logit_clamp is not None, HAS_DROPOUT=dropout, HAS_DOCS=documents, D=D, BLOCK_T=block_t,
         BLOCK_K=block_k, DOT_PREC=prec, UPCAST=upcast,
         num_warps=num_warps, num_stages=2,
     )
@@ -82,7 +89,8 @@ def plan(q: torch.Tensor, *, window, period, causal, variant, prior, logit_clamp
     return Launch(
         window=window, period=period, mode=mode, eps=eps, scale=scale,
         clamp=0.0 if logit_clamp is None else float(logit_clamp), log_local=log_local, log_skip=log_skip,
-        keep_scale=1.0 / (1.0 - dropout_p), n_tiles=n_tiles, grid=(B * H * n_tiles,), meta=meta,
+        keep_scale=1.0 / (1.0 - dropout_p), sinks=sinks, heads=H, group=H // kv_heads, n_tiles=n_tiles,
+        grid=(B * H * n_tiles,), grid_kv=(B * kv_heads * n_tiles,), meta=meta,
     )
 
 
@@ -91,22 +99,31 @@ def _or(t: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:
     return stand_in if t is None else t
 
 
-def triton_forward(q, k, v, gate, keep, launch: Launch) -> tuple[torch.Tensor, torch.Tensor]:
-    """q, k, v [B, H, T, D], gate [B, H, T] or None, keep uint8 [B, H, T, |U|] or None, all contiguous
-    -> (y [B, H, T, D], stats fp32 [2, N, T]: c_local, c_skip)."""
+def document_bounds_int32(document_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """document_ids [B, T] -> the (start, end) [B, T] int32 of each position's document, or None."""
+    if document_ids is None:
+        return None
+    return tuple(b.to(torch.int32).contiguous() for b in document_bounds(document_ids))
+
+
+def triton_forward(q, k, v, gate, keep, launch: Launch, bounds=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, H, T, D], k, v [B, H_kv, T, D], gate [B, H, T] or None, keep uint8 [B, H, T, |U|] or None,
+    bounds (start, end) int32 [B, T] or None, all contiguous -> (y [B, H, T, D], stats fp32 [2, N, T]:
+    c_local, c_skip)."""
     B, H, T, D = q.shape
     out = torch.empty_like(q)
     stats = torch.empty(2, B * H, T, dtype=torch.float32, device=q.device)
     L = launch
+    start, end = (q, q) if bounds is None else bounds
     pi_fwd_kernel[L.grid](
-        q, k, v, _or(gate, q), _or(keep, q), out, stats[0], stats[1],
-        T, L.n_tiles, L.window, L.period, L.scale, L.clamp, L.log_local, L.log_skip, L.eps, L.keep_scale,
-        MODE=L.mode, **L.meta,
+        q, k, v, _or(gate, q), _or(keep, q), start, end, out, stats[0], stats[1],
+        T, L.n_tiles, L.heads, L.group, L.window, L.period, L.scale, L.clamp, L.log_local, L.log_skip, L.eps,
+        L.keep_scale, MODE=L.mode, **L.meta,
     )
     return out, stats
 
 
-def triton_backward(dy, q, k, v, gate, keep, stats, launch: Launch, *, want_dgate: bool):
+def triton_backward(dy, q, k, v, gate, keep, stats, launch: Launch, *, want_dgate: bool, bounds=None):
     """The gradients (dq, dk, dv, dgate or None) for the cotangent dy of `triton_forward`'s output."""
     B, H, T, D = q.shape
     N = B * H
@@ -115,42 +132,53 @@ def triton_backward(dy, q, k, v, gate, keep, stats, launch: Launch, *, want_dgat
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     delta = torch.empty(2, N, T, dtype=torch.float32, device=q.device)  # Δ_local, Δ_skip
     dgate = torch.empty(N, T, dtype=torch.float32, device=q.device) if want_dgate else None
-    # Δ is written by the dQ kernel and read by the dK/dV kernel: stream order makes it ready.
+    # Per sink slot: its dlogit and dropped weight, for the dK/dV of the sink keys, O(T·sinks) per head.
+    sink_terms = torch.empty(2, N, T, L.sinks, dtype=torch.float32, device=q.device) if L.sinks else delta
+    start, end = (q, q) if bounds is None else bounds
+    # Δ and the sink terms are written by the dQ kernel and read by the dK/dV kernel: stream order makes
+    # them ready.
     pi_bwd_dq_kernel[L.grid](
-        q, k, v, _or(gate, q), _or(keep, q), dy, stats[0], stats[1], dq, delta[0], delta[1],
-        _or(dgate, q), T, L.n_tiles, L.window, L.period, L.scale, L.clamp, L.eps, L.keep_scale,
-        MODE=L.mode, HAS_DGATE=want_dgate, **L.meta,
+        q, k, v, _or(gate, q), _or(keep, q), start, end, dy, stats[0], stats[1], dq, delta[0], delta[1],
+        _or(dgate, q), sink_terms[0], sink_terms[1], T, L.n_tiles, L.heads, L.group, L.window, L.period,
+        L.scale, L.clamp, L.eps, L.keep_scale, MODE=L.mode, HAS_DGATE=want_dgate, **L.meta,
     )
-    pi_bwd_dkdv_kernel[L.grid](
-        q, k, v, _or(keep, q), dy, stats[0], stats[1], delta[0], delta[1], dk, dv,
-        T, L.n_tiles, L.window, L.period, L.scale, L.clamp, L.keep_scale, **L.meta,
+    pi_bwd_dkdv_kernel[L.grid_kv](
+        q, k, v, _or(keep, q), start, end, dy, stats[0], stats[1], delta[0], delta[1], sink_terms[0],
+        sink_terms[1], dk, dv, T, L.n_tiles, L.heads // L.group, L.window, L.period, L.scale, L.clamp,
+        L.keep_scale, GROUP=L.group, **L.meta,
     )
     dgate = None if dgate is None else dgate.view(B, H, T).to(gate.dtype)
     return dq, dk, dv, dgate
 
 
 class _PiAttentionTriton(torch.autograd.Function):
-    """Autograd around the launchers: q, k, v, gate differentiable; keep and launch are not."""
+    """Autograd around the launchers: q, k, v, gate differentiable; keep, the document bounds and launch
+    are not."""
 
     @staticmethod
-    def forward(ctx, q, k, v, gate, keep, launch):
-        out, stats = triton_forward(q, k, v, gate, keep, launch)
-        ctx.save_for_backward(q, k, v, gate, keep, stats)
+    def forward(ctx, q, k, v, gate, keep, start, end, launch):
+        bounds = None if start is None else (start, end)
+        out, stats = triton_forward(q, k, v, gate, keep, launch, bounds)
+        ctx.save_for_backward(q, k, v, gate, keep, start, end, stats)
         ctx.launch = launch
         return out
 
     @staticmethod
     def backward(ctx, dy):
         refuse_double_backward("triton")
-        q, k, v, gate, keep, stats = ctx.saved_tensors
+        q, k, v, gate, keep, start, end, stats = ctx.saved_tensors
         want_dgate = gate is not None and ctx.needs_input_grad[3]
-        dq, dk, dv, dgate = triton_backward(dy, q, k, v, gate, keep, stats, ctx.launch, want_dgate=want_dgate)
-        return dq, dk, dv, dgate, None, None
+        bounds = None if start is None else (start, end)
+        dq, dk, dv, dgate = triton_backward(dy, q, k, v, gate, keep, stats, ctx.launch, want_dgate=want_dgate,
+                                            bounds=bounds)
+        return dq, dk, dv, dgate, None, None, None, None
 
 
 def pi_attention_triton(q, k, v, gate, *, window, period, causal, variant, prior, logit_clamp, eps, scale,
                         dropout_keep, dropout_p, sinks=0, document_ids=None):
-    """Same contract as `pi_attention_reference`: q, k, v [B, H, T, D] -> [B, H, T, D] in q's dtype.
+    """Same contract as `pi_attention_reference`: q [B, H, T, D], k, v [B, H_kv, T, D] -> [B, H, T, D] in
+    q's dtype, with sinks, documents and grouped-query attention (no repeated k, v: each program of a
+    query head reads its key/value head).
 
     fp32, bf16 and fp16 inputs, head dims up to 256 (`backends.py` declares this); scores, softmax and
     outputs accumulate in fp32 (fp32 inputs: 3xTF32 dots, about fp32-accurate). `tl.dot` needs a
@@ -165,7 +193,9 @@ def pi_attention_triton(q, k, v, gate, *, window, period, causal, variant, prior
     q, k, v = (x.contiguous() for x in (q, k, v))
     gate = None if gate is None else gate.contiguous()
     keep = None if dropout_keep is None else dropout_keep.contiguous().view(torch.uint8)
+    start, end = document_bounds_int32(document_ids) or (None, None)
     launch = plan(q, window=window, period=period, causal=causal, variant=variant, prior=prior,
-                  logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p, dropout=keep is not None)
-    y = _PiAttentionTriton.apply(q, k, v, gate, keep, launch)
+                  logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p, dropout=keep is not None,
+                  sinks=sinks, kv_heads=k.shape[1], documents=document_ids is not None)
+    y = _PiAttentionTriton.apply(q, k, v, gate, keep, start, end, launch)
     return y if d_pad == D else y[..., :D]

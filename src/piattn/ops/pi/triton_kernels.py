@@ -1,9 +1,13 @@
 """The Triton kernels of backend "triton" (ops/pi/TRITON.md): one forward, two deterministic backward.
 
-B·H is flattened to N; every kernel works on [N, T, D] rows. A program owns a tile of BLOCK_T rows
-(`_tile`, the prologue all three kernels share) and walks the rows it needs in chunks of BLOCK_K: the local
-band through `tl.dot` on the chunk with a band mask, and each skip offset as one shifted, contiguous block
-of rows with a row-wise dot. The launchers are in `triton.py`.
+Query-side tensors (q, dY, y, dq, gate, statistics) are [N, T, ·] with N = B·H query heads; key-side
+tensors (k, v, dk, dv) are [N_kv, T, D] with N_kv = B·H_kv, and query head n reads key/value head
+n // group (grouped-query attention; group = H // H_kv, 1 for plain multi-head). A program owns a tile of
+BLOCK_T rows (`_tile`, the prologue all three kernels share) and walks the rows it needs in chunks of
+BLOCK_K: the local band through `tl.dot` on the chunk with a band mask, each skip offset as one shifted,
+contiguous block of rows with a row-wise dot, and each sink slot as one gathered row per query. With
+documents (HAS_DOCS), every position carries its document's bounds [start, end) and a slot is read only
+when its key lies inside them. The launchers are in `triton.py`.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ _NEG = tl.constexpr(-1.0e30)
 @triton.jit
 def _tile(T, n_tiles, window, CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
     """The prologue of every kernel: this program's head n (int64) and tile of rows [start, start + BT),
-    the head's base offset in [N, T, D], the band's right reach and local slot count, the tile's
+    the head's base offset in [·, T, D], the band's right reach and local slot count, the tile's
     positions [BT] with whether they lie inside [0, T), and the column offsets [D]."""
     pid = tl.program_id(0)
     n = (pid // n_tiles).to(tl.int64)
@@ -32,6 +36,19 @@ def _tile(T, n_tiles, window, CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_T: tl
     row_ok = rows < T
     offs_d = tl.arange(0, D)
     return n, start, base, right, n_local, rows, row_ok, offs_d
+
+
+@triton.jit
+def _bounds(START, END, b, rows, ok, T, HAS_DOCS: tl.constexpr):
+    """The document [lo, hi) of each position rows [R] of batch row b (START, END int32 [B, T]); the whole
+    sequence [0, T) without documents. Positions not ok get the empty [0, 0)."""
+    if HAS_DOCS:
+        lo = tl.load(START + b * T + rows, mask=ok, other=0)
+        hi = tl.load(END + b * T + rows, mask=ok, other=0)
+    else:
+        lo = tl.zeros_like(rows)
+        hi = tl.where(ok, T, 0)
+    return lo, hi
 
 
 @triton.jit
@@ -51,6 +68,12 @@ def _dot(a, b, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _row_dot(x, y):
+    """Row-wise dot products of two [R, D] blocks, in fp32 -> [R]."""
+    return tl.sum(x.to(tl.float32) * y.to(tl.float32), 1)
+
+
+@triton.jit
 def _clamp(z, clamp, HAS_CLAMP: tl.constexpr):
     if HAS_CLAMP:
         z = tl.minimum(tl.maximum(z, -clamp), clamp)
@@ -65,20 +88,30 @@ def _keep_factor(KEEP, n, T, qrows, slot, ok, keep_scale, N_SLOTS: tl.constexpr)
 
 
 @triton.jit
-def _band(rows, cols, row_ok, col_ok, window, right):
-    """[len(rows), len(cols)]: key cols[j] is a local slot of query rows[i]; also that slot's offset."""
+def _band(rows, cols, lo, hi, col_ok, window, right, HAS_DOCS: tl.constexpr):
+    """[len(rows), len(cols)]: key cols[j] is a local slot of query rows[i] (lo, hi [len(rows)]: the
+    query's document; empty for rows outside [0, T)); also that slot's offset."""
     rel = cols[None, :] - rows[:, None]
-    return (rel >= -window) & (rel <= right) & row_ok[:, None] & col_ok[None, :], rel
+    band = (rel >= -window) & (rel <= right) & col_ok[None, :] & (hi[:, None] > 0)
+    if HAS_DOCS:
+        band = band & (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
+    return band, rel
 
 
 @triton.jit
-def _skip_logit(x, Y, base, rows, row_ok, offs_d, offset, T, scale, D: tl.constexpr):
-    """Raw scores [R] of x's rows [R, D] with the rows `offset` further on in Y (one contiguous block),
-    and whether those rows exist. A query tile passes (q, K), a key tile (k, Q)."""
-    cols = rows + offset
-    ok = row_ok & (cols >= 0) & (cols < T)
-    y = _load_rows(Y, base, cols, ok, offs_d, D)  # [R, D]
-    return tl.sum(x.to(tl.float32) * y.to(tl.float32), 1) * scale, ok
+def _sink_slot(s, rows, lo, hi, window, right, period, CAUSAL: tl.constexpr, N_SKIP: tl.constexpr):
+    """Sink slot s of queries rows [R] in documents [lo, hi): its key lo + s, and whether the slot reads it
+    (inside the document, not in the query's future when causal, and not a local or skip key already)."""
+    key = lo + s
+    d = key - rows
+    ok = (key < hi) & ((d < -window) | (d > right))
+    if CAUSAL:
+        ok = ok & (d <= 0)
+    if N_SKIP >= 1:
+        ok = ok & (d != -period)
+    if N_SKIP == 2:
+        ok = ok & (d != period)
+    return key, ok
 
 
 @triton.jit
@@ -90,14 +123,17 @@ def _add_rows(acc, w, X, base, rows, offset, ok, offs_d, D: tl.constexpr):
 
 @triton.jit
 def pi_fwd_kernel(
-    Q, K, V, GATE, KEEP, OUT, C_LOC, C_SKIP,
-    T, n_tiles, window, period, scale, clamp, log_local, log_skip, eps, keep_scale,
-    CAUSAL: tl.constexpr, N_SKIP: tl.constexpr, N_SLOTS: tl.constexpr, MODE: tl.constexpr,
-    HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr, D: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    Q, K, V, GATE, KEEP, START, END, OUT, C_LOC, C_SKIP,
+    T, n_tiles, heads, group, window, period, scale, clamp, log_local, log_skip, eps, keep_scale,
+    CAUSAL: tl.constexpr, N_SKIP: tl.constexpr, SINKS: tl.constexpr, N_SLOTS: tl.constexpr,
+    MODE: tl.constexpr, HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_DOCS: tl.constexpr,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Q, K, V, OUT [N, T, D]; GATE [N, T]; KEEP uint8 [N, T, N_SLOTS]; C_LOC, C_SKIP fp32 [N, T]."""
+    """Q, OUT [N, T, D]; K, V [N / group, T, D]; GATE [N, T]; KEEP uint8 [N, T, N_SLOTS]; START, END int32
+    [N / heads, T]; C_LOC, C_SKIP fp32 [N, T]."""
     n, start, base, right, n_local, rows, row_ok, offs_d = _tile(T, n_tiles, window, CAUSAL, D, BLOCK_T)
+    kbase = (n // group) * T * D  # the key/value head this query head reads
+    lo_q, hi_q = _bounds(START, END, n // heads, rows, row_ok, T, HAS_DOCS)  # each query's document
     q = _load_rows(Q, base, rows, row_ok, offs_d, D)  # [BT, D]
 
     # Skip scores first, so that the skip keys are never live beside the accumulator. Slot n_local is the
@@ -107,10 +143,12 @@ def pi_fwd_kernel(
     ok0 = rows < 0
     ok1 = rows < 0
     if N_SKIP >= 1:
-        z0, ok0 = _skip_logit(q, K, base, rows, row_ok, offs_d, -period, T, scale, D)
+        ok0 = (rows - period >= lo_q) & (rows - period < hi_q)
+        z0 = _row_dot(q, _load_rows(K, kbase, rows - period, ok0, offs_d, D)) * scale
         z0 = _clamp(z0, clamp, HAS_CLAMP)
     if N_SKIP == 2:
-        z1, ok1 = _skip_logit(q, K, base, rows, row_ok, offs_d, period, T, scale, D)
+        ok1 = (rows + period >= lo_q) & (rows + period < hi_q)
+        z1 = _row_dot(q, _load_rows(K, kbase, rows + period, ok1, offs_d, D)) * scale
         z1 = _clamp(z1, clamp, HAS_CLAMP)
 
     # Local band: key rows [start - window, start + BLOCK_T + right) inside [0, T), each loaded once;
@@ -123,9 +161,9 @@ def pi_fwd_kernel(
     for c in range(0, tl.cdiv(hi - lo, BLOCK_K)):
         cols = lo + c * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK] key positions
         col_ok = cols < hi
-        k = _load_rows(K, base, cols, col_ok, offs_d, D)  # [BK, D]
-        v = _load_rows(V, base, cols, col_ok, offs_d, D)  # [BK, D]
-        band, rel = _band(rows, cols, row_ok, col_ok, window, right)  # [BT, BK]
+        k = _load_rows(K, kbase, cols, col_ok, offs_d, D)  # [BK, D]
+        v = _load_rows(V, kbase, cols, col_ok, offs_d, D)  # [BK, D]
+        band, rel = _band(rows, cols, lo_q, hi_q, col_ok, window, right, HAS_DOCS)  # [BT, BK]
         z = _clamp(_dot(q, tl.trans(k), DOT_PREC, UPCAST) * scale, clamp, HAS_CLAMP)
         z = tl.where(band, z, float("-inf"))  # [BT, BK]
         m_new = tl.maximum(m_loc, tl.max(z, 1))
@@ -134,7 +172,30 @@ def pi_fwd_kernel(
         l_loc = l_loc * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:
             p = p * _keep_factor(KEEP, n, T, rows[:, None], rel + window, band, keep_scale, N_SLOTS)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PREC, UPCAST)
+        acc = acc * alpha[:, None]
+        bad = ~(tl.abs(v.to(tl.float32)) < float("inf"))  # [BK, D] NaN or ±inf
+        if tl.max(tl.max(bad.to(tl.int32), 1), 0) > 0:
+            # In P·V a non-finite value would reach every query of the tile through its weight 0
+            # (0·NaN = NaN): leave it out of the product and mark the outputs of the queries that read it.
+            acc += _dot(p.to(v.dtype), tl.where(bad, 0.0, v).to(v.dtype), DOT_PREC, UPCAST)
+            hit = _dot(band.to(v.dtype), bad.to(v.dtype), DOT_PREC, UPCAST)  # [BT, D]: bad values read
+            acc = tl.where(hit > 0, float("nan"), acc)
+        else:
+            acc += _dot(p.to(v.dtype), v, DOT_PREC, UPCAST)
+        m_loc = m_new
+
+    # Sink slots join the local group (local prior, local branch of "separate"): one gathered key and
+    # value row per query and slot, folded into the same online softmax.
+    for s in range(0, SINKS):
+        key, ok = _sink_slot(s, rows, lo_q, hi_q, window, right, period, CAUSAL, N_SKIP)
+        z = _clamp(_row_dot(q, _load_rows(K, kbase, key, ok, offs_d, D)) * scale, clamp, HAS_CLAMP)
+        m_new = tl.maximum(m_loc, tl.where(ok, z, _NEG))
+        alpha = tl.exp(m_loc - m_new)
+        p = tl.where(ok, tl.exp(z - m_new), 0.0)
+        l_loc = l_loc * alpha + p
+        if HAS_DROPOUT:
+            p = p * _keep_factor(KEEP, n, T, rows, n_local + N_SKIP + s, ok, keep_scale, N_SLOTS)
+        acc = acc * alpha[:, None] + p[:, None] * _load_rows(V, kbase, key, ok, offs_d, D).to(tl.float32)
         m_loc = m_new
 
     if MODE != MODE_CONSTANT:
@@ -174,9 +235,9 @@ def pi_fwd_kernel(
         w0 = w0 * _keep_factor(KEEP, n, T, rows, n_local, ok0, keep_scale, N_SLOTS)
         w1 = w1 * _keep_factor(KEEP, n, T, rows, n_local + 1, ok1, keep_scale, N_SLOTS)
     if N_SKIP >= 1:
-        acc = _add_rows(acc, w0, V, base, rows, -period, ok0, offs_d, D)
+        acc = _add_rows(acc, w0, V, kbase, rows, -period, ok0, offs_d, D)
     if N_SKIP == 2:
-        acc = _add_rows(acc, w1, V, base, rows, period, ok1, offs_d, D)
+        acc = _add_rows(acc, w1, V, kbase, rows, period, ok1, offs_d, D)
     out = base + rows[:, None] * D + offs_d[None, :]
     tl.store(OUT + out, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None])
     tl.store(C_LOC + n * T + rows, c_loc, mask=row_ok)
@@ -185,17 +246,18 @@ def pi_fwd_kernel(
 
 @triton.jit
 def _dq_band_terms(
-    q, dy, K, V, KEEP, n, base, T, lo, hi, c, rows, row_ok, offs_d, c_loc, window, right, scale, clamp,
+    q, dy, K, V, KEEP, n, kbase, T, lo, hi, c, rows, lo_q, hi_q, offs_d, c_loc, window, right, scale, clamp,
     keep_scale, N_SLOTS: tl.constexpr, HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    D: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_DOCS: tl.constexpr, D: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """Chunk c of the key rows [lo, hi) of a query tile's band: raw scores z, weights w and
     dW = dY·V (dropped), all [BT, BK], and the chunk's keys [BK, D]."""
     cols = lo + c * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK] key positions
     col_ok = cols < hi
-    k = _load_rows(K, base, cols, col_ok, offs_d, D)  # [BK, D]
-    v = _load_rows(V, base, cols, col_ok, offs_d, D)  # [BK, D]
-    band, rel = _band(rows, cols, row_ok, col_ok, window, right)
+    k = _load_rows(K, kbase, cols, col_ok, offs_d, D)  # [BK, D]
+    v = _load_rows(V, kbase, cols, col_ok, offs_d, D)  # [BK, D]
+    band, rel = _band(rows, cols, lo_q, hi_q, col_ok, window, right, HAS_DOCS)
     z = _dot(q, tl.trans(k), DOT_PREC, UPCAST) * scale
     w = tl.where(band, tl.exp(_clamp(z, clamp, HAS_CLAMP) - c_loc[:, None]), 0.0)
     dw = _dot(dy, tl.trans(v), DOT_PREC, UPCAST)
@@ -205,34 +267,41 @@ def _dq_band_terms(
 
 
 @triton.jit
-def _dq_skip_terms(
-    q, dy, K, V, KEEP, n, base, T, rows, row_ok, offs_d, offset, slot, c_skip, scale, clamp, keep_scale,
+def _dq_row_terms(
+    q, dy, K, V, KEEP, n, kbase, T, rows, keys, ok, offs_d, slot, c, scale, clamp, keep_scale,
     N_SLOTS: tl.constexpr, HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr, D: tl.constexpr,
 ):
-    """The skip slot at `offset` of each query: raw score z, weight w, dW (dropped) and validity, all [BT]."""
-    z, ok = _skip_logit(q, K, base, rows, row_ok, offs_d, offset, T, scale, D)
-    w = tl.where(ok, tl.exp(_clamp(z, clamp, HAS_CLAMP) - c_skip), 0.0)
-    v = _load_rows(V, base, rows + offset, ok, offs_d, D)  # [BT, D]
-    dw = tl.sum(dy.to(tl.float32) * v.to(tl.float32), 1)
+    """One skip or sink slot of each query, reading keys [BT] where ok, its weights rebuilt with the
+    offsets c [BT]: raw score z, weight w, dW (dropped), the dropout factor (1 without dropout), all [BT]."""
+    z = _row_dot(q, _load_rows(K, kbase, keys, ok, offs_d, D)) * scale
+    w = tl.where(ok, tl.exp(_clamp(z, clamp, HAS_CLAMP) - c), 0.0)
+    dw = _row_dot(dy, _load_rows(V, kbase, keys, ok, offs_d, D))
+    kf = tl.zeros_like(z) + 1.0
     if HAS_DROPOUT:
-        dw = dw * _keep_factor(KEEP, n, T, rows, slot, ok, keep_scale, N_SLOTS)
-    return z, w, dw, ok
+        kf = _keep_factor(KEEP, n, T, rows, slot, ok, keep_scale, N_SLOTS)
+        dw = dw * kf
+    return z, w, dw, kf
 
 
 @triton.jit
 def pi_bwd_dq_kernel(
-    Q, K, V, GATE, KEEP, DY, C_LOC, C_SKIP, DQ, DELTA_LOC, DELTA_SKIP, DGATE,
-    T, n_tiles, window, period, scale, clamp, eps, keep_scale,
-    CAUSAL: tl.constexpr, N_SKIP: tl.constexpr, N_SLOTS: tl.constexpr, MODE: tl.constexpr,
-    HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_DGATE: tl.constexpr, D: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    Q, K, V, GATE, KEEP, START, END, DY, C_LOC, C_SKIP, DQ, DELTA_LOC, DELTA_SKIP, DGATE, SINK_DS, SINK_WK,
+    T, n_tiles, heads, group, window, period, scale, clamp, eps, keep_scale,
+    CAUSAL: tl.constexpr, N_SKIP: tl.constexpr, SINKS: tl.constexpr, N_SLOTS: tl.constexpr,
+    MODE: tl.constexpr, HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_DOCS: tl.constexpr,
+    HAS_DGATE: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """dQ [N, T, D], dα [N, T] and Δ_local, Δ_skip [N, T] (for the dK/dV kernel) of a tile of queries.
+    """dQ [N, T, D], dα [N, T] and Δ_local, Δ_skip [N, T] (for the dK/dV kernel) of a tile of queries; for
+    the sink keys' dK/dV, each sink slot's dlogit (clamp-masked, unscaled) and dropped weight, SINK_DS and
+    SINK_WK fp32 [N, T, SINKS] (0 where the slot reads nothing).
 
     dlogit = w·(dW - Δ) with Δ = Σ_m w·dW over the slot's softmax group, summed exactly from the slots
-    (pass 1 over the band), then dQ = Σ_m dlogit·K·scale (pass 2).
+    (pass 1 over the band and sinks), then dQ = Σ_m dlogit·K·scale (pass 2).
     """
     n, start, base, right, n_local, rows, row_ok, offs_d = _tile(T, n_tiles, window, CAUSAL, D, BLOCK_T)
+    kbase = (n // group) * T * D
+    lo_q, hi_q = _bounds(START, END, n // heads, rows, row_ok, T, HAS_DOCS)
     q = _load_rows(Q, base, rows, row_ok, offs_d, D)  # [BT, D]
     dy = _load_rows(DY, base, rows, row_ok, offs_d, D)  # [BT, D]
     c_loc = tl.load(C_LOC + n * T + rows, mask=row_ok, other=0.0)  # [BT]
@@ -249,21 +318,27 @@ def pi_bwd_dq_kernel(
     ok0 = rows < 0
     ok1 = rows < 0
     if N_SKIP >= 1:
-        z0, w0, dw0, ok0 = _dq_skip_terms(q, dy, K, V, KEEP, n, base, T, rows, row_ok, offs_d, -period,
-                                          n_local, c_skip, scale, clamp, keep_scale, N_SLOTS, HAS_CLAMP,
-                                          HAS_DROPOUT, D)
+        ok0 = (rows - period >= lo_q) & (rows - period < hi_q)
+        z0, w0, dw0, _ = _dq_row_terms(q, dy, K, V, KEEP, n, kbase, T, rows, rows - period, ok0, offs_d, n_local,
+                                       c_skip, scale, clamp, keep_scale, N_SLOTS, HAS_CLAMP, HAS_DROPOUT, D)
     if N_SKIP == 2:
-        z1, w1, dw1, ok1 = _dq_skip_terms(q, dy, K, V, KEEP, n, base, T, rows, row_ok, offs_d, period,
-                                          n_local + 1, c_skip, scale, clamp, keep_scale, N_SLOTS, HAS_CLAMP,
-                                          HAS_DROPOUT, D)
+        ok1 = (rows + period >= lo_q) & (rows + period < hi_q)
+        z1, w1, dw1, _ = _dq_row_terms(q, dy, K, V, KEEP, n, kbase, T, rows, rows + period, ok1, offs_d,
+                                       n_local + 1, c_skip, scale, clamp, keep_scale, N_SLOTS, HAS_CLAMP,
+                                       HAS_DROPOUT, D)
     has_skip = ok0 | ok1
 
     sig_loc = tl.zeros([BLOCK_T], tl.float32)
     for c in range(0, n_chunks):
-        z, w, dw, k = _dq_band_terms(q, dy, K, V, KEEP, n, base, T, lo, hi, c, rows, row_ok, offs_d, c_loc,
+        z, w, dw, k = _dq_band_terms(q, dy, K, V, KEEP, n, kbase, T, lo, hi, c, rows, lo_q, hi_q, offs_d, c_loc,
                                      window, right, scale, clamp, keep_scale, N_SLOTS, HAS_CLAMP,
-                                     HAS_DROPOUT, D, BLOCK_K, DOT_PREC, UPCAST)
+                                     HAS_DROPOUT, HAS_DOCS, D, BLOCK_K, DOT_PREC, UPCAST)
         sig_loc += tl.sum(w * dw, 1)
+    for s in range(0, SINKS):
+        key, ok = _sink_slot(s, rows, lo_q, hi_q, window, right, period, CAUSAL, N_SKIP)
+        z, w, dw, kf = _dq_row_terms(q, dy, K, V, KEEP, n, kbase, T, rows, key, ok, offs_d, n_local + N_SKIP + s,
+                                     c_loc, scale, clamp, keep_scale, N_SLOTS, HAS_CLAMP, HAS_DROPOUT, D)
+        sig_loc += w * dw
     sig_skip = w0 * dw0 + w1 * dw1
     if MODE == MODE_SEPARATE:
         # Each group is a softmax of its own times its coefficient: Δ_g = σ_g / coef_g = Σ_g p·dW.
@@ -279,14 +354,26 @@ def pi_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_T, D], tl.float32)
     g_loc = tl.zeros([BLOCK_T], tl.float32)  # Σ_local dlogit, for dα
     for c in range(0, n_chunks):
-        z, w, dw, k = _dq_band_terms(q, dy, K, V, KEEP, n, base, T, lo, hi, c, rows, row_ok, offs_d, c_loc,
+        z, w, dw, k = _dq_band_terms(q, dy, K, V, KEEP, n, kbase, T, lo, hi, c, rows, lo_q, hi_q, offs_d, c_loc,
                                      window, right, scale, clamp, keep_scale, N_SLOTS, HAS_CLAMP,
-                                     HAS_DROPOUT, D, BLOCK_K, DOT_PREC, UPCAST)
+                                     HAS_DROPOUT, HAS_DOCS, D, BLOCK_K, DOT_PREC, UPCAST)
         ds = w * (dw - delta_loc[:, None])  # [BT, BK]
         g_loc += tl.sum(ds, 1)
         if HAS_CLAMP:
             ds = tl.where(tl.abs(z) <= clamp, ds, 0.0)  # torch.clamp passes the gradient inside [-L, L]
         dq += _dot(ds.to(k.dtype), k, DOT_PREC, UPCAST)
+    for s in range(0, SINKS):
+        key, ok = _sink_slot(s, rows, lo_q, hi_q, window, right, period, CAUSAL, N_SKIP)
+        z, w, dw, kf = _dq_row_terms(q, dy, K, V, KEEP, n, kbase, T, rows, key, ok, offs_d, n_local + N_SKIP + s,
+                                     c_loc, scale, clamp, keep_scale, N_SLOTS, HAS_CLAMP, HAS_DROPOUT, D)
+        ds = w * (dw - delta_loc)
+        g_loc += ds
+        if HAS_CLAMP:
+            ds = tl.where(tl.abs(z) <= clamp, ds, 0.0)
+        dq = _add_rows(dq, ds, K, kbase, key, 0, ok, offs_d, D)
+        # A sink key is read by queries of any tile of its document: its dK/dV gathers these.
+        tl.store(SINK_DS + (n * T + rows) * SINKS + s, ds, mask=row_ok)
+        tl.store(SINK_WK + (n * T + rows) * SINKS + s, w * kf, mask=row_ok)
     ds0 = w0 * (dw0 - delta_skip)
     ds1 = w1 * (dw1 - delta_skip)
     g_skip = ds0 + ds1
@@ -294,9 +381,9 @@ def pi_bwd_dq_kernel(
         ds0 = tl.where(tl.abs(z0) <= clamp, ds0, 0.0)
         ds1 = tl.where(tl.abs(z1) <= clamp, ds1, 0.0)
     if N_SKIP >= 1:
-        dq = _add_rows(dq, ds0, K, base, rows, -period, ok0, offs_d, D)
+        dq = _add_rows(dq, ds0, K, kbase, rows, -period, ok0, offs_d, D)
     if N_SKIP == 2:
-        dq = _add_rows(dq, ds1, K, base, rows, period, ok1, offs_d, D)
+        dq = _add_rows(dq, ds1, K, kbase, rows, period, ok1, offs_d, D)
     tl.store(DQ + base + rows[:, None] * D + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=row_ok[:, None])
 
@@ -306,26 +393,26 @@ def pi_bwd_dq_kernel(
             # y = α·local + (1 - α)·skip where a skip exists: dα = Σ_local p·dW - Σ_skip p·dW.
             dgate = tl.where(has_skip, delta_loc - delta_skip, 0.0)
         else:
-            # Local logits carry log max(α, ε), skip logits log max(1 - α, ε).
+            # Local (and sink) logits carry log max(α, ε), skip logits log max(1 - α, ε).
             dgate = tl.where(a >= eps, g_loc / a, 0.0) - tl.where(1.0 - a >= eps, g_skip / (1.0 - a), 0.0)
         tl.store(DGATE + n * T + rows, dgate, mask=row_ok)
 
 
 @triton.jit
 def _dkdv_skip_terms(
-    k, v, Q, DY, KEEP, C_SKIP, DELTA_SKIP, n, base, T, keys, key_ok, offs_d, offset, slot, scale, clamp,
+    k, v, Q, DY, KEEP, C_SKIP, DELTA_SKIP, n, qbase, T, keys, lo_k, hi_k, offs_d, offset, slot, scale, clamp,
     keep_scale, N_SLOTS: tl.constexpr, HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr, D: tl.constexpr,
 ):
-    """For each key, the query keys - offset whose skip slot it is: that slot's dropped weight (the factor
-    of dY in dV) and its dlogit with the clamp mask (the factor of Q in dK), both [BT], and validity."""
+    """For each key (in document [lo_k, hi_k)), the query keys - offset whose skip slot it is: that slot's
+    dropped weight (the factor of dY in dV) and its dlogit with the clamp mask (the factor of Q in dK), both
+    [BT], and validity."""
     qrows = keys - offset
-    ok = key_ok & (qrows >= 0) & (qrows < T)
-    z, _ = _skip_logit(k, Q, base, keys, ok, offs_d, -offset, T, scale, D)
+    ok = (qrows >= lo_k) & (qrows < hi_k)
+    z = _row_dot(k, _load_rows(Q, qbase, qrows, ok, offs_d, D)) * scale
     c_skip = tl.load(C_SKIP + n * T + qrows, mask=ok, other=0.0)
     delta = tl.load(DELTA_SKIP + n * T + qrows, mask=ok, other=0.0)
     w = tl.where(ok, tl.exp(_clamp(z, clamp, HAS_CLAMP) - c_skip), 0.0)
-    dy = _load_rows(DY, base, qrows, ok, offs_d, D)  # [BT, D]
-    dw = tl.sum(dy.to(tl.float32) * v.to(tl.float32), 1)
+    dw = _row_dot(_load_rows(DY, qbase, qrows, ok, offs_d, D), v)
     wd = w
     if HAS_DROPOUT:
         kf = _keep_factor(KEEP, n, T, qrows, slot, ok, keep_scale, N_SLOTS)
@@ -339,69 +426,94 @@ def _dkdv_skip_terms(
 
 @triton.jit
 def pi_bwd_dkdv_kernel(
-    Q, K, V, KEEP, DY, C_LOC, C_SKIP, DELTA_LOC, DELTA_SKIP, DK, DV,
-    T, n_tiles, window, period, scale, clamp, keep_scale,
-    CAUSAL: tl.constexpr, N_SKIP: tl.constexpr, N_SLOTS: tl.constexpr,
-    HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr, D: tl.constexpr,
+    Q, K, V, KEEP, START, END, DY, C_LOC, C_SKIP, DELTA_LOC, DELTA_SKIP, SINK_DS, SINK_WK, DK, DV,
+    T, n_tiles, heads_kv, window, period, scale, clamp, keep_scale,
+    CAUSAL: tl.constexpr, N_SKIP: tl.constexpr, SINKS: tl.constexpr, N_SLOTS: tl.constexpr, GROUP: tl.constexpr,
+    HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_DOCS: tl.constexpr, D: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """dK, dV [N, T, D] of a tile of keys, gathered from every query that sees them (no atomics).
+    """dK, dV [N_kv, T, D] of a tile of keys of one key/value head, gathered from every query that reads
+    them, over the GROUP query heads that share it (a loop inside the program; no atomics). GROUP is a
+    constexpr so that plain multi-head attention (GROUP = 1) compiles without the loop.
 
-    Key j is local to the queries j - right … j + window, and the skip of j + period (and j - period).
+    Key j is local to the queries j - right … j + window, the skip of j + period (and j - period), and,
+    if it is one of the first SINKS keys of its document, a sink of the document's other queries: their
+    dlogits and weights come from SINK_DS, SINK_WK (written by the dQ kernel), not recomputed.
     """
-    # The tile's rows are keys here: `keys` [BT] are key positions.
-    n, start, base, right, n_local, keys, key_ok, offs_d = _tile(T, n_tiles, window, CAUSAL, D, BLOCK_T)
-    k = _load_rows(K, base, keys, key_ok, offs_d, D)  # [BT, D]
-    v = _load_rows(V, base, keys, key_ok, offs_d, D)  # [BT, D]
-
-    # Skip terms first, as [BT] vectors: the skip queries' rows are not live during the band loop.
-    wd0 = tl.zeros([BLOCK_T], tl.float32)
-    ds0 = tl.zeros([BLOCK_T], tl.float32)
-    wd1, ds1 = wd0, ds0
-    ok0 = keys < 0
-    ok1 = keys < 0
-    if N_SKIP >= 1:  # slot n_local of query j + period
-        wd0, ds0, ok0 = _dkdv_skip_terms(k, v, Q, DY, KEEP, C_SKIP, DELTA_SKIP, n, base, T, keys, key_ok,
-                                         offs_d, -period, n_local, scale, clamp, keep_scale, N_SLOTS,
-                                         HAS_CLAMP, HAS_DROPOUT, D)
-    if N_SKIP == 2:  # slot n_local + 1 of query j - period
-        wd1, ds1, ok1 = _dkdv_skip_terms(k, v, Q, DY, KEEP, C_SKIP, DELTA_SKIP, n, base, T, keys, key_ok,
-                                         offs_d, period, n_local + 1, scale, clamp, keep_scale, N_SLOTS,
-                                         HAS_CLAMP, HAS_DROPOUT, D)
+    # The tile's rows are keys here: `keys` [BT] are key positions of key/value head nk.
+    nk, start, kvbase, right, n_local, keys, key_ok, offs_d = _tile(T, n_tiles, window, CAUSAL, D, BLOCK_T)
+    lo_k, hi_k = _bounds(START, END, nk // heads_kv, keys, key_ok, T, HAS_DOCS)  # each key's document
+    k = _load_rows(K, kvbase, keys, key_ok, offs_d, D)  # [BT, D], shared by the group's query heads
+    v = _load_rows(V, kvbase, keys, key_ok, offs_d, D)  # [BT, D]
+    lo = tl.maximum(start - right, 0)  # the query rows [lo, hi) that hold these keys in their band
+    hi = tl.minimum(start + BLOCK_T + window, T)
+    if SINKS > 0:
+        # The queries that may read this tile's sink keys: the rest of their documents, one contiguous run.
+        is_sink = (keys - lo_k < SINKS) & (hi_k > 0)
+        slot = keys - lo_k
+        first = lo_k  # causal: a sink key's readers start at the key itself, else at its document's start
+        if CAUSAL:
+            first = keys
+        r_lo = tl.min(tl.where(is_sink, first, T), 0)
+        r_hi = tl.max(tl.where(is_sink, hi_k, 0), 0)
 
     dk = tl.zeros([BLOCK_T, D], tl.float32)
     dv = tl.zeros([BLOCK_T, D], tl.float32)
-    lo = tl.maximum(start - right, 0)  # the query rows [lo, hi) that hold these keys in their band
-    hi = tl.minimum(start + BLOCK_T + window, T)
-    for c in range(0, tl.cdiv(hi - lo, BLOCK_K)):
-        qrows = lo + c * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK] query positions
-        q_ok = qrows < hi
-        q = _load_rows(Q, base, qrows, q_ok, offs_d, D)  # [BK, D]
-        dy = _load_rows(DY, base, qrows, q_ok, offs_d, D)  # [BK, D]
-        c_loc = tl.load(C_LOC + n * T + qrows, mask=q_ok, other=0.0)  # [BK]
-        delta = tl.load(DELTA_LOC + n * T + qrows, mask=q_ok, other=0.0)  # [BK]
-        rel = keys[:, None] - qrows[None, :]  # [BT, BK] key offset from its query
-        band = (rel >= -window) & (rel <= right) & key_ok[:, None] & q_ok[None, :]
-        z = _dot(k, tl.trans(q), DOT_PREC, UPCAST) * scale  # [BT, BK]
-        w = tl.where(band, tl.exp(_clamp(z, clamp, HAS_CLAMP) - c_loc[None, :]), 0.0)
-        dw = _dot(v, tl.trans(dy), DOT_PREC, UPCAST)  # [BT, BK]
-        if HAS_DROPOUT:
-            kf = _keep_factor(KEEP, n, T, qrows[None, :], rel + window, band, keep_scale, N_SLOTS)
-            dv += _dot((w * kf).to(dy.dtype), dy, DOT_PREC, UPCAST)
-            dw = dw * kf
-        else:
-            dv += _dot(w.to(dy.dtype), dy, DOT_PREC, UPCAST)
-        ds = w * (dw - delta[None, :])
-        if HAS_CLAMP:
-            ds = tl.where(tl.abs(z) <= clamp, ds, 0.0)
-        dk += _dot(ds.to(q.dtype), q, DOT_PREC, UPCAST)
+    for g in range(0, GROUP):
+        n = nk * GROUP + g  # a query head reading this key/value head
+        qbase = n * T * D
+        for c in range(0, tl.cdiv(hi - lo, BLOCK_K)):
+            qrows = lo + c * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK] query positions
+            q_ok = qrows < hi
+            q = _load_rows(Q, qbase, qrows, q_ok, offs_d, D)  # [BK, D]
+            dy = _load_rows(DY, qbase, qrows, q_ok, offs_d, D)  # [BK, D]
+            c_loc = tl.load(C_LOC + n * T + qrows, mask=q_ok, other=0.0)  # [BK]
+            delta = tl.load(DELTA_LOC + n * T + qrows, mask=q_ok, other=0.0)  # [BK]
+            rel = keys[:, None] - qrows[None, :]  # [BT, BK] key offset from its query
+            band = (rel >= -window) & (rel <= right) & key_ok[:, None] & q_ok[None, :]
+            if HAS_DOCS:  # the query in the key's document
+                band = band & (qrows[None, :] >= lo_k[:, None]) & (qrows[None, :] < hi_k[:, None])
+            z = _dot(k, tl.trans(q), DOT_PREC, UPCAST) * scale  # [BT, BK]
+            w = tl.where(band, tl.exp(_clamp(z, clamp, HAS_CLAMP) - c_loc[None, :]), 0.0)
+            dw = _dot(v, tl.trans(dy), DOT_PREC, UPCAST)  # [BT, BK]
+            if HAS_DROPOUT:
+                kf = _keep_factor(KEEP, n, T, qrows[None, :], rel + window, band, keep_scale, N_SLOTS)
+                dv += _dot((w * kf).to(dy.dtype), dy, DOT_PREC, UPCAST)
+                dw = dw * kf
+            else:
+                dv += _dot(w.to(dy.dtype), dy, DOT_PREC, UPCAST)
+            ds = w * (dw - delta[None, :])
+            if HAS_CLAMP:
+                ds = tl.where(tl.abs(z) <= clamp, ds, 0.0)
+            dk += _dot(ds.to(q.dtype), q, DOT_PREC, UPCAST)
+        # Skip slots after the band, so that their rows are not live during it.
+        if N_SKIP >= 1:  # slot n_local of query j + period
+            wd0, ds0, ok0 = _dkdv_skip_terms(k, v, Q, DY, KEEP, C_SKIP, DELTA_SKIP, n, qbase, T, keys, lo_k, hi_k,
+                                             offs_d, -period, n_local, scale, clamp, keep_scale, N_SLOTS,
+                                             HAS_CLAMP, HAS_DROPOUT, D)
+            dv = _add_rows(dv, wd0, DY, qbase, keys, period, ok0, offs_d, D)
+            dk = _add_rows(dk, ds0, Q, qbase, keys, period, ok0, offs_d, D)
+        if N_SKIP == 2:  # slot n_local + 1 of query j - period
+            wd1, ds1, ok1 = _dkdv_skip_terms(k, v, Q, DY, KEEP, C_SKIP, DELTA_SKIP, n, qbase, T, keys, lo_k, hi_k,
+                                             offs_d, period, n_local + 1, scale, clamp, keep_scale, N_SLOTS,
+                                             HAS_CLAMP, HAS_DROPOUT, D)
+            dv = _add_rows(dv, wd1, DY, qbase, keys, -period, ok1, offs_d, D)
+            dk = _add_rows(dk, ds1, Q, qbase, keys, -period, ok1, offs_d, D)
 
-    if N_SKIP >= 1:
-        dv = _add_rows(dv, wd0, DY, base, keys, period, ok0, offs_d, D)
-        dk = _add_rows(dk, ds0, Q, base, keys, period, ok0, offs_d, D)
-    if N_SKIP == 2:
-        dv = _add_rows(dv, wd1, DY, base, keys, -period, ok1, offs_d, D)
-        dk = _add_rows(dk, ds1, Q, base, keys, -period, ok1, offs_d, D)
-    out = base + keys[:, None] * D + offs_d[None, :]
+        if SINKS > 0:
+            # Sink keys: gather the saved per-slot terms of their readers, [BT, BK] per chunk of queries.
+            for c in range(0, tl.cdiv(r_hi - r_lo, BLOCK_K)):
+                qrows = r_lo + c * BLOCK_K + tl.arange(0, BLOCK_K)
+                q_ok = qrows < r_hi
+                read = is_sink[:, None] & (qrows[None, :] >= lo_k[:, None]) & (qrows[None, :] < hi_k[:, None])
+                at = qrows[None, :] * SINKS + slot[:, None]  # [BT, BK] offsets inside the head's [T, SINKS]
+                ds = tl.load(SINK_DS + n * T * SINKS + at, mask=read, other=0.0)  # [BT, BK]
+                wk = tl.load(SINK_WK + n * T * SINKS + at, mask=read, other=0.0)
+                q = _load_rows(Q, qbase, qrows, q_ok, offs_d, D)  # [BK, D]
+                dy = _load_rows(DY, qbase, qrows, q_ok, offs_d, D)
+                dk += _dot(ds.to(q.dtype), q, DOT_PREC, UPCAST)
+                dv += _dot(wk.to(dy.dtype), dy, DOT_PREC, UPCAST)
+
+    out = kvbase + keys[:, None] * D + offs_d[None, :]
     tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=key_ok[:, None])
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
