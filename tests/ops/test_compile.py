@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo.testing
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from piattn import BACKENDS, pi_attention
 from piattn.models import GPT, GPTConfig
-from piattn.ops.pi.compiled import pi_attention_bwd, pi_attention_fwd, saved_tensors
+from piattn.ops.pi.compiled import pi_attention_bwd, pi_attention_fwd, saved_layout
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -110,6 +111,7 @@ def test_reference_backend_compiles_whole():
 
 @pytest.mark.parametrize("backend", [b for b in ("flex", "triton") if b in BACKENDS])
 def test_backend_that_cannot_compile_is_named(backend):
+    """Dynamo's error carries the ValueError naming the backend (without fullgraph, the call runs eagerly)."""
     q, k, v = (torch.randn(1, 2, 32, 16) for _ in range(3))
 
     def f(q, k, v):
@@ -117,6 +119,21 @@ def test_backend_that_cannot_compile_is_named(backend):
 
     with torch.no_grad(), pytest.raises(Exception, match=f"backend '{backend}' cannot run inside torch.compile"):
         torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
+
+
+def test_dynamic_shapes_one_graph_for_every_length():
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+
+    def f(q, k, v, gate):
+        return pi_attention(q, k, v, gate, window=3, period=8, variant="adaptive")
+
+    compiled = torch.compile(f, backend=counter, dynamic=True, fullgraph=True)
+    graphs = []
+    for t in (24, 40):
+        q, k, v, gate = op_args("adaptive", None, True, torch.float64, T=t)[:4]
+        torch.testing.assert_close(compiled(q, k, v, gate), f(q, k, v, gate), rtol=1e-12, atol=1e-12)
+        graphs.append(counter.frame_count)
+    assert graphs[1] == graphs[0]  # no recompilation for the new length
 
 
 @pytest.mark.parametrize("variant", ["adaptive", "separate", "union"])
@@ -155,14 +172,15 @@ CASES = [  # variant, logit_clamp, causal, dtype
 ]
 
 
-def op_args(variant, logit_clamp, causal, dtype, window=3, period=8, dropout_p=0.0):
+def op_args(variant, logit_clamp, causal, dtype, window=3, period=8, dropout_p=0.0, T=24):
+    """The arguments of piattn::pi_attention_fwd, for q, k, v [2, 2, T, 8]."""
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 2, 24, 8, dtype=dtype, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(2, 2, T, 8, dtype=dtype, requires_grad=True) for _ in range(3))
     gate = None
     if variant in ("adaptive", "separate"):
-        gate = torch.rand(2, 2, 24, dtype=dtype).clamp(0.1, 0.9).requires_grad_()
+        gate = torch.rand(2, 2, T, dtype=dtype).clamp(0.1, 0.9).requires_grad_()
     slots = (window + 1 if causal else 2 * window + 1) + (1 if causal else 2)
-    keep = torch.rand(2, 2, 24, slots) >= dropout_p if dropout_p else None
+    keep = torch.rand(2, 2, T, slots) >= dropout_p if dropout_p else None
     return (q, k, v, gate, window, period, causal, variant, 0.7, logit_clamp, 1e-6, 0.3, keep, dropout_p, 0, None)
 
 
@@ -196,7 +214,7 @@ def test_saved_tensors_describe_the_forward():
     for variant, clamp, causal, dtype in CASES:
         args = op_args(variant, clamp, causal, dtype)
         _, saved = pi_attention_fwd(*args)
-        described = saved_tensors(args[0], window=3, period=8, causal=causal, variant=variant,
+        described = saved_layout(args[0], window=3, period=8, causal=causal, variant=variant,
                                   logit_clamp=clamp, sinks=0)
         assert [(tuple(t.shape), t.dtype) for t in saved] == list(described.values())
 

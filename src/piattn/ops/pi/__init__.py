@@ -106,21 +106,21 @@ COMPILABLE = tuple(_SYMBOLIC)
 _COMPILE_ORDER = {device: tuple(n for n in order if n in COMPILABLE) for device, order in AUTO_ORDER.items()}
 
 
-@_torch.compiler.assume_constant_result
 def _backend_name(requested: str, device: _torch.device, dtype: _torch.dtype, head_dim: int, needs_grad: bool,
                   dropout_p: float, features: frozenset[str], compiling: bool) -> str:
     """The name of the backend `select` picks, from `COMPILABLE` when `compiling`.
 
-    Marked constant for torch.compile, which calls it once while tracing rather than tracing into it (the
-    choice depends on nothing but these arguments and the install); a ValueError then reaches the caller
-    as dynamo's error, message included.
+    Under torch.compile dynamo traces this (the COMPILABLE backends need no module lookup, which it would
+    warn about); with fullgraph=True a ValueError here is raised inside dynamo's error, message included,
+    and without it dynamo runs the call eagerly instead.
     """
     if compiling and requested in REGISTRY and requested not in COMPILABLE:
         raise ValueError(f"backend {requested!r} cannot run inside torch.compile; backends that can: "
                          f"{', '.join(map(repr, ('auto', *COMPILABLE)))}")
+    registry = {name: REGISTRY[name] for name in COMPILABLE} if compiling else REGISTRY
     return select(requested, device=device, dtype=dtype, head_dim=head_dim, needs_grad=needs_grad,
-                  dropout_p=dropout_p, features=features, auto_order=_COMPILE_ORDER if compiling else AUTO_ORDER
-                  ).name
+                  dropout_p=dropout_p, features=features, registry=registry,
+                  auto_order=_COMPILE_ORDER if compiling else AUTO_ORDER).name
 
 
 def _backend_function(name: str, q: _torch.Tensor):

@@ -12,7 +12,7 @@ thousands of graph nodes. Registered as two operators it is one opaque node each
 `register_autograd` ties the backward to the forward. Both run the backend's own `PiAttentionFunction`
 forward and backward, through a stand-in for autograd's ctx: the same code as eager, not a copy.
 
-`saved` are the tensors that forward keeps for backward besides its inputs (`saved_tensors` describes
+`saved` are the tensors that forward keeps for backward besides its inputs (`saved_layout` describes
 them): they leave the forward as outputs so that AOTAutograd can keep them for the backward graph.
 Settings cross as ints, floats, bools and a str, since an operator takes no other Python values.
 """
@@ -32,15 +32,17 @@ from .torch import PiAttentionFunction
 _OPTIONAL_SAVED = ("w", "probs", "coef", "clamp_pass")
 
 
-def saved_tensors(q: Tensor, *, window: int, period: int, causal: bool, variant: str,
-                  logit_clamp: float | None, sinks: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def saved_layout(q: Tensor, *, window: int, period: int, causal: bool, variant: str,
+                 logit_clamp: float | None, sinks: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """What the backend's forward saves for backward besides its inputs, for q [B, H, T, D]: name ->
     (shape, dtype), all [N, |U|, T] slot-major (N = B·H, |U| the pattern's slots, sinks included).
 
     w: the attention weights, in the accumulation dtype (fp64 for fp64 inputs, else fp32). probs, coef:
     "separate" with a skip slot only, the per-branch softmax and the mixing coefficients. clamp_pass
-    (bool): with a logit clamp only, where the score was inside it. The one function here that knows the
-    backend's internals; keep it in step with `PiAttentionFunction.forward`.
+    (bool): with a logit clamp only, where the score was inside it.
+
+    With `_function_args` and `_backward_ctx`, the only code here that knows the backend's internals:
+    keep the three in step with `PiAttentionFunction` (the forward operator checks the names at run time).
     """
     B, H, T, _ = q.shape
     pattern = Pattern(window, period, causal, sinks)
@@ -76,7 +78,8 @@ def _function_args(q, k, v, gate, window, period, causal, variant, prior, logit_
 
 def _backward_ctx(q, k, v, gate, kept: dict, want_gate: bool, window, period, causal, variant, prior,
                   logit_clamp, eps, scale, dropout_keep, dropout_p, sinks, document_ids) -> _Ctx:
-    """The ctx `PiAttentionFunction.backward` reads, as its forward left it (kept: `saved_tensors` by name)."""
+    """The ctx `PiAttentionFunction.backward` reads, as its forward left it (kept: `saved_layout`'s tensors,
+    by name)."""
     saved = (q, k, v, gate, *(kept.get(n) for n in _OPTIONAL_SAVED), dropout_keep)
     ctx = _Ctx(saved, needs_input_grad=(True, True, True, want_gate) + (False,) * 10)
     ctx.cfg = (window, period, causal, variant, eps, scale, dropout_p)
@@ -89,24 +92,24 @@ def pi_attention_fwd(
     prior: float, logit_clamp: float | None, eps: float, scale: float, dropout_keep: Tensor | None,
     dropout_p: float, sinks: int, document_ids: Tensor | None,
 ) -> tuple[Tensor, list[Tensor]]:
-    """π-Attention forward of the "torch" backend: (y [B, H, T, D] in q's dtype, the `saved_tensors`)."""
+    """π-Attention forward of the "torch" backend: (y [B, H, T, D] in q's dtype, `saved_layout`'s tensors)."""
     ctx = _Ctx()
     y = PiAttentionFunction.forward(ctx, *_function_args(
         q, k, v, gate, window, period, causal, variant, prior, logit_clamp, eps, scale, dropout_keep, dropout_p,
         sinks, document_ids))
     kept = dict(zip(_OPTIONAL_SAVED, ctx.saved_tensors[4:8], strict=True))
-    names = saved_tensors(q, window=window, period=period, causal=causal, variant=variant,
-                          logit_clamp=logit_clamp, sinks=sinks)
+    names = saved_layout(q, window=window, period=period, causal=causal, variant=variant,
+                         logit_clamp=logit_clamp, sinks=sinks)
     if [n for n in _OPTIONAL_SAVED if kept[n] is not None] != list(names):
-        raise RuntimeError("piattn: compiled.saved_tensors is out of step with PiAttentionFunction.forward")
+        raise RuntimeError("piattn: compiled.saved_layout is out of step with PiAttentionFunction.forward")
     return y, [kept[n] for n in names]
 
 
 @pi_attention_fwd.register_fake
 def _(q, k, v, gate, window, period, causal, variant, prior, logit_clamp, eps, scale, dropout_keep, dropout_p,
       sinks, document_ids):
-    saved = saved_tensors(q, window=window, period=period, causal=causal, variant=variant,
-                          logit_clamp=logit_clamp, sinks=sinks)
+    saved = saved_layout(q, window=window, period=period, causal=causal, variant=variant,
+                         logit_clamp=logit_clamp, sinks=sinks)
     return q.new_empty(q.shape), [q.new_empty(shape, dtype=dtype) for shape, dtype in saved.values()]
 
 
@@ -117,8 +120,8 @@ def pi_attention_bwd(
     scale: float, dropout_keep: Tensor | None, dropout_p: float, sinks: int, document_ids: Tensor | None,
 ) -> list[Tensor]:
     """π-Attention backward of the "torch" backend: [dq, dk, dv], and dgate when `want_gate`."""
-    names = saved_tensors(q, window=window, period=period, causal=causal, variant=variant,
-                          logit_clamp=logit_clamp, sinks=sinks)
+    names = saved_layout(q, window=window, period=period, causal=causal, variant=variant,
+                         logit_clamp=logit_clamp, sinks=sinks)
     kept = dict(zip(names, saved, strict=True))
     ctx = _backward_ctx(q, k, v, gate, kept, want_gate, window, period, causal, variant, prior, logit_clamp, eps,
                         scale, dropout_keep, dropout_p, sinks, document_ids)
