@@ -8,6 +8,12 @@ The kinds of `--compile` (default dense and pi) run a second time with the model
 includes compiling forward and backward, is reported apart as `first_step_s`.
 
     python benchmarks/train_bench.py --out benchmarks/results     # tiny config, T = 1024 and 4096
+
+`--threads 1` (one intra-op thread per process) keeps the rows comparable on a CPU shared with other
+work, where threads of one process wait for each other at every op. The committed results:
+
+    python benchmarks/train_bench.py --kinds pi dense local bigbird longformer reformer --threads 1 \
+        --out benchmarks/results
 """
 
 from __future__ import annotations
@@ -27,7 +33,10 @@ from piattn.layers import ATTENTION
 from piattn.models import GPT, GPTConfig
 
 
-def run_case(kind: str, context: int, tokens: int, repeats: int, config: str, compiled: bool = False) -> dict:
+def run_case(kind: str, context: int, tokens: int, repeats: int, config: str, compiled: bool = False,
+             threads: int | None = None) -> dict:
+    if threads:
+        torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = GPT(GPTConfig.from_name(config, attention=kind, vocab_size=256, block_size=context))
     forward = torch.compile(model, fullgraph=True) if compiled else model
@@ -55,7 +64,9 @@ def run_case(kind: str, context: int, tokens: int, repeats: int, config: str, co
 
 def markdown(result: dict) -> str:
     m = result["machine"]
-    out = [f"# Training-step benchmark ({m['processor']}, {m['cpu_count']} threads, torch {m['torch']})", "",
+    threads = result.get("threads") or m["cpu_count"]
+    out = [f"# Training-step benchmark ({m['processor']}, {m['cpu_count']} cores, {threads} threads, "
+           f"torch {m['torch']})", "",
            f"`{result['command']}`; GPT `{result['config']}` config, byte vocabulary, fp32, AdamW, "
            f"{result['tokens']} tokens per step, median of {result['repeats']} steps after one warm-up, "
            "each row a fresh process. × dense = step time / eager dense step time at the same context. "
@@ -83,12 +94,14 @@ def markdown(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, help="directory for train_bench.{json,md}")
+    parser.add_argument("--out", type=Path, help="directory for NAME.{json,md}")
+    parser.add_argument("--name", default="train_bench", help="file name of the results")
     parser.add_argument("--kinds", nargs="+", default=sorted(ATTENTION), choices=sorted(ATTENTION))
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per step (batch = tokens / context)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--config", default="tiny")
+    parser.add_argument("--threads", type=int, help="intra-op threads per process (default: torch's)")
     parser.add_argument("--compile", nargs="*", default=["dense", "pi"], choices=sorted(ATTENTION),
                         help="kinds also timed under torch.compile (none: pass the flag alone)")
     parser.add_argument("--case", nargs=2, metavar=("KIND", "CONTEXT"), help=argparse.SUPPRESS)
@@ -96,26 +109,24 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.case:  # child process: one measurement, printed as JSON
         print(json.dumps(run_case(args.case[0], int(args.case[1]), args.tokens, args.repeats, args.config,
-                                  args.compiled)))
+                                  args.compiled, args.threads)))
         return
-    rows = []
-    for context in args.contexts:
-        cases = [(kind, False) for kind in args.kinds] + [(kind, True) for kind in args.kinds if kind in args.compile]
-        for kind, compiled in cases:
-            cmd = [sys.executable, __file__, "--case", kind, str(context), "--tokens", str(args.tokens),
-                   "--repeats", str(args.repeats), "--config", args.config] + (["--compiled"] if compiled else [])
-            row = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
-            rows.append(row)
-            print(f"T={context:5d} {kind + (' (compiled)' if compiled else ''):21s} {row['step_s']:7.3f} s/step "
-                  f"{row['tokens_per_s']:8.0f} tok/s RSS {row['peak_rss_mib']:6.0f} MiB", flush=True)
     command = "python benchmarks/train_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
     result = dict(machine=machine_info(), command=command.strip(), config=args.config, tokens=args.tokens,
-                  repeats=args.repeats, rows=rows)
-    table = markdown(result)
-    if args.out:
-        save_results(args.out, "train_bench", result, table)
-    print(table)
-
+                  repeats=args.repeats, threads=args.threads, rows=[])
+    for context in args.contexts:
+        for kind, compiled in [(k, c) for k in args.kinds for c in (False, True) if not c or k in args.compile]:
+            cmd = [sys.executable, __file__, "--case", kind, str(context), "--tokens", str(args.tokens),
+                   "--repeats", str(args.repeats), "--config", args.config] + (["--compiled"] if compiled else [])
+            if args.threads:
+                cmd += ["--threads", str(args.threads)]
+            row = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+            result["rows"].append(row)
+            print(f"T={context:5d} {kind + (' (compiled)' if compiled else ''):21s} {row['step_s']:7.3f} s/step "
+                  f"{row['tokens_per_s']:8.0f} tok/s RSS {row['peak_rss_mib']:6.0f} MiB", flush=True)
+            if args.out:  # after every row, so that a run cut short keeps what it measured
+                save_results(args.out, args.name, result, markdown(result))
+    print(markdown(result))
 
 if __name__ == "__main__":
     main()
