@@ -65,7 +65,7 @@ def run_case(kind: str, context: int, tokens: int, repeats: int, config: str, co
 def markdown(result: dict) -> str:
     m = result["machine"]
     threads = result.get("threads") or m["cpu_count"]
-    out = [f"# Training-step benchmark ({m['processor']}, {m['cpu_count']} cores, {threads} threads, "
+    out = [f"# Training-step benchmark ({m['processor']}, {m['cpu_count']} cores, {threads} intra-op threads, "
            f"torch {m['torch']})", "",
            f"`{result['command']}`; GPT `{result['config']}` config, byte vocabulary, fp32, AdamW, "
            f"{result['tokens']} tokens per step, median of {result['repeats']} steps after one warm-up, "
