@@ -17,6 +17,7 @@ The context holds for the forward pass only; backward needs none (the exchange r
 from __future__ import annotations
 
 import contextlib
+import threading
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -41,11 +42,15 @@ class SequenceShard:
 
 
 _ACTIVE: ContextVar[SequenceShard | None] = ContextVar("piattn_sequence_shard", default=None)
+# How many `sequence_parallel` contexts are open in this process, in any thread. While none is, the
+# ContextVar is not read: torch.compile cannot trace ContextVar.get, and guards on this int instead.
+_OPEN = 0
+_OPEN_LOCK = threading.Lock()
 
 
 def active_shard() -> SequenceShard | None:
     """The shard set by the innermost `sequence_parallel` context, or None (whole sequences)."""
-    return _ACTIVE.get()
+    return _ACTIVE.get() if _OPEN else None
 
 
 @contextlib.contextmanager
@@ -64,18 +69,23 @@ def sequence_parallel(group):
                          "of the group")
     size = dist.get_world_size(group)
     shard = SequenceShard(group, rank, size) if size > 1 else None
+    global _OPEN
+    with _OPEN_LOCK:
+        _OPEN += 1
     token = _ACTIVE.set(shard)
     try:
         yield shard
     finally:
         _ACTIVE.reset(token)
+        with _OPEN_LOCK:
+            _OPEN -= 1
 
 
 def pi_operator(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None = None,
                 **kwargs) -> torch.Tensor:
     """`pi_attention(q, k, v, gate, **kwargs)`, or, inside `sequence_parallel(group)`, the same operator
     on the sequence whose shard q, k, v [B, H, S, D] are (`sequence_parallel_pi_attention` over group)."""
-    shard = _ACTIVE.get()
+    shard = active_shard()
     if shard is None:
         return pi_attention(q, k, v, gate, **kwargs)
     if kwargs.get("sinks") or kwargs.get("document_ids") is not None or k.shape[1] != q.shape[1]:

@@ -10,8 +10,10 @@ from __future__ import annotations
 import torch as _torch
 
 from ...config.pi import PI_DEFAULTS
-from .backends import REGISTRY, select
+from .backends import AUTO_ORDER, REGISTRY, select
+from .compiled import is_symbolic, pi_attention_torch_op
 from .pattern import Pattern
+from .reference import pi_attention_reference
 from .validate import check_arguments
 
 # "auto" and the backends this install can run.
@@ -77,8 +79,8 @@ def pi_attention(
     needs_grad = _torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     features = {name for name, used in (("sinks", sinks > 0), ("documents", document_ids is not None),
                                         ("gqa", k.shape[1] != H)) if used}
-    chosen = select(backend, device=q.device, dtype=q.dtype, head_dim=D, needs_grad=needs_grad,
-                    dropout_p=dropout_p, features=frozenset(features))
+    chosen = _backend_name(backend, q.device, q.dtype, D, needs_grad, dropout_p, frozenset(features),
+                           _torch.compiler.is_compiling())
     asked = Pattern(window, period, causal, sinks)
     used = usable_pattern(asked, T)
     keep = None
@@ -88,11 +90,45 @@ def pi_attention(
         keep = _torch.rand(B, H, T, asked.n_slots, device=q.device) >= dropout_p
         if used != asked:
             keep = _slots_of(keep, asked, used)
-    return chosen.load()(
+    return _backend_function(chosen, q)(
         q, k, v, gate, window=used.window, period=used.period, causal=causal, variant=variant, prior=prior,
         logit_clamp=logit_clamp, eps=eps, scale=D**-0.5 if scale is None else scale,
         dropout_keep=keep, dropout_p=dropout_p, sinks=used.sinks, document_ids=document_ids,
     )
+
+
+# What runs inside torch.compile, and where q has no values (meta and fake tensors): "torch" as a custom
+# operator (`compiled.py`), "reference" traced as is; imported here, since dynamo cannot trace the import in
+# `Backend.load`. "flex" builds its block mask with data-dependent shapes, and "triton" is not wrapped as an
+# operator yet: under torch.compile "auto" picks from these only (on CUDA, "torch" rather than "triton").
+_SYMBOLIC = {"torch": pi_attention_torch_op, "reference": pi_attention_reference}
+COMPILABLE = tuple(_SYMBOLIC)
+_COMPILE_ORDER = {device: tuple(n for n in order if n in COMPILABLE) for device, order in AUTO_ORDER.items()}
+
+
+def _backend_name(requested: str, device: _torch.device, dtype: _torch.dtype, head_dim: int, needs_grad: bool,
+                  dropout_p: float, features: frozenset[str], compiling: bool) -> str:
+    """The name of the backend `select` picks; from `COMPILABLE` only when `compiling`.
+
+    Dynamo traces this. A ValueError raised here under torch.compile reaches the caller inside dynamo's
+    error with fullgraph=True (message included); without fullgraph, dynamo runs the call eagerly.
+    """
+    if compiling and requested in REGISTRY and requested not in COMPILABLE:
+        raise ValueError(f"backend {requested!r} cannot run inside torch.compile; backends that can: "
+                         f"{', '.join(map(repr, ('auto', *COMPILABLE)))}")
+    registry = {name: REGISTRY[name] for name in COMPILABLE} if compiling else REGISTRY
+    return select(requested, device=device, dtype=dtype, head_dim=head_dim, needs_grad=needs_grad,
+                  dropout_p=dropout_p, features=features, registry=registry,
+                  auto_order=_COMPILE_ORDER if compiling else AUTO_ORDER).name
+
+
+def _backend_function(name: str, q: _torch.Tensor):
+    """The function of backend `name`. Where q holds no values (torch.compile, meta and fake tensors),
+    "torch" is the custom operator `piattn::pi_attention_fwd`; in eager, the autograd.Function it wraps (the
+    same computation: the operator's dispatch would add about 0.7 ms to each forward and backward)."""
+    if name in _SYMBOLIC and is_symbolic(q):
+        return _SYMBOLIC[name]
+    return REGISTRY[name].load()
 
 
 def usable_pattern(pattern: Pattern, T: int) -> Pattern:

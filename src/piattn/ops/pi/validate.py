@@ -84,6 +84,8 @@ def check_document_ids(document_ids, q: torch.Tensor) -> None:
 
 
 def _check_gate(q: torch.Tensor, gate, variant: str) -> None:
+    from torch._subclasses.fake_tensor import is_fake  # here: this module's imports stay torch's public API
+
     if variant not in GATED_VARIANTS:
         if gate is not None:
             raise ValueError(
@@ -100,8 +102,10 @@ def _check_gate(q: torch.Tensor, gate, variant: str) -> None:
         raise ValueError(f"gate must be on the device of q ({q.device}), got {gate.device}")
     if not gate.is_floating_point():
         raise ValueError(f"gate must be a floating-point tensor, got {gate.dtype}")
-    if torch.compiler.is_compiling():
-        return  # a data-dependent check would break the graph; eager calls have checked the same code path
+    if torch.compiler.is_compiling() or gate.device.type == "meta" or is_fake(gate):
+        # No values to read: under torch.compile a data-dependent check would break the graph, and meta and
+        # fake tensors (shape inference) hold none. Eager calls check them.
+        return
     # A device-to-host sync; worth it, since a gate outside (0, 1) silently yields NaN or a wrong prior.
     with torch.no_grad():
         if not bool(((gate > 0) & (gate < 1)).all()):

@@ -1,0 +1,238 @@
+"""torch.compile of π-Attention: the "torch" backend as custom operators (ops/pi/compiled.py), whole-graph
+capture of a GPT's forward and backward, meta and fake tensors, and the backends that cannot compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo.testing
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from piattn import BACKENDS, pi_attention
+from piattn.models import GPT, GPTConfig
+from piattn.ops.pi.compiled import pi_attention_bwd, pi_attention_fwd, saved_layout
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+T = 40
+MODELS = {  # attention kind and its settings: gated π (Variant 3), separate π (Variant 1), local window
+    "pi-adaptive": dict(attention="pi", variant="adaptive", window=3, period=8),
+    "pi-separate": dict(attention="pi", variant="separate", window=3, period=8),
+    "local": dict(attention="local", window=3),
+}
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def tiny_gpt(kind: str) -> GPT:
+    torch.manual_seed(0)
+    cfg = GPTConfig.from_name("tiny", vocab_size=32, block_size=T, n_layer=1, n_head=2, d_model=32, d_ff=64,
+                              dropout=0.0, **MODELS[kind])
+    return GPT(cfg).double()
+
+
+def loss_and_grads(model: torch.nn.Module, forward, idx: torch.Tensor):
+    logits = forward(idx[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx[:, 1:].flatten())
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return logits.detach(), grads
+
+
+def recording_backend(graphs: dict):
+    """aot_eager that keeps the code of the forward and backward graphs AOTAutograd hands it."""
+
+    def compiler(name):
+        def run(gm, example_inputs):
+            graphs.setdefault(name, []).append(gm.code)
+            return make_boxed_func(gm.forward)
+
+        return run
+
+    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_fullgraph_gpt_matches_eager(kind):
+    """One graph each way (fullgraph raises on any break), the operators in them, and eager's numbers."""
+    model = tiny_gpt(kind)
+    idx = torch.randint(0, 32, (2, T + 1), generator=torch.Generator().manual_seed(1))
+    want_logits, want_grads = loss_and_grads(model, model, idx)
+    graphs = {}
+    compiled = torch.compile(model, backend=recording_backend(graphs), fullgraph=True)
+    got_logits, got_grads = loss_and_grads(model, compiled, idx)
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-10, atol=1e-10)
+    assert got_grads.keys() == want_grads.keys()
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-9, atol=1e-10, msg=name)
+    assert len(graphs["forward"]) == len(graphs["backward"]) == 1
+    assert graphs["forward"][0].count("piattn.pi_attention_fwd") == 1
+    assert graphs["backward"][0].count("piattn.pi_attention_bwd") == 1
+
+
+def test_dropout_mask_is_drawn_in_the_graph():
+    """The mask pi_attention draws reaches the operator and its backward inside one graph."""
+    args = op_args("adaptive", None, True, torch.float64)
+    q, k, v, gate = args[:4]
+
+    def f(q, k, v, gate):
+        return pi_attention(q, k, v, gate, window=3, period=8, dropout_p=0.25).sum()
+
+    graphs = {}
+    loss = torch.compile(f, backend=recording_backend(graphs), fullgraph=True)(q, k, v, gate)
+    grads = torch.autograd.grad(loss, (q, k, v, gate))
+    assert all(g.isfinite().all() for g in grads)
+    assert "aten.rand" in graphs["forward"][0] and "piattn.pi_attention_bwd" in graphs["backward"][0]
+
+
+def test_reference_backend_compiles_whole():
+    """"reference" is traced as plain torch code; grouped-query k, v and sinks send "auto" there too."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, T, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, 2, T, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    gate = torch.rand(1, 4, T, dtype=torch.float64).clamp(0.1, 0.9).requires_grad_()
+
+    def f(q, k, v, gate):
+        return pi_attention(q, k, v, gate, window=3, period=8, sinks=2, variant="adaptive").square().sum()
+
+    want = torch.autograd.grad(f(q, k, v, gate), (q, k, v, gate))
+    got = torch.autograd.grad(torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v, gate), (q, k, v, gate))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", [b for b in ("flex", "triton") if b in BACKENDS])
+def test_backend_that_cannot_compile_is_named(backend):
+    """Dynamo's error carries the ValueError naming the backend (without fullgraph, the call runs eagerly)."""
+    q, k, v = (torch.randn(1, 2, 32, 16) for _ in range(3))
+
+    def f(q, k, v):
+        return pi_attention(q, k, v, variant="union", window=3, period=8, backend=backend)
+
+    with torch.no_grad(), pytest.raises(Exception, match=f"backend '{backend}' cannot run inside torch.compile"):
+        torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
+
+
+def test_dynamic_shapes_one_graph_for_every_length():
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+
+    def f(q, k, v, gate):
+        return pi_attention(q, k, v, gate, window=3, period=8, variant="adaptive")
+
+    compiled = torch.compile(f, backend=counter, dynamic=True, fullgraph=True)
+    graphs = []
+    for t in (24, 40):
+        q, k, v, gate = op_args("adaptive", None, True, torch.float64, T=t)[:4]
+        torch.testing.assert_close(compiled(q, k, v, gate), f(q, k, v, gate), rtol=1e-12, atol=1e-12)
+        graphs.append(counter.frame_count)
+    assert graphs[1] == graphs[0]  # no recompilation for the new length
+
+
+@pytest.mark.parametrize("variant", ["adaptive", "separate", "union"])
+def test_meta_tensors_give_shapes(variant):
+    q = torch.empty(2, 4, 50, 16, device="meta", dtype=torch.bfloat16)
+    k = v = torch.empty(2, 4, 50, 16, device="meta", dtype=torch.bfloat16)
+    gate = None if variant == "union" else torch.empty(2, 4, 50, device="meta")
+    y = pi_attention(q, k, v, gate, variant=variant, window=4, period=16)
+    assert (y.shape, y.dtype, y.device.type) == (q.shape, q.dtype, "meta")
+
+
+def test_model_runs_on_meta_and_fake_tensors():
+    """Shape inference through a whole model: the gate's value check and the backend's host sync are skipped."""
+    with torch.device("meta"):
+        model = GPT(GPTConfig.from_name("tiny", vocab_size=32, block_size=T, attention="pi"))
+        logits = model(torch.zeros(2, T, dtype=torch.long))
+    assert logits.shape == (2, T, 32) and logits.device.type == "meta"
+    model = tiny_gpt("pi-adaptive")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        logits = model(torch.zeros(2, T, dtype=torch.long))
+        logits.sum().backward()
+    assert logits.shape == (2, T, 32)
+
+
+def test_eager_gate_check_still_runs():
+    q = k = v = torch.randn(1, 2, 8, 4)
+    with pytest.raises(ValueError, match="gate values must lie in the open interval"):
+        pi_attention(q, k, v, torch.ones(1, 2, 8), variant="adaptive", window=2, period=4)
+
+
+CASES = [  # variant, logit_clamp, causal, dtype
+    ("adaptive", None, True, torch.float64),
+    ("separate", None, False, torch.float64),
+    ("fixed", None, True, torch.float32),
+    ("union", 5.0, True, torch.float64),
+]
+
+
+def op_args(variant, logit_clamp, causal, dtype, window=3, period=8, dropout_p=0.0, T=24):
+    """The arguments of piattn::pi_attention_fwd, for q, k, v [2, 2, T, 8]."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, T, 8, dtype=dtype, requires_grad=True) for _ in range(3))
+    gate = None
+    if variant in ("adaptive", "separate"):
+        gate = torch.rand(2, 2, T, dtype=dtype).clamp(0.1, 0.9).requires_grad_()
+    slots = (window + 1 if causal else 2 * window + 1) + (1 if causal else 2)
+    keep = torch.rand(2, 2, T, slots) >= dropout_p if dropout_p else None
+    return (q, k, v, gate, window, period, causal, variant, 0.7, logit_clamp, 1e-6, 0.3, keep, dropout_p, 0, None)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-clamp{c[1]}-causal{c[2]}")
+def test_opcheck(case):
+    """Schema, fake implementation (shapes, dtypes, strides), autograd registration and AOT dispatch.
+
+    With a logit clamp, the saved clamp mask is left unwritten where a slot has no key (no later read
+    depends on it), so two runs can differ there and the output comparison of test_aot_dispatch_dynamic
+    is skipped.
+    """
+    tests = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    if case[1] is not None:
+        tests = tests[:-1]
+    args = op_args(*case)
+    torch.library.opcheck(pi_attention_fwd, args, test_utils=tests)
+    y, saved = pi_attention_fwd(*args)
+    dy = torch.randn_like(y)
+    inputs = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+    bwd_args = (dy, *inputs[:4], saved, inputs[3] is not None, *inputs[4:])
+    torch.library.opcheck(pi_attention_bwd, bwd_args)
+
+
+def test_opcheck_with_dropout():
+    args = op_args("adaptive", None, True, torch.float64, dropout_p=0.25)
+    torch.library.opcheck(pi_attention_fwd, args)
+
+
+def test_saved_tensors_describe_the_forward():
+    """The fake implementation's description of what forward keeps, against what it keeps."""
+    for variant, clamp, causal, dtype in CASES:
+        args = op_args(variant, clamp, causal, dtype)
+        _, saved = pi_attention_fwd(*args)
+        described = saved_layout(args[0], window=3, period=8, causal=causal, variant=variant,
+                                  logit_clamp=clamp, sinks=0)
+        assert [(tuple(t.shape), t.dtype) for t in saved] == list(described.values())
+
+
+def test_double_backward_is_refused_through_the_operator():
+    args = op_args("adaptive", None, True, torch.float64)
+    y, _ = pi_attention_fwd(*args)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(y.sum(), args[0], create_graph=True)
+
+
+@pytest.mark.slow
+def test_inductor_gpt_matches_eager():
+    """The default compiler: inductor generates C++ for everything around the operators (slow to build)."""
+    model = tiny_gpt("pi-adaptive").float()
+    idx = torch.randint(0, 32, (2, T + 1), generator=torch.Generator().manual_seed(1))
+    want_logits, want_grads = loss_and_grads(model, model, idx)
+    got_logits, got_grads = loss_and_grads(model, torch.compile(model, fullgraph=True), idx)
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-5)
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-3, atol=1e-5, msg=name)
