@@ -96,10 +96,19 @@ class TaskFlags:
                                "bidirectional Encoder", applies={"task": ("reach",)})
     recall_symbols: int | None = flag(None, "recall: symbols of the filler and the values (default 8; chance "
                                       "1/symbols)", low=2, high=2**15 - 3, applies={"task": ("recall",)})
-    lag_min: int | None = flag(None, "recall: the shortest lag from the value to the query (default 1)", low=1,
+    lag_min: int | None = flag(None, "recall: the shortest lag from the value to the query (default: the "
+                               "least there is room for, 1 or 2)", low=1,
                                applies={"task": ("recall",)})
-    lag_max: int | None = flag(None, "recall: the longest lag from the value to the query (default seq-len - 2)",
+    lag_max: int | None = flag(None, "recall: the longest lag from the value to the query (default: the "
+                               "most there is room for, seq-len - 2 or - 1)",
                                low=1, applies={"task": ("recall",)})
+    recall_order: str | None = flag(None, "recall: marker-value (default: the marker, then the value) or "
+                                    "value-marker (the marker right after the value; lags from 2)",
+                                    choices=("marker-value", "value-marker"), applies={"task": ("recall",)})
+    recall_loss: str | None = flag(None, "recall: where training asks for the value: query (the last position "
+                                   "only, default) or every (also every position lag-min … lag-max after it, each "
+                                   "at its own lag; evaluation always reads the query)", choices=("query", "every"),
+                                   applies={"task": ("recall",)})
     patch_size: int | None = flag(None, "vl-retrieval: side of an image patch in pixels, dividing --image-size "
                                   "(default: shapes 4, coco / flickr30k 16)", low=1,
                                   applies={"task": ("vl-retrieval",)})

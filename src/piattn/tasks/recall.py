@@ -22,8 +22,9 @@ class RecallTask(ClassificationTask):
     """Recall: a causal `GPT` over --recall-symbols + 2 ids, read out at the last position (the query).
 
     The prediction is over all ids (marker and query included), as in the reach task, so the answer can
-    reach the query only through causal attention. Validation and test splits hold every lag equally often
-    (`generate(..., stratified=True)`); training lags are uniform.
+    reach the query only through causal attention. --recall-loss every trains every position after the
+    value as a query too (denser supervision); the metrics are always those of the query. Validation and
+    test splits hold every lag equally often (`generate(..., stratified=True)`); training lags are uniform.
     """
 
     name = "recall"
@@ -32,12 +33,13 @@ class RecallTask(ClassificationTask):
 
     @classmethod
     def settings(cls, cfg: TrainConfig) -> dict:
-        """The generator's arguments but n and seed: seq_len, n_symbols, lag_min, lag_max (defaults filled in)."""
-        seq_len = cfg.data.seq_len
+        """The generator's arguments but n, seed and stratified (defaults filled in)."""
         t = cfg.task
-        return dict(seq_len=seq_len, n_symbols=t.recall_symbols or cls.DEFAULT_SYMBOLS,
-                    lag_min=t.lag_min if t.lag_min is not None else 1,
-                    lag_max=t.lag_max if t.lag_max is not None else seq_len - 2)
+        value_first = t.recall_order == "value-marker"
+        low, high = recall.lag_bounds(cfg.data.seq_len, value_first)
+        return dict(seq_len=cfg.data.seq_len, n_symbols=t.recall_symbols or cls.DEFAULT_SYMBOLS,
+                    lag_min=t.lag_min if t.lag_min is not None else low,
+                    lag_max=t.lag_max if t.lag_max is not None else high, value_first=value_first)
 
     @classmethod
     def check_config(cls, cfg):
@@ -46,8 +48,13 @@ class RecallTask(ClassificationTask):
         s = cls.settings(cfg)
         if s["seq_len"] < 3:
             raise ValueError(f"--seq-len must be >= 3 for --task recall (marker, value, query), got {s['seq_len']}")
-        if s["lag_max"] > s["seq_len"] - 2:
-            raise ValueError(f"--lag-max must be <= --seq-len - 2 = {s['seq_len'] - 2}, got {s['lag_max']}")
+        low, high = recall.lag_bounds(s["seq_len"], s["value_first"])
+        order = f"--recall-order {cfg.task.recall_order or 'marker-value'}"
+        if s["lag_min"] < low:
+            raise ValueError(f"--lag-min must be >= {low} with {order}, got {s['lag_min']}")
+        if s["lag_max"] > high:
+            raise ValueError(f"--lag-max must be <= {high} with --seq-len {s['seq_len']} and {order}, "
+                             f"got {s['lag_max']}")
         if s["lag_min"] > s["lag_max"]:
             raise ValueError(f"--lag-min must be <= --lag-max = {s['lag_max']}, got {s['lag_min']}")
 
@@ -73,11 +80,25 @@ class RecallTask(ClassificationTask):
                                stratified=split != "train", **s)
         return Examples(compact(data.tokens, s["n_symbols"] + 2), data.answer)
 
+    def loss(self, model, batch):
+        """Cross-entropy at the query; with --recall-loss every, the mean over every position whose lag
+        from the value is in [--lag-min, --lag-max] (the query among them): each such position is asked
+        the same value, at its own lag, so one sequence supervises many lags at once."""
+        if self.cfg.task.recall_loss != "every":
+            return super().loss(model, batch)
+        inputs, labels = (t.to(self.ctx.device, non_blocking=True) for t in batch)
+        s = self.settings(self.cfg)
+        value = (s["seq_len"] - 1 - self.lags(inputs))[:, None]
+        lag = torch.arange(s["seq_len"], device=inputs.device)[None, :] - value  # [B, T]: each position's lag
+        asked = (lag >= s["lag_min"]) & (lag <= s["lag_max"])
+        logits = model(inputs).float()  # [B, T, ids]
+        return F.cross_entropy(logits[asked], labels[:, None].expand_as(asked)[asked]), inputs.numel()
+
     def lags(self, inputs: torch.Tensor) -> torch.Tensor:
         """inputs [B, seq_len] -> the lag of each example, int64 [B], read off where its marker is."""
         s = self.settings(self.cfg)
         marker = (inputs == s["n_symbols"]).int().argmax(1)
-        return s["seq_len"] - 2 - marker
+        return s["seq_len"] - marker if s["value_first"] else s["seq_len"] - 2 - marker
 
     def _score(self, model, batch) -> dict:
         inputs, labels = (t.to(self.ctx.device, non_blocking=True) for t in batch)
