@@ -236,6 +236,9 @@ def sweep_table(rows: list[dict]) -> str:
         cells = []
         for period in SWEEP_PERIODS:
             kind = sweep_kind(window, period)
+            if not any(r["kind"] == kind for r in rows):
+                cells.append(f"not run / {coverage(window, period, lags):.2f}")
+                continue
             yes = [lag for lag in lags if reachable(window, period, lag)]
             no = [lag for lag in lags if lag not in yes]
             parts = [statistics.mean(seed_means(rows, kind, group)) if group else None for group in (lags, yes, no)]
@@ -248,8 +251,9 @@ def sweep_table(rows: list[dict]) -> str:
 def plot_sweep(rows: list[dict], path: Path) -> None:
     plt = pyplot()
     lags = sorted(rows[0]["accuracy_by_lag"])
-    accuracy = [[statistics.mean(seed_means(rows, sweep_kind(w, p), lags)) for p in SWEEP_PERIODS]
-                for w in SWEEP_WINDOWS]
+    ran = {r["kind"] for r in rows}
+    accuracy = [[statistics.mean(seed_means(rows, sweep_kind(w, p), lags)) if sweep_kind(w, p) in ran
+                 else float("nan") for p in SWEEP_PERIODS] for w in SWEEP_WINDOWS]
     covered = [[coverage(w, p, lags) for p in SWEEP_PERIODS] for w in SWEEP_WINDOWS]
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.6))
     for ax, grid, title in ((axes[0], accuracy, "test accuracy (all lags)"),
@@ -257,8 +261,8 @@ def plot_sweep(rows: list[dict], path: Path) -> None:
         image = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", origin="lower")
         for i, row in enumerate(grid):
             for j, value in enumerate(row):
-                ax.text(j, i, f"{value:.2f}", ha="center", va="center", fontsize=8,
-                        color="black" if value > 0.6 else "white")
+                ax.text(j, i, "not run" if value != value else f"{value:.2f}", ha="center", va="center",
+                        fontsize=8, color="white" if value <= 0.6 else "black")
         ax.set_xticks(range(len(SWEEP_PERIODS)), [str(p) for p in SWEEP_PERIODS])
         ax.set_yticks(range(len(SWEEP_WINDOWS)), [str(w) for w in SWEEP_WINDOWS])
         ax.set_xlabel("π")
@@ -273,8 +277,12 @@ def plot_sweep(rows: list[dict], path: Path) -> None:
 
 def main_sweep(args: argparse.Namespace) -> None:
     jobs = [(sweep_kind(w, p), ("pi", w, p, "adaptive"), seed, args.steps, args.runs)
-            for seed in args.seeds for w in SWEEP_WINDOWS for p in SWEEP_PERIODS]
+            for seed in args.seeds for w in args.windows for p in SWEEP_PERIODS]
+    if args.report:  # only the runs already finished: cells of the others stay empty
+        jobs = [job for job in jobs if list((args.runs / f"{slug(job[0])}-seed{job[2]}").glob("eval/*_test.json"))]
     rows = run_all(jobs, args.jobs)
+    if not args.report and set(args.windows) != set(SWEEP_WINDOWS):
+        return  # part of the grid: the runs are kept, the tables wait for the whole grid (or --report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(dict(task=TASK, runs=rows), indent=1) + "\n")
     table = sweep_table(rows)
@@ -292,6 +300,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--steps", type=int, default=800)
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (each one thread)")
+    parser.add_argument("--windows", type=int, nargs="+", default=list(SWEEP_WINDOWS), choices=SWEEP_WINDOWS,
+                        help="--sweep: the rows of the grid to train (e.g. to split it over processes)")
+    parser.add_argument("--report", action="store_true", help="--sweep: tables and figure of the finished runs only")
     args = parser.parse_args(argv)
     (main_sweep if args.sweep else main_runs)(args)
 
