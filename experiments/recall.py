@@ -193,13 +193,14 @@ def plot(rows: list[dict], path: Path) -> None:
             means = lag_means(rows, kind)
             ax.plot(lags, [means[lag] for lag in lags], marker=".", ms=4, lw=1, label=kind)
     ax.axhline(rows[0]["chance"], color="grey", ls=":", label="chance")
-    ax.axvline(WINDOW * TASK["layers"] + 0.5, color="tab:blue", ls="--", lw=0.8, label=f"k·L (k = {WINDOW})")
+    for window, style in ((WINDOW, "--"), (WINDOW + 1, "-.")):
+        ax.axvline(window * TASK["layers"] + 0.5, color="grey", ls=style, lw=0.8, label=f"k·L, k = {window}")
     ax.set_xlabel("lag (tokens from the value to the query)")
     ax.set_ylabel("test accuracy (mean over seeds)")
     ax.set_ylim(0, 1.05)
     ax.set_title(f"Recall, {TASK['seq_len']} tokens, {TASK['layers']} layers, k = {WINDOW}, π = {PERIOD}; "
                  "shaded: lags π reaches (value and marker)", fontsize=9)
-    ax.legend(fontsize=7, ncol=3)
+    ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.15))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
