@@ -239,7 +239,8 @@ def test_interrupted_reach_run_resumes_bit_for_bit(tmp_path):
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--task", "chess"],
-     "--task must be one of ['listops', 'lm', 'pathfinder', 'reach', 'recall', 'retrieval', 'vl-retrieval'], got 'chess'"),
+     "--task must be one of ['listops', 'lm', 'pathfinder', 'reach', 'recall', 'retrieval', 'vl-retrieval'], "
+     "got 'chess'"),
     (["--task", "lm"], "--data is required with --task lm"),
     (["--task", "listops", "--lag", "3"], "--lag applies to --task reach only, not 'listops'"),
     (["--task", "lm", "--data", "x", "--train-size", "5"],
