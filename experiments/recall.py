@@ -162,6 +162,31 @@ def summary_tables(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def depth(window: int, period: int | None, lag: int) -> int | None:
+    """The layers the query needs to read both the value and its marker (None: never)."""
+    depths = [min_depth(d, window, period) for d in (lag, marker_lag(lag))]
+    return None if None in depths else max(depths)
+
+
+def depth_table(rows: list[dict]) -> str:
+    """Accuracy of the windowed kinds by the depth their pattern needs for a lag (1 … layers, or never)."""
+    lags = sorted(rows[0]["accuracy_by_lag"])
+    kinds = [k for k in KINDS if KINDS[k][1] is not None and any(r["kind"] == k for r in rows)]
+    levels = [*range(1, TASK["layers"] + 1), None]
+    names = [f"depth {level}" if level else f"> {TASK['layers']} (unreachable)" for level in levels]
+    lines = ["Accuracy by the layers a lag needs (the larger `min_depth` of value and marker); mean ± std "
+             "over seeds, (number of lags):", "", "| kind | " + " | ".join(names) + " |",
+             "|---|" + "---|" * len(names)]
+    for kind in kinds:
+        _, window, period, _ = KINDS[kind]
+        need = {lag: depth(window, period, lag) for lag in lags}
+        cells = [group_mean(rows, kind, [lag for lag in lags if (need[lag] if need[lag] is None or need[lag] <=
+                                                                  TASK["layers"] else None) == level])
+                 for level in levels]
+        lines.append(f"| {kind} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def write_tables(path: Path, text: str) -> None:
     """Put `text` between the <!-- tables --> markers of `path`, keeping the prose around them."""
     start, end = "<!-- tables -->", "<!-- /tables -->"
@@ -212,7 +237,7 @@ def main_runs(args: argparse.Namespace) -> None:
     rows = run_all(jobs, args.jobs)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(dict(task=TASK, runs=rows), indent=1) + "\n")
-    tables = summary_tables(rows)
+    tables = summary_tables(rows) + "\n\n" + depth_table(rows)
     write_tables(args.out.with_suffix(".md"), tables)
     plot(rows, args.out.with_suffix(".png"))
     print(tables)
