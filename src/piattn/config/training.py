@@ -19,7 +19,7 @@ from .pi import PI_DEFAULTS, VARIANTS
 # Task families whose flags only they read.
 CLASSIFICATION = ("listops", "pathfinder", "retrieval", "reach")
 # Tasks with fixed splits of examples, generated from --data-seed or read at most --train-size / --eval-size.
-FIXED_SPLITS = (*CLASSIFICATION, "vl-retrieval")
+FIXED_SPLITS = (*CLASSIFICATION, "vl-retrieval", "recall")
 # Attention kinds that read each π-related model field (the others ignore it).
 WINDOWED = ("local", "pi", "longformer", "bigbird")
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -67,8 +67,8 @@ class DataFlags:
     vocab_size: int | None = flag(None, "BPE vocabulary size (bpe only)", low=256,
                                   applies={"task": ("lm",), "tokenizer": ("bpe",)})
     seq_len: int | None = flag(None, "tokens per sequence (default: lm 1024, listops 2000, retrieval 4000 per "
-                               "text, pathfinder image-size², reach 64, vl-retrieval (image-size / patch-size)², "
-                               "the image's patches)", low=1)
+                               "text, pathfinder image-size², reach and recall 64, vl-retrieval (image-size / "
+                               "patch-size)², the image's patches)", low=1)
     cross_documents: bool = flag(False, "let sequences span document boundaries", applies={"task": ("lm",)})
     pack_documents: bool = flag(False, "pack documents back to back into full sequences, attention kept inside "
                                 "each document (document ids in the batch) and no target across a boundary",
@@ -101,6 +101,21 @@ class TaskFlags:
                                    high=2**15 - 1, applies={"task": ("reach",)})
     causal: bool | None = flag(None, "reach: a causal GPT read at the query (default) or, with --no-causal, a "
                                "bidirectional Encoder", applies={"task": ("reach",)})
+    recall_symbols: int | None = flag(None, "recall: symbols of the filler and the values (default 8; chance "
+                                      "1/symbols)", low=2, high=2**15 - 3, applies={"task": ("recall",)})
+    lag_min: int | None = flag(None, "recall: the shortest lag from the value to the query (default: the "
+                               "least there is room for, 1 or 2)", low=1,
+                               applies={"task": ("recall",)})
+    lag_max: int | None = flag(None, "recall: the longest lag from the value to the query (default: the "
+                               "most there is room for, seq-len - 2 or - 1)",
+                               low=1, applies={"task": ("recall",)})
+    recall_order: str | None = flag(None, "recall: marker-value (default: the marker, then the value) or "
+                                    "value-marker (the marker right after the value; lags from 2)",
+                                    choices=("marker-value", "value-marker"), applies={"task": ("recall",)})
+    recall_loss: str | None = flag(None, "recall: where training asks for the value: query (the last position "
+                                   "only, default) or every (also every position lag-min … lag-max after it, each "
+                                   "at its own lag; evaluation always reads the query)", choices=("query", "every"),
+                                   applies={"task": ("recall",)})
     patch_size: int | None = flag(None, "vl-retrieval: side of an image patch in pixels, dividing --image-size "
                                   "(default: shapes 4, coco / flickr30k 16)", low=1,
                                   applies={"task": ("vl-retrieval",)})

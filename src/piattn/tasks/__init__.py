@@ -4,6 +4,7 @@
     listops, pathfinder, retrieval
                   the Long Range Arena classifiers (lra.py, on classification.py)
     reach         recall the token a fixed lag back (reach.py)
+    recall        recall the value after a marker, at a lag drawn per example (recall.py)
     vl-retrieval  image-text retrieval with a CLIP dual encoder, Recall@K (vl_retrieval.py, ranking.py)
 
 Every task implements `piattn.train.task.Task`, the interface the trainer uses.
@@ -24,11 +25,12 @@ from ..train.task import Task
 from .lm import LanguageModelTask
 from .lra import ListOpsTask, PathfinderTask, RetrievalTask
 from .reach import ReachTask
+from .recall import RecallTask
 from .vl_retrieval import VisionLanguageTask
 
 TASKS: dict[str, type[Task]] = {
     task.name: task for task in (LanguageModelTask, ListOpsTask, PathfinderTask, RetrievalTask, ReachTask,
-                                 VisionLanguageTask)}
+                                 RecallTask, VisionLanguageTask)}
 
 
 def task_class(name: str) -> type[Task]:
@@ -60,5 +62,5 @@ def restore(folder: Path, ctx: DistContext, *, data: str | None = None, batch_si
     return task, model.to(ctx.device), cfg
 
 
-__all__ = ["TASKS", "LanguageModelTask", "ListOpsTask", "PathfinderTask", "ReachTask", "RetrievalTask", "Task",
-           "VisionLanguageTask", "restore", "task_class"]
+__all__ = ["TASKS", "LanguageModelTask", "ListOpsTask", "PathfinderTask", "ReachTask", "RecallTask", "RetrievalTask",
+           "Task", "VisionLanguageTask", "restore", "task_class"]
