@@ -119,6 +119,6 @@ class PiCache(Cache):
 
 def cache_nbytes(cache: Cache) -> int:
     """Bytes of the keys and values a transformers `Cache` holds now (any cache type, PiCache's sinks included)."""
-    return sum(t.nbytes for layer in cache.layers
-               for t in (layer.keys, layer.values, getattr(layer, "sink_keys", None), getattr(layer, "sink_values", None))
-               if t is not None)
+    held = [(layer.keys, layer.values, getattr(layer, "sink_keys", None), getattr(layer, "sink_values", None))
+            for layer in cache.layers]
+    return sum(t.nbytes for tensors in held for t in tensors if t is not None)
