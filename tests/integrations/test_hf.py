@@ -395,7 +395,7 @@ def test_left_padded_batch_generates_what_each_prompt_generates_alone(cache_kind
     model = convert_to_pi(tiny_llama(), window=3, period=8, sinks=sinks)
     randomize_gates(model)
     prompts = [tokens(1, n, seed=n)[0] for n in (4, 13, 9)]  # pads 9, 0 and 4 in the batch
-    new = 16
+    new = 12
     ids, mask = left_pad(prompts)
     cache = PiCache(model.config) if cache_kind == "pi" else DynamicCache()
     with torch.no_grad():
