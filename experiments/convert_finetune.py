@@ -9,7 +9,7 @@ choose (with sinks at the local prior, α scales every key alike): local (a) wou
 only local (b) is trained.
 
     python experiments/convert_finetune.py --books DIR [--window 32] [--period 64] [--sinks 4]
-        [--context 256] [--steps 120] [--batch 1] [--out experiments/results/convert_finetune]
+        [--context 256] [--steps 120] [--batch 1] [--out experiments/results/convert_finetune_runs]
 
 Resumable: finished runs are read back from the results JSON (same settings) and not repeated.
 """
@@ -58,7 +58,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {tuple(RUNS)}")
-    p.add_argument("--out", type=Path, default=Path("experiments/results/convert_finetune"))
+    p.add_argument("--out", type=Path, default=Path("experiments/results/convert_finetune_runs"),
+                   help="results go to OUT.json and OUT.md (the table)")
     return p.parse_args()
 
 
@@ -116,9 +117,9 @@ def fine_tune(model, stream: torch.Tensor, args, what: str, seed: int) -> list[f
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
         if step % 20 == 0 or step == args.steps - 1:
-            print(f"  step {step}: loss {loss.item():.3f}", flush=True)
+            print(f"  step {step}: loss {losses[-1]:.3f}", flush=True)
     model.eval()
     return losses
 

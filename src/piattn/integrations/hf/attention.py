@@ -20,7 +20,7 @@ ATTENTION_NAME = "pi_attention"
 class HFPiSettings:
     """The settings of a converted model: the π settings and the backend that runs them.
 
-    Stored flat in `config.pi_attention` as {window, period, variant, prior, logit_clamp, eps, backend}.
+    Stored flat in `config.pi_attention` as {window, period, variant, prior, logit_clamp, eps, sinks, backend}.
     """
 
     pi: PiSettings = PI_DEFAULTS
