@@ -14,6 +14,8 @@ COMMANDS = {
     "eval": ("piattn.commands.eval", "score a checkpoint: bits per byte and perplexity, or accuracy"),
     "generate": ("piattn.commands.generate", "continue a prompt with a trained language model, streaming tokens"),
     "inspect": ("piattn.commands.inspect", "inside a checkpoint: attention mass per layer, token flow, gate dynamics"),
+    "convert-eval": ("piattn.commands.convert_eval",
+                     "a pretrained LM converted to π-Attention untrained: perplexity vs dense, local and sinks"),
 }
 
 

@@ -230,15 +230,15 @@ def test_loading_a_checkpoint_without_gates_raises(tmp_path):
         from_pretrained_pi(tmp_path)
 
 
-def test_padding_is_rejected_and_an_all_ones_mask_is_not():
+def test_an_all_ones_mask_changes_nothing_and_a_hole_in_the_mask_raises():
     model = convert_to_pi(tiny_llama(), window=3, period=8)
     ids = tokens(2, 10)
     with torch.no_grad():
         torch.testing.assert_close(model(ids, attention_mask=torch.ones(2, 10)).logits, model(ids).logits)
-        left_padded = torch.ones(2, 10, dtype=torch.long)
-        left_padded[0, :3] = 0
-        with pytest.raises(ValueError, match="padding"):
-            model(ids, attention_mask=left_padded)
+        holed = torch.ones(2, 10, dtype=torch.long)
+        holed[0, 4] = 0  # a pad between tokens: the relative pattern cannot skip it
+        with pytest.raises(ValueError, match="one run"):
+            model(ids, attention_mask=holed)
 
 
 def conversion_state(model) -> dict:
@@ -304,3 +304,123 @@ def test_converting_twice_raises():
     model = convert_to_pi(tiny_llama())
     with pytest.raises(ValueError, match="already converted"):
         convert_to_pi(model)
+
+
+# --- grouped-query attention, sinks and padding -------------------------------------------------------
+
+
+def pi_sink_additive_mask(T: int, window: int, period: int, prior: float, sinks: int) -> torch.Tensor:
+    """pi_additive_mask plus the sink keys j < sinks for every query i >= j that reads them in neither its
+    window nor its skip, with the local prior."""
+    mask = pi_additive_mask(T, window, period, prior)
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    sink = (j < sinks) & (j <= i) & torch.isinf(mask[0, 0])
+    mask[0, 0][sink] = math.log(prior)
+    return mask
+
+
+def test_key_value_heads_reach_the_operator_unrepeated(monkeypatch):
+    import piattn.integrations.hf.attention as hf_attention
+
+    shapes = []
+    real = hf_attention.pi_attention
+    monkeypatch.setattr(hf_attention, "pi_attention",
+                        lambda q, k, v, *a, **kw: shapes.append((q.shape, k.shape, v.shape)) or real(q, k, v, *a, **kw))
+    model = convert_to_pi(tiny_llama(), window=3, period=8)
+    with torch.no_grad():
+        model(tokens(2, 12))
+    assert shapes == [((2, 4, 12, 16), (2, 2, 12, 16), (2, 2, 12, 16))] * 2  # 4 query heads, 2 kv heads
+
+
+@pytest.mark.parametrize("period", [8, 50])
+def test_sinks_match_the_dense_masked_llama(period):
+    T, window, prior, sinks = 40, 3, 0.7, 3
+    plain = tiny_llama()
+    model = convert_to_pi(copy.deepcopy(plain), window=window, period=period, variant="fixed", prior=prior,
+                          sinks=sinks)
+    assert model.config.pi_attention["sinks"] == sinks
+    ids = tokens(2, T)
+    with torch.no_grad():
+        expected = plain(ids, attention_mask=pi_sink_additive_mask(T, window, period, prior, sinks)).logits
+        torch.testing.assert_close(model(ids).logits, expected, atol=ATOL, rtol=ATOL)
+
+
+def greedy_by_full_forwards(model, prompt: torch.Tensor, new: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy decoding of one unpadded batch by full forwards, no cache -> (ids, logits [new, B, V])."""
+    ids, step_logits = prompt, []
+    for _ in range(new):
+        logits = model(ids, use_cache=False).logits[:, -1]
+        step_logits.append(logits)
+        ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], 1)
+    return ids, torch.stack(step_logits)
+
+
+@pytest.mark.parametrize("prompt_len", [3, 14])  # within the sinks + capacity, and beyond
+def test_generate_with_sinks_and_pi_cache_matches_full_forwards(prompt_len):
+    window, period, sinks, new = 3, 8, 2, 20
+    model = convert_to_pi(tiny_llama(), window=window, period=period, sinks=sinks)
+    randomize_gates(model)
+    prompt = tokens(2, prompt_len)
+    cache = PiCache(model.config)
+    with torch.no_grad():
+        out = model.generate(prompt, past_key_values=cache, max_new_tokens=new, do_sample=False,
+                             return_dict_in_generate=True, output_logits=True)
+        ids, logits = greedy_by_full_forwards(model, prompt, new)
+    assert torch.equal(out.sequences, ids)
+    torch.testing.assert_close(torch.stack(out.logits), logits, atol=ATOL, rtol=ATOL)
+    cfg = model.config
+    per_position = 2 * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (cfg.hidden_size // 4) * 4
+    assert cache.nbytes == (max(window, period) + 1 + sinks) * per_position  # constant: ring + sinks
+    # The sink copies are the keys of positions 0 and 1, as DynamicCache holds them.
+    dense = DynamicCache()
+    with torch.no_grad():
+        model(prompt, past_key_values=dense, use_cache=True)
+    torch.testing.assert_close(cache.layers[1].sink_keys, dense.layers[1].keys[:, :, :sinks])
+
+
+def left_pad(prompts: list[torch.Tensor], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts [T_b] -> (ids [B, max T], attention_mask [B, max T]) padded on the left."""
+    T = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), T, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, T - len(p):] = p
+        mask[b, T - len(p):] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("cache_kind", ["pi", "dynamic"])
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_left_padded_batch_generates_what_each_prompt_generates_alone(cache_kind, sinks):
+    model = convert_to_pi(tiny_llama(), window=3, period=8, sinks=sinks)
+    randomize_gates(model)
+    prompts = [tokens(1, n, seed=n)[0] for n in (4, 13, 9)]  # pads 9, 0 and 4 in the batch
+    new = 12
+    ids, mask = left_pad(prompts)
+    cache = PiCache(model.config) if cache_kind == "pi" else DynamicCache()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new,
+                             do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=0)
+        for b, prompt in enumerate(prompts):
+            alone, logits = greedy_by_full_forwards(model, prompt[None], new)
+            assert torch.equal(out.sequences[b, ids.shape[1] - len(prompt):], alone[0])
+            torch.testing.assert_close(torch.stack(out.logits)[:, b], logits[:, 0], atol=1e-4, rtol=1e-4)
+
+
+def test_padded_rows_give_each_sequence_its_own_logits():
+    """One forward, no cache: left- and right-padded rows; the real tokens' logits are those of each alone."""
+    model = convert_to_pi(tiny_llama(), window=3, period=8, sinks=2)
+    randomize_gates(model)
+    a, b = tokens(1, 7, seed=5)[0], tokens(1, 12, seed=6)[0]
+    ids = torch.zeros(3, 12, dtype=torch.long)
+    mask = torch.zeros(3, 12, dtype=torch.long)
+    ids[0, 5:], mask[0, 5:] = a, 1  # left padding
+    ids[1, :7], mask[1, :7] = a, 1  # right padding
+    ids[2], mask[2] = b, 1
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        got = model(ids, attention_mask=mask, position_ids=positions).logits
+        alone_a, alone_b = model(a[None]).logits[0], model(b[None]).logits[0]
+    torch.testing.assert_close(got[0, 5:], alone_a, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[1, :7], alone_a, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[2], alone_b, atol=1e-4, rtol=1e-4)

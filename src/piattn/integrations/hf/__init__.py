@@ -1,7 +1,7 @@
 """π-Attention inside Hugging Face transformers (written against transformers 5.23).
 
     model = LlamaForCausalLM(config)                     # any Llama-style *ForCausalLM
-    convert_to_pi(model, window=4, period=16)            # gate MLP per attention module, attention switched
+    convert_to_pi(model, window=4, period=16, sinks=4)   # gate MLP per attention module, attention switched
     out = model.generate(ids, past_key_values=PiCache(model.config), max_new_tokens=64)
     model.save_pretrained(path)
     model = from_pretrained_pi(path)
@@ -9,7 +9,7 @@
 How it plugs in:
 - `register()` adds `pi_attention_forward` to HF's `AttentionInterface` and `pi_attention_mask` to its
   `AttentionMaskInterface`, both as "pi_attention". The operator knows its own sparse causal pattern, so the
-  mask function builds no [T, T] mask: it only rejects padding and returns None.
+  mask function builds no [T, T] mask: it returns None, or the 2D padding mask when a row is padded.
 - The gate reads the attention module's input x, but an HF attention function receives only q, k and v. A
   forward pre-hook on each attention module stores x on the module; the attention function takes it from
   there and computes α̃ = ε + (1 − 2ε)·σ(pi_gate(x)) itself, inside the autograd graph, as `PiAttention` does
@@ -22,20 +22,33 @@ How it plugs in:
   than max(window, period) are never read, so a step costs O(max(window, period)) with any cache;
   `PiCache` also bounds the memory.
 
+- Grouped-query attention: the key/value heads go to the operator unrepeated (it maps query head h to
+  key/value head h // (H / H_kv)), and the caches hold H_kv heads.
+- Sinks (`sinks=s`): the first s tokens of each row's text stay visible to every later token. In a cached
+  step the attention function puts the sink keys older than the window in front of the recent keys (the
+  pattern never reaches back to them, so the gap between is invisible); `PiCache` keeps a copy of each row's
+  sinks, since its ring drops them.
+- Padding: π-Attention's pattern is relative positions, so a pad cannot just be masked out of a window. A
+  2D attention_mask becomes `document_ids`: the pads before a row's text, the text, and the pads after it
+  are separate documents, so that no token reads a pad and the text's window, skip and sinks start at its
+  first token (`padding`). `generate` with left padding gives each row what it gives alone (tested).
+
 Supported: causal decoder LMs whose attention modules have q_proj/k_proj/v_proj/o_proj and dispatch through
-`ALL_ATTENTION_FUNCTIONS` (tested with Llama), grouped-query attention, training (attention dropout),
-generation with `DynamicCache` (the default; grows) or `PiCache` (bounded).
-Not supported, and rejected with a ValueError: padding (any zero in a 2D attention_mask) and packed or
-non-consecutive position_ids. π-Attention's pattern is relative positions, so a padded row would attend its
-pad tokens as if they were text; batch sequences of equal length instead.
+`ALL_ATTENTION_FUNCTIONS` (tested with Llama), grouped-query attention, sinks, left (and, without a cache,
+right) padding, training (attention dropout), generation with `DynamicCache` (the default; grows) or
+`PiCache` (bounded).
+Not supported, and rejected with a ValueError: a 2D attention_mask with a pad between two tokens, custom 4D
+masks, and packed or non-consecutive position_ids without a mask.
 
 Modules: `attention` (what HF dispatches to, and the stored settings), `convert` (conversion and loading),
-`cache` (the bounded cache).
+`cache` (the bounded cache), `padding` (padding masks as documents), `pretrained` (an optional real model,
+SmolLM2-135M, from GGUF).
 """
 
 from .attention import ATTENTION_NAME, HFPiSettings, pi_attention_forward, pi_attention_mask, register
 from .cache import PiCache, PiCacheLayer, cache_nbytes
 from .convert import convert_to_pi, from_pretrained_pi
+from .pretrained import find_gguf, load_gguf_model
 
-__all__ = ["ATTENTION_NAME", "HFPiSettings", "PiCache", "PiCacheLayer", "cache_nbytes", "convert_to_pi",
-           "from_pretrained_pi", "pi_attention_forward", "pi_attention_mask", "register"]
+__all__ = ["ATTENTION_NAME", "HFPiSettings", "PiCache", "PiCacheLayer", "cache_nbytes", "convert_to_pi", "find_gguf",
+           "from_pretrained_pi", "load_gguf_model", "pi_attention_forward", "pi_attention_mask", "register"]

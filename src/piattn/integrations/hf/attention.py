@@ -11,6 +11,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from ...config.pi import PI_DEFAULTS, PiSettings
 from ...layers.gate import gate_values
 from ...ops.pi import BACKENDS, pi_attention
+from .padding import EMPTY, TEXT, document_ids, text_bounds
 
 ATTENTION_NAME = "pi_attention"
 
@@ -19,7 +20,7 @@ ATTENTION_NAME = "pi_attention"
 class HFPiSettings:
     """The settings of a converted model: the π settings and the backend that runs them.
 
-    Stored flat in `config.pi_attention` as {window, period, variant, prior, logit_clamp, eps, backend}.
+    Stored flat in `config.pi_attention` as {window, period, variant, prior, logit_clamp, eps, sinks, backend}.
     """
 
     pi: PiSettings = PI_DEFAULTS
@@ -68,38 +69,57 @@ def pi_attention_forward(
     """HF attention function: query [B, H, Tq, D], key/value [B, Hkv, Tk, D] -> ([B, Tq, H, D], None).
 
     Tk > Tq when a cache supplied Tk − Tq earlier keys: those of the positions just before the queries.
-    `dropout` is HF's (already 0 outside training); `scaling` is the module's score scale.
+    `attention_mask` is what `pi_attention_mask` returned: None, or the 2D padding mask [B, P] over all P
+    positions so far. `dropout` is HF's (already 0 outside training); `scaling` is the module's score scale.
+    The key/value heads go to the operator as they are (grouped-query attention is the operator's).
     """
-    if attention_mask is not None:
-        raise ValueError("pi_attention applies its own sparse causal pattern and takes no attention_mask; "
-                         "got a prepared mask (padding and custom masks are not supported)")
     if not getattr(module, "is_causal", True):
         raise ValueError("pi_attention in transformers supports causal attention only")
     settings = HFPiSettings.of(module.config)
     B, H, Tq, D = query.shape
     gate = _gate_values(module, settings.pi)
+    cache_layer = getattr(module, "_pi_cache_layer", None)
+    module._pi_cache_layer = None  # don't keep the cache alive past its one use
+    bounds = None if attention_mask is None else text_bounds(attention_mask)
+    p0 = _first_query_position(attention_mask, cache_layer, kwargs.get("position_ids"), key.shape[2], Tq)
     past = key.shape[2] - Tq
-    _check_positions(kwargs.get("position_ids"), Tq, past, settings.reach)
-    # Keys older than `reach` before the first query are never read: drop them, so that a decoding step
-    # costs O(reach) however much the cache holds.
-    past = min(past, settings.reach)
-    first = key.shape[2] - Tq - past
-    key, value = _repeat_kv(key[:, :, first:], H), _repeat_kv(value[:, :, first:], H)
-    if past:
-        # Rows for the cached positions, so that relative offsets line up; their outputs are dropped.
-        query = torch.cat([query.new_zeros(B, H, past, D), query], 2)
+    if past != p0 and past < settings.reach:
+        raise ValueError(f"the cache gave {past} keys before position {p0}, but pi_attention reads the last "
+                         f"{settings.reach}: use PiCache or DynamicCache")
+    # Keys older than `reach` before the first query are never read, except the sinks: drop them, so that a
+    # decoding step costs O(reach) however much the cache holds.
+    recent = min(past, settings.reach)
+    sinks = _old_sinks(settings.pi.sinks, bounds, p0 - recent, key, value, None if past == p0 else cache_layer)
+    key, value = key[:, :, key.shape[2] - Tq - recent :], value[:, :, value.shape[2] - Tq - recent :]
+    ids = None
+    if sinks is not None or bounds is not None:
+        positions = torch.arange(p0 - recent, p0 + Tq, device=query.device)
+        start, end = bounds if bounds is not None else _no_padding(B, p0 + Tq, query.device)
+        ids = document_ids(positions, start, end)
+        if sinks is not None:
+            sink_k, sink_v, sink_ok = sinks
+            key, value = torch.cat([sink_k, key], 2), torch.cat([sink_v, value], 2)
+            ids = torch.cat([torch.where(sink_ok, TEXT, EMPTY), ids], 1)
+        if bool((ids == ids[:, :1]).all()):
+            ids = None  # one document: the operator's plain (faster) path
+    ahead = key.shape[2] - Tq
+    if ahead:
+        # Rows for the sinks and cached positions, so that relative offsets line up; their outputs are dropped.
+        query = torch.cat([query.new_zeros(B, H, ahead, D), query], 2)
         if gate is not None:
-            gate = torch.cat([gate.new_full((B, H, past), 0.5), gate], 2)
-    out = pi_attention(query, key, value, gate, scale=scaling, dropout_p=dropout, **settings.operator_kwargs())
-    return out[:, :, past:].transpose(1, 2), None
+            gate = torch.cat([gate.new_full((B, H, ahead), 0.5), gate], 2)
+    out = pi_attention(query, key, value, gate, scale=scaling, dropout_p=dropout, document_ids=ids,
+                       **settings.operator_kwargs())
+    return out[:, :, ahead:].transpose(1, 2), None
 
 
-def pi_attention_mask(*, attention_mask: torch.Tensor | None = None, **kwargs) -> None:
-    """HF mask function for "pi_attention": no dense mask at all; a 2D padding mask with zeros raises."""
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise ValueError("pi_attention does not support padding (attention_mask has zeros): its pattern is "
-                         "relative positions, so padded rows would attend their pad tokens; batch sequences "
-                         "of equal length instead")
+def pi_attention_mask(*, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+    """HF mask function for "pi_attention": no dense mask. None when nothing is padded; else the 2D padding
+    mask [B, P] bool, checked (each row's tokens one run), which the attention function turns into documents."""
+    if attention_mask is None or bool(attention_mask.all()):
+        return None
+    text_bounds(attention_mask)  # raises on a mask the pattern cannot follow
+    return attention_mask.bool()
 
 
 def register(name: str = ATTENTION_NAME) -> None:
@@ -108,12 +128,63 @@ def register(name: str = ATTENTION_NAME) -> None:
     AttentionMaskInterface.register(name, pi_attention_mask)
 
 
-def _repeat_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """[B, Hkv, T, D] -> [B, n_heads, T, D]: each key/value head serves n_heads / Hkv consecutive query heads."""
-    groups, rest = divmod(n_heads, x.shape[1])
-    if rest:
-        raise ValueError(f"query heads ({n_heads}) must be a multiple of key/value heads ({x.shape[1]})")
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+def _no_padding(B: int, P: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(start, end) [B] of rows that are all text."""
+    return torch.zeros(B, dtype=torch.long, device=device), torch.full((B,), P, dtype=torch.long, device=device)
+
+
+def _first_query_position(attention_mask, cache_layer, position_ids, Tk: int, Tq: int) -> int:
+    """The absolute position (index in the padded rows) of the first query.
+
+    From the padding mask (it covers every position so far), else from a PiCache layer (it counts what it
+    has seen), else from position_ids (equal in every row, consecutive), else the keys are all positions.
+    """
+    if attention_mask is not None:
+        if attention_mask.shape[1] < Tk:
+            raise ValueError(f"attention_mask covers {attention_mask.shape[1]} positions but the cache gave {Tk} "
+                             "keys: pass the mask of every position so far")
+        return attention_mask.shape[1] - Tq
+    if cache_layer is not None:
+        return cache_layer.cumulative_length - Tq
+    if position_ids is None or torch.compiler.is_compiling():
+        return Tk - Tq
+    rows = position_ids.reshape(-1, Tq)
+    p0 = int(rows[0, 0])
+    if not torch.equal(rows, p0 + torch.arange(Tq, device=rows.device).expand_as(rows)):
+        raise ValueError("pi_attention needs position_ids p0 … p0+T−1, the same in every row, or a 2D "
+                         "attention_mask for padded rows (no packed sequences)")
+    return p0
+
+
+def _old_sinks(sinks: int, bounds, recent_start: int, key, value, cache_layer):
+    """The sink keys older than the recent keys, which the block must carry in front of them.
+
+    Row b's sinks are positions start_b … start_b + sinks − 1; those at or after `recent_start` are among the
+    recent keys already. They are read from `key`/`value` [B, Hkv, Tk, D] when those hold every position
+    from 0 (`cache_layer` None), else from the PiCache layer's copy. Returns (k, v [B, Hkv, F, D], ok [B, F])
+    with F the most any row needs, each row's right-aligned (so that they sit just before the recent keys)
+    and `ok` false on the slots a row leaves empty; or None when no row needs any.
+    """
+    if not sinks:
+        return None
+    B, Hkv, _, D = key.shape
+    start, end = bounds if bounds is not None else _no_padding(B, recent_start + 1, key.device)
+    need = (torch.clamp(end, max=recent_start) - start).clamp(0, sinks)  # [B] sinks row b needs in front
+    F = int(need.max())
+    if F == 0:
+        return None
+    j = torch.arange(F, device=key.device) - (F - need)[:, None]  # [B, F] which sink each slot holds
+    ok = j >= 0
+    j = j.clamp(min=0)
+    if cache_layer is None:
+        source_k, source_v, index = key, value, start[:, None] + j
+    elif cache_layer.sink_keys is None:
+        raise ValueError(f"the cache dropped the sink positions (sinks={sinks}) and keeps no copy: use PiCache "
+                         "(it keeps them) or DynamicCache")
+    else:
+        source_k, source_v, index = cache_layer.sink_keys, cache_layer.sink_values, j
+    g = index[:, None, :, None].expand(B, Hkv, F, D)
+    return source_k.gather(2, g), source_v.gather(2, g), ok
 
 
 def _gate_values(module: nn.Module, settings: PiSettings) -> torch.Tensor | None:
@@ -126,18 +197,3 @@ def _gate_values(module: nn.Module, settings: PiSettings) -> torch.Tensor | None
                          "(it adds the pre-hook that records it)")
     module._pi_gate_input = None  # don't keep the activation alive past its one use
     return gate_values(module.pi_gate, x, settings.eps)
-
-
-def _check_positions(position_ids: torch.Tensor | None, Tq: int, past: int, reach: int) -> None:
-    """Queries must sit at p0 … p0+Tq−1 in every row, and the `past` keys before them must be all positions
-    0 … p0−1 or at least the last `reach` of them."""
-    if position_ids is None or torch.compiler.is_compiling():
-        return
-    rows = position_ids.reshape(-1, Tq)
-    p0 = int(rows[0, 0])
-    if not torch.equal(rows, p0 + torch.arange(Tq, device=rows.device).expand_as(rows)):
-        raise ValueError("pi_attention needs position_ids p0 … p0+T−1, the same in every row "
-                         "(no padding, no packed sequences)")
-    if past != p0 and past < reach:
-        raise ValueError(f"the cache gave {past} keys before position {p0}, but pi_attention reads the last "
-                         f"{reach}: use PiCache or DynamicCache")

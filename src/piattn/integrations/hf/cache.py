@@ -1,4 +1,5 @@
-"""The bounded decoding cache of a converted model: max(window, period) + 1 positions per layer."""
+"""The bounded decoding cache of a converted model: per layer, the last max(window, period) + 1 positions
+and each row's first `sinks` positions of text."""
 
 from __future__ import annotations
 
@@ -10,20 +11,31 @@ from .attention import HFPiSettings
 
 
 class PiCacheLayer(DynamicLayer):
-    """One layer's keys and values [B, Hkv, n, D] of the last n = min(seen, capacity) positions.
+    """One layer's keys and values [B, Hkv, n, D] of the last n = min(seen, capacity) positions, and a copy of
+    each row's sink keys, sink_keys/sink_values [B, Hkv, sinks, D] (None until the first update, or with
+    sinks = 0).
 
-    `update` returns the stored positions followed by the new ones, then keeps the last `capacity`.
+    `update` returns the stored positions followed by the new ones (not the sinks: the attention function
+    reads those from here), then keeps the last `capacity`. Row b's sinks are positions text_start[b] …
+    text_start[b] + sinks − 1; the converted model sets `text_start` [B] from the padding mask before each
+    update (None: every row starts at position 0). A sink slot is written when its position arrives.
     """
 
     is_sliding = True
     is_croppable = False  # dropped positions cannot come back
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, sinks: int = 0):
         super().__init__()
         self.capacity = capacity
+        self.sinks = sinks
         self.cumulative_length = 0  # positions seen; the name lets CacheLayerMixin.reset zero it
+        self.text_start: torch.Tensor | None = None
+        self.sink_keys: torch.Tensor | None = None
+        self.sink_values: torch.Tensor | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.sinks:
+            self._keep_sinks(key_states, value_states)
         keys, values = super().update(key_states, value_states)
         self.cumulative_length += key_states.shape[-2]
         if keys.shape[-2] > self.capacity:
@@ -32,9 +44,22 @@ class PiCacheLayer(DynamicLayer):
             self.values = values[..., -self.capacity :, :].clone()
         return keys, values
 
+    def _keep_sinks(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Copy the sink positions among the new ones, k, v [B, Hkv, n, D] at positions seen … seen + n − 1."""
+        B, Hkv, n, D = k.shape
+        if self.sink_keys is None:
+            self.sink_keys = k.new_zeros(B, Hkv, self.sinks, D)
+            self.sink_values = v.new_zeros(B, Hkv, self.sinks, D)
+        start = self.text_start if self.text_start is not None else torch.zeros(B, dtype=torch.long)
+        index = start.to(k.device)[:, None] + torch.arange(self.sinks, device=k.device) - self.cumulative_length
+        arrived = ((index >= 0) & (index < n))[:, None, :, None]  # [B, 1, sinks, 1]
+        g = index.clamp(0, n - 1)[:, None, :, None].expand(B, Hkv, self.sinks, D)
+        self.sink_keys = torch.where(arrived, k.gather(2, g), self.sink_keys)
+        self.sink_values = torch.where(arrived, v.gather(2, g), self.sink_values)
+
     @property
     def positions(self) -> torch.Tensor:
-        """Absolute positions of the stored keys, oldest first: [n] int64."""
+        """Absolute positions of the stored ring keys, oldest first: [n] int64."""
         n = self.keys.shape[-2] if self.is_initialized else 0
         return torch.arange(self.cumulative_length - n, self.cumulative_length)
 
@@ -52,16 +77,40 @@ class PiCacheLayer(DynamicLayer):
         if tokens_to_remove:
             raise ValueError("PiCache has dropped old positions and cannot be cropped")
 
+    def reset(self) -> None:
+        super().reset()
+        self.text_start = self.sink_keys = self.sink_values = None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._rows(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._rows(lambda t: t[indices])
+
+    def _rows(self, pick) -> None:
+        """Apply a batch-row selection to the sink copies and the text starts, as the base class does to the ring."""
+        for name in ("text_start", "sink_keys", "sink_values"):
+            if getattr(self, name) is not None:
+                setattr(self, name, pick(getattr(self, name)))
+
 
 class PiCache(Cache):
-    """Decoding cache of a converted model: max(window, period) + 1 positions per layer, whatever the length.
+    """Decoding cache of a converted model: per layer, max(window, period) + 1 positions and the `sinks`
+    first positions of each row's text, whatever the length.
 
     Pass it to `model.generate(..., past_key_values=PiCache(model.config))` or to a forward call.
     """
 
     def __init__(self, config):
-        capacity = HFPiSettings.of(config).reach + 1
-        super().__init__(layers=[PiCacheLayer(capacity) for _ in range(config.num_hidden_layers)])
+        settings = HFPiSettings.of(config).pi
+        super().__init__(layers=[PiCacheLayer(settings.reach + 1, settings.sinks)
+                                 for _ in range(config.num_hidden_layers)])
 
     @property
     def nbytes(self) -> int:
@@ -69,5 +118,7 @@ class PiCache(Cache):
 
 
 def cache_nbytes(cache: Cache) -> int:
-    """Bytes of the keys and values a transformers `Cache` holds now (any cache type)."""
-    return sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
+    """Bytes of the keys and values a transformers `Cache` holds now (any cache type, PiCache's sinks included)."""
+    held = [(layer.keys, layer.values, getattr(layer, "sink_keys", None), getattr(layer, "sink_values", None))
+            for layer in cache.layers]
+    return sum(t.nbytes for tensors in held for t in tensors if t is not None)

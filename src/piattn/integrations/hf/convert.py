@@ -16,6 +16,8 @@ from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 from ...config.pi import PI_DEFAULTS, PiSettings
 from ...layers.gate import gate_mlp, start_gate_at
 from .attention import ATTENTION_NAME, HFPiSettings, register
+from .cache import PiCache
+from .padding import text_bounds
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -29,6 +31,7 @@ def convert_to_pi(
     prior: float = PI_DEFAULTS.prior,
     logit_clamp: float | None = PI_DEFAULTS.logit_clamp,
     eps: float = PI_DEFAULTS.eps,
+    sinks: int = PI_DEFAULTS.sinks,
     backend: str = HFPiSettings.backend,
     gate_init_alpha: float = 0.98,
 ) -> PreTrainedModel:
@@ -41,11 +44,15 @@ def convert_to_pi(
     zero weight also means the first gate layer gets no gradient until the last one has moved, as with
     LoRA's zero-initialised B.)
 
+    `sinks`: the first `sinks` tokens of each sequence (of its text, with left padding) stay visible to all
+    later tokens, with the local prior; streaming LMs lean on their first tokens, and a window alone drops
+    them. `PiCache` keeps a copy of them.
+
     The other arguments are those of `piattn.pi_attention`; they are stored in `config.pi_attention`.
     Every argument is checked before the model is touched: a ValueError leaves it as it was.
     """
     settings = HFPiSettings(PiSettings(window=window, period=period, variant=variant, prior=prior,
-                                       logit_clamp=logit_clamp, eps=eps), backend)
+                                       logit_clamp=logit_clamp, eps=eps, sinks=sinks), backend)
     if not 0.0 < gate_init_alpha < 1.0:  # checked for ungated variants too, which build no gate
         raise ValueError(f"gate_init_alpha must lie in (0, 1), got {gate_init_alpha!r}")
     if any(hasattr(m, "pi_gate") for m in model.modules()):
@@ -111,11 +118,12 @@ def _attach(model: PreTrainedModel, settings: HFPiSettings, gate_init_alpha: flo
         raise ValueError(f"{type(model).__name__} does not dispatch attention through transformers' "
                          "AttentionInterface, so pi_attention cannot be plugged in")
     config.pi_attention = settings.as_dict()
-    if settings.pi.gated:
-        for module, gate in zip(attention, gates, strict=True):
-            module.pi_gate = gate
+    for i, module in enumerate(attention):
+        if settings.pi.gated:
+            module.pi_gate = gates[i]
             module._pi_gate_input = None
-            module.register_forward_pre_hook(_record_gate_input, with_kwargs=True)
+        module._pi_cache_layer = None
+        module.register_forward_pre_hook(_record_inputs, with_kwargs=True)
 
 
 def _new_gate(q_proj: nn.Linear, n_heads: int, alpha: float) -> nn.Sequential:
@@ -125,9 +133,22 @@ def _new_gate(q_proj: nn.Linear, n_heads: int, alpha: float) -> nn.Sequential:
     return gate.to(device=q_proj.weight.device, dtype=q_proj.weight.dtype)
 
 
-def _record_gate_input(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook: keep the attention module's input x [B, T, d] for the gate."""
-    module._pi_gate_input = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+def _record_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook: what the attention function needs beyond q, k, v.
+
+    Keeps the module's input x [B, T, d] for the gate; with a PiCache, tells the module's cache layer where
+    each row's text starts (before the module's `update` stores the new keys, so that it can copy the sinks)
+    and hands that layer to the attention function, which reads the sink copies from it.
+    """
+    if hasattr(module, "pi_gate"):
+        module._pi_gate_input = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+    cache = kwargs.get("past_key_values")
+    if isinstance(cache, PiCache):
+        layer = cache.layers[module.layer_idx]
+        mask = kwargs.get("attention_mask")
+        if mask is not None:
+            layer.text_start = text_bounds(mask)[0]
+        module._pi_cache_layer = layer
 
 
 def _read_safetensors(path: str | os.PathLike, names: list[str]) -> dict[str, torch.Tensor]:
