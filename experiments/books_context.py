@@ -100,7 +100,8 @@ def main_runs(args: argparse.Namespace, pool: ThreadPoolExecutor, lrs: dict) -> 
         run = args.runs / f"{kind}-s{seed}"
         validation = train(run, train_argv(args, run, kind, lrs[kind], args.steps, seed), args.steps)
         test = evaluate(run / "eval" / "test_positions.json",
-                        ["--checkpoint", str(run), "--split", "test", "--position-bins", str(args.bins)])
+                        ["--checkpoint", str(run), "--split", "test", "--position-bins", str(args.bins),
+                         "--batches", str(args.test_batches)])
         return {"validation": validation, "test": test}
     jobs = {(kind, seed): pool.submit(one, kind, seed) for seed in args.seeds for kind in KINDS}
     return {key: job.result() for key, job in jobs.items()}
@@ -111,7 +112,7 @@ def comparisons(args: argparse.Namespace, pool: ThreadPoolExecutor) -> dict:
     jobs = {seed: pool.submit(evaluate, args.runs / f"compare-{PI}-{LOCAL}-s{seed}.json",
                               ["--checkpoint", str(args.runs / f"{PI}-s{seed}"), "--compare",
                                str(args.runs / f"{LOCAL}-s{seed}"), "--split", "test",
-                               "--position-bins", str(args.bins)])
+                               "--position-bins", str(args.bins), "--batches", str(args.test_batches)])
             for seed in args.seeds}
     return {seed: job.result() for seed, job in jobs.items()}
 
@@ -167,7 +168,9 @@ def summarise(args: argparse.Namespace, lr: dict, runs: dict, compared: dict) ->
                    "steps": args.steps, "training_tokens": args.steps * args.batch_size * args.seq_len,
                    "lr_check_steps": args.lr_steps, "lr_check_tokens": args.lr_steps * args.batch_size * args.seq_len,
                    "seeds": args.seeds, "dropout": 0.0, "tokenizer": "byte", "validation_batches": args.eval_batches,
-                   "test": "whole test split (adventures_of_sherlock_holmes, frankenstein)"},
+                   "test": f"the first {args.test_batches} batches of the test split (adventures_of_sherlock_holmes, "
+                   "frankenstein)" if args.test_batches else "the whole test split (adventures_of_sherlock_holmes, "
+                   "frankenstein)"},
         "lr_check": lr,
         "reach": {k: reach(layers, v["window"], v["period"], args.seq_len) for k, v in KINDS.items()},
         "bin_edges": edges,
@@ -263,11 +266,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=736, help="training steps per run (736 × 16 × 256 ≈ 3.0M bytes)")
-    parser.add_argument("--lr-steps", type=int, default=256, help="steps per learning-rate check run")
+    parser.add_argument("--lr-steps", type=int, default=64, help="steps per learning-rate check run")
     parser.add_argument("--lrs", type=float, nargs=3, default=[1e-3, 2e-3, 4e-3])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--bins", type=int, default=16, help="position bins of the test loss")
-    parser.add_argument("--eval-batches", type=int, default=64, help="validation batches at the end of training")
+    parser.add_argument("--eval-batches", type=int, default=32, help="validation batches at the end of training")
+    parser.add_argument("--test-batches", type=int, default=64, help="test batches scored by position (0: all)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time")
     parser.add_argument("--lr-only", action="store_true", help="stop after the learning-rate check")
     args = parser.parse_args(argv)
