@@ -232,22 +232,31 @@ def figure(s: dict, path: Path) -> None:
     from matplotlib import pyplot as plt
 
     centres = [(a + b - 1) / 2 for a, b in s["bin_edges"]]
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, (ax, diff) = plt.subplots(2, 1, figsize=(8, 8), sharex=True, height_ratios=[3, 2])
+    local_mean = [sum(v) / len(v) for v in zip(*s["bins_bpb"][LOCAL], strict=True)]
     for k in KINDS:
         per_bin = list(zip(*s["bins_bpb"][k], strict=True))
         mean = [sum(v) / len(v) for v in per_bin]
-        line, = ax.plot(centres, mean, marker="o", ms=3, label=f"{k} (test {sum(s['test_bpb'][k]) / 2:.3f} bpb)")
+        test = s["test_bpb"][k]
+        line, = ax.plot(centres, mean, marker="o", ms=3, label=f"{k} (test {sum(test) / len(test):.3f} bpb)")
         ax.fill_between(centres, [min(v) for v in per_bin], [max(v) for v in per_bin], color=line.get_color(),
                         alpha=0.2)
+        diff.plot(centres, [m - q for m, q in zip(mean, local_mean, strict=True)], marker="o", ms=3,
+                  color=line.get_color())
     pi, local = (list(zip(*s["bins_bpb"][k], strict=True)) for k in (PI, LOCAL))
-    marked = [c for c, p, q in zip(centres, pi, local, strict=True) if max(p) < min(q) or min(p) > max(q)]
-    if marked:
-        ax.scatter(marked, [sum(p) / len(p) for c, p in zip(centres, pi, strict=True) if c in marked], s=80,
-                   facecolors="none", edgecolors="black", zorder=5, label="π vs local k=5 beyond seed range")
+    apart = [max(p) < min(q) or min(p) > max(q) for p, q in zip(pi, local, strict=True)]
+    if any(apart):
+        ax.scatter([c for c, a in zip(centres, apart, strict=True) if a],
+                   [sum(p) / len(p) for p, a in zip(pi, apart, strict=True) if a], s=80, facecolors="none",
+                   edgecolors="black", zorder=5, label="π vs local k=5 beyond seed range")
+    for panel in (ax, diff):
+        for name, k in (("local k=5 span", LOCAL), ("π span", PI)):
+            panel.axvline(s["reach"][k]["span"], color="grey", ls=":" if k == PI else "--", lw=1)
     for name, k in (("local k=5 span", LOCAL), ("π span", PI)):
-        ax.axvline(s["reach"][k]["span"], color="grey", ls=":" if k == PI else "--", lw=1)
         ax.text(s["reach"][k]["span"], ax.get_ylim()[1], f" {name}", va="top", fontsize=8, color="grey")
-    ax.set_xlabel("target position in the window")
+    diff.axhline(0, color="black", lw=0.5)
+    diff.set_ylabel("minus local k=5 (bpb)")
+    diff.set_xlabel("target position in the window")
     ax.set_ylabel("test loss (bits per byte)")
     ax.set_title(f"Books, context {s['budget']['seq_len']}, {s['budget']['training_tokens']:,} training bytes, "
                  f"seeds {s['budget']['seeds']} (band: min–max)", fontsize=9)
