@@ -250,7 +250,7 @@ def figure(s: dict, path: Path) -> None:
                    [sum(p) / len(p) for p, a in zip(pi, apart, strict=True) if a], s=80, facecolors="none",
                    edgecolors="black", zorder=5, label="π vs local k=5 beyond seed range")
     for panel in (ax, diff):
-        for name, k in (("local k=5 span", LOCAL), ("π span", PI)):
+        for k in (LOCAL, PI):
             panel.axvline(s["reach"][k]["span"], color="grey", ls=":" if k == PI else "--", lw=1)
     for name, k in (("local k=5 span", LOCAL), ("π span", PI)):
         ax.text(s["reach"][k]["span"], ax.get_ylim()[1], f" {name}", va="top", fontsize=8, color="grey")
