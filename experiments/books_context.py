@@ -168,9 +168,9 @@ def summarise(args: argparse.Namespace, lr: dict, runs: dict, compared: dict) ->
                    "steps": args.steps, "training_tokens": args.steps * args.batch_size * args.seq_len,
                    "lr_check_steps": args.lr_steps, "lr_check_tokens": args.lr_steps * args.batch_size * args.seq_len,
                    "seeds": args.seeds, "dropout": 0.0, "tokenizer": "byte", "validation_batches": args.eval_batches,
-                   "test": f"the first {args.test_batches} batches of the test split (adventures_of_sherlock_holmes, "
-                   "frankenstein)" if args.test_batches else "the whole test split (adventures_of_sherlock_holmes, "
-                   "frankenstein)"},
+                   "test": f"the first {args.test_batches * args.batch_size:,} windows of the test split (books in "
+                   "name order: adventures_of_sherlock_holmes, then frankenstein)" if args.test_batches else
+                   "the whole test split (adventures_of_sherlock_holmes, frankenstein)"},
         "lr_check": lr,
         "reach": {k: reach(layers, v["window"], v["period"], args.seq_len) for k, v in KINDS.items()},
         "bin_edges": edges,
@@ -191,7 +191,8 @@ def markdown(s: dict) -> str:
     out = [f"GPT `{b['config']}` ({b['layers']} layers), byte-level, context {b['seq_len']}, batch {b['batch_size']}, "
            f"dropout 0, {b['steps']} steps = {b['training_tokens']:,} training bytes per run, seeds {seeds}; "
            f"learning rate per kind from a check at {b['lr_check_steps']} steps ({b['lr_check_tokens']:,} bytes), "
-           f"seed 0, by validation bpb on {b['validation_batches']} batches. Test: {b['test']}, "
+           f"seed 0, by validation bpb on the first {b['validation_batches']} batches of the validation split. "
+           f"Test: {b['test']}, "
            f"{s['test_windows']:,} windows of {b['seq_len']} bytes.", "",
            f"**Verdict: {s['verdict']}.** {s['why']}.", "",
            "| kind | LR check (val bpb) | chosen LR | test bpb per seed | val bpb per seed | span (lags) | "
