@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+from distributed_runs import torchrun
 from torch.nn import functional as F
 
 from piattn.cli import main
@@ -128,3 +129,22 @@ def test_bad_input_gives_one_line(runs, capsys, tmp_path, argv, message):
                                            (30, 2.0423), (120, 1.9799)])
 def test_t_quantile_matches_the_table(df, table):
     assert t_quantile_975(df) == pytest.approx(table, rel=2e-3)
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_one_process_bins_and_differences(runs, capsys, tmp_path):
+    """Under torchrun rank r scores windows r, r + 2, …; the assembled per-window matrix, and with it every
+    bin and paired difference, equals the one-process result on the same windows (0 … 9)."""
+    argv = ["--checkpoint", str(runs["pi"]), "--compare", str(runs["local"]), "--position-bins", "3",
+            "--batch-size", "1"]
+    one = evaluate(capsys, tmp_path, *argv, "--batches", "10")
+    done = torchrun(2, ["eval", "--split", "test", "--device", "cpu", "--output", str(tmp_path / "two.json"),
+                        *argv, "--batches", "5"])
+    assert done.returncode == 0, done.stderr
+    two = json.loads((tmp_path / "two.json").read_text())
+    assert two["tokens"] == one["tokens"] == 10 * SEQ and two["compare"]["windows"] == 10
+    for got, want in zip(two["position_bins"], one["position_bins"], strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+    for got, want in zip([two["compare"]["total"], *two["compare"]["position_bins"]],
+                         [one["compare"]["total"], *one["compare"]["position_bins"]], strict=True):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-9)
