@@ -103,8 +103,10 @@ def main_runs(args: argparse.Namespace, pool: ThreadPoolExecutor, lrs: dict) -> 
                         ["--checkpoint", str(run), "--split", "test", "--position-bins", str(args.bins),
                          "--batches", str(args.test_batches)])
         return {"validation": validation, "test": test}
-    jobs = {(kind, seed): pool.submit(one, kind, seed) for seed in args.seeds for kind in KINDS}
-    return {key: job.result() for key, job in jobs.items()}
+    # the slowest kinds first, so that two workers finish close together
+    order = [(kind, seed) for kind in ("dense", PI, LOCAL, "local-k4") for seed in args.seeds]
+    jobs = {key: pool.submit(one, *key) for key in order}
+    return {(kind, seed): jobs[kind, seed].result() for seed in args.seeds for kind in KINDS}
 
 
 def comparisons(args: argparse.Namespace, pool: ThreadPoolExecutor) -> dict:
