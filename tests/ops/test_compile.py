@@ -214,7 +214,7 @@ def test_saved_tensors_describe_the_forward():
     for variant, clamp, causal, dtype in CASES:
         args = op_args(variant, clamp, causal, dtype)
         _, saved = pi_attention_fwd(*args)
-        described = saved_layout(args[0], window=3, period=8, causal=causal, variant=variant,
+        described = saved_layout(args[0], args[1], window=3, period=8, causal=causal, variant=variant,
                                   logit_clamp=clamp, sinks=0)
         assert [(tuple(t.shape), t.dtype) for t in saved] == list(described.values())
 

@@ -17,7 +17,7 @@ from ..data.tokenizers import load_tokenizer, make_tokenizer
 from ..layers import sequence_parallel
 from ..models import GPT
 from ..train.checkpoint import load_weights, read_config
-from ..train.distributed import DistContext, barrier
+from ..train.distributed import DistContext, all_reduce_sum, barrier
 from ..train.task import Task, evaluation_sums, per_second
 
 TOKENIZER_DIR = "tokenizer"
@@ -202,20 +202,69 @@ class LanguageModelTask(Task):
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
         return loss, targets.numel()  # positions processed (throughput), not only those scored
 
-    def _score(self, model, batch) -> dict:
-        logits, targets = self._forward(model, batch)
-        nats = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum",
-                               ignore_index=IGNORE).double()
-        scored = targets != IGNORE
-        return {"nats": nats, "tokens": scored.sum(), "bytes": self._byte_lengths[targets[scored]].sum()}
-
     def evaluate(self, model, split, max_batches):
+        return self._evaluate(model, split, max_batches, None)[0]
+
+    def evaluate_by_position(self, model, split: str, max_batches: int, bins: int) -> tuple[dict, torch.Tensor]:
+        """`evaluate`'s metrics with the loss by target position, and the loss of every window by bin.
+
+        The T target positions 0 … T − 1 of a window fall into `bins` near-equal ranges (`position_ranges`);
+        metrics["position_bins"] lists each range's start, end (exclusive), tokens and mean loss (nats per
+        token). Also returns [W, bins] float64: the mean loss of each of the W evaluated windows in each
+        bin, windows in split order, the same on every rank; two models scored here on the same split
+        and batches see the same windows row by row.
+        """
+        ranges = position_ranges(self.cfg.data.seq_len, bins)
+        metrics, windows = self._evaluate(model, split, max_batches, ranges)
+        widths = torch.tensor([end - start for start, end in ranges], dtype=torch.float64)
+        metrics["position_bins"] = [
+            {"start": start, "end": end, "tokens": int(width) * len(windows), "loss": float(mean)}
+            for (start, end), width, mean in zip(ranges, widths, windows.mean(0), strict=True)]
+        return metrics, windows
+
+    def _evaluate(self, model, split, max_batches, ranges: list[tuple[int, int]] | None):
+        """(metrics, [W, len(ranges)] per-window mean loss by bin, or None without ranges)."""
         loader = SequenceLoader(self.sequences(split), self.cfg.optim.batch_size, shuffle=False,
                                 rank=self.ctx.data_rank, world_size=self.ctx.data_size, drop_last=False)
-        sums, seconds = evaluation_sums(model, loader, max_batches, self.ctx, ("nats", "tokens", "bytes"),
-                                        self._score)
-        return {**lm_metrics(sums["nats"], int(sums["tokens"]), int(sums["bytes"])),
-                "tokens_per_second": per_second(sums["tokens"], seconds)}
+        rows: list[torch.Tensor] = []  # this rank's [B, bins] nats sums, batch by batch
+        if ranges is not None:
+            T = self.cfg.data.seq_len
+            bin_of = torch.repeat_interleave(torch.arange(len(ranges)), torch.tensor([e - s for s, e in ranges]))
+            shard = T // self.ctx.sequence_parallel
+            bin_of = bin_of[self.ctx.sequence_rank * shard:(self.ctx.sequence_rank + 1) * shard].to(self.ctx.device)
+
+        def score(model, batch) -> dict:
+            logits, targets = self._forward(model, batch)
+            nats = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none",
+                                   ignore_index=IGNORE)
+            nats = nats.view_as(targets).double()  # [B, S]; 0 at targets that start a packed document
+            if ranges is not None:
+                rows.append(nats.new_zeros(len(nats), len(ranges)).index_add_(1, bin_of, nats).cpu())
+            scored = targets != IGNORE
+            return {"nats": nats.sum(), "tokens": scored.sum(), "bytes": self._byte_lengths[targets[scored]].sum()}
+
+        sums, seconds = evaluation_sums(model, loader, max_batches, self.ctx, ("nats", "tokens", "bytes"), score)
+        metrics = {**lm_metrics(sums["nats"], int(sums["tokens"]), int(sums["bytes"])),
+                   "tokens_per_second": per_second(sums["tokens"], seconds)}
+        if ranges is None:
+            return metrics, None
+        # Every rank took the same number of windows; window p of rank r is window p·R + r of the split
+        # (SequenceLoader's sharding). Each rank fills its rows (its positions, under sequence parallelism)
+        # of the whole matrix and the sum over ranks assembles it.
+        mine = torch.cat(rows) if rows else torch.zeros(0, len(ranges), dtype=torch.float64)
+        world, rank = self.ctx.data_size, self.ctx.data_rank
+        whole = torch.zeros(len(mine) * world, len(ranges), dtype=torch.float64)
+        whole[rank::world] = mine
+        whole = torch.tensor(all_reduce_sum(whole.flatten().tolist(), self.ctx), dtype=torch.float64)
+        widths = torch.tensor([end - start for start, end in ranges], dtype=torch.float64)
+        return metrics, whole.view(-1, len(ranges)) / widths
+
+
+def position_ranges(seq_len: int, bins: int) -> list[tuple[int, int]]:
+    """`bins` near-equal ranges [start, end) covering the target positions 0 … seq_len − 1, in order."""
+    if isinstance(bins, bool) or not isinstance(bins, int) or not 1 <= bins <= seq_len:
+        raise ValueError(f"--position-bins must be an integer in [1, seq_len={seq_len}], got {bins!r}")
+    return [(i * seq_len // bins, (i + 1) * seq_len // bins) for i in range(bins)]
 
 
 def load_language_model(folder: Path, device: torch.device) -> tuple[GPT, object]:

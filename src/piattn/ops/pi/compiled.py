@@ -25,17 +25,18 @@ from torch._subclasses.fake_tensor import is_fake
 
 from .backends import refuse_double_backward
 from .pattern import Pattern
-from .torch import PiAttentionFunction
+from .torch import PiAttentionFunction, _Slots
 
 # The optional per-query tensors PiAttentionFunction.forward saves after q, k, v, gate (None when unused),
 # in the order of its save_for_backward; its dropout mask follows them.
 _OPTIONAL_SAVED = ("w", "probs", "coef", "clamp_pass")
 
 
-def saved_layout(q: Tensor, *, window: int, period: int, causal: bool, variant: str,
+def saved_layout(q: Tensor, k: Tensor, *, window: int, period: int, causal: bool, variant: str,
                  logit_clamp: float | None, sinks: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """What the backend's forward saves for backward besides its inputs, for q [B, H, T, D]: name ->
-    (shape, dtype), all [N, |U|, T] slot-major (N = B·H, |U| the pattern's slots, sinks included).
+    """What the backend's forward saves for backward besides its inputs, for q [B, H, T, D] and k
+    [B, H_kv, T, D]: name -> (shape, dtype), all [N, G, |U|, T] slot-major (N = B·H_kv key heads, G = H / H_kv
+    query heads per key head, |U| the pattern's slots, sinks included).
 
     w: the attention weights, in the accumulation dtype (fp64 for fp64 inputs, else fp32). probs, coef:
     "separate" with a skip slot only, the per-branch softmax and the mixing coefficients. clamp_pass
@@ -45,8 +46,9 @@ def saved_layout(q: Tensor, *, window: int, period: int, causal: bool, variant: 
     keep the three in step with `PiAttentionFunction` (the forward operator checks the names at run time).
     """
     B, H, T, _ = q.shape
+    H_kv = k.shape[1]
     pattern = Pattern(window, period, causal, sinks)
-    shape = (B * H, pattern.n_slots, T)
+    shape = (B * H_kv, H // H_kv, pattern.n_slots, T)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     saved = {"w": (shape, acc)}
     if variant == "separate" and pattern.skip_offsets:
@@ -70,10 +72,8 @@ class _Ctx:
 def _function_args(q, k, v, gate, window, period, causal, variant, prior, logit_clamp, eps, scale, dropout_keep,
                    dropout_p, sinks, document_ids) -> tuple:
     """The arguments of `PiAttentionFunction.forward` after ctx (the operators' arguments, in their order)."""
-    if sinks or document_ids is not None:
-        # pi_attention sends these only to backends that declare them ("sinks", "documents").
-        raise ValueError("backend 'torch' does not implement sinks or document_ids yet")
-    return q, k, v, gate, window, period, causal, variant, prior, logit_clamp, eps, scale, dropout_keep, dropout_p
+    return (q, k, v, gate, window, period, causal, variant, prior, logit_clamp, eps, scale, dropout_keep, dropout_p,
+            sinks, document_ids)
 
 
 def _backward_ctx(q, k, v, gate, kept: dict, want_gate: bool, window, period, causal, variant, prior,
@@ -82,7 +82,11 @@ def _backward_ctx(q, k, v, gate, kept: dict, want_gate: bool, window, period, ca
     by name)."""
     saved = (q, k, v, gate, *(kept.get(n) for n in _OPTIONAL_SAVED), dropout_keep)
     ctx = _Ctx(saved, needs_input_grad=(True, True, True, want_gate) + (False,) * 10)
-    ctx.cfg = (window, period, causal, variant, eps, scale, dropout_p)
+    B, H, T, _ = q.shape
+    H_kv = k.shape[1]
+    # The slot plan the forward built (kept on its ctx, not saved): rebuilt from the same arguments.
+    ctx.slots = _Slots(Pattern(window, period, causal, sinks), T, document_ids, H_kv, B * H_kv, q.device)
+    ctx.cfg = (window, causal, variant, eps, scale, dropout_p)
     return ctx
 
 
@@ -98,7 +102,7 @@ def pi_attention_fwd(
         q, k, v, gate, window, period, causal, variant, prior, logit_clamp, eps, scale, dropout_keep, dropout_p,
         sinks, document_ids))
     kept = dict(zip(_OPTIONAL_SAVED, ctx.saved_tensors[4:8], strict=True))
-    names = saved_layout(q, window=window, period=period, causal=causal, variant=variant,
+    names = saved_layout(q, k, window=window, period=period, causal=causal, variant=variant,
                          logit_clamp=logit_clamp, sinks=sinks)
     if [n for n in _OPTIONAL_SAVED if kept[n] is not None] != list(names):
         raise RuntimeError("piattn: compiled.saved_layout is out of step with PiAttentionFunction.forward")
@@ -108,7 +112,7 @@ def pi_attention_fwd(
 @pi_attention_fwd.register_fake
 def _(q, k, v, gate, window, period, causal, variant, prior, logit_clamp, eps, scale, dropout_keep, dropout_p,
       sinks, document_ids):
-    saved = saved_layout(q, window=window, period=period, causal=causal, variant=variant,
+    saved = saved_layout(q, k, window=window, period=period, causal=causal, variant=variant,
                          logit_clamp=logit_clamp, sinks=sinks)
     return q.new_empty(q.shape), [q.new_empty(shape, dtype=dtype) for shape, dtype in saved.values()]
 
@@ -120,7 +124,7 @@ def pi_attention_bwd(
     scale: float, dropout_keep: Tensor | None, dropout_p: float, sinks: int, document_ids: Tensor | None,
 ) -> list[Tensor]:
     """π-Attention backward of the "torch" backend: [dq, dk, dv], and dgate when `want_gate`."""
-    names = saved_layout(q, window=window, period=period, causal=causal, variant=variant,
+    names = saved_layout(q, k, window=window, period=period, causal=causal, variant=variant,
                          logit_clamp=logit_clamp, sinks=sinks)
     kept = dict(zip(names, saved, strict=True))
     ctx = _backward_ctx(q, k, v, gate, kept, want_gate, window, period, causal, variant, prior, logit_clamp, eps,
