@@ -2,14 +2,65 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from pathlib import Path
 
+import pytest
 import torch
 
 import piattn
 from piattn.models import GPT, GPTConfig
+from piattn.ops.pi.backends import REGISTRY
 from piattn.ops.pi.pattern import GATED_VARIANTS
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Costly on a CPU: triton runs in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1), flex
+# compiles a kernel per shape and pattern (seconds each, tens on a busy machine). They run a core of each
+# set of backend cases by default, the rest with -m slow.
+COSTLY = ("flex",) if DEVICE == "cuda" else ("triton", "flex")
+# fp32 sums run in another order than the reference's (blocked dots vs. per-offset sums; 3xTF32 dots on a
+# GPU), and dα divides Σ dlogit by α or 1 - α (down to 0.02 in make_inputs), which scales that error up:
+# 1e-4 instead of TOLERANCES' 2e-5 for triton's fp32.
+LOOSER = {("triton", torch.float32): dict(atol=1e-4, rtol=1e-4)}
+
+
+def param_id(x) -> str:
+    """A test id for a dtype, a causal flag or anything else."""
+    if isinstance(x, torch.dtype):
+        return str(x).removeprefix("torch.")
+    if isinstance(x, bool):
+        return "causal" if x else "bidir"
+    return str(x)
+
+
+def backend_matrix(backends, core=None, **axes):
+    """Parametrize (backend, *axes) over `backends` and the product of the axes' values.
+
+    core(backend, *values) -> bool: whether a costly backend runs that case by default; its other cases
+    are marked slow. Without core, costly backends run every case.
+    """
+    params = []
+    for backend in backends:
+        for values in itertools.product(*axes.values()):
+            slow = backend in COSTLY and core is not None and not core(backend, *values)
+            params.append(pytest.param(backend, *values, id="-".join(map(param_id, (backend, *values))),
+                                       marks=[pytest.mark.slow] if slow else []))
+    return ",".join(("backend", *axes)), params
+
+
+def most_exact_dtype(backend: str) -> torch.dtype:
+    """The most precise dtype a backend runs: fp64 where declared, else fp32."""
+    return torch.float64 if torch.float64 in REGISTRY[backend].dtypes else torch.float32
+
+
+def require_backend(backend: str, dtype: torch.dtype, D: int, *, grad: bool, dropout_p: float = 0.0,
+                    features=()) -> None:
+    """Skip, with the backend's declared reason, a case it does not run on DEVICE."""
+    reason = REGISTRY[backend].refusal(device=DEVICE, dtype=dtype, head_dim=D, needs_grad=grad,
+                                       dropout_p=dropout_p, features=frozenset(features))
+    if reason is not None:
+        pytest.skip(f"{backend}: {reason}")
 
 # Absolute/relative tolerances of a backend against "reference" (which itself accumulates in fp32 for
 # low precision). Low precision inputs are rounded the same way for both, so the error comes from the

@@ -136,13 +136,9 @@ def test_generate_with_pi_cache_matches_full_forwards(prompt_len):
     with torch.no_grad():
         out = model.generate(prompt, past_key_values=cache, max_new_tokens=new, do_sample=False,
                              return_dict_in_generate=True, output_logits=True)
-        ids, step_logits = prompt, []
-        for _ in range(new):  # the oracle: greedy decoding by full forwards over the whole text, no cache
-            logits = model(ids, use_cache=False).logits[:, -1]
-            step_logits.append(logits)
-            ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], 1)
+        ids, logits = greedy_by_full_forwards(model, prompt, new)  # the oracle: no cache
     assert torch.equal(out.sequences, ids)
-    torch.testing.assert_close(torch.stack(out.logits), torch.stack(step_logits), atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(torch.stack(out.logits), logits, atol=ATOL, rtol=ATOL)
 
     cfg = model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads

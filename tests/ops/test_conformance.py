@@ -13,8 +13,6 @@ Outputs are NaN-poisoned (tests/conftest.py) so that an element a backend forget
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -23,7 +21,18 @@ from hypothesis import strategies as st
 import piattn
 from piattn.config.pi import GATED_VARIANTS, VARIANTS
 from piattn.ops.pi.backends import REGISTRY
-from utils import assert_close, compare, forward_backward, make_inputs
+from utils import (
+    DEVICE,
+    LOOSER,
+    assert_close,
+    backend_matrix,
+    compare,
+    forward_backward,
+    make_inputs,
+    most_exact_dtype,
+    param_id,
+    require_backend,
+)
 
 pytestmark = [
     # Triton's interpreter evaluates both sides of tl.where: exp overflows and 0/0 in masked lanes are
@@ -32,9 +41,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning"),
 ]
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 UNDER_TEST = tuple(name for name in REGISTRY if name != "reference")
-COSTLY = ("flex",) if DEVICE == "cuda" else ("triton", "flex")
 PASSES = ("forward", "backward")  # forward alone (under no_grad), or forward and every gradient
 
 # id: (T, window, period)
@@ -55,52 +62,11 @@ SHAPES = {
 }
 
 
-def _id(x) -> str:
-    if isinstance(x, torch.dtype):
-        return str(x).removeprefix("torch.")
-    if isinstance(x, bool):
-        return "causal" if x else "bidir"
-    return str(x)
-
-
-def matrix(core=None, **axes):
-    """Parametrize (backend, *axes) over every backend and the product of the axes' values.
-
-    core(backend, *values) -> bool: whether a costly backend runs that case by default; its other cases
-    are marked slow. Without core, costly backends run every case.
-    """
-    params = []
-    for backend in UNDER_TEST:
-        for values in itertools.product(*axes.values()):
-            slow = backend in COSTLY and core is not None and not core(backend, *values)
-            params.append(pytest.param(backend, *values, id="-".join(map(_id, (backend, *values))),
-                                       marks=[pytest.mark.slow] if slow else []))
-    return ",".join(("backend", *axes)), params
-
-
-def exact(backend: str) -> torch.dtype:
-    """The most precise dtype a backend runs: fp64 where declared, else fp32."""
-    return torch.float64 if torch.float64 in REGISTRY[backend].dtypes else torch.float32
-
-
-def require(backend: str, dtype: torch.dtype, D: int, *, grad: bool, dropout_p: float = 0.0) -> None:
-    """Skip, with the backend's declared reason, a case it does not run."""
-    reason = REGISTRY[backend].refusal(device=DEVICE, dtype=dtype, head_dim=D, needs_grad=grad, dropout_p=dropout_p)
-    if reason is not None:
-        pytest.skip(f"{backend}: {reason}")
-
-
-# fp32 sums run in another order than the reference's (blocked dots vs. per-offset sums; 3xTF32 dots on a
-# GPU), and dα divides Σ dlogit by α or 1 - α (down to 0.02 in make_inputs), which scales that error up:
-# 1e-4 instead of utils.TOLERANCES' 2e-5 for triton's fp32.
-LOOSER = {("triton", torch.float32): dict(atol=1e-4, rtol=1e-4)}
-
-
 def check(backend: str, inputs, *, grad: bool, seed: int = 0, **kwargs):
     """Run "reference" and `backend` on the same inputs (same torch seed, so the same dropout mask) and
     compare y, and with grad every gradient, at utils.TOLERANCES of their dtype (or LOOSER's)."""
     q = inputs[0]
-    require(backend, q.dtype, q.shape[-1], grad=grad, dropout_p=kwargs.get("dropout_p", 0.0))
+    require_backend(backend, q.dtype, q.shape[-1], grad=grad, dropout_p=kwargs.get("dropout_p", 0.0))
     results = []
     for b in ("reference", backend):
         torch.manual_seed(seed)
@@ -122,11 +88,12 @@ def _shape_core(backend, shape, variant, causal, pass_):
         shape == "period<window" and variant == "separate" and not causal)
 
 
-@pytest.mark.parametrize(*matrix(_shape_core, shape=SHAPES, variant=VARIANTS, causal=(True, False), pass_=PASSES))
+@pytest.mark.parametrize(*backend_matrix(UNDER_TEST, _shape_core, shape=SHAPES, variant=VARIANTS, causal=(True, False),
+                                         pass_=PASSES))
 def test_matches_reference(backend, shape, variant, causal, pass_, nan_poison):
     """The backend's most precise dtype: fp64 at 1e-10, or fp32 at 2e-5 (utils.TOLERANCES)."""
     T, window, period = SHAPES[shape]
-    inputs = make_inputs(1, 2, T, 16, variant=variant, dtype=exact(backend), device=DEVICE)
+    inputs = make_inputs(1, 2, T, 16, variant=variant, dtype=most_exact_dtype(backend), device=DEVICE)
     check(backend, inputs, grad=pass_ == "backward", window=window, period=period, causal=causal,
           variant=variant, prior=0.3, logit_clamp=1.5)
 
@@ -137,7 +104,7 @@ def _dtype_core(backend, dtype, variant, causal, pass_):
     return dtype == torch.bfloat16 and variant == "adaptive" and causal
 
 
-@pytest.mark.parametrize(*matrix(_dtype_core, dtype=(torch.float32, torch.bfloat16, torch.float16),
+@pytest.mark.parametrize(*backend_matrix(UNDER_TEST, _dtype_core, dtype=(torch.float32, torch.bfloat16, torch.float16),
                                  variant=VARIANTS, causal=(True, False), pass_=PASSES))
 def test_dtypes(backend, dtype, variant, causal, pass_, nan_poison):
     """Within utils.TOLERANCES of the reference on the same rounded inputs (which accumulates in fp32 too).
@@ -149,28 +116,29 @@ def test_dtypes(backend, dtype, variant, causal, pass_, nan_poison):
     assert all(t.dtype == dtype for t in results[1][:4] if t is not None)
 
 
-@pytest.mark.parametrize(*matrix(lambda backend, D: backend == "triton", D=(1, 3, 8, 16, 48, 64, 128, 256, 320)))
+@pytest.mark.parametrize(*backend_matrix(UNDER_TEST, lambda backend, D: backend == "triton",
+                                         D=(1, 3, 8, 16, 48, 64, 128, 256, 320)))
 def test_head_dims(backend, D, nan_poison):
     """Any D up to the declared maximum: triton zero-pads D to a power of two of at least 16 inside."""
-    inputs = make_inputs(1, 2, 21, D, dtype=exact(backend), device=DEVICE)
+    inputs = make_inputs(1, 2, 21, D, dtype=most_exact_dtype(backend), device=DEVICE)
     check(backend, inputs, grad=True, window=3, period=11, causal=False)
 
 
-@pytest.mark.parametrize(*matrix(lambda backend, clamp, variant: backend == "triton",
+@pytest.mark.parametrize(*backend_matrix(UNDER_TEST, lambda backend, clamp, variant: backend == "triton",
                                  clamp=(2.0, None), variant=("adaptive", "separate")))
 def test_logit_clamp(backend, clamp, variant, nan_poison):
     """Large scores: many logits beyond the clamp, where no gradient passes, or none clamped (None)."""
-    q, k, v, gate = make_inputs(1, 2, 70, 32, variant=variant, dtype=exact(backend), device=DEVICE)
+    q, k, v, gate = make_inputs(1, 2, 70, 32, variant=variant, dtype=most_exact_dtype(backend), device=DEVICE)
     q = (q.detach() * 3).requires_grad_()
     grad = REGISTRY[backend].refusal(device=DEVICE, dtype=q.dtype, head_dim=32, needs_grad=True, dropout_p=0) is None
     check(backend, (q, k, v, gate), grad=grad, window=4, period=16, causal=False, variant=variant,
           logit_clamp=clamp)
 
 
-@pytest.mark.parametrize(*matrix(lambda *_: True, variant=VARIANTS, causal=(True, False)))
+@pytest.mark.parametrize(*backend_matrix(UNDER_TEST, lambda *_: True, variant=VARIANTS, causal=(True, False)))
 def test_dropout_same_mask(backend, variant, causal, nan_poison):
     """pi_attention draws one keep mask [B, H, T, |U|] for every backend: equal seeds, equal results."""
-    inputs = make_inputs(1, 2, 45, 16, variant=variant, dtype=exact(backend), device=DEVICE, seed=5)
+    inputs = make_inputs(1, 2, 45, 16, variant=variant, dtype=most_exact_dtype(backend), device=DEVICE, seed=5)
     kw = dict(window=4, period=16, causal=causal, variant=variant)
     (y, *_), _ = check(backend, inputs, grad=True, seed=5, dropout_p=0.3, **kw)
     with torch.no_grad():
@@ -178,20 +146,20 @@ def test_dropout_same_mask(backend, variant, causal, nan_poison):
     assert (y - plain).abs().max() > 1e-3, "dropout must change the output"
 
 
-@pytest.mark.parametrize(*matrix(lambda backend: backend == "triton"))
+@pytest.mark.parametrize(*backend_matrix(UNDER_TEST, lambda backend: backend == "triton"))
 def test_scale_eps_and_prior(backend, nan_poison):
     """eps = 0.1 floors the priors of gates below 0.1 or above 0.9 (their gradient is then zero)."""
-    grad = REGISTRY[backend].refusal(device=DEVICE, dtype=exact(backend), head_dim=16, needs_grad=True,
+    grad = REGISTRY[backend].refusal(device=DEVICE, dtype=most_exact_dtype(backend), head_dim=16, needs_grad=True,
                                      dropout_p=0) is None
     for variant, causal, kw in (("adaptive", True, dict(eps=0.1)), ("fixed", False, dict(prior=0.9))):
-        inputs = make_inputs(1, 2, 50, 16, variant=variant, dtype=exact(backend), device=DEVICE)
+        inputs = make_inputs(1, 2, 50, 16, variant=variant, dtype=most_exact_dtype(backend), device=DEVICE)
         check(backend, inputs, grad=grad, window=3, period=9, causal=causal, variant=variant, scale=0.3, **kw)
 
 
-@pytest.mark.parametrize(*matrix(lambda backend: backend == "triton"))
+@pytest.mark.parametrize(*backend_matrix(UNDER_TEST, lambda backend: backend == "triton"))
 def test_noncontiguous_inputs(backend, nan_poison):
     """[B, T, H, D] projections viewed as [B, H, T, D], and a transposed gate, work as contiguous ones do."""
-    base = make_inputs(2, 3, 41, 16, dtype=exact(backend), device=DEVICE)
+    base = make_inputs(2, 3, 41, 16, dtype=most_exact_dtype(backend), device=DEVICE)
     q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in base[:3])
     gate = base[3].detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()
     assert not q.is_contiguous() and not gate.is_contiguous()
@@ -202,11 +170,11 @@ def test_noncontiguous_inputs(backend, nan_poison):
 EXAMPLES = {"torch": 40, "triton": 8, "flex": 3}
 
 
-@pytest.mark.parametrize(*matrix(lambda backend: backend == "triton"))
+@pytest.mark.parametrize(*backend_matrix(UNDER_TEST, lambda backend: backend == "triton"))
 def test_random_shapes(backend):
     """Random batch, heads, length, head dim, window, period, variant and direction; forward and gradients
     where the backend has a backward here, else the forward."""
-    grad = REGISTRY[backend].refusal(device=DEVICE, dtype=exact(backend), head_dim=16, needs_grad=True,
+    grad = REGISTRY[backend].refusal(device=DEVICE, dtype=most_exact_dtype(backend), head_dim=16, needs_grad=True,
                                      dropout_p=0) is None
 
     @settings(max_examples=EXAMPLES.get(backend, 10), deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -216,7 +184,7 @@ def test_random_shapes(backend):
         variant=st.sampled_from(VARIANTS), seed=st.integers(0, 2**16),
     )
     def run(B, H, T, D, window, period, causal, variant, seed):
-        inputs = make_inputs(B, H, T, D, variant=variant, dtype=exact(backend), device=DEVICE, seed=seed)
+        inputs = make_inputs(B, H, T, D, variant=variant, dtype=most_exact_dtype(backend), device=DEVICE, seed=seed)
         check(backend, inputs, grad=grad, window=window, period=period, causal=causal, variant=variant,
               logit_clamp=3.0)
 
@@ -277,7 +245,7 @@ def _poison(t: torch.Tensor, p: int, value: str) -> torch.Tensor:
 @pytest.mark.parametrize("backend", CONTAINED)
 @pytest.mark.parametrize("shape", NONFINITE_SHAPES)
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("causal", (True, False), ids=_id)
+@pytest.mark.parametrize("causal", (True, False), ids=param_id)
 @pytest.mark.parametrize("which", ("q", "k", "v", "gate"))
 @pytest.mark.parametrize("value", ("nan", "inf"))
 def test_nonfinite_stays_local(backend, shape, variant, causal, which, value):
@@ -335,7 +303,7 @@ FORWARD_CONTAINED = ("triton",)
 def test_nonfinite_spreads_known(backend):
     """A NaN in v reaches exactly the rows that read it (forward): triton; flex still spreads it to rows that
     do not read it (recorded, to be fixed)."""
-    require(backend, torch.float32, 16, grad=False)
+    require_backend(backend, torch.float32, 16, grad=False)
     T, window, period = NONFINITE_SHAPES["T40"]
     q, k, v, _ = make_inputs(1, 1, T, 16, variant="union", dtype=torch.float32, device=DEVICE, seed=7,
                              requires_grad=False)
@@ -361,8 +329,8 @@ def test_double_backward_reference():
 @pytest.mark.parametrize("backend", [b for b in UNDER_TEST if b != "flex"])
 def test_double_backward_refused_clearly(backend):
     """Hand-written backwards raise one clear line naming the backend and the one that can."""
-    dtype = exact(backend)
-    require(backend, dtype, 4, grad=True)
+    dtype = most_exact_dtype(backend)
+    require_backend(backend, dtype, 4, grad=True)
     q, k, v, gate = make_inputs(1, 1, 9, 4, variant="adaptive", dtype=dtype, device=DEVICE)
     y = piattn.pi_attention(q, k, v, gate, window=2, period=4, backend=backend)
     with pytest.raises(RuntimeError, match=rf"^double backward .* not supported by backend '{backend}'; "
@@ -376,7 +344,7 @@ def test_double_backward_refused_clearly(backend):
 
 @pytest.mark.parametrize("backend", ("reference", "torch"))
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("causal", (True, False), ids=_id)
+@pytest.mark.parametrize("causal", (True, False), ids=param_id)
 @pytest.mark.parametrize("window,period,T", [(50, 80, 12), (3, 80, 12), (0, 12, 12), (50, 3, 12), (9, 2, 1)])
 @pytest.mark.parametrize("dropout_p", (0.0, 0.3))
 def test_window_clamped_same_results(backend, variant, causal, window, period, T, dropout_p):

@@ -9,7 +9,6 @@ alone. A backend that does not declare a feature (`backends.Backend.features`) i
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
@@ -20,14 +19,22 @@ from hypothesis import strategies as st
 import piattn
 from piattn.config.pi import GATED_VARIANTS, VARIANTS
 from piattn.ops.pi.backends import REGISTRY
-from utils import assert_close, compare, forward_backward
+from utils import (
+    DEVICE,
+    LOOSER,
+    assert_close,
+    backend_matrix,
+    compare,
+    forward_backward,
+    most_exact_dtype,
+    require_backend,
+)
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::RuntimeWarning"),
     pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning"),
 ]
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NONE, LOCAL, SKIP, SINK = 0, 1, 2, 3
 
 
@@ -103,17 +110,6 @@ def inputs(B, H, Hk, T, D, variant, dtype=torch.float64, seed=0):
     return tuple(ts)
 
 
-def require(backend, dtype, D, *, grad, features):
-    reason = REGISTRY[backend].refusal(device=DEVICE, dtype=dtype, head_dim=D, needs_grad=grad, dropout_p=0.0,
-                                       features=frozenset(features))
-    if reason is not None:
-        pytest.skip(f"{backend}: {reason}")
-
-
-def exact(backend):
-    return torch.float64 if torch.float64 in REGISTRY[backend].dtypes else torch.float32
-
-
 IDS = {
     "one": lambda B, T: [[0] * T for _ in range(B)],
     "three": lambda B, T: [[0] * (T // 3) + [1] * (T // 3) + [0] * (T - 2 * (T // 3)) for _ in range(B)],
@@ -149,33 +145,7 @@ def test_reference_matches_dense_oracle(variant, causal, case, docs):
 
 
 BACKENDS = tuple(name for name in REGISTRY if name != "reference")
-# Costly on a CPU: triton runs in Triton's interpreter, flex compiles a kernel per shape and pattern (tens
-# of seconds on a busy machine). They run a core of each set of cases by default, the rest with -m slow.
-COSTLY = ("flex",) if DEVICE == "cuda" else ("triton", "flex")
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (3, 1)}
-# fp32: dα divides Σ dlogit by α or 1 - α (down to 0.02), which scales the fp32 rounding of sums taken in
-# another order than the reference's (as in test_conformance.py).
-LOOSER = {("triton", torch.float32): dict(atol=1e-4, rtol=1e-4)}
-
-
-def _id(x) -> str:
-    if isinstance(x, torch.dtype):
-        return str(x).removeprefix("torch.")
-    if isinstance(x, bool):
-        return "causal" if x else "bidir"
-    return str(x)
-
-
-def matrix(backends, core, **axes):
-    """Parametrize (backend, *axes) over `backends` and the product of the axes' values; a costly backend
-    runs by default only the cases where core(backend, *values), the others are marked slow."""
-    params = []
-    for backend in backends:
-        for values in itertools.product(*axes.values()):
-            slow = backend in COSTLY and not core(backend, *values)
-            params.append(pytest.param(backend, *values, id="-".join(map(_id, (backend, *values))),
-                                       marks=[pytest.mark.slow] if slow else []))
-    return ",".join(("backend", *axes)), params
 
 
 def _matches_core(backend, variant, causal, case, docs, heads):
@@ -185,14 +155,14 @@ def _matches_core(backend, variant, causal, case, docs, heads):
         ("separate", False, "sinks-in-window", "ragged", "mqa"))
 
 
-@pytest.mark.parametrize(*matrix(BACKENDS, _matches_core, variant=VARIANTS, causal=(True, False),
+@pytest.mark.parametrize(*backend_matrix(BACKENDS, _matches_core, variant=VARIANTS, causal=(True, False),
                                  case=("sinks4", "sinks-in-window", "no-skip"), docs=("one", "ragged"), heads=HEADS))
 def test_backend_matches_reference(backend, variant, causal, case, docs, heads):
     T, window, period, sinks = CASES[case]
     H, Hk = HEADS[heads]
     features = {"sinks"} | ({"documents"} if docs != "one" else set()) | ({"gqa"} if Hk != H else set())
-    dtype = exact(backend)
-    require(backend, dtype, 8, grad=True, features=features)
+    dtype = most_exact_dtype(backend)
+    require_backend(backend, dtype, 8, grad=True, features=features)
     q, k, v, gate = inputs(2, H, Hk, T, 8, variant, dtype)
     ids = torch.tensor(IDS[docs](2, T), device=DEVICE) if docs != "one" else None
     kw = dict(window=window, period=period, causal=causal, variant=variant, sinks=sinks, document_ids=ids)
@@ -200,14 +170,14 @@ def test_backend_matches_reference(backend, variant, causal, case, docs, heads):
             forward_backward(q, k, v, gate, **kw, backend=backend), dtype, LOOSER.get((backend, dtype)))
 
 
-@pytest.mark.parametrize(*matrix(("reference", *BACKENDS), lambda b, variant, causal: False,
+@pytest.mark.parametrize(*backend_matrix(("reference", *BACKENDS), lambda b, variant, causal: False,
                                  variant=("adaptive", "separate"), causal=(True, False)))
 def test_each_document_as_if_alone(backend, variant, causal):
     """Packed documents give, forward and backward, what each document gives alone."""
     lengths = [5, 17, 1, 24]
     T = sum(lengths)
-    dtype = exact(backend)
-    require(backend, dtype, 8, grad=True, features={"documents", "sinks"})
+    dtype = most_exact_dtype(backend)
+    require_backend(backend, dtype, 8, grad=True, features={"documents", "sinks"})
     q, k, v, gate = inputs(1, 2, 2, T, 8, variant, dtype)
     ids = torch.repeat_interleave(torch.tensor([3, 1, 3, 2]), torch.tensor(lengths))[None].to(DEVICE)
     kw = dict(window=3, period=6, causal=causal, variant=variant, sinks=2, backend=backend)
@@ -227,11 +197,11 @@ def test_each_document_as_if_alone(backend, variant, causal):
         start += n
 
 
-@pytest.mark.parametrize(*matrix(BACKENDS, lambda b: b == "triton"))
+@pytest.mark.parametrize(*backend_matrix(BACKENDS, lambda b: b == "triton"))
 def test_sinks_zero_unchanged(backend):
     """sinks=0 and document_ids of one document change nothing, bit for bit."""
-    dtype = exact(backend)
-    require(backend, dtype, 8, grad=False, features={"documents"})
+    dtype = most_exact_dtype(backend)
+    require_backend(backend, dtype, 8, grad=False, features={"documents"})
     q, k, v, gate = inputs(2, 2, 2, 40, 8, "adaptive", dtype)
     with torch.no_grad():
         plain = piattn.pi_attention(q, k, v, gate, backend=backend)
@@ -241,11 +211,11 @@ def test_sinks_zero_unchanged(backend):
     assert torch.equal(plain, same)
 
 
-@pytest.mark.parametrize(*matrix(("reference", *BACKENDS), lambda b: False))
+@pytest.mark.parametrize(*backend_matrix(("reference", *BACKENDS), lambda b: False))
 def test_gqa_equals_repeated_heads(backend):
     """H_kv heads read by groups of query heads = the same heads repeated (repeat_kv), gradients summed."""
-    dtype = exact(backend)
-    require(backend, dtype, 8, grad=True, features={"gqa"})
+    dtype = most_exact_dtype(backend)
+    require_backend(backend, dtype, 8, grad=True, features={"gqa"})
     q, k, v, gate = inputs(2, 6, 2, 30, 8, "adaptive", dtype)
     grouped = forward_backward(q, k, v, gate, backend=backend)
     kr, vr = (t.detach().repeat_interleave(3, 1).requires_grad_() for t in (k, v))
@@ -266,13 +236,13 @@ def _all_features_core(backend, variant, causal):
     return backend == "triton" and variant == "adaptive"
 
 
-@pytest.mark.parametrize(*matrix(BACKENDS, _all_features_core, variant=VARIANTS, causal=(True, False)))
+@pytest.mark.parametrize(*backend_matrix(BACKENDS, _all_features_core, variant=VARIANTS, causal=(True, False)))
 def test_forward_all_features(backend, variant, causal, nan_poison):
     """Forward only (under no_grad, so that flex runs on a CPU too), sinks + documents + grouped-query
     attention at once, in the backend's most exact dtype, against the reference at utils.TOLERANCES;
     outputs NaN-poisoned, so an element a backend forgets to write fails."""
-    dtype = exact(backend)
-    require(backend, dtype, 16, grad=False, features={"sinks", "documents", "gqa"})
+    dtype = most_exact_dtype(backend)
+    require_backend(backend, dtype, 16, grad=False, features={"sinks", "documents", "gqa"})
     q, k, v, gate = inputs(2, 4, 2, 45, 16, variant, dtype, seed=3)
     kw = dict(window=3, period=8, causal=causal, variant=variant, prior=0.3, sinks=3,
               document_ids=_mixed_documents(45))
@@ -286,7 +256,7 @@ def _low_precision_core(backend, dtype, variant, pass_):
     return backend == "triton" and variant == "adaptive" and (dtype == torch.bfloat16) == (pass_ == "backward")
 
 
-@pytest.mark.parametrize(*matrix(BACKENDS, _low_precision_core, dtype=(torch.bfloat16, torch.float16),
+@pytest.mark.parametrize(*backend_matrix(BACKENDS, _low_precision_core, dtype=(torch.bfloat16, torch.float16),
                                  variant=VARIANTS, pass_=("forward", "backward")))
 def test_low_precision_all_features(backend, dtype, variant, pass_, nan_poison):
     """bf16 and fp16 with sinks + documents + grouped-query attention, against the reference run on the same
@@ -294,7 +264,7 @@ def test_low_precision_all_features(backend, dtype, variant, pass_, nan_poison):
     rounding of the inputs of the tensor-core products and of the results). Scores ≈ 4·N(0, 1), so a few
     cross the clamp of 5. Outputs NaN-poisoned; results in the input dtype."""
     grad = pass_ == "backward"
-    require(backend, dtype, 32, grad=grad, features={"sinks", "documents", "gqa"})
+    require_backend(backend, dtype, 32, grad=grad, features={"sinks", "documents", "gqa"})
     q, k, v, gate = inputs(2, 6, 2, 50, 32, variant, dtype, seed=4)
     q = (q.detach() * 4).requires_grad_()
     kw = dict(window=4, period=9, causal=True, variant=variant, sinks=2, logit_clamp=5.0,
@@ -310,11 +280,11 @@ def test_low_precision_all_features(backend, dtype, variant, pass_, nan_poison):
     assert all(t.dtype == dtype for t in actual if t is not None)
 
 
-@pytest.mark.parametrize(*matrix(BACKENDS, lambda b, causal: b == "triton" and causal, causal=(True, False)))
+@pytest.mark.parametrize(*backend_matrix(BACKENDS, lambda b, causal: b == "triton" and causal, causal=(True, False)))
 def test_dropout_all_features(backend, causal, nan_poison):
     """Dropout with sinks + documents + grouped-query attention: one keep mask [B, H, T, |U|], sink slots
     last, drawn by pi_attention; equal seeds give the reference's forward and gradients."""
-    dtype = exact(backend)
+    dtype = most_exact_dtype(backend)
     reason = REGISTRY[backend].refusal(device=DEVICE, dtype=dtype, head_dim=16, needs_grad=True, dropout_p=0.3,
                                        features=frozenset({"sinks", "documents", "gqa"}))
     if reason is not None:
