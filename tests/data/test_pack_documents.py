@@ -74,3 +74,9 @@ def test_training_with_packed_documents(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["step"] == 2
     assert main(argv(tmp_path / "run2", "--pack-documents", "--cross-documents")) == 2
     assert "exclude each other" in capsys.readouterr().err
+    # Sequence parallelism: refused before any process group starts or anything is written.
+    assert main(argv(tmp_path / "run3", "--pack-documents", "--sequence-parallel", "2")) == 2
+    assert "--pack-documents does not run with --sequence-parallel > 1" in capsys.readouterr().err
+    assert main(argv(tmp_path / "run4", "--sequence-parallel", "2")) == 2
+    assert "--sinks does not run with --sequence-parallel > 1" in capsys.readouterr().err
+    assert not (tmp_path / "run3").exists() and not (tmp_path / "run4").exists()

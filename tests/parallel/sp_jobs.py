@@ -62,7 +62,8 @@ class Traffic:
 def make_inputs(case: dict, T: int):
     g = torch.Generator().manual_seed(case["seed"])
     B, H, D = case.get("B", 1), case.get("H", 2), case.get("D", 4)
-    q, k, v, dy = (torch.randn(B, H, T, D, dtype=torch.float64, generator=g) for _ in range(4))
+    H_kv = case.get("H_kv", H)  # grouped-query attention when H_kv < H
+    q, k, v, dy = (torch.randn(B, heads, T, D, dtype=torch.float64, generator=g) for heads in (H, H_kv, H_kv, H))
     gate = None
     if case["variant"] in GATED:
         gate = 0.05 + 0.9 * torch.rand(B, H, T, dtype=torch.float64, generator=g)
@@ -152,10 +153,10 @@ def mismatch(rank: int, world: int, _payload) -> dict:
     q, k, v, gate, _ = make_inputs(case, world * (S + 1))
     kw = operator_kwargs(case)
 
-    def call(n=S, group=None, gate_value=None, **over):
+    def call(n=S, group=None, gate_value=None, kv_heads=None, **over):
         g = gate[:, :, :n] if gate_value is None else torch.full_like(gate[:, :, :n], gate_value)
-        return sequence_parallel_pi_attention(q[:, :, :n], k[:, :, :n], v[:, :, :n], g, group=group,
-                                              **{**kw, **over})
+        return sequence_parallel_pi_attention(q[:, :, :n], k[:, :kv_heads, :n], v[:, :kv_heads, :n], g,
+                                              group=group, **{**kw, **over})
 
     only_first = dist.new_group([0])
     out = {
@@ -164,6 +165,9 @@ def mismatch(rank: int, world: int, _payload) -> dict:
         "causal": _attempt(lambda: call(causal=rank != 0)),
         "invalid_on_one_rank": _attempt(lambda: call(variant="bogus" if rank == 1 else "adaptive")),
         "gate_out_of_range_on_one_rank": _attempt(lambda: call(gate_value=1.5 if rank == 1 else 0.5)),
+        "kv_heads": _attempt(lambda: call(kv_heads=1 if rank == 1 else None)),
+        "sinks": _attempt(lambda: call(sinks=2)),
+        "document_ids": _attempt(lambda: call(document_ids=torch.zeros(1, S, dtype=torch.long))),
         "group_type": _attempt(lambda: call(group="world")),
         "not_a_member": _attempt(lambda: call(group=only_first)) if rank != 0 else "skipped",
     }
@@ -180,8 +184,8 @@ def mismatch(rank: int, world: int, _payload) -> dict:
 def _model(case: dict):
     """A 2-layer, width-32 GPT of `case` in fp64, seeded; gate biases moved away from α = 0.5."""
     torch.manual_seed(case["seed"])
-    cfg = GPTConfig.from_name("tiny", vocab_size=50, n_layer=2, d_model=32, n_head=2, dropout=0.0,
-                              backend="reference", **case["model"])
+    cfg = GPTConfig.from_name("tiny", **{**dict(vocab_size=50, n_layer=2, d_model=32, n_head=2, dropout=0.0,
+                                            backend="reference"), **case["model"]})
     model = GPT(cfg).double()
     for block in model.blocks:
         if getattr(block.attn, "gate", None) is not None:

@@ -49,6 +49,13 @@ def make_cases() -> list[dict]:
             cases.append(dict(name=f"world4-{geo}-{'causal' if causal else 'bidir'}-adaptive-torch", ranks=None,
                               shard=S, window=k, period=p, causal=causal, variant="adaptive", backend="torch",
                               seed=seed, B=2, logit_clamp=None))
+    for geo in ("short_period", "far_period", "window_over_shard"):  # grouped-query: 4 query heads, 2 kv heads
+        S, k, p = GEOMETRIES[geo]
+        for causal, backend in ((True, "reference"), (False, "reference"), (True, "torch")):
+            seed += 1
+            cases.append(dict(name=f"world4-{geo}-{'causal' if causal else 'bidir'}-adaptive-gqa-{backend}",
+                              ranks=None, shard=S, window=k, period=p, causal=causal, variant="adaptive",
+                              backend=backend, seed=seed, H=4, H_kv=2))
     for causal in (True, False):  # a group of one rank: the plain operator on the whole (local) sequence
         seed += 1
         cases.append(dict(name=f"self-{'causal' if causal else 'bidir'}", ranks="self", shard=12, window=2,
@@ -93,8 +100,8 @@ def test_each_rank_receives_only_the_rows_its_queries_read(case, four_ranks):
     operator's offsets, never the whole sequence), backward sends back exactly those rows' gradients, one
     all-reduce, no gather or broadcast."""
     P, S = group_size(case), case["shard"]
-    B, H, D = case.get("B", 1), case.get("H", 2), case.get("D", 4)
-    row_bytes = B * H * 2 * D * 8  # a key and a value row, fp64
+    B, H_kv, D = case.get("B", 1), case.get("H_kv", case.get("H", 2)), case.get("D", 4)
+    row_bytes = B * H_kv * 2 * D * 8  # a key and a value row (only the H_kv key/value heads travel), fp64
     sent_to = {r: 0 for r in range(P)}
     for res in results_of(case, four_ranks):
         r, t = res["rank"], res["traffic"]
@@ -142,6 +149,9 @@ def two_ranks_mismatch():
     ("causal", ["pi_attention_kwargs differ"] * 2),
     ("invalid_on_one_rank", ["another rank of the group passed invalid arguments", "variant must be one of"]),
     ("gate_out_of_range_on_one_rank", ["another rank of the group passed invalid arguments", "gate values"]),
+    ("kv_heads", ["pi_attention_kwargs differ"] * 2),
+    ("sinks", ["supports neither sinks > 0 nor document_ids, got sinks=2"] * 2),
+    ("document_ids", ["supports neither sinks > 0 nor document_ids, got sinks=0, document_ids of type Tensor"] * 2),
     ("group_type", ["group must be a torch.distributed ProcessGroup"] * 2),
     ("not_a_member", ["skipped", "is not a member of the group"]),
 ])

@@ -24,6 +24,8 @@ CASES = [
     dict(name="pi_separate", size=2, shard=8, seed=2, model=dict(attention="pi", window=3, period=5,
                                                                   variant="separate")),
     dict(name="local", size=2, shard=8, seed=3, model=dict(attention="local", window=3)),
+    dict(name="pi_gqa", size=2, shard=8, seed=5, model=dict(attention="pi", window=2, period=12, n_head=4,
+                                                           n_kv_head=2)),
     dict(name="dense", size=2, shard=8, seed=4, model=dict(attention="dense")),
 ]
 SHARDED = [c["name"] for c in CASES if c["name"] != "dense"]

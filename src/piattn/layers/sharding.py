@@ -88,8 +88,4 @@ def pi_operator(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.T
     shard = active_shard()
     if shard is None:
         return pi_attention(q, k, v, gate, **kwargs)
-    if kwargs.get("sinks") or kwargs.get("document_ids") is not None or k.shape[1] != q.shape[1]:
-        # The halo exchange carries the window and skip rows only: sink keys and documents would cross shards.
-        raise ValueError("sequence parallelism supports neither sinks > 0, document_ids nor n_kv_heads < n_heads")
-    kwargs.pop("document_ids", None)
     return sequence_parallel_pi_attention(q, k, v, gate, group=shard.group, **kwargs)

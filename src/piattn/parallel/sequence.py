@@ -28,12 +28,12 @@ OPERATOR_DEFAULTS = {
 _INT64_MASK = (1 << 62) - 1
 
 
-def _settings_hash(settings: dict, q: torch.Tensor, gate: torch.Tensor | None) -> int:
+def _settings_hash(settings: dict, q: torch.Tensor, H_kv: int, gate: torch.Tensor | None) -> int:
     """A 62-bit fingerprint of what must agree across ranks: settings (not the backend, which may differ
-    per device), B, H, D, dtypes and whether a gate is given."""
+    per device), B, H, H_kv, D, dtypes and whether a gate is given."""
     B, H, _, D = q.shape
     fields = sorted((k, repr(v)) for k, v in settings.items() if k != "backend")
-    key = repr((fields, B, H, D, str(q.dtype), None if gate is None else str(gate.dtype)))
+    key = repr((fields, B, H, H_kv, D, str(q.dtype), None if gate is None else str(gate.dtype)))
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") & _INT64_MASK
 
 
@@ -75,7 +75,7 @@ def _agree(shard: int, fingerprint: int, error: Exception | None, group, device:
                          "group size")
     if hi_h != -lo_h:
         raise ValueError("pi_attention_kwargs differ across the ranks of the group (window, period, causal, "
-                         "variant, prior, logit_clamp, eps, scale, dropout_p), or the shapes B, H, D, the "
+                         "variant, prior, logit_clamp, eps, scale, dropout_p), or the shapes B, H, H_kv, D, the "
                          "dtypes or the presence of a gate do; every rank must pass the same")
 
 
@@ -107,7 +107,7 @@ def _pack(parts: list[torch.Tensor], transfers: list[Transfer], rows_of) -> torc
 
 
 class _HaloExchange(torch.autograd.Function):
-    """k, v [B, H, S, D] -> the received rows of k and of v [B, H, N, D], in the order of the plan's
+    """k, v [B, H_kv, S, D] -> the received rows of k and of v [B, H_kv, N, D], in the order of the plan's
     `receives(rank)`. Only the rows that travel are copied into messages (keys and values side by side).
     Backward: the received rows' gradients go back to their owners, which add them to their own."""
 
@@ -169,8 +169,10 @@ def sequence_parallel_pi_attention(
     """`piattn.pi_attention` on a sequence sharded contiguously over the ranks of `group`.
 
     Args:
-        q, k, v: [B, H, S, D] this rank's shard: group rank r holds positions r·S … (r+1)·S − 1 of a
-            sequence of T = P·S positions (P = group size). S must be the same on every rank.
+        q: [B, H, S, D] this rank's shard: group rank r holds positions r·S … (r+1)·S − 1 of a sequence
+            of T = P·S positions (P = group size). S must be the same on every rank.
+        k, v: [B, H_kv, S, D], the same positions, with H_kv dividing H (grouped-query attention): only
+            the H_kv key/value heads travel, none is repeated.
         gate: [B, H, S] this rank's gate (variants "adaptive", "separate"), else None.
         group: a torch.distributed ProcessGroup; None means the default (world) group. With no process
             group initialised, or a group of one rank, this is `pi_attention` itself.
@@ -196,9 +198,14 @@ def sequence_parallel_pi_attention(
     error, shard, fingerprint = None, 0, 0
     try:  # local checks first, but the verdict is shared, so that a bad rank cannot leave others waiting
         check_arguments(q, k, v, gate, **{n: x for n, x in settings.items() if n != "backend"})
+        if settings["sinks"] or settings["document_ids"] is not None:
+            # The exchange carries window and skip rows only: sink keys and documents would cross shards.
+            raise ValueError("sequence_parallel_pi_attention supports neither sinks > 0 nor document_ids, got "
+                             f"sinks={settings['sinks']!r}, document_ids of type "
+                             f"{type(settings['document_ids']).__name__}")
         if settings["backend"] not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS} on this install, got {settings['backend']!r}")
-        shard, fingerprint = q.shape[2], _settings_hash(settings, q, gate)
+        shard, fingerprint = q.shape[2], _settings_hash(settings, q, k.shape[1], gate)
     except ValueError as e:
         error = e
     device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")

@@ -102,8 +102,6 @@ class LanguageModelTask(Task):
         if cfg.data.pack_documents and cfg.data.cross_documents:
             raise ValueError("--pack-documents and --cross-documents exclude each other: packed sequences already "
                              "run across documents, keeping attention inside each")
-        if cfg.data.pack_documents and cfg.run.sequence_parallel > 1:
-            raise ValueError("--pack-documents does not run with --sequence-parallel > 1")
         if cfg.data.tokenizer == "bpe" and cfg.data.vocab_size is None:
             raise ValueError("--vocab-size is required with --tokenizer bpe (e.g. 8192; at least 256)")
         # Check everything before the tokenizer is fitted and written, so a bad flag leaves no trace.
