@@ -7,6 +7,8 @@ equally often and reports accuracy by lag. Finished runs are kept, so the script
     python experiments/recall.py --runs runs/recall --out experiments/results/recall
     python experiments/recall.py --sweep --steps 300 --seeds 0 --runs runs/recall_sweep \
         --out experiments/results/recall_sweep
+    python experiments/recall.py --kinds "pi adaptive" "local k=3" --seeds 1 2 --steps 1600 \
+        --runs runs/recall_long --out experiments/results/recall_long       # the longer budget
 
 The first writes recall.{json,png} and the tables of recall.md: dense (the control: the task is learnable
 at this budget), local k, local k + 1 (as many keys per query as π with k), π adaptive and π union (no
@@ -233,7 +235,8 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main_runs(args: argparse.Namespace) -> None:
     order = ["dense", "pi adaptive", f"local k={WINDOW + 1}", "pi union", f"local k={WINDOW}"]  # most telling first
-    jobs = [(kind, KINDS[kind], seed, args.steps, args.runs) for seed in args.seeds for kind in order]
+    jobs = [(kind, KINDS[kind], seed, args.steps, args.runs) for seed in args.seeds for kind in order
+            if kind in args.kinds]
     rows = run_all(jobs, args.jobs)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(dict(task=TASK, runs=rows), indent=1) + "\n")
@@ -325,6 +328,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sweep", action="store_true", help="π adaptive over windows × periods instead")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--steps", type=int, default=800)
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS), metavar="KIND",
+                        help=f"the kinds to run (default all: {', '.join(KINDS)})")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (each one thread)")
     parser.add_argument("--windows", type=int, nargs="+", default=list(SWEEP_WINDOWS), choices=SWEEP_WINDOWS,
                         help="--sweep: the rows of the grid to train (e.g. to split it over processes)")

@@ -14,7 +14,7 @@ from .backends import AUTO_ORDER, REGISTRY, select
 from .compiled import is_symbolic, pi_attention_torch_op
 from .pattern import Pattern
 from .reference import pi_attention_reference
-from .validate import check_arguments
+from .validate import all_finite, check_arguments
 
 # "auto" and the backends this install can run.
 BACKENDS: tuple[str, ...] = ("auto", *(name for name, b in REGISTRY.items() if b.available()))
@@ -64,7 +64,10 @@ def pi_attention(
             changes; every document gets exactly what it would alone (no key crosses a boundary).
         backend: one of `piattn.BACKENDS`. "auto" picks the first backend that can run the call (device,
             dtype, head dim, gradients, dropout; `backends.py`): on CUDA "triton", then "torch"; elsewhere
-            "torch". A backend that cannot run the call raises a ValueError saying why.
+            "torch". A backend that cannot run the call raises a ValueError saying why. A call with a NaN
+            or ±inf in q, k or v reaches only the outputs (and gradients) that read it, on every backend:
+            "flex", whose kernels would carry it further, hands such a call to "torch", and "triton"
+            computes such a call's gradients with "torch".
 
     Returns:
         [B, H, T, D] in the dtype of q.
@@ -81,6 +84,11 @@ def pi_attention(
                                         ("gqa", k.shape[1] != H)) if used}
     chosen = _backend_name(backend, q.device, q.dtype, D, needs_grad, dropout_p, frozenset(features),
                            _torch.compiler.is_compiling())
+    if not REGISTRY[chosen].contains_nonfinite and not is_symbolic(q) and not all_finite(*inputs):
+        # flex's tiles multiply a masked key's value by a weight of 0 (0·NaN = NaN), which would carry a bad
+        # value to rows that never read it; "torch" runs every call flex can, and keeps it in the rows that
+        # read it. The price is this check: one reduction per input and a host sync.
+        chosen = "torch"
     asked = Pattern(window, period, causal, sinks)
     used = usable_pattern(asked, T)
     keep = None

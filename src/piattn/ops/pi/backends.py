@@ -68,6 +68,9 @@ class Backend:
     requires: tuple[str, ...] = ()
     # Optional parts of the contract it implements: "sinks", "documents" (document_ids), "gqa" (H_kv < H).
     features: frozenset[str] = frozenset()
+    # Whether a NaN or ±inf input reaches only the outputs and gradients that read it. `pi_attention` sends a
+    # call with a non-finite q, k, v or gate from a backend that does not to "torch", which does.
+    contains_nonfinite: bool = False
     note: str = ""  # appended to a device refusal: how to get a supported device
 
     def available(self) -> bool:
@@ -117,15 +120,17 @@ REGISTRY: dict[str, Backend] = {
     b.name: b
     for b in (
         # The ground truth: a loop over offsets, O(T·|U|·D) memory.
-        Backend("reference", "reference", "pi_attention_reference", features=ALL_FEATURES),
-        # Blocked matrix products with a hand-written backward; any device torch runs on.
-        Backend("torch", "torch", "pi_attention_torch", features=ALL_FEATURES),
+        Backend("reference", "reference", "pi_attention_reference", features=ALL_FEATURES, contains_nonfinite=True),
+        # Blocked matrix products with a hand-written backward; any device torch runs on. With a non-finite
+        # input it goes slot by slot (`all_finite`), so that a bad value stays in the rows that read it.
+        Backend("torch", "torch", "pi_attention_torch", features=ALL_FEATURES, contains_nonfinite=True),
         # Fused kernels; tl.dot has no fp64, and D is padded to a power of two of at most 256.
         Backend(
             "triton", "triton", "pi_attention_triton", dtypes=_LOW_AND_FP32,
             devices=("cuda", "cpu") if TRITON_INTERPRET else ("cuda",), max_head_dim=256, requires=("triton",),
             note="" if TRITON_INTERPRET else " (set TRITON_INTERPRET=1 before importing triton for its CPU "
                                              "interpreter)", features=ALL_FEATURES,
+            contains_nonfinite=True,  # the forward kernel itself; the backward falls back to "torch" then
         ),
         # torch's FlexAttention: no fp64 kernels, no CPU backward, no per-slot dropout mask.
         Backend(

@@ -1,7 +1,7 @@
 """The "torch" backend as PyTorch custom operators, so that `torch.compile` captures it whole.
 
 Traced as Python, the backend's `PiAttentionFunction` breaks a compiled graph: its forward chooses a code
-path from the values of the inputs (`_all_finite`, a host sync), and its chunk loop would unroll into
+path from the values of the inputs (`all_finite`, a host sync), and its chunk loop would unroll into
 thousands of graph nodes. Registered as two operators it is one opaque node each way:
 
     piattn::pi_attention_fwd (q, k, v, gate, settings…, dropout_keep, document_ids) -> (y, saved)

@@ -29,6 +29,7 @@ import torch
 
 from .backends import refuse_double_backward
 from .pattern import Pattern, log_priors, slot_keys
+from .validate import all_finite
 
 BLOCK = 16  # query rows per matrix product: few enough that the band wastes little work (see benchmarks)
 CHUNK_BYTES = 1 << 22  # Q bytes per chunk: large enough to amortise per-op overhead, small enough for cache
@@ -394,7 +395,7 @@ class PiAttentionFunction(torch.autograd.Function):
         log_local, log_skip = log_priors(variant, gf, prior, eps)
         slots = _Slots(pat, T, document_ids, H_kv, N, q.device)
         keep = _keep_multiplier(dropout_keep, dropout_p, acc, slots.order, G)
-        finite = _all_finite(qf, kf, vf, gf)
+        finite = all_finite(qf, kf, vf, gf)
         n_first = slots.n_first
 
         y = torch.empty(N, G, T, D, dtype=acc, device=q.device)
@@ -443,7 +444,7 @@ class PiAttentionFunction(torch.autograd.Function):
         gf = None if gate is None else gate.reshape(N, G, T).to(acc)
         keep = _keep_multiplier(keep, dropout_p, acc, slots.order, G)
         want_gate = ctx.needs_input_grad[3]
-        finite = _all_finite(qf, kf, vf, gf, dyf)
+        finite = all_finite(qf, kf, vf, gf, dyf)
         n_first = slots.n_first
 
         dq = torch.empty_like(qf)
@@ -472,15 +473,6 @@ class PiAttentionFunction(torch.autograd.Function):
         return (dq.view(B, H, T, D).to(q.dtype), dk.view(B, H_kv, T, D).to(k.dtype),
                 dv.view(B, H_kv, T, D).to(v.dtype), None if dgate is None else dgate.view_as(gate).to(gate.dtype),
                 ) + (None,) * 12
-
-
-def _all_finite(*xs: torch.Tensor | None) -> bool:
-    """Whether every element is finite: then blocked products (fast); else slot by slot (a host sync).
-
-    From the sums (one fast reduction each): a NaN or ±inf element makes its sum NaN or ±inf. A sum that
-    overflows from finite elements only sends the call down the slow path, which gives the same results.
-    """
-    return bool(torch.isfinite(torch.stack([x.sum() for x in xs if x is not None])).all())
 
 
 def _keep_multiplier(keep: torch.Tensor | None, p: float, dtype: torch.dtype, order: list[int] | None,

@@ -21,6 +21,7 @@ import triton
 
 from .backends import refuse_double_backward
 from .pattern import Pattern, document_bounds, log_priors
+from .torch import pi_attention_torch
 from .triton_kernels import (
     MODE_ADAPTIVE,
     MODE_CONSTANT,
@@ -29,6 +30,7 @@ from .triton_kernels import (
     pi_bwd_dq_kernel,
     pi_fwd_kernel,
 )
+from .validate import all_finite
 
 
 def _tiles(D: int, halo: int, elem_size: int) -> tuple[int, int, int]:
@@ -156,11 +158,11 @@ class _PiAttentionTriton(torch.autograd.Function):
     are not."""
 
     @staticmethod
-    def forward(ctx, q, k, v, gate, keep, start, end, launch):
+    def forward(ctx, q, k, v, gate, keep, start, end, launch, settings):
         bounds = None if start is None else (start, end)
         out, stats = triton_forward(q, k, v, gate, keep, launch, bounds)
         ctx.save_for_backward(q, k, v, gate, keep, start, end, stats)
-        ctx.launch = launch
+        ctx.launch, ctx.settings = launch, settings
         return out
 
     @staticmethod
@@ -168,10 +170,27 @@ class _PiAttentionTriton(torch.autograd.Function):
         refuse_double_backward("triton")
         q, k, v, gate, keep, start, end, stats = ctx.saved_tensors
         want_dgate = gate is not None and ctx.needs_input_grad[3]
-        bounds = None if start is None else (start, end)
-        dq, dk, dv, dgate = triton_backward(dy, q, k, v, gate, keep, stats, ctx.launch, want_dgate=want_dgate,
-                                            bounds=bounds)
-        return dq, dk, dv, dgate, None, None, None, None
+        if not all_finite(q, k, v, gate, dy):
+            # The forward kernel keeps a bad value in the rows that read it, the backward kernels do not
+            # (their tiles multiply masked slots by 0, and 0·NaN = NaN): such a call's gradients come from
+            # the "torch" backend, which keeps it where it belongs. The check costs a host sync.
+            dq, dk, dv, dgate = _contained_gradients(dy, q, k, v, gate, keep, ctx.settings, want_dgate)
+        else:
+            bounds = None if start is None else (start, end)
+            dq, dk, dv, dgate = triton_backward(dy, q, k, v, gate, keep, stats, ctx.launch, want_dgate=want_dgate,
+                                                bounds=bounds)
+        return dq, dk, dv, dgate, None, None, None, None, None
+
+
+def _contained_gradients(dy, q, k, v, gate, keep, settings: dict, want_dgate: bool):
+    """(dq, dk, dv, dgate or None) of the call, computed by the "torch" backend; `settings` are the call's
+    keyword arguments but the dropout mask, which `keep` holds (as uint8)."""
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    g = None if gate is None else gate.detach().requires_grad_(want_dgate)
+    with torch.enable_grad():
+        y = pi_attention_torch(*leaves, g, dropout_keep=None if keep is None else keep.view(torch.bool), **settings)
+        grads = torch.autograd.grad(y, leaves + ([g] if want_dgate else []), dy)
+    return (*grads[:3], grads[3] if want_dgate else None)
 
 
 def pi_attention_triton(q, k, v, gate, *, window, period, causal, variant, prior, logit_clamp, eps, scale,
@@ -197,5 +216,8 @@ def pi_attention_triton(q, k, v, gate, *, window, period, causal, variant, prior
     launch = plan(q, window=window, period=period, causal=causal, variant=variant, prior=prior,
                   logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p, dropout=keep is not None,
                   sinks=sinks, kv_heads=k.shape[1], documents=document_ids is not None)
-    y = _PiAttentionTriton.apply(q, k, v, gate, keep, start, end, launch)
+    settings = dict(window=window, period=period, causal=causal, variant=variant, prior=prior,
+                    logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p, sinks=sinks,
+                    document_ids=document_ids)
+    y = _PiAttentionTriton.apply(q, k, v, gate, keep, start, end, launch, settings)
     return y if d_pad == D else y[..., :D]

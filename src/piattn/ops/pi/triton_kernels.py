@@ -76,7 +76,10 @@ def _row_dot(x, y):
 @triton.jit
 def _clamp(z, clamp, HAS_CLAMP: tl.constexpr):
     if HAS_CLAMP:
-        z = tl.minimum(tl.maximum(z, -clamp), clamp)
+        # A NaN score stays NaN, as under torch.clamp: plain min/max would return the bound, turning a NaN
+        # input into a finite, wrong output.
+        z = tl.minimum(tl.maximum(z, -clamp, propagate_nan=tl.PropagateNan.ALL), clamp,
+                       propagate_nan=tl.PropagateNan.ALL)
     return z
 
 
@@ -216,8 +219,8 @@ def pi_fwd_kernel(
     else:
         # One softmax over both groups; skip logits taken relative to the local prior.
         if MODE == MODE_ADAPTIVE:
-            log_local = tl.log(tl.maximum(a, eps))
-            log_skip = tl.log(tl.maximum(1.0 - a, eps))
+            log_local = tl.log(tl.maximum(a, eps, propagate_nan=tl.PropagateNan.ALL))  # a NaN α stays NaN
+            log_skip = tl.log(tl.maximum(1.0 - a, eps, propagate_nan=tl.PropagateNan.ALL))
         shift = log_skip - log_local
         z0 += shift
         z1 += shift
@@ -231,6 +234,10 @@ def pi_fwd_kernel(
         w1 = p1 / l_all
         c_loc = m + tl.log(l_all)  # the log-sum-exp less the local prior
         c_skip = c_loc - shift
+        if MODE == MODE_ADAPTIVE:
+            # The shift leaves the local prior out, so a NaN or +inf α would not reach a row without a skip
+            # key; log max(α, ε) on its local slots makes that row NaN, and so does α − α here.
+            acc += (a - a)[:, None]
     if HAS_DROPOUT:
         w0 = w0 * _keep_factor(KEEP, n, T, rows, n_local, ok0, keep_scale, N_SLOTS)
         w1 = w1 * _keep_factor(KEEP, n, T, rows, n_local + 1, ok1, keep_scale, N_SLOTS)

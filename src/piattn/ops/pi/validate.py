@@ -111,3 +111,13 @@ def _check_gate(q: torch.Tensor, gate, variant: str) -> None:
         if not bool(((gate > 0) & (gate < 1)).all()):
             lo, hi = gate.min().item(), gate.max().item()
             raise ValueError(f"gate values must lie in the open interval (0, 1); got min {lo}, max {hi}")
+
+
+def all_finite(*xs: torch.Tensor | None) -> bool:
+    """Whether every element of the given tensors (None skipped) is finite; a host sync.
+
+    From the sums (one fast reduction each): a NaN or ±inf element makes its sum NaN or ±inf. A sum that
+    overflows from finite elements only answers False, which sends a call down a slower path that gives the
+    same results.
+    """
+    return bool(torch.isfinite(torch.stack([x.sum() for x in xs if x is not None])).all())
