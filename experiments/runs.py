@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -17,8 +18,11 @@ def train_and_test(run: Path, train_argv: list[str], eval_argv: list[str] = ()) 
     if not list(run.glob("eval/*_test.json")):
         start = time.perf_counter()
         piattn = [sys.executable, "-m", "piattn.cli"]
-        subprocess.run([*piattn, *train_argv], check=True, stdout=subprocess.DEVNULL)
+        # One thread per run: the scripts run several at a time, and two-thread runs sharing a few cores
+        # spend their time in OpenMP's spin-waits (several times slower).
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        subprocess.run([*piattn, *train_argv], check=True, stdout=subprocess.DEVNULL, env=env)
         subprocess.run([*piattn, "eval", "--checkpoint", str(run), "--split", "test", *eval_argv], check=True,
-                       stdout=subprocess.DEVNULL)
+                       stdout=subprocess.DEVNULL, env=env)
         print(f"{run.name}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     return json.loads(next(run.glob("eval/*_test.json")).read_text())
