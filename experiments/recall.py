@@ -5,8 +5,10 @@ per example back, its marker beside it) then `piattn eval` on the test split, wh
 equally often and reports accuracy by lag. Finished runs are kept, so the script resumes where it stopped.
 
     python experiments/recall.py --runs runs/recall --out experiments/results/recall
-    python experiments/recall.py --sweep --steps 300 --seeds 0 --runs runs/recall_sweep \
+    python experiments/recall.py --sweep --steps 500 --seeds 0 --runs runs/recall_sweep \
         --out experiments/results/recall_sweep
+    python experiments/recall.py --seq-len 64 --seeds 0 1 --steps 4000 --runs runs/recall64 \
+        --out experiments/results/recall64                                 # the k = 4, π = 16
     python experiments/recall.py --kinds "pi adaptive" "local k=3" --seeds 1 2 --steps 1600 \
         --runs runs/recall_long --out experiments/results/recall_long       # the longer budget
 
