@@ -32,13 +32,16 @@ import torch
 from piattn.benchmarking import fill_cache, machine_info, rss_kib, save_results
 from piattn.models import GPT, GPTConfig
 
-KINDS = ("pi", "local", "dense")
+# Kind name -> GPTConfig overrides; "pi-union" is π without the gate MLP (what the gate costs a step).
+KIND_CONFIG = {"pi": dict(attention="pi"), "pi-union": dict(attention="pi", variant="union"),
+               "local": dict(attention="local"), "dense": dict(attention="dense")}
+KINDS = ("pi", "local", "dense")  # the default; pi and dense are always measured (their ratio is the table's)
 POSITIONS = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 
 def run_case(kind: str, position: int, steps: int, config: str) -> dict:
     torch.manual_seed(0)
-    model = GPT(GPTConfig.from_name(config, attention=kind, vocab_size=256, dropout=0.0)).eval()
+    model = GPT(GPTConfig.from_name(config, **KIND_CONFIG[kind], vocab_size=256, dropout=0.0)).eval()
     cache = model.init_cache(1)
     fill_cache(cache, position, torch.Generator().manual_seed(0))
     token = torch.zeros(1, 1, dtype=torch.long)
@@ -63,13 +66,14 @@ def median_row(repeats: list[dict]) -> dict:
 
 def before_after(result: dict) -> list[str]:
     """Markdown lines: tokens/s of the baseline code and of the current code per position and kind."""
+    kinds = result.get("kinds", KINDS)
     by = {(r["kind"], r["position"]): r for r in result["rows"]}
     old = {(r["kind"], r["position"]): r for r in result["baseline_rows"]}
     out = ["", f"Before (`{result['baseline']}`) and after (this code), medians of the same interleaved run:", "",
-           "| position | " + " | ".join(f"{k} before | {k} after" for k in KINDS)
-           + " | pi / dense before | pi / dense after |", "|" + "---|" * (3 + 2 * len(KINDS))]
+           "| position | " + " | ".join(f"{k} before | {k} after" for k in kinds)
+           + " | pi / dense before | pi / dense after |", "|" + "---|" * (3 + 2 * len(kinds))]
     for p in sorted({r["position"] for r in result["rows"]}):
-        cells = [f"{old[(k, p)]['tokens_per_s']:.0f} | {by[(k, p)]['tokens_per_s']:.0f}" for k in KINDS]
+        cells = [f"{old[(k, p)]['tokens_per_s']:.0f} | {by[(k, p)]['tokens_per_s']:.0f}" for k in kinds]
         ratios = [d[("pi", p)]["tokens_per_s"] / d[("dense", p)]["tokens_per_s"] for d in (old, by)]
         out.append(f"| {p:,} | " + " | ".join(cells) + f" | {ratios[0]:.2f}× | {ratios[1]:.2f}× |")
     return out
@@ -78,19 +82,21 @@ def before_after(result: dict) -> list[str]:
 def markdown(result: dict) -> str:
     m = result["machine"]
     rows = result["rows"]
+    kinds = result.get("kinds", KINDS)
     by = {(r["kind"], r["position"]): r for r in rows}
     positions = sorted({r["position"] for r in rows})
     out = [f"# Decoding benchmark ({m['processor']}, {m['cpu_count']} threads, torch {m['torch']})", "",
            f"`{result['command']}`; GPT `{result['config']}` config, vocab 256, batch 1, fp32, window 4, "
            f"period 16; {result['steps']} timed single-token steps per point, each point in a fresh process; "
            f"tokens/s: median of {result.get('repeats', 1)} interleaved repeats.",
-           "", "| position | " + " | ".join(f"{k} tok/s" for k in KINDS) + " | pi / dense | "
-           + " | ".join(f"{k} cache MiB" for k in KINDS) + " | " + " | ".join(f"{k} RSS MiB" for k in KINDS) + " |",
-           "|" + "---|" * (2 + 3 * len(KINDS))]
+           "", "| position | " + " | ".join(f"{k} tok/s" for k in kinds) + " | pi / dense | "
+           + " | ".join(f"{k} cache MiB" for k in kinds) + " | " + " | ".join(f"{k} RSS MiB" for k in kinds) + " |",
+           "|" + "---|" * (2 + 3 * len(kinds))]
     for p in positions:
-        r = [by[(k, p)] for k in KINDS]
+        r = [by[(k, p)] for k in kinds]
+        ratio = by[("pi", p)]["tokens_per_s"] / by[("dense", p)]["tokens_per_s"]
         out.append(f"| {p:,} | " + " | ".join(f"{x['tokens_per_s']:.0f}" for x in r)
-                   + f" | {r[0]['tokens_per_s'] / r[2]['tokens_per_s']:.2f}× | "
+                   + f" | {ratio:.2f}× | "
                    + " | ".join(f"{x['cache_mib']:.3f}" for x in r) + " | "
                    + " | ".join(f"{x['rss_mib']:.0f}" for x in r) + " |")
     if result.get("baseline_rows"):
@@ -106,6 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=1, help="measurements per point; the table gives medians")
     parser.add_argument("--name", default="decode_bench", help="file name of the results in --out")
     parser.add_argument("--config", default="tiny")
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KIND_CONFIG),
+                        help="what to measure (pi and dense always are)")
     parser.add_argument("--baseline", help="src folder of another piattn to measure alongside (before / after)")
     parser.add_argument("--threads", type=int, help="intra-op threads (default: torch's); 1 is steadier on a "
                         "shared machine, where two threads wait on each other")
@@ -116,11 +124,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.case:  # child process: one measurement, printed as JSON
         print(json.dumps(run_case(args.case[0], int(args.case[1]), args.steps, args.config)))
         return
+    kinds = [k for k in KIND_CONFIG if k in {"pi", "dense", *args.kinds}]
     codes = {"current": None, **({"baseline": str(Path(args.baseline).resolve())} if args.baseline else {})}
     runs: dict[tuple[str, str, int], list[dict]] = {}
     for repeat in range(args.repeats):
         for position in args.positions:
-            for kind in KINDS:
+            for kind in kinds:
                 for code, src in codes.items():
                     cmd = [sys.executable, __file__, "--case", kind, str(position), "--steps", str(args.steps),
                            "--config", args.config] + (["--threads", str(args.threads)] if args.threads else [])
@@ -128,13 +137,13 @@ def main(argv: list[str] | None = None) -> None:
                     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
                     row = json.loads(out)
                     runs.setdefault((code, kind, position), []).append(row)
-                    print(f"[{repeat + 1}/{args.repeats}] {code:8s} {kind:6s} position {position:>7,}: "
+                    print(f"[{repeat + 1}/{args.repeats}] {code:8s} {kind:8s} position {position:>7,}: "
                           f"{row['tokens_per_s']:8.1f} tok/s, cache {row['cache_mib']:8.3f} MiB, "
                           f"RSS {row['rss_mib']:6.0f} MiB", flush=True)
     rows = {code: [median_row(r) for (c, *_), r in runs.items() if c == code] for code in codes}
     command = "python benchmarks/decode_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
     result = dict(machine=machine_info(), command=command.strip(), config=args.config, steps=args.steps,
-                  repeats=args.repeats, rows=rows["current"])
+                  repeats=args.repeats, kinds=kinds, rows=rows["current"])
     if args.baseline:
         result.update(baseline=args.baseline, baseline_rows=rows["baseline"])
     table = markdown(result)
