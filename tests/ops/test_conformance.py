@@ -195,7 +195,7 @@ def test_random_shapes(backend):
 # A non-finite input value may only reach the outputs that read it (docs/design.md).
 
 NONFINITE_SHAPES = {"T40": (40, 4, 16), "wide": (70, 20, 30)}  # (T, window, period): a skip; windows > 16 rows
-# Fixed by the non-finite checks; triton and flex still carry a bad value across their tiles (see below).
+# Backends whose calls keep a bad value in the rows that read it; flex's kernels alone do not (see below).
 CONTAINED = tuple(name for name, b in REGISTRY.items() if b.contains_nonfinite)  # all but flex
 
 
