@@ -130,15 +130,7 @@ def test_period_beyond_length_is_local_attention_whatever_the_gate():
 def test_generate_with_pi_cache_matches_full_forwards(prompt_len):
     window, period, new = 3, 8, 24  # 3·period new tokens
     model = convert_to_pi(tiny_llama(), window=window, period=period)
-    randomize_gates(model)
-    prompt = tokens(2, prompt_len)
-    cache = PiCache(model.config)
-    with torch.no_grad():
-        out = model.generate(prompt, past_key_values=cache, max_new_tokens=new, do_sample=False,
-                             return_dict_in_generate=True, output_logits=True)
-        ids, logits = greedy_by_full_forwards(model, prompt, new)  # the oracle: no cache
-    assert torch.equal(out.sequences, ids)
-    torch.testing.assert_close(torch.stack(out.logits), logits, atol=ATOL, rtol=ATOL)
+    cache, _ = generate_with_pi_cache_and_compare(model, prompt_len, new)
 
     cfg = model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
@@ -341,6 +333,21 @@ def test_sinks_match_the_dense_masked_llama(period):
         torch.testing.assert_close(model(ids).logits, expected, atol=ATOL, rtol=ATOL)
 
 
+def generate_with_pi_cache_and_compare(model, prompt_len: int, new: int) -> tuple[PiCache, torch.Tensor]:
+    """Randomise `model`'s gates, generate `new` tokens greedily after a random prompt [2, prompt_len] with a
+    PiCache, assert the ids and logits equal `greedy_by_full_forwards`' (no cache); -> (the cache, the prompt)."""
+    randomize_gates(model)
+    prompt = tokens(2, prompt_len)
+    cache = PiCache(model.config)
+    with torch.no_grad():
+        out = model.generate(prompt, past_key_values=cache, max_new_tokens=new, do_sample=False,
+                             return_dict_in_generate=True, output_logits=True)
+        ids, logits = greedy_by_full_forwards(model, prompt, new)  # the oracle: no cache
+    assert torch.equal(out.sequences, ids)
+    torch.testing.assert_close(torch.stack(out.logits), logits, atol=ATOL, rtol=ATOL)
+    return cache, prompt
+
+
 def greedy_by_full_forwards(model, prompt: torch.Tensor, new: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy decoding of one unpadded batch by full forwards, no cache -> (ids, logits [new, B, V])."""
     ids, step_logits = prompt, []
@@ -355,15 +362,7 @@ def greedy_by_full_forwards(model, prompt: torch.Tensor, new: int) -> tuple[torc
 def test_generate_with_sinks_and_pi_cache_matches_full_forwards(prompt_len):
     window, period, sinks, new = 3, 8, 2, 20
     model = convert_to_pi(tiny_llama(), window=window, period=period, sinks=sinks)
-    randomize_gates(model)
-    prompt = tokens(2, prompt_len)
-    cache = PiCache(model.config)
-    with torch.no_grad():
-        out = model.generate(prompt, past_key_values=cache, max_new_tokens=new, do_sample=False,
-                             return_dict_in_generate=True, output_logits=True)
-        ids, logits = greedy_by_full_forwards(model, prompt, new)
-    assert torch.equal(out.sequences, ids)
-    torch.testing.assert_close(torch.stack(out.logits), logits, atol=ATOL, rtol=ATOL)
+    cache, prompt = generate_with_pi_cache_and_compare(model, prompt_len, new)
     cfg = model.config
     per_position = 2 * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (cfg.hidden_size // 4) * 4
     assert cache.nbytes == (max(window, period) + 1 + sinks) * per_position  # constant: ring + sinks
