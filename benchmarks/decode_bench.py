@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from piattn.benchmarking import fill_cache, machine_info, rss_kib, save_results
+from piattn.benchmarking import command_line, fill_cache, machine_info, rss_kib, save_results
 from piattn.models import GPT, GPTConfig
 
 # Kind name -> GPTConfig overrides; "pi-union" is π without the gate MLP (what the gate costs a step).
@@ -141,8 +141,8 @@ def main(argv: list[str] | None = None) -> None:
                           f"{row['tokens_per_s']:8.1f} tok/s, cache {row['cache_mib']:8.3f} MiB, "
                           f"RSS {row['rss_mib']:6.0f} MiB", flush=True)
     rows = {code: [median_row(r) for (c, *_), r in runs.items() if c == code] for code in codes}
-    command = "python benchmarks/decode_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    result = dict(machine=machine_info(), command=command.strip(), config=args.config, steps=args.steps,
+    command = command_line("benchmarks/decode_bench.py", argv)
+    result = dict(machine=machine_info(), command=command, config=args.config, steps=args.steps,
                   repeats=args.repeats, kinds=kinds, rows=rows["current"])
     if args.baseline:
         result.update(baseline=args.baseline, baseline_rows=rows["baseline"])

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from piattn.benchmarking import fill_cache, machine_info, reset_peak_rss, rss_kib, save_results
+from piattn.benchmarking import command_line, fill_cache, machine_info, reset_peak_rss, rss_kib, save_results
 from piattn.models import GPT, GPTConfig
 
 KINDS = ("dense", "local", "pi")
@@ -339,8 +339,8 @@ def main(argv: list[str] | None = None) -> int:
                         | {"skipped": case.get("skipped") or failed["skipped"]})
         else:
             rows.append(merge_rounds(results))
-    command = "python benchmarks/efficiency_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    result = dict(machine=machine_info(), command=command.strip(), device=args.device, dtype=args.dtype,
+    command = command_line("benchmarks/efficiency_bench.py", argv)
+    result = dict(machine=machine_info(), command=command, device=args.device, dtype=args.dtype,
                   vocab_size=args.vocab_size, batch=args.batch, repeats=args.repeats, decode_steps=args.decode_steps,
                   rounds=args.rounds, seconds=time.perf_counter() - started, rows=rows)
     table = markdown(result)

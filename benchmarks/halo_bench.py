@@ -21,7 +21,6 @@ import json
 import multiprocessing as mp
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -31,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from piattn.benchmarking import machine_info, save_results
+from piattn.benchmarking import command_line, machine_info, save_results
 from piattn.parallel import HaloPlan, sequence_parallel_pi_attention
 
 # The planned table's head layout: a 1B-class model's attention, one sequence, bf16.
@@ -255,8 +254,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     patterns = [(4, 16, True), (4, 16, False), (4, 300, True)]
     load_before = os.getloadavg()
-    command = "python benchmarks/halo_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    result = dict(machine=machine_info(), command=command.strip(), plan_shape=PLAN_SHAPE, planned=planned(),
+    command = command_line("benchmarks/halo_bench.py", argv)
+    result = dict(machine=machine_info(), command=command, plan_shape=PLAN_SHAPE, planned=planned(),
                   measured=measured_bytes(args.worlds, args.bytes_T, patterns),
                   time=timing(args.worlds, args.time_T, args.repeats))
     result["load_average_1min"] = dict(before=load_before[0], after=os.getloadavg()[0])

@@ -20,13 +20,12 @@ Fractions are of the target slots a scheme computes (padding) or of the targets 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from piattn.benchmarking import save_results
+from piattn.benchmarking import command_line, save_results
 from piattn.data.text import load_documents
 
 SEQ_LENS = (256, 1024, 4096)
@@ -91,8 +90,8 @@ def main(argv: list[str] | None = None) -> None:
         for split in splits:
             lengths = document_lengths(source, split)
             rows += [{"corpus": corpus, "split": split, **scheme_stats(lengths, S)} for S in args.seq_lens]
-    command = "python benchmarks/packing_stats.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    result = dict(command=command.strip(), seconds=time.perf_counter() - start, rows=rows)
+    command = command_line("benchmarks/packing_stats.py", argv)
+    result = dict(command=command, seconds=time.perf_counter() - start, rows=rows)
     table = markdown(result)
     if args.out:
         save_results(args.out, "packing", result, table)

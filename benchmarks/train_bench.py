@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from piattn.benchmarking import machine_info, rss_kib, save_results
+from piattn.benchmarking import command_line, machine_info, rss_kib, save_results
 from piattn.layers import ATTENTION
 from piattn.models import GPT, GPTConfig
 
@@ -111,8 +111,8 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(run_case(args.case[0], int(args.case[1]), args.tokens, args.repeats, args.config,
                                   args.compiled, args.threads)))
         return
-    command = "python benchmarks/train_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    result = dict(machine=machine_info(), command=command.strip(), config=args.config, tokens=args.tokens,
+    command = command_line("benchmarks/train_bench.py", argv)
+    result = dict(machine=machine_info(), command=command, config=args.config, tokens=args.tokens,
                   repeats=args.repeats, threads=args.threads, rows=[])
     for context in args.contexts:
         for kind, compiled in [(k, c) for k in args.kinds for c in (False, True) if not c or k in args.compile]:

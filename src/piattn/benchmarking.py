@@ -135,6 +135,11 @@ def fill_cache(cache, position: int, generator: torch.Generator) -> None:
         layer.seen = position
 
 
+def command_line(script: str, argv: list[str] | None) -> str:
+    """How to reproduce this run: `python SCRIPT` and its arguments (argv, or the process's when None)."""
+    return " ".join(["python", script, *(argv if argv is not None else sys.argv[1:])])
+
+
 def save_results(out: Path, name: str, result: dict, table: str) -> None:
     """Write a benchmark's result as out/NAME.json and its markdown table as out/NAME.md."""
     out.mkdir(parents=True, exist_ok=True)
