@@ -130,10 +130,11 @@ def tiny_model(attention: str, variant: str = "adaptive", **overrides) -> GPT:
     cfg = GPTConfig.from_name("tiny", attention=attention, variant=variant, vocab_size=50, n_layer=2,
                               d_model=32, n_head=2, window=3, period=8, dropout=0.0, **overrides)
     model = GPT(cfg).eval()
-    # gate biases away from 0.5 so that the gated variants differ from "union"
+    # gates away from 0.5 and varying per token, so that the gated variants differ from "union"
     for block in model.blocks:
         if getattr(block.attn, "gate", None) is not None:
             torch.nn.init.normal_(block.attn.gate[2].bias, std=2.0)
+            torch.nn.init.normal_(block.attn.gate[2].weight, std=1.0)  # α follows the token
     return model
 
 

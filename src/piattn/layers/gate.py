@@ -36,10 +36,9 @@ def _clip(eps: float, dtype: torch.dtype, device: torch.device) -> tuple[torch.T
     return torch.tensor(eps, dtype=dtype, device=device), torch.tensor(1 - 2 * eps, dtype=dtype, device=device)
 
 
-def gate_values(gate: nn.Sequential, x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [B, T, d] -> α̃ [B, H, T] in [ε, 1 − ε], in at least fp32.
+def gate_sigmoid(gate: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+    """x [B, T, d] -> σ(MLP(x)) [B, T, H], in at least fp32: the gate before its clip to [ε, 1 − ε].
 
-    At least fp32 because in bf16, ε + (1 − 2ε)·σ rounds to exactly 1 once σ > 0.998, outside (0, 1).
     The MLP's layers are applied as functions, which computes what calling the modules does without their
     per-call overhead (a decoding step is made of such small calls); a gate with hooks registered on it
     (someone wants them called) is called as a module.
@@ -47,9 +46,20 @@ def gate_values(gate: nn.Sequential, x: torch.Tensor, eps: float) -> torch.Tenso
     if any(m._forward_hooks or m._forward_pre_hooks for m in (gate, *gate)):
         s = gate(x)
     else:
-        first, _, last, _ = gate
-        s = F.linear(F.gelu(F.linear(x, first.weight, first.bias)), last.weight, last.bias).sigmoid()
-    if s.dtype not in (torch.float32, torch.float64):
-        s = s.float()
+        first, _, last, _ = gate._modules.values()
+        s = F.linear(F.gelu(F.linear(x, first.weight, first.bias)), last.weight, last.bias).sigmoid_()
+    return s if s.dtype in (torch.float32, torch.float64) else s.float()
+
+
+def clip_gate(s: torch.Tensor, eps: float) -> torch.Tensor:
+    """σ [B, T, H] -> α̃ = ε + (1 − 2ε)·σ [B, H, T], in [ε, 1 − ε].
+
+    σ in at least fp32 because in bf16, ε + (1 − 2ε)·σ rounds to exactly 1 once σ > 0.998, outside (0, 1).
+    """
     floor, width = _clip(eps, s.dtype, s.device)
     return torch.addcmul(floor, s, width).transpose(1, 2)
+
+
+def gate_values(gate: nn.Sequential, x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [B, T, d] -> α̃ [B, H, T] in [ε, 1 − ε], in at least fp32 (`gate_sigmoid`, then `clip_gate`)."""
+    return clip_gate(gate_sigmoid(gate, x), eps)

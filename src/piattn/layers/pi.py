@@ -10,7 +10,7 @@ from ..config import PI_DEFAULTS, ModelConfig, PiSettings
 from ..decoding.cache import RingCache
 from ..ops.pi.decode import decode_ring, decode_rows
 from .base import AttentionLayer
-from .gate import gate_mlp, gate_values
+from .gate import clip_gate, gate_mlp, gate_sigmoid, gate_values
 from .sharding import pi_operator
 
 
@@ -105,9 +105,15 @@ class PiAttention(AttentionLayer):
         return decode_rows(q, k, v, gate, **self._decode_kwargs)
 
     def attend_ring(self, q: torch.Tensor, cache: RingCache, x: torch.Tensor) -> torch.Tensor:
-        """One new query's output [B, H, 1, D] read from the ring `cache` that already holds its key."""
-        gate = self.gate_values(x)
+        """One new query's output [B, H, 1, D] read from the ring `cache` that already holds its key.
+
+        For "adaptive" the operator takes the gate's σ and folds its clip into the slot priors: the
+        gate is a third of a step's ops, and this saves two of them."""
+        if self.settings.variant != "adaptive":
+            gate, gate_is_sigmoid = self.gate_values(x), False
+        else:
+            gate, gate_is_sigmoid = gate_sigmoid(self.gate, x), True
         if self._gate_observer is not None:
-            self._gate_observer(gate.detach())
+            self._gate_observer((clip_gate(gate, self.settings.eps) if gate_is_sigmoid else gate).detach())
         return decode_ring(q, cache.kv, gate, capacity=cache.capacity, position=cache.seen - 1,
-                           **self._decode_kwargs)
+                           gate_is_sigmoid=gate_is_sigmoid, **self._decode_kwargs)

@@ -137,43 +137,50 @@ def decode_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.T
 
 def decode_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | None, *, capacity: int, position: int,
                 window: int, period: int, variant: str, prior: float, logit_clamp: float | None, eps: float,
-                scale: float, sinks: int = 0) -> torch.Tensor:
+                scale: float, sinks: int = 0, gate_is_sigmoid: bool = False) -> torch.Tensor:
     """`decode_rows` for one new query at `position`, read straight from a ring cache's storage.
 
     q [B, H, 1, D]; kv_store [2, B, H_kv, sinks + capacity, D], keys then values, of a `RingCache` that
-    already holds the new key (layout in `ring_slots`); gate [B, H, 1] or None. One gather for keys and
-    values, no reordering of the ring and no concatenation with the new row: the decoding step of
-    generation.
+    already holds the new key (layout in `ring_slots`); gate [B, H, 1] or None (α, or σ with
+    gate_is_sigmoid: see `decode_gathered`). One gather for keys and values, no reordering of the ring and
+    no concatenation with the new row: the decoding step of generation.
     """
     slot, valid, kind, n_local, n_skip = ring_slots(window, period, sinks, capacity, position, q.device)
-    kvg = kv_store.index_select(3, slot)
-    return decode_gathered(q, kvg[0], kvg[1], valid, kind, n_local, n_skip, gate, variant=variant, prior=prior,
-                           logit_clamp=logit_clamp, eps=eps, scale=scale)
+    # Gathered as rows of a [2·B·H_kv, N, D] view: index_select along a middle dim of the 5-d store is
+    # about twice as slow for these few rows.
+    two, B, H_kv, N, D = kv_store.shape
+    kg, vg = kv_store.view(two * B * H_kv, N, D).index_select(1, slot).view(two, B, H_kv, -1, D).unbind(0)
+    return decode_gathered(q, kg, vg, valid, kind, n_local, n_skip, gate, variant=variant, prior=prior,
+                           logit_clamp=logit_clamp, eps=eps, scale=scale, gate_is_sigmoid=gate_is_sigmoid)
 
 
 @functools.lru_cache(maxsize=16)
-def _constants(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(0, 1) and (1, −1), with which addcmul(offset, α, sign) is (α, 1 − α) in one op, exactly; and a 0-dim
-    tensor for baddbmm's ignored input (beta = 0)."""
-    return (torch.tensor((0.0, 1.0), dtype=dtype, device=device), torch.tensor((1.0, -1.0), dtype=dtype, device=device),
-            torch.zeros((), dtype=dtype, device=device))
+def _ignored(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 0-dim tensor for baddbmm's ignored input (beta = 0)."""
+    return torch.zeros((), dtype=dtype, device=device)
 
 
 @functools.lru_cache(maxsize=256)
-def _prior_map(kind: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[1, 2, S]: one-hot of each slot's prior (row 0 local, row 1 skip), so that the two log priors [R, g, 2]
-    times it add to the logits in one batched product (`kind` is one of the cached tensors of `_slots`)."""
-    return torch.nn.functional.one_hot(kind, 2).T.to(dtype)[None]
+def _prior_rows(kind: torch.Tensor, floor: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(offset, slope) [S] with which addcmul(offset, slope, s) is each slot's prior in one op (`kind` is one
+    of the cached tensors of `_slots`): for floor 0 and s = α, α on local and sink slots and 1 − α on the
+    skip slot, exactly; for floor ε and s = σ, the same for the clipped α = ε + (1 − 2ε)·σ."""
+    skip = kind.to(dtype)
+    sign = 1 - 2 * skip
+    return skip + floor * sign, (1 - 2 * floor) * sign
 
 
 def decode_gathered(q: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, valid: torch.Tensor | None,
                     kind: torch.Tensor, n_local: int, n_skip: int, gate: torch.Tensor | None, *, variant: str,
-                    prior: float, logit_clamp: float | None, eps: float, scale: float) -> torch.Tensor:
+                    prior: float, logit_clamp: float | None, eps: float, scale: float,
+                    gate_is_sigmoid: bool = False) -> torch.Tensor:
     """The rows of `decode_rows` from the keys and values each query reads, already gathered.
 
     q [B, H, t, D]; kg, vg [B, H_kv, t·S, D]: slot s of query j at row j·S + s (`Pattern` slot order, any
     key where the slot reads nothing); valid [t, S] bool or None (every slot reads a key); kind [S] int64,
-    0 for the local prior (local and sink slots), 1 for the skip prior; gate [B, H, t] or None.
+    0 for the local prior (local and sink slots), 1 for the skip prior; gate [B, H, t] or None: α, or
+    with gate_is_sigmoid (variant "adaptive" only) the σ whose clip ε + (1 − 2ε)·σ is α (a layer's own
+    gate, `piattn.layers.gate.gate_sigmoid`: the clip then costs no op of its own).
     Returns [B, H, t, D] in the dtype of q.
 
     Laid out as R = B·H_kv·t batched products of the g = H / H_kv query heads of a group against the S
@@ -191,8 +198,7 @@ def decode_gathered(q: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, valid: 
     k3, v3 = kg.view(R, S, D), vg.view(R, S, D)
     if q.dtype != acc:
         q3, k3, v3 = q3.to(acc), k3.to(acc), v3.to(acc)
-    offset, sign, ignored = _constants(acc, q.device)
-    z = torch.baddbmm(ignored, q3, k3.transpose(1, 2), beta=0, alpha=scale)  # [R, g, S]: Eq. (z)
+    z = torch.baddbmm(_ignored(acc, q.device), q3, k3.transpose(1, 2), beta=0, alpha=scale)  # [R, g, S]: Eq. (z)
     if logit_clamp is not None:
         z.clamp_(-logit_clamp, logit_clamp)
     a = None
@@ -200,8 +206,10 @@ def decode_gathered(q: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, valid: 
         a = gate.reshape(R, g, 1) if t == 1 else gate.view(B, H_kv, g, t).transpose(2, 3).reshape(R, g, 1)
         a = a if a.dtype == acc else a.to(acc)
     if variant == "adaptive":  # log max(α, ε) on local and sink slots, log max(1 − α, ε) on the skip slot
-        pair = torch.addcmul(offset, a, sign).clamp_min_(eps).log_()  # [R, g, 2]
-        z.baddbmm_(pair, _prior_map(kind, acc).expand(R, 2, S))  # + the pair's entry of each slot, exactly
+        if gate_is_sigmoid:  # α = ε + (1 − 2ε)·σ lies in [ε, 1 − ε]: the clip folds into the rows, no max
+            z.add_(torch.addcmul(*_prior_rows(kind, eps, acc), a).log_())
+        else:
+            z.add_(torch.addcmul(*_prior_rows(kind, 0.0, acc), a).clamp_min_(eps).log_())
     elif variant == "fixed":
         log_local, log_skip = log_priors(variant, None, prior, eps)
         z.add_(torch.tensor((log_local, log_skip), dtype=acc, device=z.device).index_select(0, kind))
