@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from piattn.benchmarking import machine_info, reset_peak_rss, rss_kib, save_results
+from piattn.benchmarking import command_line, machine_info, reset_peak_rss, rss_kib, save_results
 
 THREADS = (2, 1)
 BASE = "4084b3d"  # the last commit before the torch backend implemented sinks, GQA and documents
@@ -245,7 +245,8 @@ def main() -> None:
     load_before = [round(x, 1) for x in os.getloadavg()]
     gqa = [row for threads in args.threads for row in gqa_table(args.repeats, threads)]
     cost = [row for threads in args.threads for row in feature_cost(args.base, args.repeats, threads)]
-    result = dict(machine=machine_info(), threads=args.threads, command="PYTHONPATH=src python " + " ".join(sys.argv),
+    command = command_line("benchmarks/features_bench.py", None, from_source=True)
+    result = dict(machine=machine_info(), threads=args.threads, command=command,
                   load_before=load_before, load_after=[round(x, 1) for x in os.getloadavg()], gqa=gqa, cost=cost,
                   gqa_shape=GQA_SHAPE, cost_shape=COST_SHAPE, base=args.base)
     save_results(args.out, "features_cpu", result, markdown(result))

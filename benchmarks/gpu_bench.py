@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -43,7 +42,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import piattn
-from piattn.benchmarking import save_results
+from piattn.benchmarking import command_line, save_results
 
 OP = dict(window=4, period=16, causal=True, variant="adaptive", prior=0.5, logit_clamp=20.0, eps=1e-4)
 DTYPE = torch.bfloat16
@@ -480,7 +479,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("no CUDA device; use --smoke for the CPU run")
     setup = Setup(a.smoke, a.budget_s)
     result = dict(
-        command="PYTHONPATH=src python " + " ".join(["benchmarks/gpu_bench.py", *(argv or sys.argv[1:])]),
+        command=command_line("benchmarks/gpu_bench.py", argv, from_source=True),
         smoke=a.smoke, environment=environment(setup),
         config=dict(
             dtype=str(DTYPE).removeprefix("torch."), **OP, tolerance=TOL, check_shape=setup.check_shape,

@@ -21,6 +21,7 @@ recall_sweep.{json,md,png}: accuracy beside the analysis's coverage (the fractio
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 from concurrent.futures import ThreadPoolExecutor
@@ -35,41 +36,43 @@ from piattn.analysis import min_depth
 # to >= 0.9 on every lag within the budgets of recall.md (value-marker order, every position supervised).
 LENGTHS = {32: dict(window=2, period=8, sweep=((1, 2, 4, 8), (4, 8, 16, 32))),
            64: dict(window=4, period=16, sweep=((2, 4, 8, 16), (8, 16, 32, 64)))}
-TASK: dict = {}
-WINDOW = PERIOD = 0
-KINDS: dict[str, tuple] = {}  # kind name -> (attention, window, period, variant)
-SWEEP_WINDOWS: tuple[int, ...] = ()
-SWEEP_PERIODS: tuple[int, ...] = ()
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What a sequence length fixes: the task's flags, the π runs' pattern, the kinds and the sweep grid."""
+
+    task: dict
+    window: int
+    period: int
+    kinds: dict[str, tuple]  # kind name -> (attention, window, period, variant)
+    sweep_windows: tuple[int, ...]
+    sweep_periods: tuple[int, ...]
 
 
-def configure(seq_len: int) -> None:
-    """Set the task, the π pattern, the kinds and the sweep grid for sequences of `seq_len` tokens."""
-    global TASK, WINDOW, PERIOD, KINDS, SWEEP_WINDOWS, SWEEP_PERIODS
-    TASK = dict(seq_len=seq_len, symbols=8, order="value-marker", loss="every", layers=4, d_model=64, heads=4,
+def setup_for(seq_len: int) -> Setup:
+    """The `Setup` of sequences of `seq_len` tokens (a key of LENGTHS)."""
+    window, period = LENGTHS[seq_len]["window"], LENGTHS[seq_len]["period"]
+    task = dict(seq_len=seq_len, symbols=8, order="value-marker", loss="every", layers=4, d_model=64, heads=4,
                 batch=32, lag_min=2, lag_max=seq_len - 1)
-    WINDOW, PERIOD = LENGTHS[seq_len]["window"], LENGTHS[seq_len]["period"]
     # local k + 1 has as many keys per query as π with k
-    KINDS = {"dense": ("dense", None, None, None), f"local k={WINDOW}": ("local", WINDOW, None, None),
-             f"local k={WINDOW + 1}": ("local", WINDOW + 1, None, None),
-             "pi adaptive": ("pi", WINDOW, PERIOD, "adaptive"), "pi union": ("pi", WINDOW, PERIOD, "union")}
-    SWEEP_WINDOWS, SWEEP_PERIODS = LENGTHS[seq_len]["sweep"]
-
-
-configure(32)
+    kinds = {"dense": ("dense", None, None, None), f"local k={window}": ("local", window, None, None),
+             f"local k={window + 1}": ("local", window + 1, None, None),
+             "pi adaptive": ("pi", window, period, "adaptive"), "pi union": ("pi", window, period, "union")}
+    return Setup(task, window, period, kinds, *LENGTHS[seq_len]["sweep"])
 
 
 def slug(kind: str) -> str:
     return kind.replace(" ", "-").replace("=", "")
 
 
-def train_argv(attention: str, window: int | None, period: int | None, variant: str | None, seed: int,
+def train_argv(cfg: Setup, attention: str, window: int | None, period: int | None, variant: str | None, seed: int,
                steps: int, run: Path) -> list[str]:
-    argv = ["train", "--task", "recall", "--attention", attention, "--seq-len", str(TASK["seq_len"]),
-            "--recall-symbols", str(TASK["symbols"]), "--lag-min", str(TASK["lag_min"]),
-            "--lag-max", str(TASK["lag_max"]), "--recall-order", TASK["order"], "--recall-loss", TASK["loss"],
-            "--n-layer", str(TASK["layers"]),
-            "--d-model", str(TASK["d_model"]), "--n-head", str(TASK["heads"]), "--batch-size", str(TASK["batch"]),
-            "--train-size", "50000", "--eval-size", str(40 * (TASK["lag_max"] - TASK["lag_min"] + 1)),
+    task = cfg.task
+    argv = ["train", "--task", "recall", "--attention", attention, "--seq-len", str(task["seq_len"]),
+            "--recall-symbols", str(task["symbols"]), "--lag-min", str(task["lag_min"]),
+            "--lag-max", str(task["lag_max"]), "--recall-order", task["order"], "--recall-loss", task["loss"],
+            "--n-layer", str(task["layers"]),
+            "--d-model", str(task["d_model"]), "--n-head", str(task["heads"]), "--batch-size", str(task["batch"]),
+            "--train-size", "50000", "--eval-size", str(40 * (task["lag_max"] - task["lag_min"] + 1)),
             "--steps", str(steps), "--lr", "3e-3", "--min-lr", "3e-4", "--warmup", "30", "--dropout", "0",
             "--weight-decay", "0", "--eval-every", "0", "--save-every", "0", "--seed", str(seed),
             "--device", "cpu", "--no-progress", "--out", str(run)]
@@ -80,18 +83,18 @@ def train_argv(attention: str, window: int | None, period: int | None, variant: 
     return argv
 
 
-def marker_lag(lag: int) -> int:
+def marker_lag(cfg: Setup, lag: int) -> int:
     """Where the marker of a value `lag` back sits, as a lag from the query."""
-    return lag - 1 if TASK["order"] == "value-marker" else lag + 1
+    return lag - 1 if cfg.task["order"] == "value-marker" else lag + 1
 
 
-def reachable(window: int | None, period: int | None, lag: int) -> bool:
-    """Whether the query can read both the value (lag back) and its marker through TASK["layers"] causal
+def reachable(cfg: Setup, window: int | None, period: int | None, lag: int) -> bool:
+    """Whether the query can read both the value (lag back) and its marker through cfg.task["layers"] causal
     layers of this pattern (`min_depth`; window None: dense, which reaches everything)."""
     if window is None:
         return True
-    depths = [min_depth(d, window, period) for d in (lag, marker_lag(lag))]
-    return all(d is not None and d <= TASK["layers"] for d in depths)
+    depths = [min_depth(d, window, period) for d in (lag, marker_lag(cfg, lag))]
+    return all(d is not None and d <= cfg.task["layers"] for d in depths)
 
 
 def wall_seconds(run: Path) -> float:
@@ -100,13 +103,13 @@ def wall_seconds(run: Path) -> float:
     return max(r["wall_seconds"] for r in records if r["split"] == "train")
 
 
-def one_run(kind: str, spec: tuple, seed: int, steps: int, runs: Path) -> dict:
+def one_run(cfg: Setup, kind: str, spec: tuple, seed: int, steps: int, runs: Path) -> dict:
     """Train and test one run of spec = (attention, window, period, variant); its record for the JSON."""
     attention, window, period, variant = spec
     run = runs / f"{slug(kind)}-seed{seed}"
-    result = train_and_test(run, train_argv(attention, window, period, variant, seed, steps, run))
+    result = train_and_test(run, train_argv(cfg, attention, window, period, variant, seed, steps, run))
     return dict(kind=kind, attention=attention, window=window, period=period, variant=variant, seed=seed,
-                steps=steps, examples=steps * TASK["batch"], wall_seconds=round(wall_seconds(run), 1),
+                steps=steps, examples=steps * cfg.task["batch"], wall_seconds=round(wall_seconds(run), 1),
                 accuracy=result["accuracy"], chance=result["chance"],
                 accuracy_by_lag={int(k): v for k, v in result["accuracy_by_lag"].items()},
                 examples_by_lag={int(k): v for k, v in result["examples_by_lag"].items()})
@@ -141,38 +144,39 @@ def group_mean(rows: list[dict], kind: str, lags: list[int]) -> str:
     return f"{statistics.mean(per_seed):.2f}{spread} ({len(lags)})"
 
 
-def own_groups(spec: tuple, lags: list[int]) -> dict[str, list[int]]:
+def own_groups(cfg: Setup, spec: tuple, lags: list[int]) -> dict[str, list[int]]:
     """The lags a kind reaches within k·L of the π runs' window, those it reaches beyond, those it does not."""
     _, window, period, _ = spec
-    near = WINDOW * TASK["layers"]
-    yes = [lag for lag in lags if reachable(window, period, lag)]
-    return {"reachable ≤ kL": [lag for lag in yes if max(lag, marker_lag(lag)) <= near],
-            "reachable > kL": [lag for lag in yes if max(lag, marker_lag(lag)) > near],
+    near = cfg.window * cfg.task["layers"]
+    yes = [lag for lag in lags if reachable(cfg, window, period, lag)]
+    return {"reachable ≤ kL": [lag for lag in yes if max(lag, marker_lag(cfg, lag)) <= near],
+            "reachable > kL": [lag for lag in yes if max(lag, marker_lag(cfg, lag)) > near],
             "unreachable": [lag for lag in lags if lag not in yes]}
 
 
-def beyond_local(lags: list[int]) -> dict[str, list[int]]:
+def beyond_local(cfg: Setup, lags: list[int]) -> dict[str, list[int]]:
     """Lags beyond the reach of local k + 1 (so of every local run), split by whether π reaches them."""
-    far = [lag for lag in lags if not reachable(WINDOW + 1, None, lag)]
-    return {"π reaches": [lag for lag in far if reachable(WINDOW, PERIOD, lag)],
-            "π's gaps": [lag for lag in far if not reachable(WINDOW, PERIOD, lag)]}
+    far = [lag for lag in lags if not reachable(cfg, cfg.window + 1, None, lag)]
+    return {"π reaches": [lag for lag in far if reachable(cfg, cfg.window, cfg.period, lag)],
+            "π's gaps": [lag for lag in far if not reachable(cfg, cfg.window, cfg.period, lag)]}
 
 
-def summary_tables(rows: list[dict]) -> str:
+def summary_tables(cfg: Setup, rows: list[dict]) -> str:
     lags = sorted(rows[0]["accuracy_by_lag"])
-    kinds = [k for k in KINDS if any(r["kind"] == k for r in rows)]
-    columns = list(own_groups(KINDS[kinds[0]], lags))
+    kinds = [k for k in cfg.kinds if any(r["kind"] == k for r in rows)]
+    columns = list(own_groups(cfg, cfg.kinds[kinds[0]], lags))
     lines = [f"Mean test accuracy over the lags of each group, each kind by its own reachability (k·L = "
-             f"{WINDOW * TASK['layers']}: the π runs' window k = {WINDOW} times {TASK['layers']} layers); mean ± "
+             f"{cfg.window * cfg.task['layers']}: the π runs' window k = {cfg.window} times {cfg.task['layers']} "
+             "layers); mean ± "
              f"std over seeds, (number of lags); chance {rows[0]['chance']:.3f}.", "",
              "| kind | " + " | ".join(columns) + " | all lags | train wall s / run |",
              "|---|" + "---|" * (len(columns) + 2)]
     for kind in kinds:
-        cells = [group_mean(rows, kind, g) for g in own_groups(KINDS[kind], lags).values()]
+        cells = [group_mean(rows, kind, g) for g in own_groups(cfg, cfg.kinds[kind], lags).values()]
         wall = statistics.mean(r["wall_seconds"] for r in rows if r["kind"] == kind)
         lines.append(f"| {kind} | " + " | ".join(cells) + f" | {group_mean(rows, kind, lags)} | {wall:.0f} |")
-    far = beyond_local(lags)
-    lines += ["", f"Lags beyond local k = {WINDOW + 1}'s reach, split by π's: π reaches {far['π reaches']}, "
+    far = beyond_local(cfg, lags)
+    lines += ["", f"Lags beyond local k = {cfg.window + 1}'s reach, split by π's: π reaches {far['π reaches']}, "
               f"its gaps are {far['π' + chr(39) + 's gaps']}.", "",
               "| kind | " + " | ".join(far) + " |", "|---|" + "---|" * len(far)]
     for kind in kinds:
@@ -180,26 +184,26 @@ def summary_tables(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def depth(window: int, period: int | None, lag: int) -> int | None:
+def depth(cfg: Setup, window: int, period: int | None, lag: int) -> int | None:
     """The layers the query needs to read both the value and its marker (None: never)."""
-    depths = [min_depth(d, window, period) for d in (lag, marker_lag(lag))]
+    depths = [min_depth(d, window, period) for d in (lag, marker_lag(cfg, lag))]
     return None if None in depths else max(depths)
 
 
-def depth_table(rows: list[dict]) -> str:
+def depth_table(cfg: Setup, rows: list[dict]) -> str:
     """Accuracy of the windowed kinds by the depth their pattern needs for a lag (1 … layers, or never)."""
     lags = sorted(rows[0]["accuracy_by_lag"])
-    kinds = [k for k in KINDS if KINDS[k][1] is not None and any(r["kind"] == k for r in rows)]
-    levels = [*range(1, TASK["layers"] + 1), None]
-    names = [f"depth {level}" if level else f"> {TASK['layers']} (unreachable)" for level in levels]
+    kinds = [k for k in cfg.kinds if cfg.kinds[k][1] is not None and any(r["kind"] == k for r in rows)]
+    levels = [*range(1, cfg.task["layers"] + 1), None]
+    names = [f"depth {level}" if level else f"> {cfg.task['layers']} (unreachable)" for level in levels]
     lines = ["Accuracy by the layers a lag needs (the larger `min_depth` of value and marker); mean ± std "
              "over seeds, (number of lags):", "", "| kind | " + " | ".join(names) + " |",
              "|---|" + "---|" * len(names)]
     for kind in kinds:
-        _, window, period, _ = KINDS[kind]
-        need = {lag: depth(window, period, lag) for lag in lags}
+        _, window, period, _ = cfg.kinds[kind]
+        need = {lag: depth(cfg, window, period, lag) for lag in lags}
         cells = [group_mean(rows, kind, [lag for lag in lags if (need[lag] if need[lag] is None or need[lag] <=
-                                                                  TASK["layers"] else None) == level])
+                                                                  cfg.task["layers"] else None) == level])
                  for level in levels]
         lines.append(f"| {kind} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -224,24 +228,25 @@ def pyplot():
     return plt
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(cfg: Setup, rows: list[dict], path: Path) -> None:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
     lags = sorted(rows[0]["accuracy_by_lag"])
     for lag in lags:
-        if reachable(WINDOW, PERIOD, lag):
+        if reachable(cfg, cfg.window, cfg.period, lag):
             ax.axvspan(lag - 0.5, lag + 0.5, color="tab:orange", alpha=0.12, lw=0)
-    for kind in KINDS:
+    for kind in cfg.kinds:
         if any(r["kind"] == kind for r in rows):
             means = lag_means(rows, kind)
             ax.plot(lags, [means[lag] for lag in lags], marker=".", ms=4, lw=1, label=kind)
     ax.axhline(rows[0]["chance"], color="grey", ls=":", label="chance")
-    for window, style in ((WINDOW, "--"), (WINDOW + 1, "-.")):
-        ax.axvline(window * TASK["layers"] + 0.5, color="grey", ls=style, lw=0.8, label=f"k·L, k = {window}")
+    for window, style in ((cfg.window, "--"), (cfg.window + 1, "-.")):
+        ax.axvline(window * cfg.task["layers"] + 0.5, color="grey", ls=style, lw=0.8, label=f"k·L, k = {window}")
     ax.set_xlabel("lag (tokens from the value to the query)")
     ax.set_ylabel("test accuracy (mean over seeds)")
     ax.set_ylim(0, 1.05)
-    ax.set_title(f"Recall, {TASK['seq_len']} tokens, {TASK['layers']} layers, k = {WINDOW}, π = {PERIOD}; "
+    ax.set_title(f"Recall, {cfg.task['seq_len']} tokens, {cfg.task['layers']} layers, k = {cfg.window}, "
+                 f"π = {cfg.period}; "
                  "shaded: lags π reaches (value and marker)", fontsize=9)
     ax.legend(fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.15))
     fig.tight_layout()
@@ -249,16 +254,17 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def main_runs(args: argparse.Namespace) -> None:
-    order = ["dense", "pi adaptive", f"local k={WINDOW + 1}", "pi union", f"local k={WINDOW}"]  # most telling first
-    jobs = [(kind, KINDS[kind], seed, args.steps, args.runs) for seed in args.seeds for kind in order
+def main_runs(cfg: Setup, args: argparse.Namespace) -> None:
+    # most telling first
+    order = ["dense", "pi adaptive", f"local k={cfg.window + 1}", "pi union", f"local k={cfg.window}"]
+    jobs = [(cfg, kind, cfg.kinds[kind], seed, args.steps, args.runs) for seed in args.seeds for kind in order
             if kind in args.kinds]
     rows = run_all(jobs, args.jobs)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(dict(task=TASK, runs=rows), indent=1) + "\n")
-    tables = summary_tables(rows) + "\n\n" + depth_table(rows)
+    args.out.with_suffix(".json").write_text(json.dumps(dict(task=cfg.task, runs=rows), indent=1) + "\n")
+    tables = summary_tables(cfg, rows) + "\n\n" + depth_table(cfg, rows)
     write_tables(args.out.with_suffix(".md"), tables)
-    plot(rows, args.out.with_suffix(".png"))
+    plot(cfg, rows, args.out.with_suffix(".png"))
     print(tables)
 
 
@@ -266,40 +272,41 @@ def sweep_kind(window: int, period: int) -> str:
     return f"pi adaptive k={window} p={period}"
 
 
-def coverage(window: int, period: int, lags: list[int]) -> float:
-    """The fraction of `lags` the pattern reaches (value and marker) in TASK["layers"] layers."""
-    return sum(reachable(window, period, lag) for lag in lags) / len(lags)
+def coverage(cfg: Setup, window: int, period: int, lags: list[int]) -> float:
+    """The fraction of `lags` the pattern reaches (value and marker) in cfg.task["layers"] layers."""
+    return sum(reachable(cfg, window, period, lag) for lag in lags) / len(lags)
 
 
-def sweep_table(rows: list[dict]) -> str:
+def sweep_table(cfg: Setup, rows: list[dict]) -> str:
     lags = sorted(rows[0]["accuracy_by_lag"])
     lines = [f"π adaptive, {rows[0]['steps']} steps, seed(s) {sorted({r['seed'] for r in rows})}; each cell: mean "
              "test accuracy over all lags / over the lags the pattern reaches / over those it does not / "
              f"coverage (fraction of the {len(lags)} lags reached). Chance {rows[0]['chance']:.3f}.", "",
-             "| k \\ π | " + " | ".join(str(p) for p in SWEEP_PERIODS) + " |", "|---|" + "---|" * len(SWEEP_PERIODS)]
-    for window in SWEEP_WINDOWS:
+             "| k \\ π | " + " | ".join(str(p) for p in cfg.sweep_periods) + " |",
+             "|---|" + "---|" * len(cfg.sweep_periods)]
+    for window in cfg.sweep_windows:
         cells = []
-        for period in SWEEP_PERIODS:
+        for period in cfg.sweep_periods:
             kind = sweep_kind(window, period)
             if not any(r["kind"] == kind for r in rows):
-                cells.append(f"not run / {coverage(window, period, lags):.2f}")
+                cells.append(f"not run / {coverage(cfg, window, period, lags):.2f}")
                 continue
-            yes = [lag for lag in lags if reachable(window, period, lag)]
+            yes = [lag for lag in lags if reachable(cfg, window, period, lag)]
             no = [lag for lag in lags if lag not in yes]
             parts = [statistics.mean(seed_means(rows, kind, group)) if group else None for group in (lags, yes, no)]
             cells.append(" / ".join("—" if v is None else f"{v:.2f}" for v in parts)
-                         + f" / {coverage(window, period, lags):.2f}")
+                         + f" / {coverage(cfg, window, period, lags):.2f}")
         lines.append(f"| {window} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def plot_sweep(rows: list[dict], path: Path) -> None:
+def plot_sweep(cfg: Setup, rows: list[dict], path: Path) -> None:
     plt = pyplot()
     lags = sorted(rows[0]["accuracy_by_lag"])
     ran = {r["kind"] for r in rows}
     accuracy = [[statistics.mean(seed_means(rows, sweep_kind(w, p), lags)) if sweep_kind(w, p) in ran
-                 else float("nan") for p in SWEEP_PERIODS] for w in SWEEP_WINDOWS]
-    covered = [[coverage(w, p, lags) for p in SWEEP_PERIODS] for w in SWEEP_WINDOWS]
+                 else float("nan") for p in cfg.sweep_periods] for w in cfg.sweep_windows]
+    covered = [[coverage(cfg, w, p, lags) for p in cfg.sweep_periods] for w in cfg.sweep_windows]
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.6))
     for ax, grid, title in ((axes[0], accuracy, "test accuracy (all lags)"),
                             (axes[1], covered, "coverage: fraction of lags reachable")):
@@ -308,31 +315,31 @@ def plot_sweep(rows: list[dict], path: Path) -> None:
             for j, value in enumerate(row):
                 ax.text(j, i, "not run" if value != value else f"{value:.2f}", ha="center", va="center",
                         fontsize=8, color="white" if value <= 0.6 else "black")
-        ax.set_xticks(range(len(SWEEP_PERIODS)), [str(p) for p in SWEEP_PERIODS])
-        ax.set_yticks(range(len(SWEEP_WINDOWS)), [str(w) for w in SWEEP_WINDOWS])
+        ax.set_xticks(range(len(cfg.sweep_periods)), [str(p) for p in cfg.sweep_periods])
+        ax.set_yticks(range(len(cfg.sweep_windows)), [str(w) for w in cfg.sweep_windows])
         ax.set_xlabel("π")
         ax.set_ylabel("window k")
         ax.set_title(title, fontsize=9)
     fig.colorbar(image, ax=axes, shrink=0.8)
-    fig.suptitle(f"Recall sweep, π adaptive, {TASK['seq_len']} tokens, {TASK['layers']} layers, "
+    fig.suptitle(f"Recall sweep, π adaptive, {cfg.task['seq_len']} tokens, {cfg.task['layers']} layers, "
                  f"{rows[0]['steps']} steps", fontsize=9)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
 
-def main_sweep(args: argparse.Namespace) -> None:
-    jobs = [(sweep_kind(w, p), ("pi", w, p, "adaptive"), seed, args.steps, args.runs)
-            for seed in args.seeds for w in args.windows for p in SWEEP_PERIODS]
+def main_sweep(cfg: Setup, args: argparse.Namespace) -> None:
+    jobs = [(cfg, sweep_kind(w, p), ("pi", w, p, "adaptive"), seed, args.steps, args.runs)
+            for seed in args.seeds for w in args.windows for p in cfg.sweep_periods]
     if args.report:  # only the runs already finished: cells of the others stay empty
-        jobs = [job for job in jobs if list((args.runs / f"{slug(job[0])}-seed{job[2]}").glob("eval/*_test.json"))]
+        jobs = [job for job in jobs if list((args.runs / f"{slug(job[1])}-seed{job[3]}").glob("eval/*_test.json"))]
     rows = run_all(jobs, args.jobs)
-    if not args.report and set(args.windows) != set(SWEEP_WINDOWS):
+    if not args.report and set(args.windows) != set(cfg.sweep_windows):
         return  # part of the grid: the runs are kept, the tables wait for the whole grid (or --report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(dict(task=TASK, runs=rows), indent=1) + "\n")
-    table = sweep_table(rows)
+    args.out.with_suffix(".json").write_text(json.dumps(dict(task=cfg.task, runs=rows), indent=1) + "\n")
+    table = sweep_table(cfg, rows)
     write_tables(args.out.with_suffix(".md"), table)
-    plot_sweep(rows, args.out.with_suffix(".png"))
+    plot_sweep(cfg, rows, args.out.with_suffix(".png"))
     print(table)
 
 
@@ -340,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
     length = argparse.ArgumentParser(add_help=False)
     length.add_argument("--seq-len", type=int, default=32, choices=sorted(LENGTHS),
                         help="sequence length: sets the π pattern, the kinds and the sweep grid")
-    configure(length.parse_known_args(argv)[0].seq_len)
+    cfg = setup_for(length.parse_known_args(argv)[0].seq_len)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      parents=[length])
     parser.add_argument("--runs", type=Path, default=Path("runs/recall"))
@@ -349,14 +356,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sweep", action="store_true", help="π adaptive over windows × periods instead")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--steps", type=int, default=800)
-    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS), metavar="KIND",
-                        help=f"the kinds to run (default all: {', '.join(KINDS)})")
+    parser.add_argument("--kinds", nargs="+", default=list(cfg.kinds), choices=list(cfg.kinds), metavar="KIND",
+                        help=f"the kinds to run (default all: {', '.join(cfg.kinds)})")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (each one thread)")
-    parser.add_argument("--windows", type=int, nargs="+", default=list(SWEEP_WINDOWS), choices=SWEEP_WINDOWS,
+    parser.add_argument("--windows", type=int, nargs="+", default=list(cfg.sweep_windows), choices=cfg.sweep_windows,
                         help="--sweep: the rows of the grid to train (e.g. to split it over processes)")
     parser.add_argument("--report", action="store_true", help="--sweep: tables and figure of the finished runs only")
     args = parser.parse_args(argv)
-    (main_sweep if args.sweep else main_runs)(args)
+    (main_sweep if args.sweep else main_runs)(cfg, args)
 
 
 if __name__ == "__main__":

@@ -135,9 +135,12 @@ def fill_cache(cache, position: int, generator: torch.Generator) -> None:
         layer.seen = position
 
 
-def command_line(script: str, argv: list[str] | None) -> str:
-    """How to reproduce this run: `python SCRIPT` and its arguments (argv, or the process's when None)."""
-    return " ".join(["python", script, *(argv if argv is not None else sys.argv[1:])])
+def command_line(script: str, argv: list[str] | None, *, from_source: bool = False) -> str:
+    """How to reproduce this run: `python SCRIPT` and its arguments (argv, or the process's when None),
+    prefixed with `PYTHONPATH=src` when the script runs from a source tree without piattn installed (the
+    GPU machines)."""
+    words = ["python", script, *(argv if argv is not None else sys.argv[1:])]
+    return " ".join(["PYTHONPATH=src", *words] if from_source else words)
 
 
 def save_results(out: Path, name: str, result: dict, table: str) -> None:
