@@ -105,11 +105,16 @@ def pi_attention(
     )
 
 
-# What runs inside torch.compile, and where q has no values (meta and fake tensors): "torch" as a custom
-# operator (`compiled.py`), "reference" traced as is; imported here, since dynamo cannot trace the import in
-# `Backend.load`. "flex" builds its block mask with data-dependent shapes, and "triton" is not wrapped as an
-# operator yet: under torch.compile "auto" picks from these only (on CUDA, "torch" rather than "triton").
+# What runs inside torch.compile, and where q has no values (meta and fake tensors): "torch" and "triton" as
+# custom operators (`compiled.py`, the end of `triton.py`), "reference" traced as is; imported here, since
+# dynamo cannot trace the import in `Backend.load` ("triton" only where it can run, so that no other
+# install pays for importing triton). "flex" builds its block mask with data-dependent shapes: under
+# torch.compile "auto" picks from these only.
 _SYMBOLIC = {"torch": pi_attention_torch_op, "reference": pi_attention_reference}
+if REGISTRY["triton"].available():
+    from .triton import pi_attention_triton_op
+
+    _SYMBOLIC["triton"] = pi_attention_triton_op
 COMPILABLE = tuple(_SYMBOLIC)
 _COMPILE_ORDER = {device: tuple(n for n in order if n in COMPILABLE) for device, order in AUTO_ORDER.items()}
 
@@ -121,7 +126,7 @@ def _backend_name(requested: str, device: _torch.device, dtype: _torch.dtype, he
     Dynamo traces this. A ValueError raised here under torch.compile reaches the caller inside dynamo's
     error with fullgraph=True (message included); without fullgraph, dynamo runs the call eagerly.
     """
-    if compiling and requested in REGISTRY and requested not in COMPILABLE:
+    if compiling and requested in REGISTRY and requested not in COMPILABLE and REGISTRY[requested].available():
         raise ValueError(f"backend {requested!r} cannot run inside torch.compile; backends that can: "
                          f"{', '.join(map(repr, ('auto', *COMPILABLE)))}")
     registry = {name: REGISTRY[name] for name in COMPILABLE} if compiling else REGISTRY
@@ -132,8 +137,9 @@ def _backend_name(requested: str, device: _torch.device, dtype: _torch.dtype, he
 
 def _backend_function(name: str, q: _torch.Tensor):
     """The function of backend `name`. Where q holds no values (torch.compile, meta and fake tensors),
-    "torch" is the custom operator `piattn::pi_attention_fwd`; in eager, the autograd.Function it wraps (the
-    same computation: the operator's dispatch would add about 0.7 ms to each forward and backward)."""
+    "torch" and "triton" are their custom operators (`piattn::pi_attention_fwd`, `piattn::pi_triton_fwd`);
+    in eager, the autograd.Functions they wrap (the same computation: the operator's dispatch would add about
+    0.7 ms to each forward and backward of "torch")."""
     if name in _SYMBOLIC and is_symbolic(q):
         return _SYMBOLIC[name]
     return REGISTRY[name].load()

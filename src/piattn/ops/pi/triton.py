@@ -153,6 +153,20 @@ def triton_backward(dy, q, k, v, gate, keep, stats, launch: Launch, *, want_dgat
     return dq, dk, dv, dgate
 
 
+def triton_gradients(dy, q, k, v, gate, keep, stats, launch: Launch, settings: dict, *, want_dgate: bool,
+                     bounds=None):
+    """What both wrappers (`_PiAttentionTriton`, the operator `piattn::pi_triton_bwd`) run backward:
+    `triton_backward`, or for a call with a non-finite input or cotangent the "torch" backend's gradients.
+
+    The forward kernel keeps a bad value in the rows that read it, the backward kernels do not (their tiles
+    multiply masked slots by 0, and 0·NaN = NaN): such a call's gradients come from the "torch" backend,
+    which keeps it where it belongs. The check costs a host sync.
+    """
+    if not all_finite(q, k, v, gate, dy):
+        return _contained_gradients(dy, q, k, v, gate, keep, settings, want_dgate)
+    return triton_backward(dy, q, k, v, gate, keep, stats, launch, want_dgate=want_dgate, bounds=bounds)
+
+
 class _PiAttentionTriton(torch.autograd.Function):
     """Autograd around the launchers: q, k, v, gate differentiable; keep, the document bounds and launch
     are not."""
@@ -170,15 +184,8 @@ class _PiAttentionTriton(torch.autograd.Function):
         refuse_double_backward("triton")
         q, k, v, gate, keep, start, end, stats = ctx.saved_tensors
         want_dgate = gate is not None and ctx.needs_input_grad[3]
-        if not all_finite(q, k, v, gate, dy):
-            # The forward kernel keeps a bad value in the rows that read it, the backward kernels do not
-            # (their tiles multiply masked slots by 0, and 0·NaN = NaN): such a call's gradients come from
-            # the "torch" backend, which keeps it where it belongs. The check costs a host sync.
-            dq, dk, dv, dgate = _contained_gradients(dy, q, k, v, gate, keep, ctx.settings, want_dgate)
-        else:
-            bounds = None if start is None else (start, end)
-            dq, dk, dv, dgate = triton_backward(dy, q, k, v, gate, keep, stats, ctx.launch, want_dgate=want_dgate,
-                                                bounds=bounds)
+        dq, dk, dv, dgate = triton_gradients(dy, q, k, v, gate, keep, stats, ctx.launch, ctx.settings,
+                                             want_dgate=want_dgate, bounds=None if start is None else (start, end))
         return dq, dk, dv, dgate, None, None, None, None, None
 
 
@@ -193,6 +200,28 @@ def _contained_gradients(dy, q, k, v, gate, keep, settings: dict, want_dgate: bo
     return (*grads[:3], grads[3] if want_dgate else None)
 
 
+def _kernel_inputs(q, k, v, gate):
+    """q, k, v zero-padded to a head dim the kernels take (a power of two >= 16) and made contiguous, the
+    gate contiguous; and the head dim to slice the output back to."""
+    D = q.shape[-1]
+    d_pad = max(16, triton.next_power_of_2(D))
+    if d_pad != D:
+        q, k, v = (F.pad(x, (0, d_pad - D)) for x in (q, k, v))
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    return q, k, v, None if gate is None else gate.contiguous(), D
+
+
+def _unpadded(y: torch.Tensor, D: int) -> torch.Tensor:
+    return y if y.shape[-1] == D else y[..., :D]
+
+
+def _plan_for(q, k, keep, document_ids, window, period, causal, variant, prior, logit_clamp, eps, scale,
+              dropout_p, sinks) -> Launch:
+    return plan(q, window=window, period=period, causal=causal, variant=variant, prior=prior,
+                logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p, dropout=keep is not None,
+                sinks=sinks, kv_heads=k.shape[1], documents=document_ids is not None)
+
+
 def pi_attention_triton(q, k, v, gate, *, window, period, causal, variant, prior, logit_clamp, eps, scale,
                         dropout_keep, dropout_p, sinks=0, document_ids=None):
     """Same contract as `pi_attention_reference`: q [B, H, T, D], k, v [B, H_kv, T, D] -> [B, H, T, D] in
@@ -205,19 +234,94 @@ def pi_attention_triton(q, k, v, gate, *, window, period, causal, variant, prior
     which leaves every dot product unchanged, and the padding is sliced off the output (and, through
     autograd, off the gradients).
     """
-    D = q.shape[-1]
-    d_pad = max(16, triton.next_power_of_2(D))
-    if d_pad != D:
-        q, k, v = (F.pad(x, (0, d_pad - D)) for x in (q, k, v))
-    q, k, v = (x.contiguous() for x in (q, k, v))
-    gate = None if gate is None else gate.contiguous()
+    q, k, v, gate, D = _kernel_inputs(q, k, v, gate)
     keep = None if dropout_keep is None else dropout_keep.contiguous().view(torch.uint8)
     start, end = document_bounds_int32(document_ids) or (None, None)
-    launch = plan(q, window=window, period=period, causal=causal, variant=variant, prior=prior,
-                  logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p, dropout=keep is not None,
-                  sinks=sinks, kv_heads=k.shape[1], documents=document_ids is not None)
+    launch = _plan_for(q, k, keep, document_ids, window, period, causal, variant, prior, logit_clamp, eps, scale,
+                       dropout_p, sinks)
     settings = dict(window=window, period=period, causal=causal, variant=variant, prior=prior,
                     logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p, sinks=sinks,
                     document_ids=document_ids)
-    y = _PiAttentionTriton.apply(q, k, v, gate, keep, start, end, launch, settings)
-    return y if d_pad == D else y[..., :D]
+    return _unpadded(_PiAttentionTriton.apply(q, k, v, gate, keep, start, end, launch, settings), D)
+
+
+# The backend as PyTorch custom operators, what runs inside torch.compile (and on meta and fake tensors):
+# one opaque node each way, the kernels launched as in eager. Settings cross as ints, floats, bools and a
+# str, since an operator takes no other Python values; the launch plan is rebuilt from them.
+#
+#     piattn::pi_triton_fwd (q, k, v, gate, keep, document_ids, settings…) -> (y, stats)
+#     piattn::pi_triton_bwd (dy, q, k, v, gate, keep, document_ids, stats, want_gate, settings…) -> grads
+
+
+@torch.library.custom_op("piattn::pi_triton_fwd", mutates_args=())
+def pi_triton_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, keep: torch.Tensor | None,
+    document_ids: torch.Tensor | None, window: int, period: int, causal: bool, variant: str, prior: float,
+    logit_clamp: float | None, eps: float, scale: float, dropout_p: float, sinks: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y [B, H, T, D], stats fp32 [2, B·H, T]) for q, k, v as `_kernel_inputs` leaves them and keep the
+    bool dropout mask [B, H, T, |U|] or None."""
+    keep = None if keep is None else keep.view(torch.uint8)
+    launch = _plan_for(q, k, keep, document_ids, window, period, causal, variant, prior, logit_clamp, eps, scale,
+                       dropout_p, sinks)
+    return triton_forward(q, k, v, gate, keep, launch, document_bounds_int32(document_ids))
+
+
+@pi_triton_fwd.register_fake
+def _(q, k, v, gate, keep, document_ids, *settings):
+    B, H, T, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((2, B * H, T), dtype=torch.float32)
+
+
+@torch.library.custom_op("piattn::pi_triton_bwd", mutates_args=())
+def pi_triton_bwd(
+    dy: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None,
+    keep: torch.Tensor | None, document_ids: torch.Tensor | None, stats: torch.Tensor, want_gate: bool,
+    window: int, period: int, causal: bool, variant: str, prior: float, logit_clamp: float | None, eps: float,
+    scale: float, dropout_p: float, sinks: int,
+) -> list[torch.Tensor]:
+    """[dq, dk, dv], and dgate when `want_gate`, of `pi_triton_fwd` for the cotangent dy of its y."""
+    keep = None if keep is None else keep.view(torch.uint8)
+    launch = _plan_for(q, k, keep, document_ids, window, period, causal, variant, prior, logit_clamp, eps, scale,
+                       dropout_p, sinks)
+    settings = dict(window=window, period=period, causal=causal, variant=variant, prior=prior,
+                    logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p, sinks=sinks,
+                    document_ids=document_ids)
+    dq, dk, dv, dgate = triton_gradients(dy, q, k, v, gate, keep, stats, launch, settings, want_dgate=want_gate,
+                                         bounds=document_bounds_int32(document_ids))
+    return [dq, dk, dv, dgate] if want_gate else [dq, dk, dv]
+
+
+@pi_triton_bwd.register_fake
+def _(dy, q, k, v, gate, keep, document_ids, stats, want_gate, *settings):
+    grads = [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)]
+    return grads + [gate.new_empty(gate.shape)] if want_gate else grads
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, gate, keep, docs, *settings = inputs
+    ctx.settings = settings
+    ctx.save_for_backward(q, k, v, gate, keep, docs, output[1])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx, dy, _stats_grad):
+    refuse_double_backward("triton")
+    q, k, v, gate, keep, docs, stats = ctx.saved_tensors
+    want_gate = gate is not None and ctx.needs_input_grad[3]
+    grads = pi_triton_bwd(dy, q, k, v, gate, keep, docs, stats, want_gate, *ctx.settings)
+    # One gradient per input of pi_triton_fwd: q, k, v, gate, then keep, document_ids and 10 settings.
+    return (*grads[:3], grads[3] if want_gate else None) + (None,) * 12
+
+
+pi_triton_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def pi_attention_triton_op(q, k, v, gate, *, window, period, causal, variant, prior, logit_clamp, eps, scale,
+                           dropout_keep, dropout_p, sinks=0, document_ids=None):
+    """`pi_attention_triton` through the operator `piattn::pi_triton_fwd`: what torch.compile captures."""
+    q, k, v, gate, D = _kernel_inputs(q, k, v, gate)
+    keep = None if dropout_keep is None else dropout_keep.contiguous()
+    y, _ = pi_triton_fwd(q, k, v, gate, keep, document_ids, window, period, causal, variant, prior, logit_clamp,
+                         eps, scale, dropout_p, sinks)
+    return _unpadded(y, D)
