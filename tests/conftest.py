@@ -37,3 +37,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches and its shape guesses emptied before and after the test: torch.compile (and flex's
+    uncompiled path, which traces its wrapper with dynamo) otherwise carries state from earlier tests, e.g.
+    sizes marked dynamic, which has broken flex's trace (unbacked symbols)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

@@ -15,7 +15,7 @@ from piattn.models import GPT, GPTConfig
 from piattn.ops.pi.compiled import pi_attention_bwd, pi_attention_fwd, saved_layout
 from utils import make_inputs
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "fresh_dynamo")
 
 T = 40
 MODELS = {  # attention kind and its settings: gated π (Variant 3), separate π (Variant 1), local window
@@ -23,13 +23,6 @@ MODELS = {  # attention kind and its settings: gated π (Variant 3), separate π
     "pi-separate": dict(attention="pi", variant="separate", window=3, period=8),
     "local": dict(attention="local", window=3),
 }
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def tiny_gpt(kind: str) -> GPT:

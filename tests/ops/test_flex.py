@@ -66,6 +66,7 @@ def test_block_mask_is_cached():
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_score_mod_gradient_reaches_gate():
     """This backend's mask and score_mod, run by flex's uncompiled (dense, autograd) path, give the
     reference's gate gradient: torch allows that path on CPU as long as q, k, v do not require grad."""
@@ -82,6 +83,7 @@ def test_score_mod_gradient_reaches_gate():
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("variant", ["union", "fixed", "adaptive", "separate"])
 def test_all_features_uncompiled(variant, monkeypatch):
     """Sinks, documents and grouped-query attention through this backend's whole path (block masks per batch
