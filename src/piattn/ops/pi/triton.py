@@ -215,11 +215,19 @@ def _unpadded(y: torch.Tensor, D: int) -> torch.Tensor:
     return y if y.shape[-1] == D else y[..., :D]
 
 
-def _plan_for(q, k, keep, document_ids, window, period, causal, variant, prior, logit_clamp, eps, scale,
-              dropout_p, sinks) -> Launch:
-    return plan(q, window=window, period=period, causal=causal, variant=variant, prior=prior,
-                logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p, dropout=keep is not None,
-                sinks=sinks, kv_heads=k.shape[1], documents=document_ids is not None)
+def _call_settings(window, period, causal, variant, prior, logit_clamp, eps, scale, dropout_p, sinks,
+                   document_ids) -> dict:
+    """A call's keyword arguments but the dropout mask: what the "torch" fallback takes, and what `_plan_for`
+    plans the kernels from."""
+    return dict(window=window, period=period, causal=causal, variant=variant, prior=prior, logit_clamp=logit_clamp,
+                eps=eps, scale=scale, dropout_p=dropout_p, sinks=sinks, document_ids=document_ids)
+
+
+def _plan_for(q, k, keep, settings: dict) -> Launch:
+    """`plan` for kernel inputs q, k (`_kernel_inputs`), the uint8 keep mask or None and `_call_settings`."""
+    documents = settings["document_ids"] is not None
+    kw = {name: value for name, value in settings.items() if name != "document_ids"}
+    return plan(q, **kw, dropout=keep is not None, kv_heads=k.shape[1], documents=documents)
 
 
 def pi_attention_triton(q, k, v, gate, *, window, period, causal, variant, prior, logit_clamp, eps, scale,
@@ -237,11 +245,9 @@ def pi_attention_triton(q, k, v, gate, *, window, period, causal, variant, prior
     q, k, v, gate, D = _kernel_inputs(q, k, v, gate)
     keep = None if dropout_keep is None else dropout_keep.contiguous().view(torch.uint8)
     start, end = document_bounds_int32(document_ids) or (None, None)
-    launch = _plan_for(q, k, keep, document_ids, window, period, causal, variant, prior, logit_clamp, eps, scale,
-                       dropout_p, sinks)
-    settings = dict(window=window, period=period, causal=causal, variant=variant, prior=prior,
-                    logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p, sinks=sinks,
-                    document_ids=document_ids)
+    settings = _call_settings(window, period, causal, variant, prior, logit_clamp, eps, scale, dropout_p, sinks,
+                              document_ids)
+    launch = _plan_for(q, k, keep, settings)
     return _unpadded(_PiAttentionTriton.apply(q, k, v, gate, keep, start, end, launch, settings), D)
 
 
@@ -262,8 +268,8 @@ def pi_triton_fwd(
     """(y [B, H, T, D], stats fp32 [2, B·H, T]) for q, k, v as `_kernel_inputs` leaves them and keep the
     bool dropout mask [B, H, T, |U|] or None."""
     keep = None if keep is None else keep.view(torch.uint8)
-    launch = _plan_for(q, k, keep, document_ids, window, period, causal, variant, prior, logit_clamp, eps, scale,
-                       dropout_p, sinks)
+    launch = _plan_for(q, k, keep, _call_settings(window, period, causal, variant, prior, logit_clamp, eps, scale,
+                                                  dropout_p, sinks, document_ids))
     return triton_forward(q, k, v, gate, keep, launch, document_bounds_int32(document_ids))
 
 
@@ -282,13 +288,10 @@ def pi_triton_bwd(
 ) -> list[torch.Tensor]:
     """[dq, dk, dv], and dgate when `want_gate`, of `pi_triton_fwd` for the cotangent dy of its y."""
     keep = None if keep is None else keep.view(torch.uint8)
-    launch = _plan_for(q, k, keep, document_ids, window, period, causal, variant, prior, logit_clamp, eps, scale,
-                       dropout_p, sinks)
-    settings = dict(window=window, period=period, causal=causal, variant=variant, prior=prior,
-                    logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p, sinks=sinks,
-                    document_ids=document_ids)
-    dq, dk, dv, dgate = triton_gradients(dy, q, k, v, gate, keep, stats, launch, settings, want_dgate=want_gate,
-                                         bounds=document_bounds_int32(document_ids))
+    settings = _call_settings(window, period, causal, variant, prior, logit_clamp, eps, scale, dropout_p, sinks,
+                              document_ids)
+    dq, dk, dv, dgate = triton_gradients(dy, q, k, v, gate, keep, stats, _plan_for(q, k, keep, settings), settings,
+                                         want_dgate=want_gate, bounds=document_bounds_int32(document_ids))
     return [dq, dk, dv, dgate] if want_gate else [dq, dk, dv]
 
 
