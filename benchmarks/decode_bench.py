@@ -8,7 +8,8 @@ process's resident set after the timed steps. With `--repeats R` every point is 
 repeats interleaved (all points once, then all again) so that a slow spell of a shared machine touches
 every kind alike, and the table gives the median tokens/s. With `--baseline DIR` (the `src` folder of
 another checkout of piattn, e.g. an older commit unpacked with `git archive`) every point is also measured
-with that code, interleaved with the current one, and a before / after table is added.
+with that code, interleaved with the current one, and a before / after table is added. Within a process
+the steps are timed in blocks of 16 and a point's time per token is the median block's.
 
     python benchmarks/decode_bench.py --out benchmarks/results          # 512 … 128K, ~3 min on 2 cores
     python benchmarks/decode_bench.py --out benchmarks/results --threads 1 --repeats 5 \
@@ -45,15 +46,24 @@ def run_case(kind: str, position: int, steps: int, config: str) -> dict:
     cache = model.init_cache(1)
     fill_cache(cache, position, torch.Generator().manual_seed(0))
     token = torch.zeros(1, 1, dtype=torch.long)
+    blocks = []
     with torch.no_grad():
-        for _ in range(3):  # warm-up: first calls allocate and pick kernels
+        for _ in range(3):  # warm-up: first calls allocate and pick kernels (and build the compiled step)
             token = model(token, cache)[:, -1].argmax(-1, keepdim=True)
-        start = time.perf_counter()
-        for _ in range(steps):
-            token = model(token, cache)[:, -1].argmax(-1, keepdim=True)
-        elapsed = time.perf_counter() - start
-    return dict(kind=kind, position=position, steps=steps, tokens_per_s=steps / elapsed,
-                ms_per_token=1000 * elapsed / steps, cache_mib=cache.nbytes / 2**20, rss_mib=rss_kib("VmRSS") / 1024)
+        for size in block_sizes(steps):
+            start = time.perf_counter()
+            for _ in range(size):
+                token = model(token, cache)[:, -1].argmax(-1, keepdim=True)
+            blocks.append((time.perf_counter() - start) / size)
+    per_token = statistics.median(blocks)
+    return dict(kind=kind, position=position, steps=steps, tokens_per_s=1 / per_token, ms_per_token=1000 * per_token,
+                cache_mib=cache.nbytes / 2**20, rss_mib=rss_kib("VmRSS") / 1024)
+
+
+def block_sizes(steps: int) -> list[int]:
+    """The timed steps cut into blocks of 16 (the last one shorter): a step's time is the median of the
+    blocks' means, so that a spell of a shared machine's other work touches one block, not the figure."""
+    return [16] * (steps // 16) + ([steps % 16] if steps % 16 else [])
 
 
 def median_row(repeats: list[dict]) -> dict:
@@ -87,8 +97,9 @@ def markdown(result: dict) -> str:
     positions = sorted({r["position"] for r in rows})
     out = [f"# Decoding benchmark ({m['processor']}, {m['cpu_count']} threads, torch {m['torch']})", "",
            f"`{result['command']}`; GPT `{result['config']}` config, vocab 256, batch 1, fp32, window 4, "
-           f"period 16; {result['steps']} timed single-token steps per point, each point in a fresh process; "
-           f"tokens/s: median of {result.get('repeats', 1)} interleaved repeats.",
+           f"period 16; {result['steps']} timed single-token steps per point, each point in a fresh process, timed "
+           f"in blocks of 16 (a point: its median block); tokens/s: median of {result.get('repeats', 1)} "
+           "interleaved repeats.",
            "", "| position | " + " | ".join(f"{k} tok/s" for k in kinds) + " | pi / dense | "
            + " | ".join(f"{k} cache MiB" for k in kinds) + " | " + " | ".join(f"{k} RSS MiB" for k in kinds) + " |",
            "|" + "---|" * (2 + 3 * len(kinds))]

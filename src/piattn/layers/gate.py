@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..ops.pi.decode import gate_tail
+
 
 def gate_mlp(d_model: int, n_heads: int, hidden: int | None = None) -> nn.Sequential:
     """Linear(d, hidden) → GELU → Linear(hidden, H) → Sigmoid, hidden d/2 by default (the paper's).
@@ -36,19 +38,23 @@ def _clip(eps: float, dtype: torch.dtype, device: torch.device) -> tuple[torch.T
     return torch.tensor(eps, dtype=dtype, device=device), torch.tensor(1 - 2 * eps, dtype=dtype, device=device)
 
 
+def gate_hooked(gate: nn.Sequential) -> bool:
+    """Whether someone registered forward hooks on the gate MLP or its layers (then it is called as a module)."""
+    return any(m._forward_hooks or m._forward_pre_hooks for m in (gate, *gate))
+
+
 def gate_sigmoid(gate: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
     """x [B, T, d] -> σ(MLP(x)) [B, T, H], in at least fp32: the gate before its clip to [ε, 1 − ε].
 
-    The MLP's layers are applied as functions, which computes what calling the modules does without their
-    per-call overhead (a decoding step is made of such small calls); a gate with hooks registered on it
-    (someone wants them called) is called as a module.
+    The MLP's layers are applied as functions (`gate_tail` after the first linear), which computes what
+    calling the modules does without their per-call overhead (a decoding step is made of such small
+    calls); a gate with hooks registered on it (someone wants them called) is called as a module.
     """
-    if any(m._forward_hooks or m._forward_pre_hooks for m in (gate, *gate)):
+    if gate_hooked(gate):
         s = gate(x)
-    else:
-        first, _, last, _ = gate._modules.values()
-        s = F.linear(F.gelu(F.linear(x, first.weight, first.bias)), last.weight, last.bias).sigmoid_()
-    return s if s.dtype in (torch.float32, torch.float64) else s.float()
+        return s if s.dtype in (torch.float32, torch.float64) else s.float()
+    first, _, last, _ = gate._modules.values()
+    return gate_tail(F.linear(x, first.weight, first.bias), last.weight, last.bias)
 
 
 def clip_gate(s: torch.Tensor, eps: float) -> torch.Tensor:

@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.nn import functional as F
 
 from ..config import PI_DEFAULTS, ModelConfig, PiSettings
 from ..decoding.cache import RingCache
 from ..ops.pi.decode import decode_ring, decode_rows
 from .base import AttentionLayer
-from .gate import clip_gate, gate_mlp, gate_sigmoid, gate_values
+from .gate import gate_hooked, gate_mlp, gate_values
 from .sharding import pi_operator
 
 
@@ -107,13 +108,15 @@ class PiAttention(AttentionLayer):
     def attend_ring(self, q: torch.Tensor, cache: RingCache, x: torch.Tensor) -> torch.Tensor:
         """One new query's output [B, H, 1, D] read from the ring `cache` that already holds its key.
 
-        For "adaptive" the operator takes the gate's σ and folds its clip into the slot priors: the
-        gate is a third of a step's ops, and this saves two of them."""
-        if self.settings.variant != "adaptive":
-            gate, gate_is_sigmoid = self.gate_values(x), False
-        else:
-            gate, gate_is_sigmoid = gate_sigmoid(self.gate, x), True
+        For "adaptive" the operator takes the gate MLP's hidden pre-activation and its last layer, and
+        finishes the gate itself (GELU, linear, σ, clip: in the compiled step, one call for all of it);
+        a gate someone observes or hooks is computed whole here instead."""
+        kwargs = dict(capacity=cache.capacity, position=cache.seen - 1, **self._decode_kwargs)
+        if self.settings.variant == "adaptive" and self._gate_observer is None and not gate_hooked(self.gate):
+            first, _, last, _ = self.gate._modules.values()
+            hidden = F.linear(x, first.weight, first.bias)
+            return decode_ring(q, cache.kv, hidden, gate_head=(last.weight, last.bias), **kwargs)
+        gate = self.gate_values(x)
         if self._gate_observer is not None:
-            self._gate_observer((clip_gate(gate, self.settings.eps) if gate_is_sigmoid else gate).detach())
-        return decode_ring(q, cache.kv, gate, capacity=cache.capacity, position=cache.seen - 1,
-                           gate_is_sigmoid=gate_is_sigmoid, **self._decode_kwargs)
+            self._gate_observer(gate.detach())
+        return decode_ring(q, cache.kv, gate, **kwargs)

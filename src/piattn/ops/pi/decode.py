@@ -18,8 +18,10 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch.nn import functional as F
 
 from ...config.pi import PI_DEFAULTS, check_pi_settings
+from . import native
 from .pattern import Pattern, log_priors
 from .validate import _check_gate, check_qkv_tensors
 
@@ -135,17 +137,46 @@ def decode_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.T
                            logit_clamp=logit_clamp, eps=eps, scale=scale)
 
 
+def gate_tail(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The gate MLP after its first linear layer (Eq. app_gate): hidden [B, T, n_hidden] pre-activation ->
+    σ(weight·GELU(hidden) + bias) [B, T, H], in at least fp32 (`piattn.layers.gate.gate_mlp`)."""
+    s = F.linear(F.gelu(hidden), weight, bias).sigmoid_()
+    return s if s.dtype in (torch.float32, torch.float64) else s.float()
+
+
 def decode_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | None, *, capacity: int, position: int,
                 window: int, period: int, variant: str, prior: float, logit_clamp: float | None, eps: float,
-                scale: float, sinks: int = 0, gate_is_sigmoid: bool = False) -> torch.Tensor:
+                scale: float, sinks: int = 0,
+                gate_head: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`decode_rows` for one new query at `position`, read straight from a ring cache's storage.
 
     q [B, H, 1, D]; kv_store [2, B, H_kv, sinks + capacity, D], keys then values, of a `RingCache` that
-    already holds the new key (layout in `ring_slots`); gate [B, H, 1] or None (α, or σ with
-    gate_is_sigmoid: see `decode_gathered`). One gather for keys and values, no reordering of the ring and
-    no concatenation with the new row: the decoding step of generation.
+    already holds the new key (layout in `ring_slots`); gate [B, H, 1] α or None. With gate_head =
+    (weight [H, n_hidden], bias [H]), the last layer of the gate MLP (variant "adaptive" only), gate is
+    instead the MLP's hidden pre-activation [B, 1, n_hidden] and α = ε + (1 − 2ε)·σ(weight·GELU(gate) +
+    bias) is computed here (`gate_tail`).
+
+    The step of generation: one call of the compiled C step (`native.ring_step`) where it applies, else one
+    gather for keys and values and `decode_gathered`, with no reordering of the ring and no concatenation
+    with the new row.
     """
     slot, valid, kind, n_local, n_skip = ring_slots(window, period, sinks, capacity, position, q.device)
+    if variant != "separate":
+        if gate_head is not None:
+            mode, extra = native.PRIOR_HIDDEN, dict(gate=gate, gate_weight=gate_head[0], gate_bias=gate_head[1])
+        elif variant == "adaptive":
+            mode, extra = native.PRIOR_ALPHA, dict(gate=gate)
+        elif variant == "fixed":
+            mode, extra = native.PRIOR_CONST, dict(log_priors=log_priors(variant, None, prior, eps))
+        else:
+            mode, extra = native.PRIOR_NONE, {}
+        y = native.ring_step(q, kv_store, slot, valid, kind, prior_mode=mode, logit_clamp=logit_clamp, eps=eps,
+                             scale=scale, **extra)
+        if y is not None:
+            return y
+    gate_is_sigmoid = gate_head is not None
+    if gate_is_sigmoid:
+        gate = gate_tail(gate, *gate_head).transpose(1, 2)
     # Gathered as rows of a [2·B·H_kv, N, D] view: index_select along a middle dim of the 5-d store is
     # about twice as slow for these few rows.
     two, B, H_kv, N, D = kv_store.shape
@@ -179,8 +210,8 @@ def decode_gathered(q: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, valid: 
     q [B, H, t, D]; kg, vg [B, H_kv, t·S, D]: slot s of query j at row j·S + s (`Pattern` slot order, any
     key where the slot reads nothing); valid [t, S] bool or None (every slot reads a key); kind [S] int64,
     0 for the local prior (local and sink slots), 1 for the skip prior; gate [B, H, t] or None: α, or
-    with gate_is_sigmoid (variant "adaptive" only) the σ whose clip ε + (1 − 2ε)·σ is α (a layer's own
-    gate, `piattn.layers.gate.gate_sigmoid`: the clip then costs no op of its own).
+    with gate_is_sigmoid (variant "adaptive" only) the σ whose clip ε + (1 − 2ε)·σ is α (`gate_tail`: the
+    clip then costs no op of its own).
     Returns [B, H, t, D] in the dtype of q.
 
     Laid out as R = B·H_kv·t batched products of the g = H / H_kv query heads of a group against the S
