@@ -142,7 +142,8 @@ def _record_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """
     if hasattr(module, "pi_gate"):
         module._pi_gate_input = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-    cache = kwargs.get("past_key_values")
+    # transformers 5.24 renamed the modules' `past_key_values` argument to `cache`; earlier 5.x pass the former.
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if isinstance(cache, PiCache):
         layer = cache.layers[module.layer_idx]
         mask = kwargs.get("attention_mask")
