@@ -137,7 +137,7 @@ def ring_step(q: torch.Tensor, kv_store: torch.Tensor, slot: torch.Tensor, valid
             or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))):
         return None
     B, H, _, D = q.shape
-    two, _, H_kv, N, _ = kv_store.shape
+    _, _, H_kv, N, _ = kv_store.shape
     if not kv_store.is_contiguous() or q.stride(3) != 1:
         return None
     gate_ptr, gate_sb, n_hidden, w_ptr, b_ptr = None, 0, 0, None, None
