@@ -232,7 +232,6 @@ def _mixed_documents(T: int) -> torch.Tensor:
 
 
 def _all_features_core(backend, variant, causal):
-    # flex: a compile per case, up to a minute on a busy CPU; test_flex.py runs this path uncompiled.
     return backend == "triton" and variant == "adaptive"
 
 

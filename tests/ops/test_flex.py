@@ -82,15 +82,10 @@ def test_score_mod_gradient_reaches_gate():
     assert_close("dgate", *(torch.autograd.grad(y, gate, dy)[0] for y in (expected, actual)))
 
 
-@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-@pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("variant", ["union", "fixed", "adaptive", "separate"])
-def test_all_features_uncompiled(variant, monkeypatch):
-    """Sinks, documents and grouped-query attention through this backend's whole path (block masks per batch
-    row, mask_mod, score_mod, enable_gqa, the "separate" mix), with flex's uncompiled dense path in place of
-    the compiled kernel (seconds instead of a compile per case; test_features.py runs the compiled one with
-    -m slow): the reference's forward."""
-    monkeypatch.setattr(flex, "_compiled_flex", lambda: flex_attention)
+def test_all_features_cpu(variant):
+    """Sinks, documents and grouped-query attention through this backend's whole path on CPU (block masks
+    per batch row, mask_mod, score_mod, enable_gqa, the "separate" mix): the reference's forward."""
     q, k, v, gate = make_inputs(2, 4, 45, 16, variant=variant, dtype=torch.float32, requires_grad=False)
     k, v = k[:, :2], v[:, :2]
     ids = torch.tensor([[0] * 10 + [1] * 20 + [0] * 15, [t // 7 for t in range(45)]])
@@ -100,6 +95,28 @@ def test_all_features_uncompiled(variant, monkeypatch):
             expected = piattn.pi_attention(q, k, v, gate, backend="reference", **kw)
             actual = piattn.pi_attention(q, k, v, gate, backend="flex", **kw)
         assert_close(f"y ({'causal' if causal else 'bidir'})", expected, actual)
+
+
+@pytest.mark.parametrize("T", [24, 40, 56])
+@pytest.mark.parametrize("seed", range(4))
+def test_cpu_rows_all_written(T, seed):
+    """Every output row on CPU, at the lengths (T = 8 mod 16) where torch 2.13's compiled CPU kernel left
+    rows unwritten (zeros or NaN) for this sliding-window pattern: the reference's forward."""
+    q, k, v, gate = make_inputs(1, 2, T, 16, dtype=torch.float32, requires_grad=False, seed=seed)
+    with torch.no_grad():
+        expected = piattn.pi_attention(q, k, v, gate, backend="reference", **PATTERN)
+        actual = piattn.pi_attention(q, k, v, gate, backend="flex", **PATTERN)
+    assert_close("y", expected, actual)
+
+
+def test_cpu_says_it_runs_uncompiled():
+    """The CPU path is a different kernel from the GPU's: the user is told once, in one line, and why."""
+    flex._say_once.cache_clear()
+    q, k, v, gate = make_inputs(1, 1, 9, 8, dtype=torch.float32, requires_grad=False)
+    with pytest.warns(UserWarning, match="uncompiled on CPU") as record, torch.no_grad():
+        piattn.pi_attention(q, k, v, gate, backend="flex", **PATTERN)
+        piattn.pi_attention(q, k, v, gate, backend="flex", **PATTERN)
+    assert sum("uncompiled on CPU" in str(w.message) for w in record) == 1
 
 
 def test_direct_call_takes_no_dropout_mask():

@@ -21,7 +21,9 @@ two normalised outputs with α outside the kernel. Gradients reach the gate thro
 tensor (flex's backward scatters into captured buffers) or, for "separate", through the mixing.
 
 Limits (torch's or this backend's), declared in `backends.py` and checked by `pi_attention`:
-- CPU: forward only (torch's flex has no CPU backward).
+- CPU: forward only (torch's flex has no CPU backward), and uncompiled (`_flex_kernel`): torch's compiled
+  CPU kernel was found to leave output rows unwritten (zeros or NaN) for sliding-window masks (torch 2.13,
+  AVX2, e.g. T = 24, 40, 56), while the uncompiled path is right; it materialises the [T, T] scores.
 - float64: not supported by flex's kernels.
 - dropout_p > 0: flex cannot apply the per-slot keep mask that every other backend shares.
 """
@@ -29,6 +31,7 @@ Limits (torch's or this backend's), declared in `backends.py` and checked by `pi
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -42,10 +45,36 @@ DEFAULT_BLOCK_SIZE = 128  # flex's own default tile
 _RECOMPILE_LIMIT = 128
 
 
+CPU_NOTICE = (
+    "backend 'flex' runs FlexAttention uncompiled on CPU ([T, T] scores in memory): torch's compiled CPU "
+    "kernel was found to leave output rows unwritten; use backend='torch' for speed on CPU"
+)
+
+
 @functools.cache
 def _compiled_flex():
     """flex_attention under torch.compile (the fused kernel), built once per process."""
     return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex_kernel(device: torch.device):
+    """The flex_attention to call on `device`: the compiled kernel, except on CPU (see the module's Limits),
+    where torch's uncompiled path runs instead and says so once per process (`CPU_NOTICE`)."""
+    if device.type != "cpu":
+        return _compiled_flex()
+    _say_once(CPU_NOTICE)
+
+    def uncompiled(*args, **kwargs):
+        with warnings.catch_warnings():  # torch's own warning about the same choice, replaced by ours
+            warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
+            return flex_attention(*args, **kwargs)
+
+    return uncompiled
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    warnings.warn(message, stacklevel=4)
 
 
 def _mask_mod(window: int, period: int, causal: bool, part: str, sinks: int = 0, start: torch.Tensor | None = None):
@@ -208,7 +237,7 @@ def pi_attention_flex(
             mask = _build_block_mask(pat, T, document_ids, q.device, block_size, part)
         mod = _score_mod(window, period, logit_clamp, priors)
         with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
-            return _compiled_flex()(
+            return _flex_kernel(q.device)(
                 q, k, v, score_mod=mod, block_mask=mask, scale=scale, kernel_options=options,
                 enable_gqa=k.shape[1] != q.shape[1],
             )
