@@ -277,6 +277,64 @@ def _fmt_shape(shape) -> str:
     return str(tuple(int(n) for n in shape))
 
 
+class _BeyondWeights(Exception):
+    """A model being built in `check_weight_shapes` has a parameter its weights file cannot hold."""
+
+
+def check_weight_shapes(ckpt: Path, build: Callable[[], nn.Module]) -> None:
+    """ValueError naming model.safetensors unless the model `build()` makes has exactly the tensors the file
+    holds, each of the stored shape; checked before any memory is spent on the model.
+
+    The model is built on the meta device (shapes only, no storage) and compared with the file's header
+    (no tensor read), so a config.json that asks for a far larger model than its weights (a crafted or
+    edited checkpoint) is refused instead of allocated. safetensors refuses a header whose tensors do not
+    fill the file exactly, so a model that passes takes about the file's size. A tied tensor stored once
+    counts as present under each of its names. The first meta build of a process costs about 2 s (torch
+    loads its Python reference ops).
+    """
+    file = Path(ckpt) / MODEL_FILE
+    _require_file(file)
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            saved = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118 (not a dict)
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ValueError(f"{file}: not a readable safetensors file ({_one_line(err)})") from None
+    shapes, registered = set(saved.values()), 0
+
+    def stop_at_unknown(module: nn.Module, name: str, param: torch.Tensor) -> None:
+        # Even on the meta device a config's 5,000 layers take a minute to build: stop at the first
+        # parameter the file cannot hold. A stored tensor counts at most twice (tied: two names).
+        nonlocal registered
+        registered += 1
+        if tuple(param.shape) not in shapes or registered > 2 * len(saved):
+            shown = f"{type(module).__name__}.{name} of shape {_fmt_shape(param.shape)}"
+            raise _BeyondWeights(f"a parameter {shown}, a shape no tensor of the file has"
+                                 if tuple(param.shape) not in shapes else
+                                 f"more than {2 * len(saved)} parameters, the file {len(saved)} tensors")
+
+    hook = torch.nn.modules.module.register_module_parameter_registration_hook(stop_at_unknown)
+    try:
+        with torch.device("meta"):
+            state = build().state_dict(keep_vars=True)
+    except _BeyondWeights as err:
+        raise ValueError(f"{file}: does not match the model its config.json describes, which has {err} "
+                         "(an edited config.json?)") from None
+    finally:
+        hook.remove()
+    stored_ids = {id(t) for key, t in state.items() if key in saved}
+    missing = sorted(key for key, t in state.items() if key not in saved and id(t) not in stored_ids)
+    for key, tensor in state.items():
+        if key in saved and tuple(tensor.shape) != saved[key]:
+            raise ValueError(f"{file}: does not match the model its config.json describes: {key} has shape "
+                             f"{_fmt_shape(saved[key])} in the weights, {_fmt_shape(tensor.shape)} in the config's "
+                             "model (an edited config.json?)")
+    unexpected = sorted(set(saved) - set(state))
+    if missing or unexpected:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise ValueError(f"{file}: does not match the model its config.json describes: missing "
+                         f"[{shown}], unexpected {unexpected[:3]} (an edited config.json?)")
+
+
 def load_weights(model: nn.Module, ckpt: Path) -> None:
     """Load model.safetensors into `model` (strict; the tied head is restored from the embedding).
 
