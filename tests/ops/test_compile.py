@@ -322,3 +322,21 @@ def test_auto_compiles_to_the_triton_operator_on_cuda():
     loss_and_grads(model, compiled, idx)
     assert graphs["forward"][0].count("piattn.pi_triton_fwd") == 1
     assert graphs["backward"][0].count("piattn.pi_triton_bwd") == 1
+
+
+@pytest.mark.parametrize("kind", ["pi-adaptive", "local"])
+def test_documents_at_several_lengths(kind):
+    """Packed documents compiled whole at a second length and back at the first (dynamo makes T symbolic
+    at the second): each equals eager, logits and gradients. RoPE's table was sized by positions.max() (a
+    data-dependent guard) and the pattern's clamp compared symbolic fields; both failed at the second T."""
+    model = tiny_gpt(kind)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    for length in (T, T - 11, T):
+        idx = torch.randint(0, 32, (2, length + 1), generator=torch.Generator().manual_seed(length))
+        ids = torch.stack([torch.arange(length) // 13, torch.arange(length) // 7 % 2])
+        forward = {"eager": lambda x: model(x, document_ids=ids), "compiled": lambda x: compiled(x, document_ids=ids)}
+        expected, got = (loss_and_grads(model, forward[name], idx) for name in ("eager", "compiled"))
+        torch.testing.assert_close(got[0], expected[0], rtol=1e-10, atol=1e-10)
+        assert got[1].keys() == expected[1].keys()
+        for name in expected[1]:
+            torch.testing.assert_close(got[1][name], expected[1][name], rtol=1e-10, atol=1e-10, msg=name)

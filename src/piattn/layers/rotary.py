@@ -40,13 +40,17 @@ class Rotary(nn.Module):
 
     def cos_sin(self, T: int, offset: int = 0, positions: torch.Tensor | None = None,
                 device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The angles of positions offset … offset + T − 1 ([T, 1, D]) or of `positions` [B, T] int64
-        ([B, T, 1, D]), for `rotate` on [B, T, heads, D]."""
+        """The angles of positions offset … offset + T − 1 ([T, 1, D]) or of `positions` [B, T] int64 in
+        [0, T) ([B, T, 1, D]), for `rotate` on [B, T, heads, D].
+
+        The table for `positions` is sized by T, not by positions.max(): a value-dependent size would
+        break a compiled graph (and guard on data), and packed documents' positions t − start(t) are < T.
+        """
         device = self.inv_freq.device if device is None else device
         if positions is None:
             cos, sin = self._table(offset + T, device)
             return cos[offset:offset + T], sin[offset:offset + T]
-        cos, sin = self._table(int(positions.max()) + 1 if positions.numel() else 1, device)
+        cos, sin = self._table(max(T, 1), device)
         return cos[positions], sin[positions]
 
     @staticmethod

@@ -152,12 +152,17 @@ def usable_pattern(pattern: Pattern, T: int) -> Pattern:
     clamped to T - 1; a period >= T never reaches a key, so it becomes no skip at all: a period within the
     window (1), or where the window is 0, the period T (a skip slot that no query can use). Sinks beyond
     T are clamped to T.
+
+    Under torch.compile T may be symbolic: each comparison becomes a guard, and a field takes T's value
+    (int(T) specialises the graph to that length) only where it is clamped, so that the common pattern,
+    narrower than T, stays plain ints and one graph serves every longer T.
     """
-    window = min(pattern.window, T - 1)
+    window = pattern.window if pattern.window < T else int(T) - 1
     period = pattern.period
     if period >= T:
-        period = 1 if window >= 1 else T
-    return Pattern(window, period, pattern.causal, min(pattern.sinks, T))
+        period = 1 if window >= 1 else int(T)
+    sinks = pattern.sinks if pattern.sinks <= T else int(T)
+    return Pattern(window, period, pattern.causal, sinks)
 
 
 def _slots_of(keep: _torch.Tensor, asked: Pattern, used: Pattern) -> _torch.Tensor:
