@@ -1,7 +1,16 @@
 """`piattn eval`: score a checkpoint on a split; prints the metrics as JSON and writes them to a file.
 
-    piattn eval --checkpoint runs/pi-tiny --split test
+    piattn eval --checkpoint runs/pi-tiny --data books:data/books --split test
     {"loss": …, "bpb": …, "perplexity": …, "tokens": …, "tokens_per_second": …, …}
+
+The JSON goes to stdout; stderr gets a progress bar (on a terminal only), a one-line summary, and for
+--position-bins / --compare a table. The data is what --data names: a checkpoint's config.json records the
+source it was trained on (a folder, books:DIR, wikitext:DIR, hf:NAME, coco:DIR, …), and that source is read
+only with --use-stored-data, since a checkpoint may come from anyone and its config would otherwise choose
+which files (or which download) eval reads. Generated data (reach, recall, generated ListOps or Pathfinder,
+shapes) names nothing and needs neither flag. Files are written only inside the run folder or where the
+user says: RUN/eval and RUN/cache may not be symbolic links, and an earlier evaluation's file is never
+replaced (a default name gets -2, -3, …; an existing --output needs --overwrite).
 
 For language models: loss in nats per token, bits per byte of the evaluated text (total nats / (ln 2 ·
 its UTF-8 bytes)), perplexity per token. Two more views of a language model:
@@ -20,26 +29,41 @@ optimistic rather than exact.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from ..config import PRECISIONS
+from ..data.examples import ExampleLoader
+from ..data.packing import SequenceLoader
 from ..data.text import normalize_split
-from ..tasks import restore
+from ..tasks import LanguageModelTask, VisionLanguageTask, restore, task_class
+from ..tasks.classification import ClassificationTask
 from ..train import checkpoint as ckpt
 from ..train.distributed import DEVICES, DistContext, setup, teardown
-from ..train.loop import autocast, autocast_dtype, writable_folder
+from ..train.loop import autocast, autocast_dtype, saved_train_config, writable_folder
+
+# Recorded --data values that name no file or dataset: the examples are generated from the run's seed.
+GENERATED = (None, "shapes")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="a run directory (its latest checkpoint) or a checkpoint folder")
-    p.add_argument("--data", help="text source to score (default: the one the model was trained on)")
+    p.add_argument("--data", help="data to score: a folder of train/ validation/ test/ text files, books:DIR, "
+                   "wikitext:DIR, hf:NAME, an LRA folder, coco:DIR, flickr30k:DIR or shapes; required unless the "
+                   "model was trained on generated data or --use-stored-data is given")
+    p.add_argument("--use-stored-data", action="store_true",
+                   help="score the source the checkpoint's config.json records (read only on this request: a "
+                   "checkpoint from elsewhere would otherwise choose which files or download eval reads)")
     p.add_argument("--split", default="test", help="train, validation (valid) or test")
     p.add_argument("--batches", type=int, default=0, help="batches per process to score (0: the whole split)")
     p.add_argument("--batch-size", type=int, help="sequences per batch (default: the training micro batch)")
@@ -51,7 +75,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "of positions of each window (default: off; 1 with --compare)")
     p.add_argument("--compare", help="language models: a second checkpoint (run directory or folder) to score on "
                    "the same windows; reports A − B per position bin with a 95%% t-interval over windows")
-    p.add_argument("--output", help="JSON file to write (default: RUN/eval/<checkpoint>_<split>[_<data>].json)")
+    p.add_argument("--output", help="JSON file to write (default: RUN/eval/<checkpoint>_<split>[_<data>].json; "
+                   "when that exists, a new name ending -2.json, -3.json, …: an earlier evaluation is kept)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --output file (or the default file) instead of refusing "
+                   "(--output) or writing a numbered name (default)")
 
 
 def default_name(checkpoint: Path, args: argparse.Namespace) -> str:
@@ -60,38 +88,93 @@ def default_name(checkpoint: Path, args: argparse.Namespace) -> str:
     return f"{checkpoint.name}_{args.split}{data}.json"
 
 
-def evaluate_checkpoint(args: argparse.Namespace, ctx: DistContext) -> dict:
-    """Metrics of the checkpoint `args.checkpoint` on `args.split` of `args.data` (or its training data).
-
-    Files are written only where the user says: the tokenized cache goes to `--cache-dir` or the run
-    directory's cache/, whatever folder the checkpoint's config names.
-    """
+def check_numbers(args: argparse.Namespace) -> None:
     if args.batches < 0:
         raise ValueError(f"--batches must be >= 0 (0: the whole split), got {args.batches}")
     if args.batch_size is not None and args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.position_bins is not None and args.position_bins < 1:
         raise ValueError(f"--position-bins must be >= 1, got {args.position_bins}")
+
+
+def chosen_data(args: argparse.Namespace, folder: Path) -> str | None:
+    """The --data to score `folder` on, None for the recorded source: allowed when that source is generated
+    or the user asked for it with --use-stored-data. ValueError naming both flags otherwise."""
+    if args.data is not None and args.use_stored_data:
+        raise ValueError("--data and --use-stored-data exclude each other: name the data, or ask for the "
+                         "recorded source")
+    if args.data is not None:
+        if not args.data.strip():
+            raise ValueError("--data must name a data source, got ''")
+        return args.data
+    stored = saved_train_config(folder).data.data
+    if stored in GENERATED or args.use_stored_data:
+        return None
+    shown = stored if len(stored) <= 120 else stored[:120] + "…"
+    raise ValueError(f"--data is required: {folder / ckpt.CONFIG_FILE} records the source {shown!r}; pass "
+                     "--data SOURCE to score that (or other) data, or --use-stored-data to read the recorded one")
+
+
+def run_subfolder(run_dir: Path, name: str, instead: str) -> Path:
+    """RUN/`name`, a folder eval may create or write in: ValueError when a run folder made elsewhere has put a
+    symbolic link there (eval would write wherever it points) or a file. `instead`: the flag that avoids it."""
+    path = run_dir / name
+    if path.is_symlink():
+        raise ValueError(f"{path} is a symbolic link (to {os.readlink(path)}); eval writes only inside the run "
+                         f"folder: remove the link or pass {instead}")
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path} is a file, not a folder; move it or pass {instead}")
+    return path
+
+
+def check_cache_folder(run_dir: Path) -> None:
+    """RUN/cache and the entries in it must not be symbolic links: tokenized splits are written there under
+    names a crafted run folder can predict (split and content digest), and writing follows a link."""
+    cache = run_subfolder(run_dir, "cache", "--cache-dir DIR")
+    if cache.is_dir():
+        links = sorted(p for p in cache.iterdir() if p.is_symlink())
+        if links:
+            raise ValueError(f"{links[0]} is a symbolic link (to {os.readlink(links[0])}); eval writes only "
+                             "inside the run folder: remove it or pass --cache-dir DIR")
+
+
+def check_weights(folder: Path, ctx: DistContext) -> None:
+    """The checkpoint's config.json describes the model its weights hold: checked on the meta device before
+    `restore` builds the model, so an edited config cannot make eval allocate more than the file holds."""
+    cfg = saved_train_config(folder)
+    task = task_class(ckpt.read_config(folder).get("task")).from_config(cfg, ckpt.run_dir_of(folder), ctx,
+                                                                       checkpoint=folder)
+    ckpt.check_weight_shapes(folder, task.build_model)
+
+
+def evaluate_checkpoint(args: argparse.Namespace, ctx: DistContext, folder: Path, data: str | None,
+                        other: Path | None) -> dict:
+    """Metrics of the checkpoint `folder` on `args.split` of `data` (None: its recorded source, already
+    allowed by `chosen_data`), with --position-bins and `other` (--compare) when given.
+
+    Files are written only where the user says: the tokenized cache goes to `--cache-dir` or the run
+    directory's cache/ (checked by `check_cache_folder`), whatever folder the checkpoint's config names.
+    """
     split = normalize_split(args.split)
-    folder = ckpt.resolve_checkpoint(args.checkpoint)
-    by_position = args.position_bins is not None or args.compare is not None
-    if by_position:
-        language_model(folder, "--checkpoint")
-    other = None
-    if args.compare is not None:
-        other = ckpt.resolve_checkpoint(args.compare)
-        language_model(other, "--compare")
+    by_position = args.position_bins is not None or other is not None
     amp = autocast_dtype(args.precision, ctx.device)
-    task, model, cfg = restore(folder, ctx, data=args.data, batch_size=args.batch_size, cache_dir=args.cache_dir)
+    for checked in (folder, other):
+        if checked is not None:
+            check_weights(checked, ctx)
+    task, model, cfg = restore(folder, ctx, data=data, batch_size=args.batch_size, cache_dir=args.cache_dir)
+    total = planned_batches(task, split, args.batches, ctx)
+    if total is not None and other is not None:
+        total *= 2  # B is scored on the same windows
     start = time.perf_counter()
-    with autocast(ctx.device, amp):
+    with autocast(ctx.device, amp), Progress(total, enabled=ctx.is_main) as progress:
+        progress.watch(model)
         if not by_position:
             metrics = task.evaluate(model, split, args.batches)
         else:
             bins = args.position_bins or 1
             metrics, windows = task.evaluate_by_position(model, split, args.batches, bins)
             if other is not None:
-                metrics["compare"] = compare(task, windows, other, split, bins, args, ctx)
+                metrics["compare"] = compare(task, windows, other, split, bins, args, ctx, progress)
     step = ckpt.read_config(folder).get("step")
     return {"checkpoint": str(folder), "step": step, "data": cfg.data.data, "split": split, **metrics,
             "seconds": time.perf_counter() - start}
@@ -106,10 +189,14 @@ def language_model(folder, flag: str) -> None:
 
 
 def compare(task, windows: torch.Tensor, other, split: str, bins: int, args: argparse.Namespace,
-            ctx: DistContext) -> dict:
+            ctx: DistContext, progress: Progress) -> dict:
     """Checkpoint `other` scored on the windows `task` gave A (`windows`: A's [W, bins] losses), and the
     paired differences A − B per bin and over all positions."""
-    task_b, model_b, _ = restore(other, ctx, batch_size=args.batch_size, cache_dir=args.cache_dir)
+    # B is scored on A's task and windows; restoring it with A's data keeps the source its own config
+    # records out of the way (--use-stored-data speaks for --checkpoint only).
+    task_b, model_b, _ = restore(other, ctx, data=task.cfg.data.data, batch_size=args.batch_size,
+                                 cache_dir=args.cache_dir)
+    progress.watch(model_b)
     if task_b.tokenizer_digest != task.tokenizer_digest:
         raise ValueError(f"--compare: {other} has another tokenizer than --checkpoint; the two must score the "
                          "same tokens")
@@ -154,29 +241,198 @@ def t_quantile_975(df: int) -> float:
             + (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / (92160 * df**4))
 
 
-def output_file(path: str | Path) -> Path:
-    """The --output path, checked before the (long) evaluation: a file in a writable folder."""
+
+
+def planned_batches(task, split: str, batches: int, ctx: DistContext) -> int | None:
+    """How many model calls (batches) this rank's evaluation of `split` makes, for the progress bar: the
+    loader the task evaluates with, built the same way; None for a task not known here (the bar then counts
+    without a total)."""
+    size = task.cfg.optim.batch_size
+    if isinstance(task, LanguageModelTask):
+        n = SequenceLoader(task.sequences(split), size, shuffle=False, rank=ctx.data_rank,
+                           world_size=ctx.data_size, drop_last=False).batches_per_epoch
+    elif isinstance(task, ClassificationTask):
+        n = ExampleLoader(task.examples(split), size, shuffle=False, rank=ctx.rank, world_size=ctx.world_size,
+                          drop_last=False).batches_per_epoch
+    elif isinstance(task, VisionLanguageTask):  # the images, then their captions, `size` at a time
+        data, _ = task.split(split)
+        images = len(data.images) if batches <= 0 else min(len(data.images), batches * size)
+        captions = int((data.caption_image < images).sum())
+        return -(-images // size) + -(-captions // size)
+    else:
+        return None
+    return n if batches <= 0 else min(batches, n)
+
+
+class Progress:
+    """A bar on stderr counting the batches the model is called on, drawn only when stderr is a terminal:
+    piped or logged, stderr keeps to the summary (and a refusal stays one line).
+
+    The tasks' evaluation loops know nothing of it: `watch(model)` counts calls through forward hooks on
+    the modules that see one batch per call (the model; a dual encoder's image and text towers).
+    """
+
+    def __init__(self, total: int | None, enabled: bool = True, stream=None):
+        self.total, self.stream = total, stream if stream is not None else sys.stderr
+        self.enabled = enabled and self.stream.isatty()
+        self.done, self._hooks, self._drawn = 0, [], 0.0
+        self._start = time.perf_counter()
+
+    def watch(self, model: nn.Module) -> None:
+        modules = [model.image, model.text] if hasattr(model, "encode_images") else [model]
+        self._hooks += [m.register_forward_hook(lambda *_: self.step()) for m in modules]
+
+    def step(self) -> None:
+        self.done += 1
+        now = time.perf_counter()
+        if self.enabled and (now - self._drawn >= 0.1 or self.done == self.total):  # ≤ 10 redraws a second
+            self._drawn = now
+            self.stream.write("\r" + self.line(now - self._start))
+            self.stream.flush()
+
+    def line(self, seconds: float) -> str:
+        rate = self.done / seconds if seconds > 0 else 0.0
+        if not self.total:
+            return f"eval {self.done} batches  {seconds:.0f} s  {rate:.1f} batches/s"
+        width = 30
+        filled = min(width, width * self.done // self.total)
+        left = f", {(self.total - self.done) / rate:.0f} s left" if rate > 0 and self.done < self.total else ""
+        return (f"eval [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} batches  "
+                f"{seconds:.0f} s{left}  ")
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        if self.enabled and self.done:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def summary(result: dict) -> list[str]:
+    """The result for a reader: one line, then a table of position bins or of the comparison when present."""
+    where = f"{result['split']} split" + (f" of {result['data']}" if result.get("data") else "")
+    head = f"step {result['step']}, {where}: " if result.get("step") is not None else f"{where}: "
+    seconds = f"{result['seconds']:.1f} s"
+    if "bpb" in result:
+        line = (f"loss {result['loss']:.4f} nats/token, {result['bpb']:.4f} bits/byte, perplexity "
+                f"{result['perplexity']:.3f} ({result['tokens']:,} tokens, {seconds})")
+    elif "accuracy" in result:
+        chance = f" (chance {result['chance']:.1%})" if "chance" in result else ""
+        line = (f"accuracy {result['accuracy']:.2%}{chance}, loss {result['loss']:.4f} nats/example "
+                f"({result['examples']:,} examples, {seconds})")
+    elif "i2t_r1" in result:
+        recalls = {d: "/".join(f"{100 * result[f'{d}_r{k}']:.1f}" for k in (1, 5, 10)) for d in ("i2t", "t2i")}
+        line = (f"Recall@1/5/10 image→text {recalls['i2t']}%, text→image {recalls['t2i']}% "
+                f"({result['images']:,} images, {result['captions']:,} captions, {seconds})")
+    else:
+        line = f"done in {seconds}"
+    lines = [head + line]
+    if "compare" in result:
+        c = result["compare"]
+        lines += ["", f"A − B, B = {c['checkpoint']} (step {c['step']}): loss {c['loss']:.4f} nats/token; "
+                  f"{c['interval']}",
+                  f"{'positions':>12}{'loss A':>10}{'A − B':>10}{'95% interval':>24}"]
+        rows = [(positions(a), a["loss"], b) for a, b in zip(result["position_bins"], c["position_bins"],
+                                                             strict=True)]
+        rows.append(("all", result["loss"], c["total"]))
+        for name, loss, d in rows:
+            interval = f"[{d['low']:+.4f}, {d['high']:+.4f}]"
+            lines.append(f"{name:>12}{loss:>10.4f}{d['difference']:>+10.4f}{interval:>24}")
+    elif "position_bins" in result:
+        lines += ["", f"{'positions':>12}{'tokens':>12}{'loss':>10}  (nats/token)"]
+        lines += [f"{positions(b):>12}{b['tokens']:>12,}{b['loss']:>10.4f}" for b in result["position_bins"]]
+    return lines
+
+
+def positions(row: dict) -> str:
+    """The target positions of a bin, first–last (its "end" is exclusive)."""
+    return f"{row['start']}–{row['end'] - 1}"
+
+
+def numbered(path: Path, n: int) -> Path:
+    """`path` itself for n = 1, else its name with -n before the suffix: e_test.json -> e_test-2.json."""
+    return path if n == 1 else path.with_name(f"{path.stem}-{n}{path.suffix}")
+
+
+def output_file(path: str | Path, overwrite: bool) -> Path:
+    """The --output path, checked before the (long) evaluation: a file in a writable folder, not an earlier
+    file unless `overwrite`."""
     output = Path(path)
     if output.is_dir():
         raise ValueError(f"--output {output} is a folder; name a .json file")
+    if (output.exists() or output.is_symlink()) and not overwrite:
+        raise ValueError(f"--output {output} exists (an earlier evaluation?); pass --overwrite to replace it or "
+                         "name another file")
     writable_folder(output.parent, "--output folder")
     return output
 
 
+def default_output(folder: Path, args: argparse.Namespace) -> Path:
+    """RUN/eval/<default_name>, checked before the evaluation: RUN/eval may not be a link or a file."""
+    eval_dir = run_subfolder(ckpt.run_dir_of(folder), "eval", "--output FILE")
+    writable_folder(eval_dir, "the evaluation folder")
+    return eval_dir / default_name(folder, args)
+
+
+def write_result(path: Path, text: str, *, replace: bool, renumber: bool) -> Path:
+    """Write `text` to `path` and return where it went. `replace`: atomically through a temporary file (a
+    link at `path` is replaced, not followed). Otherwise the file is created exclusively (never following a
+    link, never truncating a file another evaluation wrote meanwhile); an existing name is an error, or with
+    `renumber` the next free numbered name."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if replace:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return path
+    for n in range(1, 10_000 if renumber else 2):
+        target = numbered(path, n)
+        try:
+            with open(target, "x") as f:
+                f.write(text)
+            return target
+        except FileExistsError:
+            continue
+    if renumber:
+        raise ValueError(f"{path}: no free numbered name up to -9999; clean the folder or pass --output")
+    raise ValueError(f"--output {path} exists (written while this evaluation ran?); pass --overwrite to replace it")
+
+
 def run(args: argparse.Namespace) -> int:
-    chosen_output = output_file(args.output) if args.output else None
+    check_numbers(args)
+    normalize_split(args.split)
+    # Everything a run folder could get wrong is checked before the device is set up and the model built.
+    chosen_output = output_file(args.output, args.overwrite) if args.output else None
+    folder = ckpt.resolve_checkpoint(args.checkpoint)
+    other = None
+    if args.position_bins is not None or args.compare is not None:
+        language_model(folder, "--checkpoint")
+    if args.compare is not None:
+        other = ckpt.resolve_checkpoint(args.compare, "--compare")
+        language_model(other, "--compare")
+    data = chosen_data(args, folder)
+    if args.cache_dir is None and ckpt.read_config(folder).get("task") == "lm":
+        check_cache_folder(ckpt.run_dir_of(folder))
+    output = chosen_output or default_output(folder, args)
     ctx = setup(args.device)
     try:
-        result = evaluate_checkpoint(args, ctx)
+        result = evaluate_checkpoint(args, ctx, folder, data, other)
     finally:
         teardown(ctx)
     if not ctx.is_main:  # under torchrun every rank scores its share; rank 0 reports
         return 0
-    folder = Path(result["checkpoint"])
-    output = chosen_output or output_file(ckpt.run_dir_of(folder) / "eval" / default_name(folder, args))
     text = json.dumps(result, indent=2)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(text + "\n")
+    written = write_result(output, text + "\n", replace=args.overwrite, renumber=chosen_output is None)
     print(text)
-    print(f"written to {output}", file=sys.stderr)
+    print("\n".join(summary(result)), file=sys.stderr)
+    print(f"written to {written}", file=sys.stderr)
     return 0
