@@ -10,8 +10,9 @@ captions (a few MSCOCO images have six or seven). A caption is its lower-case `t
 (the datasets' normalised form, no punctuation), or its `raw` text when it has no tokens.
 
 Every problem with the folder (a missing file, a JSON that is not a Karpathy split file, an image listed
-but absent or not an image) is one ValueError naming the file, raised when the split is read; damage
-that only decoding finds (a truncated JPEG) is reported by `images.load_image` when the file is read.
+but absent or not an image, an image path that is absolute or climbs out with '..') is one ValueError
+naming the file, raised when the split is read; damage that only decoding finds (a truncated JPEG) is
+reported by `images.load_image` when the file is read.
 """
 
 from __future__ import annotations
@@ -69,6 +70,18 @@ def caption_text(sentence) -> str:
     return raw.strip() if isinstance(raw, str) else ""
 
 
+def image_path(folder: Path, parts: list[str], path: Path, index: int) -> Path:
+    """`folder` joined with the JSON's `parts` (filepath, filename): ValueError naming the JSON file when a part
+    is absolute or holds '..', which would read an image from anywhere (a JSON from elsewhere is data, not
+    a path the user chose). Links the user made inside the folder (e.g. to images on another disk) are
+    followed as usual."""
+    for part in parts:
+        if Path(part).is_absolute() or ".." in Path(part).parts:
+            raise ValueError(f"{path}: images[{index}] names {part!r}, a path out of {folder}; image paths must "
+                             "be relative and stay inside the dataset folder (no '..')")
+    return folder.joinpath(*parts)
+
+
 def read_split(kind: str, root: str | Path, split: str, image_size: int, limit: int | None = None) -> CaptionedImages:
     """The images of `split` ("train" = train + restval, "validation", "test") in file order, at most `limit`,
     decoded on access at `image_size` pixels, with their (first five) captions.
@@ -86,8 +99,8 @@ def read_split(kind: str, root: str | Path, split: str, image_size: int, limit: 
         if _field(entry, "split", str, path, index) not in SPLITS[split]:
             continue
         name = _field(entry, "filename", str, path, index)
-        image = (folder / _field(entry, "filepath", str, path, index) / name if kind == "coco"
-                 else folder / "flickr30k-images" / name)
+        image = (image_path(folder, [_field(entry, "filepath", str, path, index), name], path, index)
+                 if kind == "coco" else image_path(folder, ["flickr30k-images", name], path, index))
         texts = [t for t in map(caption_text, _field(entry, "sentences", list, path, index)) if t]
         if not texts:
             raise ValueError(f"{path}: images[{index}] ({name}) has no caption")
