@@ -6,6 +6,10 @@ import argparse
 import importlib
 import sys
 
+import piattn
+
+from .commands.common import DefaultsHelpFormatter
+
 # subcommand -> (module with `add_arguments(parser)` and `run(args) -> int`, one-line help)
 COMMANDS = {
     "reach": ("piattn.commands.reach", "reachability, coverage and minimum depth; writes the figure"),
@@ -22,10 +26,12 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="piattn", description="π-Attention toolkit")
+    parser.add_argument("--version", action="version", version=f"piattn {piattn.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        # every flag's --help line says its default (unless its text already does)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=DefaultsHelpFormatter)
         p.set_defaults(_module=module)
         if name == chosen:  # import only the module that runs: start-up stays fast
             importlib.import_module(module).add_arguments(p)

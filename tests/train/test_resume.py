@@ -93,5 +93,5 @@ def test_error_after_a_periodic_checkpoint_resumes_from_it(uninterrupted, tmp_pa
 
 def test_resume_refuses_changed_run_arguments(uninterrupted):
     corpus, straight = uninterrupted
-    with pytest.raises(ValueError, match="--seq-len: checkpoint 64, now 32"):
+    with pytest.raises(ValueError, match="--seq-len: stored 64, given 32"):
         train_config(parse(corpus, straight, "--resume", "--seq-len", "32"))

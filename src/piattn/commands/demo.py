@@ -15,13 +15,12 @@ import shutil
 import time
 from pathlib import Path
 
-import torch
-
 from ..analysis.report import format_summary, plot_receptive_field, reach_summary
 from ..benchmarking import CHECK_TOLERANCE, error_vs_reference, machine_info, measure_isolated
 from ..config.training import DataFlags, ModelFlags, OptimFlags, RunFlags, TaskFlags, TrainConfig
 from ..data.reach import reachable
 from ..ops.pi import BACKENDS
+from .common import child_threads, torch_threads
 from .train import train_config
 
 # The reach task at a size that trains in ~15 s per run on one CPU thread (docs/results.md, reach task):
@@ -37,9 +36,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", nargs="+", default=["reference", "torch", "sdpa"],
                    choices=[b for b in BACKENDS if b != "auto"] + ["sdpa"],
                    help="cases to time (pi_attention backends, or sdpa = dense causal attention)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch CPU threads of the reach-task runs (default 1: tiny models, where one thread beats "
+                        "several competing) and, when given, of the timed backend cases too (default: torch's "
+                        "choice in each case's fresh process, the machine's own speed)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     print("== 1. Reachability (paper Fig. rf_app: n=48, k=4, π=16, L=6, causal)")
     print(format_summary(reach_summary(48, 4, 16, 6)))
     path = plot_receptive_field(48, 4, 16, 6, args.out / "receptive_field.png")
@@ -66,12 +71,13 @@ def run(args: argparse.Namespace) -> int:
         if err <= CHECK_TOLERANCE:
             cases.append(case)
     rows = []
-    for T in args.lengths:
-        for case in cases:
-            print(f"  timing {case:9s} T={T:6d} …", end="", flush=True)
-            r = measure_isolated(case, B=1, H=8, T=T, D=64, mode="fwd+bwd", repeats=3)
-            print(f" {r['ms']:9.1f} ms" if "error" not in r else f" error: {r['error']}", flush=True)
-            rows.append(r)
+    with child_threads(args.threads):
+        for T in args.lengths:
+            for case in cases:
+                print(f"  timing {case:9s} T={T:6d} …", end="", flush=True)
+                r = measure_isolated(case, B=1, H=8, T=T, D=64, mode="fwd+bwd", repeats=3)
+                print(f" {r['ms']:9.1f} ms" if "error" not in r else f" error: {r['error']}", flush=True)
+                rows.append(r)
     print()
     print(_table(rows))
     return 0
@@ -90,10 +96,8 @@ def reach_config(attention: str, lag: int, steps: int, out: Path) -> TrainConfig
 
 def reach_runs(args: argparse.Namespace) -> list[dict]:
     """Train `local` and `pi` at each lag through `piattn train --task reach`; validation accuracy of each."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: one thread beats two competing ones
     results = []
-    try:
+    with torch_threads(args.threads, "cpu"):  # default 1: tiny models, see --threads
         for lag in args.lags:
             for attention in ("local", "pi"):
                 start = time.perf_counter()
@@ -106,8 +110,6 @@ def reach_runs(args: argparse.Namespace) -> list[dict]:
                                     reachable=reachable(lag, REACH["window"], period, REACH["layers"])))
                 print(f"  {attention:5s} lag {lag:2d}: accuracy {accuracy:.3f} "
                       f"({results[-1]['seconds']:.0f} s)", flush=True)
-    finally:
-        torch.set_num_threads(threads)
     return results
 
 

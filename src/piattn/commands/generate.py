@@ -18,21 +18,28 @@ from ..decoding import check_sampling
 from ..tasks.lm import load_language_model
 from ..train import checkpoint as ckpt
 from ..train.distributed import parse_device
+from .common import add_threads_argument, torch_threads
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="a run directory (its latest checkpoint) or a checkpoint folder")
     p.add_argument("--prompt", required=True, help="text to continue (at least one token)")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
+    p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (0: greedy)")
     p.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
     p.add_argument("--top-p", type=float, help="sample among the smallest set of tokens with probability >= p")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     p.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--stats", action="store_true", help="print cache bytes and tokens/s to stderr at the end")
+    add_threads_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
+    with torch_threads(args.threads, args.device):
+        return generate(args)
+
+
+def generate(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     try:

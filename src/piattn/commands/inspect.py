@@ -25,6 +25,7 @@ from ..train import checkpoint as ckpt
 from ..train.distributed import DEVICES, DistContext, setup, teardown
 from ..train.loop import writable_folder
 from ..train.metrics import METRICS_FILE, read_metrics
+from .common import add_threads_argument, torch_threads
 
 MODEL_FIELDS = ("attention", "n_layer", "n_head", "d_model", "window", "period", "variant")
 
@@ -43,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--flow-window", type=int, default=64, help="positions the token flow is computed on (default 64)")
     p.add_argument("--cache-dir", help="where tokenized corpora are cached (default: RUN/cache)")
     p.add_argument("--device", default="cpu", help=f"one of {list(DEVICES)} or cuda:N (default cpu)")
+    add_threads_argument(p)
 
 
 def inspect_checkpoint(checkpoint: str, args: argparse.Namespace, ctx: DistContext) -> tuple[dict, list[dict]]:
@@ -63,6 +65,11 @@ def inspect_checkpoint(checkpoint: str, args: argparse.Namespace, ctx: DistConte
 
 
 def run(args: argparse.Namespace) -> int:
+    with torch_threads(args.threads, args.device):
+        return inspect(args)
+
+
+def inspect(args: argparse.Namespace) -> int:
     if args.batches < 0:
         raise ValueError(f"--batches must be >= 0 (0: the whole split), got {args.batches}")
     if args.batch_size is not None and args.batch_size < 1:

@@ -8,6 +8,16 @@
 The flags are the fields of `piattn.config.TrainConfig` (sections model, data, task, optim, run); a flag
 given to a task or attention kind that ignores it is an error. Tasks: `piattn.tasks.TASKS`.
 
+    piattn train --out runs/pi-tiny --resume                 # the run's own settings, from its checkpoint
+    piattn train --out runs/pi-tiny --resume --steps 4000    # extended: the LR follows the new schedule
+
+`--resume` takes every setting from the run's latest checkpoint; a flag given again must have the stored
+value unless it may change (`--steps`, `--cache-dir`, the run group: `--eval-every`, `--device`, …).
+`--threads` sets torch's CPU threads (default 1 on the CPU). The settings are printed as one block at the
+start; the end prints a JSON summary (gate statistics condensed: every one is in RUN/metrics.jsonl) and
+draws RUN/metrics.png. A loss, gradient norm or weight that stops being finite stops the run with a one-line
+error, and nothing of that state is saved.
+
 Multi-GPU: `torchrun --nproc_per_node 8 -m piattn.cli train ...` (one process per GPU, DDP). Long sequences:
 `--sequence-parallel N` splits each sequence over N ranks (--task lm, --attention pi or local; the world
 is N ranks per sequence × world / N data-parallel replicas; docs/sequence_parallel.md §5).
@@ -24,7 +34,9 @@ from ..data.tokenizers import KINDS as TOKENIZER_KINDS
 from ..layers import ATTENTION
 from ..ops.pi import BACKENDS
 from ..tasks import TASKS, task_class
-from ..train.loop import MicroStepHook, train
+from ..train.gates import condensed
+from ..train.loop import MicroStepHook, resumed_config, train
+from .common import add_threads_argument, torch_threads
 
 # The allowed values of flags whose choices are registries above `piattn.config`.
 REGISTRIES = {"attention": tuple(ATTENTION), "task": tuple(TASKS), "tokenizer": tuple(TOKENIZER_KINDS),
@@ -32,7 +44,8 @@ REGISTRIES = {"attention": tuple(ATTENTION), "task": tuple(TASKS), "tokenizer": 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    TrainConfig.add_arguments(parser)
+    groups = TrainConfig.add_arguments(parser, REGISTRIES)
+    add_threads_argument(groups["run"])  # a property of this process, not of the run: not in TrainConfig
 
 
 def checked_config(cfg: TrainConfig) -> TrainConfig:
@@ -61,9 +74,33 @@ def train_config(cfg: TrainConfig, on_micro_step: MicroStepHook | None = None) -
     return train(checked_config(cfg), build_task, on_micro_step)
 
 
+def config_of(args: argparse.Namespace) -> TrainConfig:
+    """The configuration `piattn train` runs: the flags given, the defaults for the others; with --resume,
+    the run's stored settings for the others (`resumed_config`)."""
+    cfg = TrainConfig.from_args(args)
+    return resumed_config(cfg, TrainConfig.given(args)) if cfg.run.resume else cfg
+
+
+def summary_json(summary: dict) -> str:
+    """The end-of-run summary as indented JSON, the training record's gate statistics condensed to a few
+    per-layer lists (`condensed`), and each list on one line."""
+    return _dumps({**summary, **({"train": condensed(summary["train"])} if "train" in summary else {})})
+
+
+def _dumps(value, indent: int = 0) -> str:
+    """JSON: objects indented one key a line, anything else (lists included) on one line."""
+    if not (isinstance(value, dict) and value):
+        return json.dumps(value)
+    pad = " " * (indent + 2)
+    items = ",\n".join(f"{pad}{json.dumps(str(k))}: {_dumps(v, indent + 2)}" for k, v in value.items())
+    return "{\n" + items + "\n" + " " * indent + "}"
+
+
 def run(args: argparse.Namespace) -> int:
-    summary = train_config(TrainConfig.from_args(args))
+    cfg = config_of(args)
+    with torch_threads(args.threads, cfg.run.device):
+        summary = train_config(cfg)
     if summary.get("checkpoint") is not None:  # rank 0, the one that saves, reports
         summary["checkpoint"] = str(summary["checkpoint"])
-        print(json.dumps(summary, indent=2))
+        print(summary_json(summary))
     return 0

@@ -57,18 +57,45 @@ def flag_fields(cls) -> list[tuple[dataclasses.Field, Flag]]:
     return [(f, f.metadata["flag"]) for f in dataclasses.fields(cls) if "flag" in f.metadata]
 
 
-def add_flags(parser: argparse._ActionsContainer, cls) -> None:
-    """One argparse argument per flag field of dataclass `cls`, its default the field's."""
+def _choices(meta: Flag, registries: Mapping[str, Iterable] | None) -> list | None:
+    """The allowed values of a flag, in the order its errors list them (registries sorted), or None when it
+    has no fixed set or its registry is not known here."""
+    if isinstance(meta.choices, str):
+        names = (registries or {}).get(meta.choices)
+        return None if names is None else sorted(names)
+    return None if meta.choices is None else list(meta.choices)
+
+
+def help_text(field: dataclasses.Field, meta: Flag) -> str:
+    """The flag's help with its default appended, unless the text already says it, the flag is required, off
+    unless given (False), or left to the task or model config (None, which the text explains)."""
+    text = meta.help
+    if meta.required or field.default is None or field.default is False or "default" in text.lower():
+        return text
+    return f"{text} (default: {'on' if field.default is True else field.default})"
+
+
+def add_flags(parser: argparse._ActionsContainer, cls, registries: Mapping[str, Iterable] | None = None) -> None:
+    """One argparse argument per flag field of dataclass `cls`; its help states the default and the choices
+    (those of a registry when `registries` has it).
+
+    A flag not given is absent from the parsed namespace (default `argparse.SUPPRESS`), so that what the user
+    typed can be told from the defaults (`--resume` takes the run's own settings for everything else);
+    `from_args`-style readers fill in the field defaults.
+    """
     for field, meta in flag_fields(cls):
         kind = _base_type(cls, field.name)
-        options = dict(dest=field.name, help=meta.help)
+        options = dict(dest=field.name, help=help_text(field, meta).replace("%", "%%"), default=argparse.SUPPRESS)
         if kind is bool:
             if field.default is False:
                 options.update(action="store_true")
             else:  # True by default, or None for "the task decides"
-                options.update(action=argparse.BooleanOptionalAction, default=field.default)
+                options.update(action=argparse.BooleanOptionalAction)
         else:
-            options.update(type=kind, default=field.default)
+            options.update(type=kind)
+            choices = _choices(meta, registries)
+            if choices is not None:  # shown as argparse shows choices; checked by `check_flags` (one-line error)
+                options.update(metavar="{" + ",".join(map(str, choices)) + "}")
         if meta.required:
             options.update(required=True)
         parser.add_argument(option_name(field.name), **options)
@@ -104,3 +131,8 @@ def check_flags(obj, registries: Mapping[str, Iterable] | None = None, context: 
                 shown = " / ".join(map(str, allowed))
                 raise ValueError(f"{name} applies to {option_name(other)} {shown} only, "
                                  f"not {context.get(other)!r}")
+
+
+def applies(meta: Flag, context: Mapping) -> bool:
+    """Whether a flag means something under the values of other fields in `context` (its `applies`)."""
+    return meta.applies is None or all(context.get(other) in allowed for other, allowed in meta.applies.items())

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import textwrap
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from .flags import add_flags, check_flags, flag, flag_fields, option_name
+from .flags import add_flags, applies, check_flags, flag, flag_fields, option_name
 from .model import SIZES, ModelConfig
 from .pi import PI_DEFAULTS, VARIANTS
 
@@ -37,14 +38,16 @@ class ModelFlags:
                                applies={"attention": ("pi",)})
     prior: float | None = flag(None, "the fixed local prior α of --variant fixed (default 0.5)", above=0, high=1,
                                applies={"attention": ("pi",), "variant": ("fixed",)})
-    n_layer: int | None = flag(None, "override the config's number of layers", low=1)
-    n_head: int | None = flag(None, "override the config's number of heads", low=1)
+    n_layer: int | None = flag(None, "number of layers (default: the --config's)", low=1)
+    n_head: int | None = flag(None, "number of heads (default: the --config's)", low=1)
     n_kv_head: int | None = flag(None, "key/value heads, dividing the heads (grouped-query attention; default: as "
                                  "many as heads)", low=1, applies={"attention": ("pi", "local", "dense")})
     sinks: int | None = flag(None, "sink keys: the first N tokens of each document, seen by every later query "
                              "(default 0)", low=0, applies={"attention": ("pi", "local")})
-    d_model: int | None = flag(None, "override the config's width", low=1)
-    d_ff: int | None = flag(None, "override the feed-forward width (default 4 × d-model)", low=1)
+    d_model: int | None = flag(None, "width (default: the --config's)", low=1)
+    # The size's own d_ff, also under --d-model: 4 × d-model holds for the named sizes only.
+    d_ff: int | None = flag(None, "feed-forward width (default: the --config's, 4 × its width, kept when "
+                            "--d-model changes)", low=1)
     backend: str | None = flag(None, "π operator backend (default auto)", choices="backend",
                                applies={"attention": ("pi", "local")})
     dropout: float = flag(0.1, "residual, attention and FFN dropout", low=0, below=1)
@@ -64,7 +67,7 @@ class DataFlags:
                             "vl-retrieval: shapes (default, generated), coco:DIR or flickr30k:DIR (Karpathy "
                             "splits: DIR/dataset_coco.json or DIR/dataset_flickr30k.json and the images)")
     tokenizer: str = flag("byte", "tokenizer kind", choices="tokenizer", applies={"task": ("lm",)})
-    vocab_size: int | None = flag(None, "BPE vocabulary size (bpe only)", low=256,
+    vocab_size: int | None = flag(None, "BPE vocabulary size (required with --tokenizer bpe)", low=256,
                                   applies={"task": ("lm",), "tokenizer": ("bpe",)})
     seq_len: int | None = flag(None, "tokens per sequence (default: lm 1024, listops 2000, retrieval 4000 per "
                                "text, pathfinder image-size², reach and recall 64, vl-retrieval (image-size / "
@@ -132,7 +135,12 @@ class TaskFlags:
 class OptimFlags:
     batch_size: int = flag(8, "sequences per micro batch on each process", low=1)
     grad_accum: int = flag(1, "micro batches per optimiser step", low=1)
-    steps: int = flag(2000, "optimiser steps in the whole run", low=1)
+    # Not run-defining: --resume may extend a run (the schedule's rule is in the help).
+    steps: int = flag(2000, "optimiser steps in the whole run; may change on --resume, which then continues on "
+                      "the schedule of the new --steps: warmup, then the cosine from --lr at --warmup to --min-lr "
+                      "at the new --steps, so extending a run raises the LR from where the old schedule had it "
+                      "(a finished run: from --min-lr) to the new schedule's value at the step reached", low=1,
+                      defines_run=False)
     lr: float = flag(3e-4, "peak learning rate", low=0)
     min_lr: float = flag(3e-5, "learning rate at the end of the cosine", low=0)
     warmup: int = flag(100, "linear warmup steps (the paper: 2000 of 200k)", low=0)
@@ -145,7 +153,10 @@ class OptimFlags:
 class RunFlags:
     out: str | None = flag(None, "run directory (checkpoints, metrics.jsonl, tokenizer, cache)", required=True,
                            defines_run=False)
-    resume: bool = flag(False, "continue the run in --out from its latest checkpoint", defines_run=False)
+    resume: bool = flag(False, "continue the run in --out from its latest checkpoint, with the settings stored "
+                        "there: other flags need not be given; one given again must have its stored value, except "
+                        "--steps, --cache-dir and the flags of this group, which may change; an --out without "
+                        "checkpoints is an error", defines_run=False)
     eval_every: int = flag(500, "validate every N steps and at the end (0: never)", low=0, defines_run=False)
     eval_batches: int = flag(20, "validation batches per process (0: all)", low=0, defines_run=False)
     save_every: int = flag(1000, "checkpoint every N steps (0: at the end only)", low=0, defines_run=False)
@@ -165,7 +176,7 @@ class RunFlags:
 
 SECTIONS = {"model": ModelFlags, "data": DataFlags, "task": TaskFlags, "optim": OptimFlags, "run": RunFlags}
 GROUP_TITLES = {"model": "model", "data": "data", "task": "tasks", "optim": "optimisation (paper defaults)",
-                "run": "run"}
+                "run": "run (may change on --resume)"}
 
 
 @dataclass
@@ -179,13 +190,24 @@ class TrainConfig:
     run: RunFlags = dataclasses.field(default_factory=RunFlags)
 
     @staticmethod
-    def add_arguments(parser: argparse.ArgumentParser) -> None:
+    def add_arguments(parser: argparse.ArgumentParser, registries: Mapping[str, Iterable] | None = None
+                      ) -> dict[str, argparse._ArgumentGroup]:
+        """One argument group per section (returned by section name); `registries` as in `check`, for the
+        choices --help lists. A flag not given is absent from the parsed namespace (`given`)."""
+        groups = {section: parser.add_argument_group(GROUP_TITLES[section]) for section in SECTIONS}
         for section, cls in SECTIONS.items():
-            add_flags(parser.add_argument_group(GROUP_TITLES[section]), cls)
+            add_flags(groups[section], cls, registries)
+        return groups
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TrainConfig:
-        return cls.from_flat({k: v for k, v in vars(args).items() if k in _FIELD_SECTION})
+        """The parsed flags, the defaults for those not given."""
+        return cls.from_flat(cls.given(args))
+
+    @staticmethod
+    def given(args: argparse.Namespace) -> dict:
+        """{field: value} of the flags given on the command line (those not given are absent from `args`)."""
+        return {k: v for k, v in vars(args).items() if k in _FIELD_SECTION}
 
     @classmethod
     def from_flat(cls, values: Mapping) -> TrainConfig:
@@ -217,6 +239,53 @@ class TrainConfig:
         """(flag, my value, other's value) for each run-defining flag whose values differ."""
         mine, theirs = self.to_flat(), other.to_flat()
         return [(option_name(name), mine[name], theirs[name]) for name in RUN_DEFINING if mine[name] != theirs[name]]
+
+    def resumed_with(self, given: Mapping) -> TrainConfig:
+        """This stored configuration of a run, continued with the flags `given` ({field: value}) by `--resume`.
+
+        A run-defining flag given again must have the stored value (ValueError naming each that differs,
+        stored vs given); the others (`--steps`, `--cache-dir`, the run section) take the given value.
+        """
+        stored = self.to_flat()
+        differing = [f"{option_name(name)}: stored {stored[name]!r}, given {value!r}"
+                     for name, value in given.items() if name in RUN_DEFINING and value != stored[name]]
+        if differing:
+            raise ValueError("--resume continues the run with its stored settings; these differ: "
+                             + "; ".join(differing) + " (drop them, or start a new run in another --out)")
+        return TrainConfig.from_flat({**stored, **given, "resume": True})
+
+    def warnings(self) -> list[str]:
+        """Settings that are allowed but probably not meant, one line each."""
+        o = self.optim
+        if o.warmup >= o.steps:
+            return [f"--warmup {o.warmup} >= --steps {o.steps}: the learning rate never reaches the end of its "
+                    f"warmup ramp (peak --lr {o.lr:g}) and the cosine decay never starts; lower --warmup"]
+        return []
+
+    def describe(self, model: Mapping | None = None, width: int = 110) -> str:
+        """The settings as one compact block, a line per section of `--flag value` pairs (flags left to the
+        task or model config omitted; `model`: the built model's config, whose values fill in the model
+        flags left to it that apply to this attention kind)."""
+        context = {**self.to_flat(), **({"variant": model.get("variant")} if model else {})}
+        lines = []
+        for section, cls in SECTIONS.items():
+            pairs = []
+            for f, meta in flag_fields(cls):
+                value = getattr(getattr(self, section), f.name)
+                if value is None and model is not None and f.name in model and applies(meta, context):
+                    value = model[f.name]
+                if (value is None or (value is False and f.default is False) or f.name == "resume"
+                        or not applies(meta, context)):
+                    continue
+                if isinstance(value, bool):
+                    pairs.append(option_name(f.name) if value else f"--no-{f.name.replace('_', '-')}")
+                else:
+                    pairs.append(f"{option_name(f.name)} {value}")
+            # no-break spaces inside a pair: lines break between pairs only
+            text = textwrap.fill(", ".join(p.replace(" ", "\xa0") for p in pairs), width,
+                                 initial_indent=f"  {section:<6} ", subsequent_indent=" " * 9, break_on_hyphens=False)
+            lines.append(text.replace("\xa0", " "))
+        return "\n".join(lines)
 
 
 _FIELD_SECTION = {f.name: section for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}

@@ -12,13 +12,15 @@ Keys of a summary (layer i counts the gated layers in module order, i.e. the blo
     alpha/layer{i}/mean, /std, /min, /max, /q05, /q25, /q50, /q75, /q95   floats over tokens and heads
     alpha/layer{i}/head_mean                                            [H] floats, one per head
 
-Padding tokens of classification batches are counted like any other token.
+Padding tokens of classification batches are counted like any other token. `condensed` shortens a record
+to a few per-layer lists, for a summary people read (metrics.jsonl keeps everything).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import re
 
 import torch
 from torch import nn
@@ -26,6 +28,9 @@ from torch import nn
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 # torch.quantile takes at most 2**24 elements; a larger capture is thinned by an even stride (deterministic).
 MAX_QUANTILE_ELEMENTS = 1 << 20
+KEY = re.compile(r"alpha/layer(\d+)/(\w+)")
+# the statistics a condensed summary keeps, one list over the layers each
+CONDENSED = ("mean", "q05", "q50", "q95")
 
 
 def gated_layers(model: nn.Module) -> list[nn.Module]:
@@ -85,3 +90,22 @@ class GateMonitor:
                 out |= {f"alpha/layer{i}/{k}": v for k, v in alpha_statistics(values).items()}
             store.clear()
         return out
+
+
+def condensed(record: dict, digits: int = 3) -> dict:
+    """`record` with its `alpha/layer{i}/…` keys replaced by one "alpha" entry: {"layers", and for each of
+    `CONDENSED` a list over the layers, rounded to `digits`} (the record itself when it has no such key)."""
+    stats: dict[str, dict[int, float]] = {}
+    rest = {}
+    for key, value in record.items():
+        match = KEY.fullmatch(key)
+        if match is None:
+            rest[key] = value
+        elif match[2] in CONDENSED:
+            stats.setdefault(match[2], {})[int(match[1])] = value
+    if len(rest) == len(record):
+        return record
+    layers = sorted(stats.get("mean", {}))
+    rest["alpha"] = {"layers": len(layers), **{name: [round(stats[name][i], digits) for i in layers]
+                                                for name in CONDENSED if name in stats}}
+    return rest

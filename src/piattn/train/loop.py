@@ -11,24 +11,34 @@ gathers the sharded state from every rank, so after an exception nothing is save
 collective would make the save hang); the message names the latest checkpoint instead.
 On logging steps the records also carry the gate statistics of gated π layers (`train/gates.py`),
 captured from that step's own forward passes.
+
+A diverging run stops (`Diverged`, a one-line error naming the step, the loss and what to lower) and never
+saves non-finite state, so `--keep` cannot rotate the last finite checkpoint away. The losses and gradient
+norms of the steps are checked together, without a device sync per step, on logging steps, before each
+evaluation, and (with the weights) before each save; when the loop is left by an error or Ctrl-C the same
+check decides whether the state may be saved (a NaN weight in a gated layer surfaces first as the gate
+check's error, which is then reported as the divergence it is).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
+import math
 import os
 import random
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 import piattn
@@ -48,7 +58,7 @@ from .distributed import (
     wrap,
 )
 from .gates import GateMonitor
-from .metrics import MetricsWriter, peak_memory_bytes
+from .metrics import MetricsWriter, peak_memory_bytes, plot_metrics
 from .optim import build_optimizer, clip_gradients, warmup_cosine
 from .task import Task
 
@@ -84,6 +94,11 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter (the local shard of an FSDP2 DTensor, else the tensor itself)."""
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
 def run_config(cfg: TrainConfig, task: Task, ctx: DistContext) -> dict:
     """The config.json of a checkpoint: task, model config, training settings, world size, versions."""
     return {"task": task.name, "model": task.model_config.to_dict(), "train_args": cfg.to_flat(),
@@ -99,10 +114,36 @@ def saved_train_config(checkpoint: Path) -> TrainConfig:
 
 
 def _check_resumable(cfg: TrainConfig, checkpoint: Path) -> None:
-    differing = [f"{flag}: checkpoint {saved!r}, now {now!r}"
+    differing = [f"{flag}: stored {saved!r}, given {now!r}"
                  for flag, saved, now in saved_train_config(checkpoint).differences(cfg)]
     if differing:
         raise ValueError("--resume needs the settings the run started with; these differ: " + "; ".join(differing))
+
+
+def _latest_to_resume(out: Path) -> Path:
+    """The checkpoint `--resume` continues from in run directory `out`; ValueError when there is none."""
+    latest = ckpt.read_latest(out / "checkpoints")
+    if latest is None:
+        raise ValueError(f"--resume: no run to continue in --out {out} (no checkpoints/latest there); drop "
+                         "--resume to start a new run")
+    return latest
+
+
+def resumed_config(cfg: TrainConfig, given: Mapping) -> TrainConfig:
+    """What `piattn train --resume` runs: the settings stored in the latest checkpoint of `cfg.run.out`, with
+    the flags the user gave (`given`, {field: value}) where they may change (`TrainConfig.resumed_with`).
+
+    ValueError when --out holds no checkpoint, or a flag that defines the run is given another value.
+    """
+    out = Path(cfg.run.out)
+    return saved_train_config(_latest_to_resume(out)).resumed_with({**given, "out": cfg.run.out})
+
+
+class Diverged(ValueError):
+    """The loss, the gradient norm or the weights stopped being finite; nothing of that state was saved.
+
+    A ValueError, so that `piattn` reports it as its one-line error with a non-zero exit status.
+    """
 
 
 def writable_folder(path: Path, flag: str) -> Path:
@@ -182,6 +223,12 @@ class Trainer:
         self.loader = self.task.train_loader()
         self.step, self.tokens_seen, self.wall_seconds = 0, 0, 0.0
         self.resumed_from = resume_from
+        self.schedule_note: str | None = None
+        # the evaluation of the checkpoint's step was cut short (a second Ctrl-C): run it before training on
+        self.evaluation_owed = False
+        # (step, loss, gradient norm, lr) of the steps since the last finiteness check (`_check_finite`)
+        self._unchecked: list[tuple[int, torch.Tensor, torch.Tensor, float]] = []
+        self._batch_in_flight = None
         if resume_from is not None:
             self._load_state(ckpt.load_trainer_state(resume_from))
         self.config = run_config(cfg, self.task, ctx)
@@ -189,14 +236,12 @@ class Trainer:
         self._updating = False  # inside an optimiser update: the weights are not those of a step boundary
 
     def _resume_point(self) -> Path | None:
-        latest = ckpt.read_latest(self.ckpt_root)
         if not self.cfg.run.resume:
-            if latest is not None or ckpt.list_checkpoints(self.ckpt_root):
+            if ckpt.read_latest(self.ckpt_root) is not None or ckpt.list_checkpoints(self.ckpt_root):
                 raise ValueError(f"--out {self.run_dir} already holds checkpoints; pass --resume to continue "
                                  "that run, or choose another --out")
             return None
-        if latest is None:
-            return None
+        latest = _latest_to_resume(self.run_dir)
         _check_resumable(self.cfg, latest)
         return latest
 
@@ -212,6 +257,19 @@ class Trainer:
         else:
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        steps, stored_steps = self.cfg.optim.steps, saved_train_config(self.resumed_from).optim.steps
+        if state["step"] > steps:
+            raise ValueError(f"--steps {steps}: the run is at step {state['step']} already; give --steps >= "
+                             f"{state['step']} (a larger value extends the run)")
+        if steps != stored_steps:
+            # The schedule is a function of (step, --steps): the step's LR is that of the new schedule, not
+            # the one the stored optimiser state carries from the old (see --steps in `piattn train --help`).
+            for group, factor, base in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas,
+                                           self.scheduler.base_lrs, strict=True):
+                group["lr"] = base * factor(state["step"])
+            self.schedule_note = (f"--steps {stored_steps} -> {steps}: the LR of step {state['step'] + 1} is "
+                                  f"{self.optimizer.param_groups[0]['lr']:.3g} on the new schedule")
+        self.evaluation_owed = bool(state.get("evaluation_owed", False))
         try:
             self.loader.load_state_dict(state["loader"])
         except ValueError as err:
@@ -228,7 +286,7 @@ class Trainer:
     def _boundary(self) -> dict:
         """What, beyond weights and optimiser, the state after the last completed step consists of."""
         return {"step": self.step, "loader": self.loader.state_dict(), "rng": ckpt.capture_rng(),
-                "tokens_seen": self.tokens_seen, "wall_seconds": self.wall_seconds}
+                "tokens_seen": self.tokens_seen, "wall_seconds": self.wall_seconds, "evaluation_owed": False}
 
     def _save(self, boundary: dict, rng_of_all_ranks: bool) -> Path | None:
         """Rank 0 writes the checkpoint of `boundary`; with `rng_of_all_ranks`, or a sharded model, every rank
@@ -269,11 +327,13 @@ class Trainer:
             if self.on_micro_step is not None:
                 self.on_micro_step(self.step, micro)
             batch = self.loader.next_batch()
+            self._batch_in_flight = batch  # kept if the forward or backward fails: `_nonfinite_module` reruns it
             # DDP all-reduces gradients only on the last micro step; the others accumulate locally.
             with sync_gradients(self.ddp_model, micro == accum - 1):
                 with autocast(self.ctx.device, self.amp_dtype):
                     loss, n_tokens = self.task.loss(self.ddp_model, batch)
                 (loss / accum).backward()
+            self._batch_in_flight = None
             total += loss.detach()
             tokens += n_tokens
         grad_norm = clip_gradients(self.model.parameters(), self.cfg.optim.clip)
@@ -290,32 +350,154 @@ class Trainer:
         with autocast(self.ctx.device, self.amp_dtype):
             return self.task.evaluate(self.model, split, self.cfg.run.eval_batches)
 
+    def _nonfinite(self, weights: bool, collective: bool) -> str | None:
+        """What went non-finite first: the loss or gradient norm of a step since the last check or, with
+        `weights`, the weights now; as the message of `Diverged`, or None when all is finite. One host sync;
+        the checked steps are forgotten.
+
+        collective: decide together with the other ranks (one all-reduce: every rank must call it at the same
+        point), so that they all stop; without it this rank's values only (where a rank may be stuck).
+        """
+        unchecked, self._unchecked = self._unchecked, []
+        what = self._first_nonfinite(unchecked, weights, collective)
+        return None if what is None else self._diverged(what)
+
+    def _first_nonfinite(self, unchecked: list, weights: bool, collective: bool) -> str | None:
+        """`_nonfinite`'s finding, as "the loss is not finite at step …" or the like."""
+        device = self.ctx.device
+        bad = torch.zeros(0, dtype=torch.bool, device=device)
+        if unchecked:
+            values = torch.stack([torch.stack([loss.float(), norm.float()]) for _, loss, norm, _ in unchecked])
+            bad = (~torch.isfinite(values)).any(1)
+        weights_bad = torch.zeros(1, dtype=torch.bool, device=device)
+        if weights:
+            weights_bad = ~torch.stack([torch.isfinite(_local(p)).all() for p in self.model.parameters()]).all()
+        flags = torch.cat([bad, weights_bad.reshape(1)]).double()
+        if collective and self.ctx.distributed:
+            dist.all_reduce(flags)
+        flags = flags.tolist()
+        if not any(flags):
+            return None
+        first = next((i for i, flag in enumerate(flags[:-1]) if flag), None)
+        if first is None:
+            return f"the weights are not finite after step {self.step}"
+        step, loss, norm, lr = unchecked[first]
+        loss, norm = float(loss), float(norm)
+        name = ("the loss" if not math.isfinite(loss) else "the gradient norm" if not math.isfinite(norm)
+                else "the loss of another process")
+        return f"{name} is not finite at step {step} (loss {loss:.4g}, gradient norm {norm:.4g}, lr {lr:.3g})"
+
+    def _nonfinite_module(self, batch) -> str | None:
+        """The first module whose output holds a NaN or ±inf when `batch` runs through the model again, or
+        None: whether an error raised inside a training forward came from values that had diverged (a gate
+        check meeting NaN gates, say) rather than from a defect. Only after a failure (a sync per module)."""
+        found: list[str] = []
+
+        def check(name, module, args, output):
+            outputs = output if isinstance(output, (tuple, list)) else (output,)
+            if not found and any(torch.is_tensor(t) and t.is_floating_point() and not bool(torch.isfinite(t).all())
+                                 for t in outputs):
+                found.append(name)
+
+        handles = [m.register_forward_hook(functools.partial(check, name or "the model"))
+                   for name, m in self.model.named_modules()]
+        try:
+            with torch.no_grad(), autocast(self.ctx.device, self.amp_dtype):
+                self.task.loss(self.model, batch)
+        except Exception:  # the failure being explained: what matters is what the modules gave before it
+            pass
+        finally:
+            for handle in handles:
+                handle.remove()
+        return found[0] if found else None
+
+    def _diverged(self, what: str) -> str:
+        """The message of `Diverged`: what went non-finite, what is kept, what to change."""
+        try:
+            latest = ckpt.read_latest(self.ckpt_root)
+        except ValueError:  # a damaged pointer has its own error at the next start; say what is known
+            latest = None
+        kept = (f"the latest checkpoint, {latest}, holds the last finite weights" if latest is not None
+                else "no checkpoint had been saved")
+        o = self.cfg.optim
+        return (f"training diverged: {what}; stopped without saving that state ({kept}); lower --lr (now "
+                f"{o.lr:g}) or raise --warmup (now {o.warmup}) and start a new run in another --out")
+
+    def _check_finite(self, weights: bool = False) -> None:
+        """Raise `Diverged` unless the steps since the last check (and, with `weights`, the weights) are
+        finite; every rank calls it at the same points."""
+        message = self._nonfinite(weights, collective=True)
+        if message is not None:
+            raise Diverged(message)
+
+    def _validate(self, metrics: MetricsWriter, bar: tqdm, summary: dict) -> None:
+        """Evaluate, log the record at the current step and show it."""
+        result = self.evaluate()
+        metrics.log(self.step, "validation", {**result, "wall_seconds": self.wall_seconds})
+        if self.ctx.is_main:
+            shown = ", ".join(f"{k} {v:.4f}" for k, v in result.items() if isinstance(v, float))
+            bar.write(f"step {self.step}: validation {shown}", file=sys.stderr)
+        summary["validation"] = result
+
+    def _announce(self) -> None:
+        """The start: what runs where, the settings as one block, warnings about them."""
+        ctx = self.ctx
+        start = f"resumed from {self.resumed_from} at step {self.step}" if self.resumed_from else "fresh start"
+        if self.sharded:
+            start += "; weights, gradients and optimiser state sharded (FSDP2)"
+        elif self.cfg.run.fsdp:
+            start += "; --fsdp: one process, nothing to shard"
+        n = torch.get_num_threads()
+        threads = (f" ({n} CPU thread{'s' if n > 1 else ''}{' each' if ctx.world_size > 1 else ''})"
+                   if ctx.device.type == "cpu" else "")
+        print(f"piattn train: {self.task.name}, {sum(p.numel() for p in self.model.parameters()):,} parameters, "
+              f"{ctx.world_size} × {ctx.device}{threads}, {self.amp_dtype or torch.float32}; {start}\n"
+              f"{self.cfg.describe(self.task.model_config.to_dict())}", file=sys.stderr)
+        for line in ([self.schedule_note] if self.schedule_note else []) + self.cfg.warnings():
+            print(f"piattn train: {'note' if line is self.schedule_note else 'warning'}: {line}", file=sys.stderr)
+        if self.step >= self.cfg.optim.steps:
+            print(f"piattn train: the run is at step {self.step} of --steps {self.cfg.optim.steps} already; nothing "
+                  "to train (a larger --steps extends it)", file=sys.stderr)
+
+    def _plot(self) -> None:
+        """RUN/metrics.png from metrics.jsonl (rank 0), or a line saying why there is none."""
+        try:
+            path = plot_metrics(self.run_dir)
+        except ImportError:
+            print("piattn train: no metrics.png: matplotlib is not installed (pip install matplotlib)",
+                  file=sys.stderr)
+        except Exception as err:  # the figure is a view of metrics.jsonl: never worth the run's own outcome
+            print(f"piattn train: could not draw metrics.png: {type(err).__name__}: {err}", file=sys.stderr)
+        else:
+            if path is not None:
+                print(f"piattn train: curves in {path}", file=sys.stderr)
+
     def run(self) -> dict:
         """Train to `--steps`; returns the last training and validation metrics and the final checkpoint."""
         r, ctx, steps = self.cfg.run, self.ctx, self.cfg.optim.steps
         if ctx.is_main:
-            start = f"resumed from {self.resumed_from} at step {self.step}" if self.resumed_from else "fresh start"
-            if self.sharded:
-                start += "; weights, gradients and optimiser state sharded (FSDP2)"
-            elif self.cfg.run.fsdp:
-                start += "; --fsdp: one process, nothing to shard"
-            print(f"piattn train: {self.task.name}, {sum(p.numel() for p in self.model.parameters()):,} parameters, "
-                  f"{ctx.world_size} × {ctx.device}, "
-                  f"{self.amp_dtype or torch.float32}; {start}", file=sys.stderr)
+            self._announce()
         metrics = MetricsWriter(self.run_dir, enabled=ctx.is_main, after_step=self.step)
         bar = tqdm(total=steps, initial=self.step, unit="step", dynamic_ncols=True,
                    disable=not (ctx.is_main and r.progress))
         summary: dict = {}
+        if self.resumed_from is not None and self.step >= steps:
+            summary["checkpoint"] = self.resumed_from
         boundary = self._boundary()
         wall_start, wall_base = time.perf_counter(), self.wall_seconds
         # Throughput over each logging interval, the time spent evaluating and saving taken out.
         interval_start, interval_tokens, interval_paused = time.perf_counter(), 0, 0.0
         try:
             with self.interrupt:
+                if self.evaluation_owed and r.eval_every:
+                    boundary["evaluation_owed"] = True
+                    self._validate(metrics, bar, summary)
+                    boundary["evaluation_owed"] = False
                 while self.step < steps:
                     logging = (self.step + 1) % r.log_every == 0 or self.step + 1 == steps
                     with self.gates.capture(enabled=logging and ctx.is_main):
                         loss, grad_norm, lr, tokens = self._train_step()
+                    self._unchecked.append((self.step, loss, grad_norm, lr))
                     self.tokens_seen += tokens * ctx.world_size  # every rank takes batches of one shape
                     interval_tokens += tokens * ctx.world_size
                     self.wall_seconds = wall_base + time.perf_counter() - wall_start
@@ -323,6 +505,7 @@ class Trainer:
                     self._updating = False
                     bar.update(1)
                     if self.step % r.log_every == 0 or self.step == steps:
+                        self._check_finite()  # before the record: metrics.jsonl holds finite numbers only
                         seconds = time.perf_counter() - interval_start - interval_paused
                         (loss_sum,) = all_reduce_sum([float(loss)], ctx)
                         record = {"loss": loss_sum / ctx.world_size, "grad_norm": float(grad_norm), "lr": lr,
@@ -335,17 +518,38 @@ class Trainer:
                         interval_start, interval_tokens, interval_paused = time.perf_counter(), 0, 0.0
                     paused_from = time.perf_counter()
                     if r.eval_every and (self.step % r.eval_every == 0 or self.step == steps):
-                        result = self.evaluate()
-                        metrics.log(self.step, "validation", {**result, "wall_seconds": self.wall_seconds})
-                        if ctx.is_main:
-                            shown = ", ".join(f"{k} {v:.4f}" for k, v in result.items() if isinstance(v, float))
-                            bar.write(f"step {self.step}: validation {shown}", file=sys.stderr)
-                        summary["validation"] = result
+                        self._check_finite()
+                        # Saved with the step if a second Ctrl-C cuts the evaluation short: the resumed run
+                        # evaluates first, so the record of this step is not lost.
+                        boundary["evaluation_owed"] = True
+                        self._validate(metrics, bar, summary)
+                        boundary["evaluation_owed"] = False
                     if (r.save_every and self.step % r.save_every == 0) or self.step == steps:
+                        self._check_finite(weights=True)  # never a checkpoint of non-finite state
                         summary["checkpoint"] = self._save(boundary, rng_of_all_ranks=True)
                     interval_paused += time.perf_counter() - paused_from
                     self.interrupt.check()
-        except BaseException:
+        except Diverged:
+            raise  # checked on every rank alike; nothing of that state may be saved
+        except BaseException as err:
+            try:
+                diverged = self._nonfinite(weights=True, collective=False)
+                # never with sharded weights or sequences: that forward would wait for the other ranks
+                if (diverged is None and isinstance(err, Exception) and self._batch_in_flight is not None
+                        and not self.sharded and self.cfg.run.sequence_parallel == 1):
+                    module = self._nonfinite_module(self._batch_in_flight)
+                    if module is not None:
+                        diverged = self._diverged(
+                            f"the forward pass of step {self.step + 1} gave non-finite values (first in {module}) "
+                            f"and then failed ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
+            except Exception:  # the device itself failed: the save below, if tried, reports that
+                diverged = None
+            if diverged is not None:
+                if isinstance(err, Exception):  # e.g. the gate check's error on NaN weights: say what it is
+                    raise Diverged(diverged) from err
+                if ctx.is_main:
+                    print(f"piattn train: not saved: {diverged}", file=sys.stderr)
+                raise
             # Only rank 0 writes, from its own state: other ranks may be stuck in a collective by now.
             if ctx.is_main and self.sharded:
                 print(f"piattn train: stopped; not saved (with --fsdp a save gathers from every rank, which "
@@ -358,12 +562,14 @@ class Trainer:
                 try:
                     path = self._save(boundary, rng_of_all_ranks=False)
                     print(f"piattn train: interrupted; saved step {boundary['step']} to {path}", file=sys.stderr)
-                except Exception as err:  # the original error matters more than the failed save
-                    print(f"piattn train: could not save after the interruption: {err}", file=sys.stderr)
+                except Exception as save_err:  # the original error matters more than the failed save
+                    print(f"piattn train: could not save after the interruption: {save_err}", file=sys.stderr)
             raise
         finally:
             bar.close()
             metrics.close()
+            if ctx.is_main:
+                self._plot()
         summary["step"] = self.step
         return summary
 

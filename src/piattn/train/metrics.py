@@ -4,6 +4,9 @@ One JSON object per line, with `step`, `split` ("train" or an evaluation split) 
 run first drops the records of steps after its checkpoint (logged by the run it continues, then lost) and
 appends, so the lines of a run interrupted and resumed read as one run. A last line cut short by a crash
 mid-write is not a record: readers skip it and a resumed run drops it.
+
+`plot_metrics` draws the file's curves (loss, validation metrics, learning rate) as `metrics.png` beside it;
+the trainer calls it when a run ends.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ from pathlib import Path
 import torch
 
 METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "metrics.png"
+# validation scores `plot_metrics` draws beside the loss, the first one a record has
+SCORES = ("accuracy", "i2t_r1", "t2i_r1")
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -106,3 +112,51 @@ def _read_records(path: Path) -> list[dict]:
 def read_metrics(run_dir: Path) -> list[dict]:
     """Every record of `run_dir/metrics.jsonl`, in order (a last line cut short by a crash is skipped)."""
     return _read_records(Path(run_dir) / METRICS_FILE)
+
+
+def plot_metrics(run_dir: Path, path: Path | None = None) -> Path | None:
+    """Draw `run_dir/metrics.jsonl` into `path` (default `run_dir/metrics.png`): training and validation loss
+    by step (with any other validation score, e.g. accuracy, on a second axis), and the learning rate.
+
+    Returns the PNG's path, or None when the file holds no training record yet. ImportError without
+    matplotlib (the `plot` extra).
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # no pyplot: no global state, no display
+    from matplotlib.figure import Figure
+
+    run_dir = Path(run_dir)
+    records = read_metrics(run_dir) if (run_dir / METRICS_FILE).is_file() else []
+    train = [r for r in records if r["split"] == "train"]
+    if not train:
+        return None
+    validation = [r for r in records if r["split"] == "validation"]
+    fig = Figure(figsize=(10, 3.6))
+    loss_ax, lr_ax = fig.subplots(1, 2)
+    loss_ax.plot([r["step"] for r in train], [r["loss"] for r in train], lw=1, label="train loss")
+    if validation and "loss" in validation[0]:
+        loss_ax.plot([r["step"] for r in validation], [r["loss"] for r in validation], "o-", ms=3,
+                     label="validation loss")
+    # a task's validation score beside the loss, on its own axis (bits per byte of a language model
+    # would only repeat the loss's shape)
+    scores = [k for k in SCORES if validation and k in validation[0]]
+    if scores:
+        score_ax = loss_ax.twinx()
+        score_ax.plot([r["step"] for r in validation], [r.get(scores[0]) for r in validation], "s--", ms=3,
+                      color="tab:green", label=f"validation {scores[0]}")
+        score_ax.set_ylabel(scores[0])
+        score_ax.legend(loc="upper right", fontsize=8)
+    loss_ax.set_xlabel("step")
+    loss_ax.set_ylabel("loss")
+    loss_ax.legend(loc="upper left" if scores else "best", fontsize=8)
+    loss_ax.set_title(f"{run_dir.name}: loss", fontsize=9)
+    lr_ax.plot([r["step"] for r in train], [r["lr"] for r in train], lw=1, color="tab:purple")
+    lr_ax.set_xlabel("step")
+    lr_ax.set_ylabel("learning rate")
+    lr_ax.set_title("learning rate (at each logged step)", fontsize=9)
+    lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+    fig.subplots_adjust(left=0.07, right=0.93, wspace=0.3, bottom=0.14, top=0.9)
+    path = run_dir / PLOT_FILE if path is None else Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    FigureCanvasAgg(fig).print_png(str(tmp))
+    os.replace(tmp, path)  # a reader never sees half a PNG
+    return path
