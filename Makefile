@@ -5,30 +5,41 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+# One stamp per set of extras: `make demo` installs only what the demo needs (plots), `make test` adds the
+# test tools (triton, transformers, …) to the same environment.
+BASE := $(VENV)/.installed-base
+DEMO_STAMP := $(VENV)/.installed-demo
+TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: demo test test-slow lint bench-cpu bench-gpu clean
 
-$(STAMP): pyproject.toml
+$(BASE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[test]"
-	touch $(STAMP)
+	touch $(BASE)
 
-demo: $(STAMP)
+$(DEMO_STAMP): $(BASE)
+	$(PY) -m pip install --quiet -e ".[plot]"
+	touch $(DEMO_STAMP)
+
+$(TEST_STAMP): $(BASE)
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $(TEST_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/piattn demo
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
-test-slow: $(STAMP)
+test-slow: $(TEST_STAMP)
 	$(PY) -m pytest -q -m "slow"
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks experiments
 
-bench-cpu: $(STAMP)
+bench-cpu: $(DEMO_STAMP)
 	$(PY) benchmarks/cpu_bench.py --out benchmarks/results
 
 bench-gpu:

@@ -5,8 +5,8 @@
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import matplotlib
@@ -39,4 +39,6 @@ def main(path: str) -> Path:
 
 
 if __name__ == "__main__":
-    print(main(sys.argv[1]))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("result", help="a decode_bench JSON file; the figure is written beside it (.png)")
+    print(main(parser.parse_args().result))

@@ -56,4 +56,18 @@ def load_gguf_model(path: str | os.PathLike | None = None, **kwargs):
     folder, name = str(path.parent), path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, **kwargs).eval()
+    _forget_gguf(model)
     return model, tokenizer
+
+
+def _forget_gguf(model) -> None:
+    """Mark a model loaded from GGUF as the plain model it is.
+
+    transformers de-quantizes GGUF weights while loading, so the model holds ordinary tensors, yet it keeps
+    the GGUF quantizer and `config.quantization_config`; `save_pretrained` then refuses ("quantized with
+    gguf and is not serializable"), and a saved config would ask the next load for a GGUF file. Dropping
+    both lets a (converted) model be saved and reloaded like any other.
+    """
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
