@@ -6,8 +6,7 @@ import argparse
 import importlib
 import sys
 
-import piattn
-
+from . import __version__
 from .commands.common import DefaultsHelpFormatter
 
 # subcommand -> (module with `add_arguments(parser)` and `run(args) -> int`, one-line help)
@@ -23,26 +22,33 @@ COMMANDS = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """The parser for `piattn ARGV`: every subcommand, with the arguments of the one ARGV names (only that
+    command's module is imported: start-up stays fast)."""
     parser = argparse.ArgumentParser(prog="piattn", description="π-Attention toolkit")
-    parser.add_argument("--version", action="version", version=f"piattn {piattn.__version__}")
+    parser.add_argument("--version", action="version", version=f"piattn {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (module, help_text) in COMMANDS.items():
         # every flag's --help line says its default (unless its text already does)
         p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=DefaultsHelpFormatter)
         p.set_defaults(_module=module)
-        if name == chosen:  # import only the module that runs: start-up stays fast
+        if name == chosen:
             importlib.import_module(module).add_arguments(p)
-    args = parser.parse_args(argv)
-    try:
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    prog = " ".join(["piattn", *[a for a in argv if not a.startswith("-")][:1]])  # "piattn train"
+    try:  # start-up (imports, parsing) included: Ctrl-C at any point is one line, not a traceback
+        args = build_parser(argv).parse_args(argv)
         return importlib.import_module(args._module).run(args) or 0
     except ValueError as e:  # bad input reaches the user as one line, not a traceback
-        print(f"piattn {args.command}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # what was saved has been said already; no traceback after it
-        print(f"piattn {args.command}: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # output piped into `head` and the like
         sys.stderr.close()
