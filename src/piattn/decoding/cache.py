@@ -5,11 +5,44 @@ max(window, period) + 1 positions per layer is exact: its size never depends on 
 With attention sinks it also reads positions 0 … sinks − 1, which the cache keeps in `sinks` fixed slots
 besides the ring: still constant. Keys are stored after RoPE (rotated at their own absolute position), so
 they never need touching again. Caches hold the layer's key/value heads (H_kv of grouped-query attention).
+
+A cache knows what it was made for (batch, key/value heads, head width, and for a ring its capacity and
+sinks): `check` refuses a layer that needs another, and `append` keys of another shape, in one line.
+Another model's cache would otherwise give wrong rows without an error, or be read past its end.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ..config.pi import is_int
+
+
+def _check_sizes(**sizes: int) -> None:
+    for name, (value, least) in sizes.items():
+        if not is_int(value) or value < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+
+
+def _check_rows(cache: RingCache | GrowingCache, k: torch.Tensor, v: torch.Tensor) -> None:
+    """k, v [B, H_kv, t, D] with the cache's B, H_kv, D (no broadcasting: one sequence's keys written into
+    every row of a larger batch would go unnoticed)."""
+    B, H, D = cache.batch_size, cache.n_heads, cache.head_dim
+    for name, x in (("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[0] != B or x.shape[1] != H or x.shape[3] != D:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name} must have shape [B, H_kv, t, D] = [{B}, {H}, t, {D}] of this cache, got {shape}")
+    if v.shape != k.shape:
+        raise ValueError(f"k and v must share one shape, got k {tuple(k.shape)}, v {tuple(v.shape)}")
+
+
+def _check_use(cache: RingCache | GrowingCache, batch_size: int, n_heads: int, head_dim: int) -> None:
+    """The part of `check` both kinds share: the rows of the batch and the heads' shape."""
+    made = (cache.batch_size, cache.n_heads, cache.head_dim)
+    if made != (batch_size, n_heads, head_dim):
+        raise ValueError(f"cache was made for batch {made[0]} with {made[1]} key/value heads of width {made[2]}, "
+                         f"but this layer runs batch {batch_size} with {n_heads} of width {head_dim}: make the "
+                         f"cache with the model's init_cache({batch_size})")
 
 
 class RingCache:
@@ -24,10 +57,9 @@ class RingCache:
 
     def __init__(self, batch_size: int, n_heads: int, head_dim: int, capacity: int, *, sinks: int = 0,
                  device: torch.device | str | None = None, dtype: torch.dtype = torch.float32):
-        if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
-        if sinks < 0:
-            raise ValueError(f"sinks must be >= 0, got {sinks}")
+        _check_sizes(batch_size=(batch_size, 0), n_heads=(n_heads, 1), head_dim=(head_dim, 1), capacity=(capacity, 1),
+                     sinks=(sinks, 0))
+        self.batch_size, self.n_heads, self.head_dim = batch_size, n_heads, head_dim
         self.kv = torch.zeros((2, batch_size, n_heads, sinks + capacity, head_dim), device=device, dtype=dtype)
         self.k, self.v = self.kv[0], self.kv[1]
         self.capacity, self.sinks, self.seen = capacity, sinks, 0
@@ -36,6 +68,20 @@ class RingCache:
         self._slots = torch.cat([sinks + torch.arange(2 * capacity, device=device) % capacity,
                                  torch.arange(sinks, device=device)])
         self._recent: dict[tuple[int, int], torch.Tensor] = {}
+
+    def check(self, *, batch_size: int, n_heads: int, head_dim: int, capacity: int | None, sinks: int) -> None:
+        """Refuse (ValueError) a layer that needs something else than this cache was made for: batch,
+        key/value heads and head width equal, a ring of at least `capacity` positions (None: the layer reads
+        every position, which no ring holds) and exactly `sinks` sink slots (the slot of every position
+        depends on them)."""
+        _check_use(self, batch_size, n_heads, head_dim)
+        if capacity is None:
+            raise ValueError(f"cache is a ring of {self.capacity} positions, but this layer reads every position: "
+                             "it needs a GrowingCache, from the model's init_cache")
+        if self.capacity < capacity or self.sinks != sinks:
+            raise ValueError(f"cache was made for a ring of {self.capacity} positions and {self.sinks} sinks, but "
+                             f"this layer needs at least {capacity} positions and {sinks} sinks: make the cache "
+                             f"with the model's init_cache")
 
     def recent_slots(self) -> torch.Tensor:
         """The slots `recent()` reads, int64 [m + n] (see there)."""
@@ -65,6 +111,7 @@ class RingCache:
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [B, H, t, D] of positions seen … seen+t−1 (only the last `capacity` and the first
         `sinks` positions can matter). The cache keeps values, not autograd graphs (decoding is inference)."""
+        _check_rows(self, k, v)
         k, v = k.detach(), v.detach()
         t = k.shape[2]
         if t == 1 and self.seen >= self.sinks:  # the decoding step: one slot, no index tensor
@@ -94,15 +141,23 @@ class GrowingCache:
 
     def __init__(self, batch_size: int, n_heads: int, head_dim: int, *,
                  device: torch.device | str | None = None, dtype: torch.dtype = torch.float32):
+        _check_sizes(batch_size=(batch_size, 0), n_heads=(n_heads, 1), head_dim=(head_dim, 1))
+        self.batch_size, self.n_heads, self.head_dim = batch_size, n_heads, head_dim
         shape = (batch_size, n_heads, 0, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.seen = 0
 
+    def check(self, *, batch_size: int, n_heads: int, head_dim: int, capacity: int | None, sinks: int) -> None:
+        """Refuse (ValueError) a layer whose batch, key/value heads or head width differ from what this cache
+        was made for; any `capacity` and `sinks` are served, since every position is kept."""
+        _check_use(self, batch_size, n_heads, head_dim)
+
     def recent(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k, self.v
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        _check_rows(self, k, v)
         self.k = torch.cat([self.k, k.to(self.k.dtype)], 2)
         self.v = torch.cat([self.v, v.to(self.v.dtype)], 2)
         self.seen += k.shape[2]
@@ -120,6 +175,12 @@ class Cache:
 
     def __init__(self, layers: list[LayerCache]):
         self.layers = layers
+
+    def check(self, n_layers: int) -> None:
+        """Refuse (ValueError) a model of another depth; each layer checks its own cache (`RingCache.check`)."""
+        if len(self.layers) != n_layers:
+            raise ValueError(f"cache was made for {len(self.layers)} layers, but this model has {n_layers}: make it "
+                             "with the model's init_cache")
 
     @property
     def position(self) -> int:

@@ -210,6 +210,9 @@ class AttentionLayer(nn.Module):
         elif active_shard() is not None:
             raise ValueError("cached decoding cannot run sequence-parallel")
         else:
+            # Another model's cache (batch, heads, ring, sinks) would give wrong rows, or be read past its end.
+            cache.check(batch_size=B, n_heads=self.n_kv_heads, head_dim=self.head_dim,
+                        capacity=self.cache_capacity(), sinks=self.cache_sinks())
             y = self.attend_cached(x, cache)
         return self.out(y.transpose(1, 2).reshape(B, T, d))
 

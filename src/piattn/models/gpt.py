@@ -42,6 +42,8 @@ class GPT(nn.Module):
         """
         if idx.dim() != 2:
             raise ValueError(f"idx must be [B, T] token ids, got shape {tuple(idx.shape)}")
+        if cache is not None:
+            cache.check(len(self.blocks))
         x = self.drop(self.embed(idx))
         for i, block in enumerate(self.blocks):
             x = block(x, None if cache is None else cache.layers[i], document_ids)

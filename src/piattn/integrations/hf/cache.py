@@ -34,6 +34,13 @@ class PiCacheLayer(DynamicLayer):
         self.sink_values: torch.Tensor | None = None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if self.is_initialized and self.keys.dim() == 4:
+            # One cache serves one batch of one model: say so, rather than let torch.cat fail on the sizes.
+            held, new = self.keys.shape, key_states.shape
+            if (held[0], held[1], held[3]) != (new[0], new[1], new[3]):
+                raise ValueError(f"key_states must have shape [B, Hkv, t, D] = [{held[0]}, {held[1]}, t, {held[3]}] "
+                                 f"like the positions this cache holds, got {tuple(new)}: a cache serves one batch of "
+                                 "one model")
         if self.sinks:
             self._keep_sinks(key_states, value_states)
         keys, values = super().update(key_states, value_states)
@@ -111,6 +118,20 @@ class PiCache(Cache):
         settings = HFPiSettings.of(config).pi
         super().__init__(layers=[PiCacheLayer(settings.reach + 1, settings.sinks)
                                  for _ in range(config.num_hidden_layers)])
+        # What it was made for: (layers, ring capacity, sinks).
+        self.made_for = (config.num_hidden_layers, settings.reach + 1, settings.sinks)
+
+    def check(self, config) -> None:
+        """Refuse (ValueError) a model this cache was not made for: another depth, a pattern reaching farther
+        back than its ring, or another number of sinks (the attention would otherwise fail deep inside, or
+        index past the sink copies)."""
+        settings = HFPiSettings.of(config).pi
+        need = (config.num_hidden_layers, settings.reach + 1, settings.sinks)
+        layers, capacity, sinks = self.made_for
+        if need[0] != layers or need[1] > capacity or need[2] != sinks:
+            raise ValueError(f"cache was made for {layers} layers, a ring of {capacity} positions and {sinks} sinks, "
+                             f"but this model has {need[0]} layers and needs {need[1]} positions and {need[2]} sinks: "
+                             "make it with PiCache(model.config)")
 
     @property
     def nbytes(self) -> int:

@@ -145,6 +145,7 @@ def _record_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
     # transformers 5.24 renamed the modules' `past_key_values` argument to `cache`; earlier 5.x pass the former.
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if isinstance(cache, PiCache):
+        cache.check(module.config)  # another model's PiCache fails in one line, not deep in the attention
         layer = cache.layers[module.layer_idx]
         mask = kwargs.get("attention_mask")
         if mask is not None:

@@ -20,7 +20,7 @@ import functools
 import torch
 from torch.nn import functional as F
 
-from ...config.pi import PI_DEFAULTS, check_pi_settings
+from ...config.pi import GATED_VARIANTS, PI_DEFAULTS, check_pi_settings, is_int
 from . import native
 from .pattern import Pattern, log_priors
 from .validate import _check_gate, check_qkv_tensors
@@ -144,6 +144,74 @@ def gate_tail(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) ->
     return s if s.dtype in (torch.float32, torch.float64) else s.float()
 
 
+@functools.lru_cache(maxsize=64, typed=True)
+def _settings_checked(window, period, variant, prior, logit_clamp, eps, sinks) -> None:
+    """`check_pi_settings`, once per distinct setting: a layer passes the same ones on every step of generation.
+    Positional (a keyword call costs four times as much to look up) and typed (True and 1 are equal keys,
+    but only 1 is a valid window)."""
+    check_pi_settings(window=window, period=period, variant=variant, prior=prior, logit_clamp=logit_clamp, eps=eps,
+                      sinks=sinks)
+
+
+def _shape(x) -> str:
+    return str(tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def check_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | None, capacity: int, position: int,
+               window: int, period: int, variant: str, prior: float, logit_clamp: float | None, eps: float,
+               scale: float, sinks: int, gate_head: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """The checks of `decode_ring`: a one-line ValueError naming the argument at the first inconsistency.
+    Positional arguments: passing a dozen by keyword costs as much as half the checks.
+
+    Every size is compared with what the ring layout implies (a cache made for another model, another
+    batch or another pattern would give wrong rows, or have its buffers read past their end), in plain
+    comparisons of sizes: they run on every step of generation. The gate's values are not read (that
+    would cost a device sync per step); a layer's gate is a sigmoid by construction.
+    """
+    _settings_checked(window, period, variant, prior, logit_clamp, eps, sinks)
+    if not isinstance(scale, (int, float)) or not scale > 0:
+        raise ValueError(f"scale must be a number > 0, got {scale!r}")
+    if not is_int(capacity) or capacity <= window or capacity <= period:
+        raise ValueError(f"capacity must be an int >= max(window, period) + 1 = {max(window, period) + 1} "
+                         f"(the ring must reach back as far as the pattern reads), got {capacity!r}")
+    if not is_int(position) or position < 0:
+        raise ValueError(f"position must be an int >= 0 (the new query's position), got {position!r}")
+    qs = q.shape if isinstance(q, torch.Tensor) else ()
+    if len(qs) != 4 or qs[2] != 1 or qs[1] < 1 or qs[3] < 1:
+        raise ValueError(f"q must be a tensor [B, H, 1, D] with H, D >= 1, got {_shape(q)}")
+    B, H, _, D = qs
+    ks = kv_store.shape if isinstance(kv_store, torch.Tensor) else ()
+    if len(ks) != 5 or ks[0] != 2 or ks[1] != B or ks[3] != sinks + capacity or ks[4] != D:
+        raise ValueError(f"kv_store must be a ring cache's storage [2, B, H_kv, sinks + capacity, D] = "
+                         f"[2, {B}, H_kv, {sinks + capacity}, {D}] for q {tuple(qs)}, sinks = {sinks} and "
+                         f"capacity = {capacity}, got {_shape(kv_store)}")
+    H_kv = ks[2]
+    if H_kv < 1 or H % H_kv:
+        raise ValueError(f"kv_store's H_kv = {H_kv} key/value heads must divide the H = {H} heads of q")
+    if kv_store.device != q.device or not kv_store.is_floating_point():
+        raise ValueError(f"kv_store must be a floating-point tensor on the device of q ({q.device}), got "
+                         f"{kv_store.dtype} on {kv_store.device}")
+    if gate_head is not None:
+        if variant != "adaptive":
+            raise ValueError(f"gate_head is taken by variant 'adaptive' only, got variant {variant!r}")
+        gs = gate.shape if isinstance(gate, torch.Tensor) else ()
+        if len(gs) != 3 or gs[0] != B or gs[1] != 1 or gs[2] < 1:
+            raise ValueError(f"gate must be the gate MLP's hidden layer [B, 1, n_hidden] with B = {B} when "
+                             f"gate_head is given, got {_shape(gate)}")
+        weight, bias = gate_head
+        if (not isinstance(weight, torch.Tensor) or weight.shape != (H, gs[2])
+                or not isinstance(bias, torch.Tensor) or bias.shape != (H,)):
+            raise ValueError(f"gate_head must be (weight [H, n_hidden] = {(H, gs[2])}, bias [H] = {(H,)}), "
+                             f"got ({_shape(weight)}, {_shape(bias)})")
+    elif variant in GATED_VARIANTS:
+        if not isinstance(gate, torch.Tensor) or gate.shape != (B, H, 1):
+            raise ValueError(f"gate must be α [B, H, 1] = {(B, H, 1)} for variant {variant!r}, got {_shape(gate)}")
+    elif gate is not None:
+        raise ValueError(f"gate is only used by variants {GATED_VARIANTS}; variant {variant!r} takes gate=None")
+    if gate is not None and gate.device != q.device:
+        raise ValueError(f"gate must be on the device of q ({q.device}), got {gate.device}")
+
+
 def decode_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | None, *, capacity: int, position: int,
                 window: int, period: int, variant: str, prior: float, logit_clamp: float | None, eps: float,
                 scale: float, sinks: int = 0,
@@ -151,15 +219,18 @@ def decode_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | No
     """`decode_rows` for one new query at `position`, read straight from a ring cache's storage.
 
     q [B, H, 1, D]; kv_store [2, B, H_kv, sinks + capacity, D], keys then values, of a `RingCache` that
-    already holds the new key (layout in `ring_slots`); gate [B, H, 1] α or None. With gate_head =
-    (weight [H, n_hidden], bias [H]), the last layer of the gate MLP (variant "adaptive" only), gate is
-    instead the MLP's hidden pre-activation [B, 1, n_hidden] and α = ε + (1 − 2ε)·σ(weight·GELU(gate) +
-    bias) is computed here (`gate_tail`).
+    already holds the new key (layout in `ring_slots`; capacity >= max(window, period) + 1, H_kv dividing
+    H); gate [B, H, 1] α or None. With gate_head = (weight [H, n_hidden], bias [H]), the last layer of the
+    gate MLP (variant "adaptive" only), gate is instead the MLP's hidden pre-activation [B, 1, n_hidden]
+    and α = ε + (1 − 2ε)·σ(weight·GELU(gate) + bias) is computed here (`gate_tail`). Inconsistent
+    arguments raise ValueError (`check_ring`).
 
     The step of generation: one call of the compiled C step (`native.ring_step`) where it applies, else one
     gather for keys and values and `decode_gathered`, with no reordering of the ring and no concatenation
     with the new row.
     """
+    check_ring(q, kv_store, gate, capacity, position, window, period, variant, prior, logit_clamp, eps, scale, sinks,
+               gate_head)
     slot, valid, kind, n_local, n_skip = ring_slots(window, period, sinks, capacity, position, q.device)
     if variant != "separate":
         if gate_head is not None:
@@ -170,17 +241,20 @@ def decode_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | No
             mode, extra = native.PRIOR_CONST, dict(log_priors=log_priors(variant, None, prior, eps))
         else:
             mode, extra = native.PRIOR_NONE, {}
-        y = native.ring_step(q, kv_store, slot, valid, kind, prior_mode=mode, logit_clamp=logit_clamp, eps=eps,
-                             scale=scale, **extra)
+        # Unchecked: check_ring covered what ring_step's own checks would, and the slots are ring_slots'.
+        y = native.ring_step_unchecked(q, kv_store, slot, valid, kind, prior_mode=mode, logit_clamp=logit_clamp,
+                                       eps=eps, scale=scale, **extra)
         if y is not None:
             return y
     gate_is_sigmoid = gate_head is not None
     if gate_is_sigmoid:
         gate = gate_tail(gate, *gate_head).transpose(1, 2)
     # Gathered as rows of a [2·B·H_kv, N, D] view: index_select along a middle dim of the 5-d store is
-    # about twice as slow for these few rows.
+    # about twice as slow for these few rows (reshape: a view of a cache's contiguous store, a copy of any
+    # other). The slot count is spelled out, not -1: with B = 0 there is no element to infer it from.
     two, B, H_kv, N, D = kv_store.shape
-    kg, vg = kv_store.view(two * B * H_kv, N, D).index_select(1, slot).view(two, B, H_kv, -1, D).unbind(0)
+    kg, vg = kv_store.reshape(two * B * H_kv, N, D).index_select(1, slot).view(two, B, H_kv, slot.shape[0],
+                                                                                D).unbind(0)
     return decode_gathered(q, kg, vg, valid, kind, n_local, n_skip, gate, variant=variant, prior=prior,
                            logit_clamp=logit_clamp, eps=eps, scale=scale, gate_is_sigmoid=gate_is_sigmoid)
 
@@ -227,8 +301,15 @@ def decode_gathered(q: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, valid: 
     # With one query (t = 1) the heads of a group are already adjacent: plain views, no transposes.
     q3 = q.reshape(R, g, D) if t == 1 else q.view(B, H_kv, g, t, D).transpose(2, 3).reshape(R, g, D)
     k3, v3 = kg.view(R, S, D), vg.view(R, S, D)
-    if q.dtype != acc:
-        q3, k3, v3 = q3.to(acc), k3.to(acc), v3.to(acc)
+    if valid is not None:
+        # A slot that reads nothing still gathered some key and value (row 0, a sink slot not yet written):
+        # its weight is 0, but 0·inf and 0·NaN are NaN, so a non-finite value there would reach rows that
+        # never read it. Replaced, not multiplied (as the operator does); its key's score is replaced by
+        # -inf below.
+        v3 = torch.where(valid[None, :, :, None], v3.view(B * H_kv, t, S, D), 0.0).view(R, S, D)
+    # Each converted on its own: the cache may hold another dtype than q (an fp32 step reading a bf16 or
+    # fp64 cache), and baddbmm takes one dtype.
+    q3, k3, v3 = (x if x.dtype == acc else x.to(acc) for x in (q3, k3, v3))
     z = torch.baddbmm(_ignored(acc, q.device), q3, k3.transpose(1, 2), beta=0, alpha=scale)  # [R, g, S]: Eq. (z)
     if logit_clamp is not None:
         z.clamp_(-logit_clamp, logit_clamp)

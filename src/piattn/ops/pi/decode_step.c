@@ -25,21 +25,56 @@
  *
  * Non-finite values stay where they are read: slots that read nothing are never touched, and every
  * comparison is written so that a NaN passes through it (as torch's clamp and clamp_min let it).
+ *
+ * Trust: native.py checks every shape before the call, but this function is the last step before raw
+ * pointers, so it checks again what it can see (the sizes, every slot and kind, the prior mode) and
+ * returns a PI_ERR_* code, having read nothing, rather than divide by zero (H / H_kv with H_kv > H) or
+ * read outside kv (a slot >= N). Its scratch rows live on the heap: as stack arrays, a wide gate
+ * (n_hidden of a million, or tens of thousands in a thread with a small stack) overflowed the stack and
+ * killed the process.
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 enum { PRIOR_NONE = 0, PRIOR_CONST = 1, PRIOR_ALPHA = 2, PRIOR_HIDDEN = 3 };
+/* Return codes; native.py turns each into its error. */
+enum { PI_OK = 0, PI_ERR_SIZE = 1, PI_ERR_SLOT = 2, PI_ERR_KIND = 3, PI_ERR_PRIOR = 4, PI_ERR_MEMORY = 5 };
+
+/* PI_OK when every read and write of the step stays inside the buffers whose sizes it was given. */
+static int pi_check(const void *q, const void *kv, int64_t B, int64_t H, int64_t H_kv, int64_t N, int64_t D,
+                    const int64_t *slot, const int64_t *kind, int64_t S, int prior_mode, const void *gate,
+                    int64_t n_hidden, const void *w, const void *bias, const void *y) {
+  if (B < 0 || H < 1 || H_kv < 1 || H_kv > H || H % H_kv || N < 1 || D < 1 || S < 0 || n_hidden < 0)
+    return PI_ERR_SIZE;
+  if (prior_mode < PRIOR_NONE || prior_mode > PRIOR_HIDDEN) return PI_ERR_PRIOR;
+  if (S > 0 && (!slot || !kind)) return PI_ERR_SIZE;
+  for (int64_t s = 0; s < S; s++) {
+    if (slot[s] < 0 || slot[s] >= N) return PI_ERR_SLOT;
+    if (kind[s] != 0 && kind[s] != 1) return PI_ERR_KIND;
+  }
+  if (B == 0) return PI_OK; /* nothing is read or written, and empty tensors may have no data pointer */
+  if (!q || !kv || !y) return PI_ERR_SIZE;
+  if ((prior_mode == PRIOR_ALPHA || prior_mode == PRIOR_HIDDEN) && !gate) return PI_ERR_PRIOR;
+  if (prior_mode == PRIOR_HIDDEN && (n_hidden < 1 || !w || !bias)) return PI_ERR_PRIOR;
+  return PI_OK;
+}
 
 #define DEFINE_STEP(NAME, T, EXP, LOG, ERF)                                                                  \
   int NAME(const T *q, int64_t q_sb, int64_t q_sh, const T *kv, int64_t B, int64_t H, int64_t H_kv,        \
            int64_t N, int64_t D, const int64_t *slot, const uint8_t *valid, const int64_t *kind, int64_t S,  \
            int prior_mode, double c_local, double c_skip, const T *gate, int64_t gate_sb, int64_t n_hidden,  \
            const T *w, const T *bias, double scale, double clamp, double eps, T *y) {                        \
+    const int checked = pi_check(q, kv, B, H, H_kv, N, D, slot, kind, S, prior_mode, gate, n_hidden, w,     \
+                                 bias, y);                                                                   \
+    if (checked != PI_OK || B == 0) return checked;                                                          \
     const int64_t group = H / H_kv;                                                                          \
     const T lo = (T)eps, width = (T)(1.0 - 2.0 * eps), hi = (T)(1.0 - eps);                                  \
-    T z[S > 0 ? S : 1];                                                                                      \
-    T act[n_hidden > 0 ? n_hidden : 1];                                                                      \
+    /* One allocation for both scratch rows: the scores z [S], then the gate's GELU act [n_hidden]. */      \
+    const int64_t n_act = prior_mode == PRIOR_HIDDEN ? n_hidden : 0;                                         \
+    T *const z = (T *)malloc(sizeof(T) * (size_t)(S + n_act + 1));                                           \
+    if (!z) return PI_ERR_MEMORY;                                                                            \
+    T *const act = z + S;                                                                                    \
     for (int64_t b = 0; b < B; b++) {                                                                        \
       if (prior_mode == PRIOR_HIDDEN) { /* GELU(x) = x·Φ(x), exact (erf), once per sequence */              \
         const T *hb = gate + b * gate_sb;                                                                    \
@@ -99,7 +134,8 @@ enum { PRIOR_NONE = 0, PRIOR_CONST = 1, PRIOR_ALPHA = 2, PRIOR_HIDDEN = 3 };
         }                                                                                                    \
       }                                                                                                      \
     }                                                                                                        \
-    return 0;                                                                                                \
+    free(z);                                                                                                 \
+    return PI_OK;                                                                                            \
   }
 
 DEFINE_STEP(pi_decode_step_f32, float, expf, logf, erff)

@@ -6,6 +6,11 @@ linear and sigmoid) is about a dozen of them, where dense attention is one fused
 does all of it in one C function, compiled once per machine with the system's C compiler (`$CC`, else
 `cc`) into `$PIATTN_CACHE/native` (default `~/.cache/piattn/native`) and loaded with ctypes.
 
+Loading a library runs its code, so what is loaded is checked first: the folder must be this user's
+alone (made with mode 0o700; one owned by another user or writable by group or others is refused, with a
+warning), and the library must match the SHA-256 recorded beside it when it was built. One that fails
+(cut short, from an older piattn, written by something else) or does not load is rebuilt.
+
 It serves fp32 and fp64 CPU tensors in inference (no gradient asked for), variants "union", "fixed"
 and "adaptive", any batch, heads, grouped-query attention and sinks. Anything else (another device or
 dtype, autograd, "separate", no compiler, `PIATTN_NATIVE=0`) returns None and the caller runs the same
@@ -18,6 +23,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import stat
 import subprocess
 import tempfile
 import threading
@@ -30,9 +36,16 @@ SOURCE = Path(__file__).with_name("decode_step.c")
 # Prior modes of decode_step.c.
 PRIOR_NONE, PRIOR_CONST, PRIOR_ALPHA, PRIOR_HIDDEN = range(4)
 _FUNCTIONS = {torch.float32: "pi_decode_step_f32", torch.float64: "pi_decode_step_f64"}
-# Slots per query the C step takes (its scores live on the stack); wider windows run in torch ops, where
-# the per-op overhead no longer dominates anyway.
+# Slots per query the C step takes; wider windows run in torch ops, where the per-op overhead that the C
+# step saves no longer dominates anyway.
 MAX_SLOTS = 4096
+# decode_step.c's PI_ERR_* codes: what the C step refused (having read nothing). The shape checks of
+# `ring_step` come first, so these are reached only through the contents of slot and kind, or a bug.
+_ERRORS = {1: "the sizes given to the compiled step are inconsistent (B >= 0, H >= 1, 1 <= H_kv <= H dividing "
+              "H, N >= 1, D >= 1)",
+           2: "slot must index rows 0 … N − 1 of kv_store",
+           3: "kind must hold 0 (local prior) or 1 (skip prior) only",
+           4: "prior_mode must be one of PRIOR_NONE, PRIOR_CONST, PRIOR_ALPHA, PRIOR_HIDDEN, with its gate"}
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 _ARGTYPES = [_P, _I, _I, _P, _I, _I, _I, _I, _I, _P, _P, _P, _I, ctypes.c_int, _F, _F, _P, _I, _I, _P, _P,
@@ -42,39 +55,139 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
+class _Unsafe(Exception):
+    """The library folder is not private to this user: nothing in it may be loaded."""
+
+
+class _BuildError(Exception):
+    """The compiler could not build the library."""
+
+
+class _LoadError(Exception):
+    """A library built here (and verified) still does not load."""
+
+
 def _compiler_flags() -> list[str]:
     # No -ffast-math: NaN and inf must behave as IEEE says (they stay in the rows that read them).
     return ["-O3", "-std=c99", "-fPIC", "-shared", "-fno-math-errno"]
+
+
+def library_folder() -> Path:
+    """`$PIATTN_CACHE/native`, default `~/.cache/piattn/native`."""
+    return Path(os.environ.get("PIATTN_CACHE") or Path.home() / ".cache" / "piattn") / "native"
 
 
 def _library_path(compiler: str) -> Path:
     """Where the compiled step lives: keyed by the source, the compiler, its flags and the machine."""
     key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), compiler.encode(), " ".join(_compiler_flags()).encode(),
                                      platform.machine().encode()])).hexdigest()[:16]
-    root = Path(os.environ.get("PIATTN_CACHE") or Path.home() / ".cache" / "piattn")
-    return root / "native" / f"decode_step-{key}.so"
+    return library_folder() / f"decode_step-{key}.so"
+
+
+def _digest_path(path: Path) -> Path:
+    """The sidecar holding the SHA-256 of `path`'s bytes as built."""
+    return path.with_name(path.name + ".sha256")
+
+
+def _private_folder(folder: Path) -> None:
+    """Make `folder` (mode 0o700), or check that the existing one is this user's alone; raises _Unsafe if not.
+
+    Loading a library runs its code: a folder another user owns or can write to (a shared PIATTN_CACHE)
+    would let them run theirs in this process, whatever hash sits next to it.
+    """
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, exist_ok=True)  # an existing folder keeps its mode: checked below
+    info = os.stat(folder)  # follows a link: what matters is the folder the library is read from
+    if not stat.S_ISDIR(info.st_mode):
+        raise _Unsafe(f"{folder} is not a folder")
+    if hasattr(os, "getuid") and info.st_uid != os.getuid():
+        raise _Unsafe(f"{folder} belongs to user id {info.st_uid}, not to this user ({os.getuid()})")
+    if info.st_mode & 0o022:
+        raise _Unsafe(f"{folder} can be written by group or others (mode {stat.S_IMODE(info.st_mode):o}); "
+                      f"make it private with chmod 700")
+
+
+def _verified(path: Path) -> bool:
+    """Whether `path` holds exactly the bytes whose hash its sidecar recorded when it was built: a library cut
+    short (a build killed half-way, a full disk) or written by anything but `_build` fails, and is never
+    handed to dlopen (a truncated one killed the process with SIGBUS there)."""
+    try:
+        recorded = _digest_path(path).read_text().strip()
+        data = path.read_bytes()
+    except OSError:
+        return False
+    return hashlib.sha256(data).hexdigest() == recorded
 
 
 def _build(path: Path, compiler: str) -> None:
-    """Compile SOURCE into `path`, atomically: concurrent processes each write a temporary file and the
-    last rename wins, so no process ever loads a half-written library."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-    os.close(fd)
+    """Compile SOURCE into `path` and record its hash beside it, each written to a temporary name and renamed
+    into place: concurrent processes each rename whole files, so no process reads a half-written one (a
+    library and a hash of two different builds fail `_verified`, and the reader rebuilds)."""
+    made = []
     try:
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+        os.close(fd)
+        made.append(tmp)
         done = subprocess.run([compiler, *_compiler_flags(), str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
                               text=True, timeout=120)
         if done.returncode:
             raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "compiler failed")
+        digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
+        fd, tmp_digest = tempfile.mkstemp(suffix=".sha256", dir=path.parent)
+        made.append(tmp_digest)
+        with os.fdopen(fd, "w") as f:
+            f.write(digest + "\n")
         os.replace(tmp, path)
+        os.replace(tmp_digest, _digest_path(path))
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for name in made:
+            if os.path.exists(name):
+                os.unlink(name)
+
+
+def _open(path: Path) -> dict[torch.dtype, ctypes._CFuncPtr]:
+    """The C functions of the library at `path` (OSError or AttributeError if it does not load)."""
+    library = ctypes.CDLL(str(path))
+    functions = {}
+    for dtype, name in _FUNCTIONS.items():
+        function = getattr(library, name)
+        function.argtypes, function.restype = _ARGTYPES, ctypes.c_int
+        functions[dtype] = function
+    return functions
+
+
+def _build_and_open(compiler: str) -> dict[torch.dtype, ctypes._CFuncPtr]:
+    """Load the verified library, building it first if it is missing or fails verification, and once more if
+    a verified one still does not load (another machine's, a library from an older piattn); raises _Unsafe,
+    _BuildError or _LoadError."""
+    path = _library_path(compiler)
+    _private_folder(path.parent)
+    rebuilt = False
+    if not _verified(path):
+        _compile(path, compiler)
+        rebuilt = True
+    try:
+        return _open(path)
+    except (OSError, AttributeError) as err:
+        if rebuilt:
+            raise _LoadError(f"could not load {path}: {err}") from err
+    _compile(path, compiler)
+    try:
+        return _open(path)
+    except (OSError, AttributeError) as err:
+        raise _LoadError(f"could not load {path}, even rebuilt: {err}") from err
+
+
+def _compile(path: Path, compiler: str) -> None:
+    try:
+        _build(path, compiler)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+        raise _BuildError(f"could not build {SOURCE.name} with {compiler!r}: {err}") from err
 
 
 def _load() -> dict[torch.dtype, ctypes._CFuncPtr] | None:
     """The C functions by dtype, compiling them on first use; None (with the reason in `unavailable()`)
-    when disabled or when no compiler can build them."""
+    when disabled, or when they cannot be built or loaded safely."""
     with _lock:
         if "functions" in _state:
             return _state["functions"]
@@ -84,21 +197,22 @@ def _load() -> dict[torch.dtype, ctypes._CFuncPtr] | None:
         else:
             compiler = os.environ.get("CC") or "cc"
             try:
-                path = _library_path(compiler)
-                if not path.exists():
-                    _build(path, compiler)
-                library = ctypes.CDLL(str(path))
-                functions = {}
-                for dtype, name in _FUNCTIONS.items():
-                    function = getattr(library, name)
-                    function.argtypes, function.restype = _ARGTYPES, ctypes.c_int
-                    functions[dtype] = function
-            except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-                _state["reason"] = f"could not build {SOURCE.name} with {compiler!r}: {err}"
-                warnings.warn(f"piattn: decoding runs in torch ops ({_state['reason']}); set CC to a C compiler "
-                              "for the faster step, or PIATTN_NATIVE=0 to silence this", RuntimeWarning, stacklevel=3)
+                functions = _build_and_open(compiler)
+            except _BuildError as err:
+                _warn(str(err), "set CC to a C compiler for the faster step")
+            except _Unsafe as err:
+                _warn(f"will not load compiled code from a folder others control: {err}",
+                      "set PIATTN_CACHE to a folder of your own for the faster step")
+            except (_LoadError, OSError) as err:  # OSError: the folder could not be made
+                _warn(str(err), "check PIATTN_CACHE")
         _state["functions"] = functions
         return functions
+
+
+def _warn(reason: str, advice: str) -> None:
+    _state["reason"] = reason
+    warnings.warn(f"piattn: decoding runs in torch ops ({reason}); {advice}, or PIATTN_NATIVE=0 to silence this",
+                  RuntimeWarning, stacklevel=4)
 
 
 def unavailable() -> str | None:
@@ -114,6 +228,60 @@ def reset() -> None:
         _state.clear()
 
 
+def _shape(x) -> str:
+    return str(tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
+
+
+def check_step(q: torch.Tensor, kv_store: torch.Tensor, slot: torch.Tensor, valid: torch.Tensor | None,
+               kind: torch.Tensor, prior_mode: int, gate: torch.Tensor | None, gate_weight: torch.Tensor | None,
+               gate_bias: torch.Tensor | None) -> None:
+    """The shape checks of `ring_step` (see there): a one-line ValueError naming the argument at the first
+    inconsistency, in plain comparisons of sizes (no tensor op)."""
+    qs = q.shape if isinstance(q, torch.Tensor) else ()
+    if len(qs) != 4 or qs[2] != 1 or qs[1] < 1 or qs[3] < 1:
+        raise ValueError(f"q must be a tensor [B, H, 1, D] with H, D >= 1, got {_shape(q)}")
+    B, H, _, D = qs
+    ks = kv_store.shape if isinstance(kv_store, torch.Tensor) else ()
+    if len(ks) != 5 or ks[0] != 2 or ks[1] != B or ks[3] < 1 or ks[4] != D:
+        raise ValueError(f"kv_store must be a tensor [2, B, H_kv, N, D] with B = {B}, D = {D} of q and N >= 1, "
+                         f"got {_shape(kv_store)}")
+    H_kv = ks[2]
+    if H_kv < 1 or H % H_kv:
+        raise ValueError(f"kv_store's H_kv = {H_kv} key/value heads must divide the H = {H} heads of q")
+    if not isinstance(slot, torch.Tensor) or slot.dim() != 1 or slot.dtype != torch.int64:
+        raise ValueError(f"slot must be an int64 tensor [S], got {_shape(slot)}")
+    S = slot.shape[0]
+    if not isinstance(kind, torch.Tensor) or kind.shape != slot.shape or kind.dtype != torch.int64:
+        raise ValueError(f"kind must be an int64 tensor [S] with S = {S} like slot, got {_shape(kind)}")
+    if valid is not None and (not isinstance(valid, torch.Tensor) or valid.dtype != torch.bool
+                              or valid.numel() != S or valid.dim() not in (1, 2)):
+        raise ValueError(f"valid must be None or a bool tensor [1, S] with S = {S}, got {_shape(valid)}")
+    for name, x in (("slot", slot), ("kind", kind), ("valid", valid)):
+        if x is not None and (x.device != q.device or not x.is_contiguous()):
+            raise ValueError(f"{name} must be contiguous and on the device of q ({q.device}), got {x.device}")
+    if prior_mode in (PRIOR_NONE, PRIOR_CONST):
+        if gate is not None or gate_weight is not None or gate_bias is not None:
+            raise ValueError("gate, gate_weight and gate_bias are read by PRIOR_ALPHA and PRIOR_HIDDEN only; "
+                             f"prior_mode {prior_mode} takes None")
+    elif prior_mode == PRIOR_ALPHA:
+        if not isinstance(gate, torch.Tensor) or gate.shape != (B, H, 1):
+            raise ValueError(f"gate must be α [B, H, 1] = {(B, H, 1)} for PRIOR_ALPHA, got {_shape(gate)}")
+        if gate_weight is not None or gate_bias is not None:
+            raise ValueError("gate_weight and gate_bias are read by PRIOR_HIDDEN only; PRIOR_ALPHA takes None")
+    elif prior_mode == PRIOR_HIDDEN:
+        gs = gate.shape if isinstance(gate, torch.Tensor) else ()
+        if len(gs) != 3 or gs[0] != B or gs[1] != 1 or gs[2] < 1:
+            raise ValueError(f"gate must be the hidden layer [B, 1, n_hidden] with B = {B}, n_hidden >= 1 for "
+                             f"PRIOR_HIDDEN, got {_shape(gate)}")
+        if not isinstance(gate_weight, torch.Tensor) or gate_weight.shape != (H, gs[2]):
+            raise ValueError(f"gate_weight must be [H, n_hidden] = {(H, gs[2])}, got {_shape(gate_weight)}")
+        if not isinstance(gate_bias, torch.Tensor) or gate_bias.shape != (H,):
+            raise ValueError(f"gate_bias must be [H] = {(H,)}, got {_shape(gate_bias)}")
+    else:
+        raise ValueError(f"prior_mode must be one of PRIOR_NONE, PRIOR_CONST, PRIOR_ALPHA, PRIOR_HIDDEN "
+                         f"(0 … 3), got {prior_mode!r}")
+
+
 def ring_step(q: torch.Tensor, kv_store: torch.Tensor, slot: torch.Tensor, valid: torch.Tensor | None,
               kind: torch.Tensor, *, prior_mode: int, log_priors: tuple[float, float] = (0.0, 0.0),
               gate: torch.Tensor | None = None, gate_weight: torch.Tensor | None = None,
@@ -121,12 +289,28 @@ def ring_step(q: torch.Tensor, kv_store: torch.Tensor, slot: torch.Tensor, valid
               scale: float) -> torch.Tensor | None:
     """One query per sequence read from a ring cache's storage, or None where the C step does not apply.
 
-    q [B, H, 1, D]; kv_store [2, B, H_kv, N, D] contiguous; slot [S] int64, valid [1, S] bool or None, kind
-    [S] int64 (`decode.ring_slots`); prior_mode one of PRIOR_*: log_priors (local, skip) for PRIOR_CONST;
-    gate α [B, H, 1] for PRIOR_ALPHA, or for PRIOR_HIDDEN the gate MLP's hidden pre-activation [B, 1,
-    n_hidden] with its last layer's gate_weight [H, n_hidden] and gate_bias [H].
-    Returns y [B, H, 1, D] in the dtype of q.
+    q [B, H, 1, D]; kv_store [2, B, H_kv, N, D] with H_kv dividing H; slot [S] int64 (rows of kv_store,
+    0 … N − 1), valid [1, S] bool or None, kind [S] int64 (0 or 1) (`decode.ring_slots`); prior_mode one of
+    PRIOR_*: log_priors (local, skip) for PRIOR_CONST; gate α [B, H, 1] for PRIOR_ALPHA, or for
+    PRIOR_HIDDEN the gate MLP's hidden pre-activation [B, 1, n_hidden] with its last layer's gate_weight
+    [H, n_hidden] and gate_bias [H].
+    Returns y [B, H, 1, D] in the dtype of q. Inconsistent shapes raise ValueError (`check_step`), and a
+    slot or kind out of range raises ValueError from the C step's own checks, before it reads anything.
     """
+    check_step(q, kv_store, slot, valid, kind, prior_mode, gate, gate_weight, gate_bias)
+    return ring_step_unchecked(q, kv_store, slot, valid, kind, prior_mode=prior_mode, log_priors=log_priors, gate=gate,
+                               gate_weight=gate_weight, gate_bias=gate_bias, logit_clamp=logit_clamp, eps=eps,
+                               scale=scale)
+
+
+def ring_step_unchecked(q: torch.Tensor, kv_store: torch.Tensor, slot: torch.Tensor, valid: torch.Tensor | None,
+                        kind: torch.Tensor, *, prior_mode: int, log_priors: tuple[float, float] = (0.0, 0.0),
+                        gate: torch.Tensor | None = None, gate_weight: torch.Tensor | None = None,
+                        gate_bias: torch.Tensor | None = None, logit_clamp: float | None, eps: float,
+                        scale: float) -> torch.Tensor | None:
+    """`ring_step` without `check_step`, for `decode.decode_ring`, whose own checks cover the same shapes (a
+    step of generation is tens of microseconds; checking twice was a noticeable part of it). The C step
+    still checks every size, slot and kind it is given before reading anything."""
     functions = _state["functions"] if "functions" in _state else _load()
     if functions is None:
         return None
@@ -151,8 +335,12 @@ def ring_step(q: torch.Tensor, kv_store: torch.Tensor, slot: torch.Tensor, valid
         gate_ptr, gate_sb, n_hidden = gate.data_ptr(), gate.stride(0), gate.shape[-1]
         w_ptr, b_ptr = gate_weight.data_ptr(), gate_bias.data_ptr()
     y = torch.empty(B, H, 1, D, dtype=q.dtype)
-    function(q.data_ptr(), q.stride(0), q.stride(1), kv_store.data_ptr(), B, H, H_kv, N, D, slot.data_ptr(),
-             None if valid is None else valid.data_ptr(), kind.data_ptr(), kind.shape[0], prior_mode,
-             log_priors[0], log_priors[1], gate_ptr, gate_sb, n_hidden, w_ptr, b_ptr, scale,
-             float("inf") if logit_clamp is None else logit_clamp, eps, y.data_ptr())
+    code = function(q.data_ptr(), q.stride(0), q.stride(1), kv_store.data_ptr(), B, H, H_kv, N, D, slot.data_ptr(),
+                    None if valid is None else valid.data_ptr(), kind.data_ptr(), kind.shape[0], prior_mode,
+                    log_priors[0], log_priors[1], gate_ptr, gate_sb, n_hidden, w_ptr, b_ptr, scale,
+                    float("inf") if logit_clamp is None else logit_clamp, eps, y.data_ptr())
+    if code:
+        if code == 5:
+            raise MemoryError("the compiled decoding step could not allocate its scratch rows")
+        raise ValueError(_ERRORS.get(code, f"the compiled decoding step failed with code {code}"))
     return y
