@@ -155,7 +155,12 @@ def plot_receptive_field(n: int, window: int, period: int, layers: int, out: str
     ax.set_title(f"(c) span R(L), measured on n={n}")
     ax.set_xlabel("depth L (layers)")
     ax.set_ylabel("largest reachable |i − j|")
-    ax.set_xticks(depths)
+    if layers <= 16:
+        ax.set_xticks(depths)
+    else:  # one tick per layer would be an unreadable band (`piattn reach` allows 512 layers)
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(fontsize=8)
 
     out = Path(out)
