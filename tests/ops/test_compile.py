@@ -334,8 +334,8 @@ def test_documents_at_several_lengths(kind):
     for length in (T, T - 11, T):
         idx = torch.randint(0, 32, (2, length + 1), generator=torch.Generator().manual_seed(length))
         ids = torch.stack([torch.arange(length) // 13, torch.arange(length) // 7 % 2])
-        forward = {"eager": lambda x: model(x, document_ids=ids), "compiled": lambda x: compiled(x, document_ids=ids)}
-        expected, got = (loss_and_grads(model, forward[name], idx) for name in ("eager", "compiled"))
+        expected, got = (loss_and_grads(model, lambda x, f=f, ids=ids: f(x, document_ids=ids), idx)
+                         for f in (model, compiled))
         torch.testing.assert_close(got[0], expected[0], rtol=1e-10, atol=1e-10)
         assert got[1].keys() == expected[1].keys()
         for name in expected[1]:
