@@ -246,3 +246,16 @@ def test_position_bins_and_compare_print_a_table(run, trained, capsys):
     rows = [line.split() for line in err.splitlines() if line.strip().startswith(("0–", "16–", "all"))]
     assert [r[0] for r in rows] == ["0–15", "16–31", "all"]
     assert rows[-1][1:] == [f"{result['loss']:.4f}", "+0.0000", "[+0.0000,", "+0.0000]"]  # A against itself
+
+
+@pytest.mark.parametrize(("flag", "message"), [("--output", "--output must name a file, got ''"),
+                                               ("--cache-dir", "--cache-dir must name a folder, got ''")])
+def test_an_empty_output_or_cache_dir_is_refused_not_taken_for_a_default(run, capsys, flag, message):
+    code, _, err = evaluate(capsys, "--checkpoint", str(run), "--use-stored-data", flag, "")
+    assert code == 2 and message in one_line(err) and not (run / "eval").exists()
+
+
+@pytest.mark.skipif(__import__("os").geteuid() != 0, reason="as root os.access says /proc is writable")
+def test_an_output_where_nothing_can_be_created_is_refused_before_scoring(run, capsys):
+    code, _, err = evaluate(capsys, "--checkpoint", str(run), "--use-stored-data", "--output", "/proc/e.json")
+    assert code == 2 and "--output /proc/e.json: cannot create anything in /proc" in one_line(err)

@@ -50,7 +50,8 @@ from ..tasks import LanguageModelTask, VisionLanguageTask, restore, task_class
 from ..tasks.classification import ClassificationTask
 from ..train import checkpoint as ckpt
 from ..train.distributed import DEVICES, DistContext, setup, teardown
-from ..train.loop import autocast, autocast_dtype, saved_train_config, writable_folder
+from ..train.loop import autocast, autocast_dtype, saved_train_config
+from . import paths
 
 # Recorded --data values that name no file or dataset: the examples are generated from the run's seed.
 GENERATED = (None, "shapes")
@@ -357,23 +358,20 @@ def numbered(path: Path, n: int) -> Path:
     return path if n == 1 else path.with_name(f"{path.stem}-{n}{path.suffix}")
 
 
-def output_file(path: str | Path, overwrite: bool) -> Path:
-    """The --output path, checked before the (long) evaluation: a file in a writable folder, not an earlier
-    file unless `overwrite`."""
-    output = Path(path)
-    if output.is_dir():
-        raise ValueError(f"--output {output} is a folder; name a .json file")
+def output_file(path: str, overwrite: bool) -> Path:
+    """The --output path, checked before the (long) evaluation: a file where files can be created, not an
+    earlier file unless `overwrite`."""
+    output = paths.output_file(path, "--output")
     if (output.exists() or output.is_symlink()) and not overwrite:
         raise ValueError(f"--output {output} exists (an earlier evaluation?); pass --overwrite to replace it or "
                          "name another file")
-    writable_folder(output.parent, "--output folder")
     return output
 
 
 def default_output(folder: Path, args: argparse.Namespace) -> Path:
     """RUN/eval/<default_name>, checked before the evaluation: RUN/eval may not be a link or a file."""
     eval_dir = run_subfolder(ckpt.run_dir_of(folder), "eval", "--output FILE")
-    writable_folder(eval_dir, "the evaluation folder")
+    paths.output_folder(eval_dir, "the default --output folder")
     return eval_dir / default_name(folder, args)
 
 
@@ -411,7 +409,9 @@ def run(args: argparse.Namespace) -> int:
     check_numbers(args)
     normalize_split(args.split)
     # Everything a run folder could get wrong is checked before the device is set up and the model built.
-    chosen_output = output_file(args.output, args.overwrite) if args.output else None
+    chosen_output = output_file(args.output, args.overwrite) if args.output is not None else None
+    if args.cache_dir is not None:  # '' would be the current folder here and RUN/cache in the task
+        paths.output_folder(args.cache_dir, "--cache-dir")
     folder = ckpt.resolve_checkpoint(args.checkpoint)
     other = None
     if args.position_bins is not None or args.compare is not None:
@@ -431,8 +431,12 @@ def run(args: argparse.Namespace) -> int:
     if not ctx.is_main:  # under torchrun every rank scores its share; rank 0 reports
         return 0
     text = json.dumps(result, indent=2)
-    written = write_result(output, text + "\n", replace=args.overwrite, renumber=chosen_output is None)
-    print(text)
+    print(text, flush=True)  # first: a failed write below loses no result
     print("\n".join(summary(result)), file=sys.stderr)
+    try:
+        written = write_result(output, text + "\n", replace=args.overwrite, renumber=chosen_output is None)
+    except OSError as err:  # checked before the evaluation, so the disk filled up or the folder changed
+        raise ValueError(f"{output}: cannot be written ({err.strerror or type(err).__name__}); the result is "
+                         "the JSON above") from None
     print(f"written to {written}", file=sys.stderr)
     return 0
