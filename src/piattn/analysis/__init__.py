@@ -1,6 +1,21 @@
-"""Reachability, minimum depth and the hierarchy cost model of π-Attention."""
+"""Reachability, minimum depth and the hierarchy cost model of π-Attention; multi-scale π (a skip period per
+head and per layer) and the period designer."""
 
 from .cost import PROFILES, HardwareProfile, dense_cost, online_cost, working_set_size
+from .multiscale import (
+    SCHEDULES,
+    Design,
+    Schedule,
+    constructed_reach,
+    coverage_multi,
+    depths_multi,
+    design_periods,
+    gap_free_reach,
+    min_depth_multi,
+    periods_per_layer,
+    reachable_lags,
+    schedule,
+)
 from .reachability import (
     attainable_span,
     coverage,
@@ -16,14 +31,26 @@ from .reachability import (
 
 __all__ = [
     "PROFILES",
+    "SCHEDULES",
+    "Design",
     "HardwareProfile",
+    "Schedule",
     "attainable_span",
+    "constructed_reach",
     "coverage",
+    "coverage_multi",
     "dense_cost",
+    "depths_multi",
+    "design_periods",
+    "gap_free_reach",
     "min_depth",
+    "min_depth_multi",
     "online_cost",
+    "periods_per_layer",
     "reachability_mask",
+    "reachable_lags",
     "reachability_with_sinks",
+    "schedule",
     "sink_reach_depth",
     "span",
     "span_bound",
