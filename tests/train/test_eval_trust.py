@@ -259,3 +259,16 @@ def test_an_empty_output_or_cache_dir_is_refused_not_taken_for_a_default(run, ca
 def test_an_output_where_nothing_can_be_created_is_refused_before_scoring(run, capsys):
     code, _, err = evaluate(capsys, "--checkpoint", str(run), "--use-stored-data", "--output", "/proc/e.json")
     assert code == 2 and "--output /proc/e.json: cannot create anything in /proc" in one_line(err)
+
+
+def test_the_data_given_replaces_a_recorded_source_that_is_not_even_valid(tmp_path, capsys):
+    """Only --data is used: a vision-language checkpoint whose config records a broken source scores fine."""
+    out = tmp_path / "vl"
+    assert main(["train", "--task", "vl-retrieval", "--out", str(out), "--steps", "1", "--eval-every", "0",
+                 "--train-size", "8", "--eval-size", "6", "--batch-size", "4", "--n-layer", "1", "--d-model", "16",
+                 "--n-head", "2", "--caption-len", "24", "--warmup", "1", "--device", "cpu", "--no-progress"]) == 0
+    edit_config(out, lambda c: c["train_args"].update(data="coco:"))
+    capsys.readouterr()
+    code, result, err = evaluate(capsys, "--checkpoint", str(out), "--data", "shapes")
+    assert code == 0, err
+    assert result["images"] == 6 and "Recall@1/5/10 image→text" in err

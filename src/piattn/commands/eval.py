@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -139,10 +140,12 @@ def check_cache_folder(run_dir: Path) -> None:
                              "inside the run folder: remove it or pass --cache-dir DIR")
 
 
-def check_weights(folder: Path, ctx: DistContext) -> None:
+def check_weights(folder: Path, ctx: DistContext, data: str | None) -> None:
     """The checkpoint's config.json describes the model its weights hold: checked on the meta device before
-    `restore` builds the model, so an edited config cannot make eval allocate more than the file holds."""
+    `restore` builds the model, so an edited config cannot make eval allocate more than the file holds.
+    `data`: the source chosen for the evaluation (None: the recorded one), as `restore` will use it."""
     cfg = saved_train_config(folder)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, data=data or cfg.data.data))
     task = task_class(ckpt.read_config(folder).get("task")).from_config(cfg, ckpt.run_dir_of(folder), ctx,
                                                                        checkpoint=folder)
     ckpt.check_weight_shapes(folder, task.build_model)
@@ -159,9 +162,10 @@ def evaluate_checkpoint(args: argparse.Namespace, ctx: DistContext, folder: Path
     split = normalize_split(args.split)
     by_position = args.position_bins is not None or other is not None
     amp = autocast_dtype(args.precision, ctx.device)
+    scored = data or saved_train_config(folder).data.data  # what A, and B on A's windows, will read
     for checked in (folder, other):
         if checked is not None:
-            check_weights(checked, ctx)
+            check_weights(checked, ctx, scored)
     task, model, cfg = restore(folder, ctx, data=data, batch_size=args.batch_size, cache_dir=args.cache_dir)
     total = planned_batches(task, split, args.batches, ctx)
     if total is not None and other is not None:
