@@ -112,7 +112,7 @@ def chosen_data(args: argparse.Namespace, folder: Path) -> str | None:
     stored = saved_train_config(folder).data.data
     if stored in GENERATED or args.use_stored_data:
         return None
-    shown = stored if len(stored) <= 120 else stored[:120] + "…"
+    shown = str(stored) if len(str(stored)) <= 120 else str(stored)[:120] + "…"
     raise ValueError(f"--data is required: {folder / ckpt.CONFIG_FILE} records the source {shown!r}; pass "
                      "--data SOURCE to score that (or other) data, or --use-stored-data to read the recorded one")
 
@@ -167,10 +167,10 @@ def evaluate_checkpoint(args: argparse.Namespace, ctx: DistContext, folder: Path
         if checked is not None:
             check_weights(checked, ctx, scored)
     task, model, cfg = restore(folder, ctx, data=data, batch_size=args.batch_size, cache_dir=args.cache_dir)
+    start = time.perf_counter()  # "seconds" includes tokenizing the split, as before the bar needed its size
     total = planned_batches(task, split, args.batches, ctx)
     if total is not None and other is not None:
         total *= 2  # B is scored on the same windows
-    start = time.perf_counter()
     with autocast(ctx.device, amp), Progress(total, enabled=ctx.is_main) as progress:
         progress.watch(model)
         if not by_position:
