@@ -76,7 +76,9 @@ def evaluate(output: Path, argv: list[str]) -> dict:
     if not output.exists():
         start = time.perf_counter()
         partial = output.with_suffix(".partial.json")
-        subprocess.run([*PIATTN, "eval", *argv, "--output", str(partial)], check=True, stdout=subprocess.DEVNULL)
+        # the run's own data; --overwrite: a killed evaluation may have left its partial file
+        subprocess.run([*PIATTN, "eval", *argv, "--use-stored-data", "--overwrite", "--output", str(partial)],
+                       check=True, stdout=subprocess.DEVNULL)
         partial.replace(output)
         print(f"{output.name}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     return json.loads(output.read_text())

@@ -22,7 +22,8 @@ def train_and_test(run: Path, train_argv: list[str], eval_argv: list[str] = ()) 
         # spend their time in OpenMP's spin-waits (several times slower).
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         subprocess.run([*piattn, *train_argv], check=True, stdout=subprocess.DEVNULL, env=env)
-        subprocess.run([*piattn, "eval", "--checkpoint", str(run), "--split", "test", *eval_argv], check=True,
+        subprocess.run([*piattn, "eval", "--checkpoint", str(run), "--use-stored-data", "--split", "test", *eval_argv],
+                       check=True,
                        stdout=subprocess.DEVNULL, env=env)
         print(f"{run.name}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     return json.loads(next(run.glob("eval/*_test.json")).read_text())

@@ -45,7 +45,8 @@ def runs(tmp_path_factory):
 
 
 def evaluate(capsys, tmp_path, *argv) -> dict:
-    assert main(["eval", "--split", "test", "--device", "cpu", "--output", str(tmp_path / "e.json"), *argv]) == 0
+    assert main(["eval", "--split", "test", "--device", "cpu", "--output", str(tmp_path / "e.json"),
+                 "--overwrite", "--use-stored-data", *argv]) == 0
     return json.loads(capsys.readouterr().out)
 
 
@@ -117,7 +118,8 @@ def test_compare_gives_the_paired_difference_of_two_checkpoints(runs, capsys, tm
 ])
 def test_bad_input_gives_one_line(runs, capsys, tmp_path, argv, message):
     argv = [a.format(**runs) for a in argv]
-    assert main(["eval", "--split", "test", "--device", "cpu", "--output", str(tmp_path / "e.json"), *argv]) == 2
+    assert main(["eval", "--split", "test", "--device", "cpu", "--output", str(tmp_path / "e.json"),
+                 "--use-stored-data", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("piattn eval: error: ") and message in err[0]
     if "reach" in argv[-1] or "reach" in argv[1]:
@@ -138,7 +140,7 @@ def test_two_processes_give_the_one_process_bins_and_differences(runs, capsys, t
     argv = ["--checkpoint", str(runs["pi"]), "--compare", str(runs["local"]), "--position-bins", "3",
             "--batch-size", "1"]
     one = evaluate(capsys, tmp_path, *argv, "--batches", "10")
-    done = torchrun(2, ["eval", "--split", "test", "--device", "cpu", "--output", str(tmp_path / "two.json"),
+    done = torchrun(2, ["eval", "--split", "test", "--device", "cpu", "--use-stored-data", "--output", str(tmp_path / "two.json"),
                         *argv, "--batches", "5"])
     assert done.returncode == 0, done.stderr
     two = json.loads((tmp_path / "two.json").read_text())

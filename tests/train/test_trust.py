@@ -166,7 +166,7 @@ def test_eval_of_a_damaged_checkpoint_is_one_line_naming_the_file(trained, tmp_p
     _, run = copy_run(trained, tmp_path)
     damage, named = BREAKERS[breaker]
     damage(run / "checkpoints" / "step_00000004")
-    assert main(["eval", "--checkpoint", str(run), "--device", "cpu"]) == 2
+    assert main(["eval", "--checkpoint", str(run), "--use-stored-data", "--device", "cpu"]) == 2
     assert named in one_error_line(capsys, "eval")
 
 
@@ -260,6 +260,6 @@ def test_a_checkpoint_cannot_make_eval_write_elsewhere(trained, tmp_path, capsys
     _, run = copy_run(trained, tmp_path)
     target = tmp_path / "not-yours"
     _edit_config(lambda cfg: cfg["train_args"].update(cache_dir=str(target)))(run / "checkpoints" / "step_00000004")
-    assert main(["eval", "--checkpoint", str(run), "--split", "test"]) == 0
+    assert main(["eval", "--checkpoint", str(run), "--use-stored-data", "--split", "test"]) == 0
     assert not target.exists()
     assert any((run / "cache").iterdir())  # the tokenized split went where the run is

@@ -90,7 +90,7 @@ def train_then_eval(capsys, out, *argv) -> tuple[dict, dict]:
     assert main(["train", "--task", "vl-retrieval", "--out", str(out), "--steps", "2", "--eval-every", "2",
                  "--log-every", "1", *TINY, *argv]) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert main(["eval", "--checkpoint", str(out), "--split", "test", "--device", "cpu"]) == 0
+    assert main(["eval", "--checkpoint", str(out), "--use-stored-data", "--split", "test", "--device", "cpu"]) == 0
     return summary, json.loads(capsys.readouterr().out)
 
 
@@ -209,7 +209,7 @@ def test_an_unreadable_test_image_stops_eval_with_one_line(tmp_path, capsys):
     bad = image_file(root, "flickr30k", data["images"][-1])
     corrupt(bad)
     capsys.readouterr()
-    assert main(["eval", "--checkpoint", str(out), "--split", "test", "--device", "cpu"]) == 2
+    assert main(["eval", "--checkpoint", str(out), "--use-stored-data", "--split", "test", "--device", "cpu"]) == 2
     assert f"{bad}: not a readable image" in one_error_line(capsys, "eval")
 
 
