@@ -12,7 +12,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from piattn import BACKENDS, pi_attention
 from piattn.models import GPT, GPTConfig
-from piattn.ops.pi.compiled import pi_attention_bwd, pi_attention_fwd, saved_layout
+from piattn.ops.pi.compiled import pi_attention_bwd, pi_attention_fwd, pi_attention_torch_op
+from piattn.ops.pi.settings import OpSettings
+from piattn.ops.pi.torch import pi_attention_torch, saved_layout, slot_plan, torch_backward, torch_forward
 from utils import make_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_dynamo")
@@ -167,7 +169,8 @@ CASES = [  # variant, logit_clamp, causal, dtype
 
 
 def op_args(variant, logit_clamp, causal, dtype, window=3, period=8, dropout_p=0.0, T=24):
-    """The arguments of piattn::pi_attention_fwd, for q, k, v [2, 2, T, 8]."""
+    """The arguments of piattn::pi_attention_fwd, for q, k, v [2, 2, T, 8]: q, k, v, gate, dropout_keep,
+    document_ids, then the settings."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 2, T, 8, dtype=dtype, requires_grad=True) for _ in range(3))
     gate = None
@@ -175,7 +178,9 @@ def op_args(variant, logit_clamp, causal, dtype, window=3, period=8, dropout_p=0
         gate = torch.rand(2, 2, T, dtype=dtype).clamp(0.1, 0.9).requires_grad_()
     slots = (window + 1 if causal else 2 * window + 1) + (1 if causal else 2)
     keep = torch.rand(2, 2, T, slots) >= dropout_p if dropout_p else None
-    return (q, k, v, gate, window, period, causal, variant, 0.7, logit_clamp, 1e-6, 0.3, keep, dropout_p, 0, None)
+    settings = OpSettings(window=window, period=period, causal=causal, variant=variant, prior=0.7,
+                          logit_clamp=logit_clamp, eps=1e-6, scale=0.3, dropout_p=dropout_p, sinks=0)
+    return (q, k, v, gate, keep, None, *settings)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-clamp{c[1]}-causal{c[2]}")
@@ -194,7 +199,7 @@ def test_opcheck(case):
     y, saved = pi_attention_fwd(*args)
     dy = torch.randn_like(y)
     inputs = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-    bwd_args = (dy, *inputs[:4], saved, inputs[3] is not None, *inputs[4:])
+    bwd_args = (dy, *inputs[:6], saved, inputs[3] is not None, *inputs[6:])
     torch.library.opcheck(pi_attention_bwd, bwd_args)
 
 
@@ -208,9 +213,42 @@ def test_saved_tensors_describe_the_forward():
     for variant, clamp, causal, dtype in CASES:
         args = op_args(variant, clamp, causal, dtype)
         _, saved = pi_attention_fwd(*args)
-        described = saved_layout(args[0], args[1], window=3, period=8, causal=causal, variant=variant,
-                                  logit_clamp=clamp, sinks=0)
+        described = saved_layout(args[0], args[1], OpSettings(*args[6:]))
         assert [(tuple(t.shape), t.dtype) for t in saved] == list(described.values())
+
+
+@pytest.mark.parametrize("case", [*CASES, ("separate", 3.0, True, torch.float64, 0.25)],
+                         ids=lambda c: f"{c[0]}-clamp{c[1]}-causal{c[2]}")
+def test_the_function_and_the_operators_run_the_plain_functions(case):
+    """`torch_forward` and `torch_backward` called directly give, bit for bit, what autograd gets through the
+    eager Function and through the operators: both wrap them, neither has a copy of the computation."""
+    q, k, v, gate, keep, docs, *settings = op_args(*case[:4], dropout_p=case[4] if len(case) > 4 else 0.0)
+    settings = OpSettings(*settings)
+    slots = slot_plan(q, k, docs, settings)
+    with torch.no_grad():
+        y, saved = torch_forward(q, k, v, gate, keep, slots, settings)
+        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(2), dtype=y.dtype)
+        want = torch_backward(dy, q, k, v, gate, keep, slots, saved, settings, want_dgate=gate is not None)
+    assert list(saved) == list(saved_layout(q, k, settings))
+    leaves = [t for t in (q, k, v, gate) if t is not None]
+    for run in (pi_attention_torch, pi_attention_torch_op):
+        got = run(q, k, v, gate, dropout_keep=keep, document_ids=docs, **settings._asdict())
+        assert torch.equal(got, y), run.__name__
+        for a, b in zip(torch.autograd.grad(got, leaves, dy), want[:len(leaves)], strict=True):
+            assert torch.equal(a, b), run.__name__
+
+
+def test_the_operators_take_the_settings_in_the_order_of_opsettings():
+    """`OpSettings`' fields are the one home of the settings' order: every operator's schema ends with them."""
+    ops = [pi_attention_fwd, pi_attention_bwd]
+    if "triton" in BACKENDS:
+        from piattn.ops.pi.triton import pi_triton_bwd, pi_triton_fwd
+
+        ops += [pi_triton_fwd, pi_triton_bwd]
+    n = len(OpSettings._fields)
+    for op in ops:
+        names = tuple(arg.name for arg in op._opoverload._schema.arguments)
+        assert names[-n:] == OpSettings._fields, op
 
 
 def test_double_backward_is_refused_through_the_operator():
@@ -301,7 +339,8 @@ def test_triton_opcheck():
     from piattn.ops.pi.triton import pi_triton_bwd, pi_triton_fwd
 
     q, k, v, gate = make_inputs(1, 2, 16, 16, dtype=torch.float32, device=DEVICE)
-    settings = (3, 8, True, "adaptive", 0.3, 2.0, 1e-4, 0.25, 0.0, 0)
+    settings = OpSettings(window=3, period=8, causal=True, variant="adaptive", prior=0.3, logit_clamp=2.0, eps=1e-4,
+                          scale=0.25, dropout_p=0.0, sinks=0)
     args = (q, k, v, gate, None, None, *settings)
     torch.library.opcheck(pi_triton_fwd, args, test_utils=("test_schema", "test_autograd_registration",
                                                             "test_faketensor"))

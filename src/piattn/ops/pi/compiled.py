@@ -1,20 +1,19 @@
 """The "torch" backend as PyTorch custom operators, so that `torch.compile` captures it whole.
 
-Traced as Python, the backend's `PiAttentionFunction` breaks a compiled graph: its forward chooses a code
-path from the values of the inputs (`all_finite`, a host sync), and its chunk loop would unroll into
-thousands of graph nodes. Registered as two operators it is one opaque node each way:
+Traced as Python, the backend breaks a compiled graph: its forward chooses a code path from the values of
+the inputs (`all_finite`, a host sync), and its chunk loop would unroll into thousands of graph nodes.
+Registered as two operators it is one opaque node each way:
 
-    piattn::pi_attention_fwd (q, k, v, gate, settings…, dropout_keep, document_ids) -> (y, saved)
-    piattn::pi_attention_bwd (dy, q, k, v, gate, saved, want_gate, settings…, dropout_keep, document_ids)
+    piattn::pi_attention_fwd (q, k, v, gate, dropout_keep, document_ids, settings…) -> (y, saved)
+    piattn::pi_attention_bwd (dy, q, k, v, gate, dropout_keep, document_ids, saved, want_gate, settings…)
                              -> [dq, dk, dv] or [dq, dk, dv, dgate]
 
-`register_fake` gives their output shapes to the compiler (and makes meta and fake tensors run), and
-`register_autograd` ties the backward to the forward. Both run the backend's own `PiAttentionFunction`
-forward and backward, through a stand-in for autograd's ctx: the same code as eager, not a copy.
-
-`saved` are the tensors that forward keeps for backward besides its inputs (`saved_layout` describes
-them): they leave the forward as outputs so that AOTAutograd can keep them for the backward graph.
-Settings cross as ints, floats, bools and a str, since an operator takes no other Python values.
+They run the backend's plain functions `torch.torch_forward` and `torch.torch_backward`, as its eager
+autograd Function does. `register_fake` gives their output shapes to the compiler (and makes meta and
+fake tensors run), and `register_autograd` ties the backward to the forward. `saved` are the tensors
+forward keeps for backward besides its inputs (`torch.saved_layout`): they leave the forward as outputs
+so that AOTAutograd can keep them for the backward graph. The settings are `OpSettings`' fields, in its
+order (`settings.py`).
 """
 
 from __future__ import annotations
@@ -24,126 +23,48 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import is_fake
 
 from .backends import refuse_double_backward
-from .pattern import Pattern
-from .torch import PiAttentionFunction, _Slots
+from .settings import OpSettings
+from .torch import saved_layout, slot_plan, torch_backward, torch_forward
 
-# The optional per-query tensors PiAttentionFunction.forward saves after q, k, v, gate (None when unused),
-# in the order of its save_for_backward; its dropout mask follows them.
-_OPTIONAL_SAVED = ("w", "probs", "coef", "clamp_pass")
-
-
-def saved_layout(q: Tensor, k: Tensor, *, window: int, period: int, causal: bool, variant: str,
-                 logit_clamp: float | None, sinks: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """What the backend's forward saves for backward besides its inputs, for q [B, H, T, D] and k
-    [B, H_kv, T, D]: name -> (shape, dtype), all [N, G, |U|, T] slot-major (N = B·H_kv key heads, G = H / H_kv
-    query heads per key head, |U| the pattern's slots, sinks included).
-
-    w: the attention weights, in the accumulation dtype (fp64 for fp64 inputs, else fp32). probs, coef:
-    "separate" with a skip slot only, the per-branch softmax and the mixing coefficients. clamp_pass
-    (bool): with a logit clamp only, where the score was inside it.
-
-    With `_function_args` and `_backward_ctx`, the only code here that knows the backend's internals:
-    keep the three in step with `PiAttentionFunction` (the forward operator checks the names at run time).
-    """
-    B, H, T, _ = q.shape
-    H_kv = k.shape[1]
-    pattern = Pattern(window, period, causal, sinks)
-    shape = (B * H_kv, H // H_kv, pattern.n_slots, T)
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    saved = {"w": (shape, acc)}
-    if variant == "separate" and pattern.skip_offsets:
-        saved.update(probs=(shape, acc), coef=(shape, acc))
-    if logit_clamp is not None:
-        saved["clamp_pass"] = (shape, torch.bool)
-    return saved
+_FWD_SCHEMA = (f"(Tensor q, Tensor k, Tensor v, Tensor? gate, Tensor? dropout_keep, Tensor? document_ids, "
+               f"{OpSettings.schema()}) -> (Tensor, Tensor[])")
+_BWD_SCHEMA = (f"(Tensor dy, Tensor q, Tensor k, Tensor v, Tensor? gate, Tensor? dropout_keep, Tensor? document_ids, "
+               f"Tensor[] saved, bool want_gate, {OpSettings.schema()}) -> Tensor[]")
 
 
-class _Ctx:
-    """Stands in for autograd's ctx around `PiAttentionFunction`: keeps what forward saves and gives it,
-    with which inputs want a gradient, to backward."""
-
-    def __init__(self, saved: tuple = (), needs_input_grad: tuple[bool, ...] = ()):
-        self.saved_tensors, self.needs_input_grad = saved, needs_input_grad
-
-    def save_for_backward(self, *tensors) -> None:
-        self.saved_tensors = tensors
-
-
-def _function_args(q, k, v, gate, window, period, causal, variant, prior, logit_clamp, eps, scale, dropout_keep,
-                   dropout_p, sinks, document_ids) -> tuple:
-    """The arguments of `PiAttentionFunction.forward` after ctx (the operators' arguments, in their order)."""
-    return (q, k, v, gate, window, period, causal, variant, prior, logit_clamp, eps, scale, dropout_keep, dropout_p,
-            sinks, document_ids)
-
-
-def _backward_ctx(q, k, v, gate, kept: dict, want_gate: bool, window, period, causal, variant, prior,
-                  logit_clamp, eps, scale, dropout_keep, dropout_p, sinks, document_ids) -> _Ctx:
-    """The ctx `PiAttentionFunction.backward` reads, as its forward left it (kept: `saved_layout`'s tensors,
-    by name)."""
-    saved = (q, k, v, gate, *(kept.get(n) for n in _OPTIONAL_SAVED), dropout_keep)
-    ctx = _Ctx(saved, needs_input_grad=(True, True, True, want_gate) + (False,) * 10)
-    B, H, T, _ = q.shape
-    H_kv = k.shape[1]
-    # The slot plan the forward built (kept on its ctx, not saved): rebuilt from the same arguments.
-    ctx.slots = _Slots(Pattern(window, period, causal, sinks), T, document_ids, H_kv, B * H_kv, q.device)
-    ctx.cfg = (window, causal, variant, eps, scale, dropout_p)
-    return ctx
-
-
-@torch.library.custom_op("piattn::pi_attention_fwd", mutates_args=())
-def pi_attention_fwd(
-    q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None, window: int, period: int, causal: bool, variant: str,
-    prior: float, logit_clamp: float | None, eps: float, scale: float, dropout_keep: Tensor | None,
-    dropout_p: float, sinks: int, document_ids: Tensor | None,
-) -> tuple[Tensor, list[Tensor]]:
+@torch.library.custom_op("piattn::pi_attention_fwd", mutates_args=(), schema=_FWD_SCHEMA)
+def pi_attention_fwd(q, k, v, gate, dropout_keep, document_ids, *settings) -> tuple[Tensor, list[Tensor]]:
     """π-Attention forward of the "torch" backend: (y [B, H, T, D] in q's dtype, `saved_layout`'s tensors)."""
-    ctx = _Ctx()
-    y = PiAttentionFunction.forward(ctx, *_function_args(
-        q, k, v, gate, window, period, causal, variant, prior, logit_clamp, eps, scale, dropout_keep, dropout_p,
-        sinks, document_ids))
-    kept = dict(zip(_OPTIONAL_SAVED, ctx.saved_tensors[4:8], strict=True))
-    names = saved_layout(q, k, window=window, period=period, causal=causal, variant=variant,
-                         logit_clamp=logit_clamp, sinks=sinks)
-    if [n for n in _OPTIONAL_SAVED if kept[n] is not None] != list(names):
-        raise RuntimeError("piattn: compiled.saved_layout is out of step with PiAttentionFunction.forward")
-    return y, [kept[n] for n in names]
+    settings = OpSettings(*settings)
+    y, saved = torch_forward(q, k, v, gate, dropout_keep, slot_plan(q, k, document_ids, settings), settings)
+    return y, list(saved.values())
 
 
 @pi_attention_fwd.register_fake
-def _(q, k, v, gate, window, period, causal, variant, prior, logit_clamp, eps, scale, dropout_keep, dropout_p,
-      sinks, document_ids):
-    saved = saved_layout(q, k, window=window, period=period, causal=causal, variant=variant,
-                         logit_clamp=logit_clamp, sinks=sinks)
+def _(q, k, v, gate, dropout_keep, document_ids, *settings):
+    saved = saved_layout(q, k, OpSettings(*settings))
     return q.new_empty(q.shape), [q.new_empty(shape, dtype=dtype) for shape, dtype in saved.values()]
 
 
-@torch.library.custom_op("piattn::pi_attention_bwd", mutates_args=())
-def pi_attention_bwd(
-    dy: Tensor, q: Tensor, k: Tensor, v: Tensor, gate: Tensor | None, saved: list[Tensor], want_gate: bool,
-    window: int, period: int, causal: bool, variant: str, prior: float, logit_clamp: float | None, eps: float,
-    scale: float, dropout_keep: Tensor | None, dropout_p: float, sinks: int, document_ids: Tensor | None,
-) -> list[Tensor]:
+@torch.library.custom_op("piattn::pi_attention_bwd", mutates_args=(), schema=_BWD_SCHEMA)
+def pi_attention_bwd(dy, q, k, v, gate, dropout_keep, document_ids, saved, want_gate, *settings) -> list[Tensor]:
     """π-Attention backward of the "torch" backend: [dq, dk, dv], and dgate when `want_gate`."""
-    names = saved_layout(q, k, window=window, period=period, causal=causal, variant=variant,
-                         logit_clamp=logit_clamp, sinks=sinks)
-    kept = dict(zip(names, saved, strict=True))
-    ctx = _backward_ctx(q, k, v, gate, kept, want_gate, window, period, causal, variant, prior, logit_clamp, eps,
-                        scale, dropout_keep, dropout_p, sinks, document_ids)
-    with torch.no_grad():  # as autograd runs it; a double backward is refused in `_backward` instead
-        grads = PiAttentionFunction.backward(ctx, dy)
-    return list(grads[:4]) if want_gate else list(grads[:3])
+    settings = OpSettings(*settings)
+    kept = dict(zip(saved_layout(q, k, settings), saved, strict=True))
+    grads = torch_backward(dy, q, k, v, gate, dropout_keep, slot_plan(q, k, document_ids, settings), kept, settings,
+                           want_dgate=want_gate)
+    return list(grads) if want_gate else list(grads[:3])
 
 
 @pi_attention_bwd.register_fake
-def _(dy, q, k, v, gate, saved, want_gate, *settings):
+def _(dy, q, k, v, gate, dropout_keep, document_ids, saved, want_gate, *settings):
     grads = [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)]
     return grads + [gate.new_empty(gate.shape)] if want_gate else grads
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, gate, window, period, causal, variant, prior, logit_clamp, eps, scale, keep, p, sinks, docs = inputs
-    ctx.scalars = (window, period, causal, variant, prior, logit_clamp, eps, scale)
-    ctx.dropout_p, ctx.sinks = p, sinks
+    q, k, v, gate, keep, docs, *settings = inputs
+    ctx.settings = settings
     ctx.save_for_backward(q, k, v, gate, keep, docs, *output[1])
     ctx.mark_non_differentiable(*output[1])
 
@@ -152,10 +73,9 @@ def _backward(ctx, dy, _saved_grads):
     refuse_double_backward("torch")
     q, k, v, gate, keep, docs, *saved = ctx.saved_tensors
     want_gate = gate is not None and ctx.needs_input_grad[3]
-    grads = pi_attention_bwd(dy, q, k, v, gate, saved, want_gate, *ctx.scalars, keep, ctx.dropout_p, ctx.sinks,
-                             docs)
-    # One gradient per input of pi_attention_fwd: q, k, v, gate, then 12 settings.
-    return (*grads[:3], grads[3] if want_gate else None) + (None,) * 12
+    grads = pi_attention_bwd(dy, q, k, v, gate, keep, docs, saved, want_gate, *ctx.settings)
+    # One gradient per input of pi_attention_fwd: q, k, v, gate, then dropout_keep, document_ids and the settings.
+    return (*grads[:3], grads[3] if want_gate else None) + (None,) * (2 + len(ctx.settings))
 
 
 pi_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -169,6 +89,7 @@ def is_symbolic(x: Tensor) -> bool:
 def pi_attention_torch_op(q, k, v, gate, *, window, period, causal, variant, prior, logit_clamp, eps, scale,
                           dropout_keep, dropout_p, sinks=0, document_ids=None):
     """Same contract as `pi_attention_reference`: the "torch" backend through `piattn::pi_attention_fwd`."""
-    y, _ = pi_attention_fwd(q, k, v, gate, window, period, causal, variant, prior, logit_clamp, eps, scale,
-                            dropout_keep, dropout_p, sinks, document_ids)
+    settings = OpSettings(window=window, period=period, causal=causal, variant=variant, prior=prior,
+                          logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p, sinks=sinks)
+    y, _ = pi_attention_fwd(q, k, v, gate, dropout_keep, document_ids, *settings)
     return y

@@ -29,6 +29,7 @@ import torch
 
 from .backends import refuse_double_backward
 from .pattern import Pattern, log_priors, slot_keys
+from .settings import OpSettings
 from .validate import all_finite
 
 BLOCK = 16  # query rows per matrix product: few enough that the band wastes little work (see benchmarks)
@@ -199,7 +200,7 @@ class _Slots:
 
     def __init__(self, pat: Pattern, T: int, document_ids: torch.Tensor | None, kv_heads: int, n_heads: int,
                  device: torch.device):
-        self.n_local, self.sinks = pat.n_local, pat.sinks
+        self.n_local, self.sinks, self.n_slots = pat.n_local, pat.sinks, pat.n_slots
         self.n_first = pat.n_local + pat.sinks  # the local group of "separate": local and sink slots
         self.order = _internal_order(pat)
         key, valid = slot_keys(pat, T, document_ids, device)  # [B or 1, T, |U|], the contract's order
@@ -380,99 +381,152 @@ def _chunk_addend(x, heads: slice, rows: slice):
     return x if isinstance(x, float) else x[heads, :, rows].unsqueeze(-2)
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What this backend computes in for inputs of `dtype`: fp64 for fp64, else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def saved_layout(q: torch.Tensor, k: torch.Tensor, settings: OpSettings
+                 ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """What `torch_forward` keeps for `torch_backward` besides its inputs, for q [B, H, T, D] and k
+    [B, H_kv, T, D]: name -> (shape, dtype), all [N, G, |U|, T] slot-major (N = B·H_kv key heads, G = H / H_kv
+    query heads per key head, |U| the pattern's slots, sinks included).
+
+    w: the attention weights, in the accumulation dtype. probs, coef: "separate" with a skip slot only, the
+    per-branch softmax and the mixing coefficients. clamp_pass (bool): with a logit clamp only, where the
+    score was inside it. `torch_forward` allocates exactly these, so the two cannot disagree; the forward
+    operator's fake implementation (`compiled.py`) gives their shapes from here.
+    """
+    B, H, T, _ = q.shape
+    H_kv = k.shape[1]
+    pat = settings.pattern
+    shape = (B * H_kv, H // H_kv, pat.n_slots, T)
+    acc = accumulation_dtype(q.dtype)
+    saved = {"w": (shape, acc)}
+    if settings.variant == "separate" and pat.skip_offsets:
+        saved.update(probs=(shape, acc), coef=(shape, acc))
+    if settings.logit_clamp is not None:
+        saved["clamp_pass"] = (shape, torch.bool)
+    return saved
+
+
+def slot_plan(q: torch.Tensor, k: torch.Tensor, document_ids: torch.Tensor | None, settings: OpSettings) -> _Slots:
+    """The slots of a call with q [B, H, T, D], k [B, H_kv, T, D] and document_ids [B, T] or None: built once
+    by the eager Function for forward and backward, and by each operator for its own pass."""
+    B, H, T, _ = q.shape
+    H_kv = k.shape[1]
+    return _Slots(settings.pattern, T, document_ids, H_kv, B * H_kv, q.device)
+
+
+def torch_forward(q, k, v, gate, dropout_keep, slots: _Slots, settings: OpSettings
+                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """q [B, H, T, D], k, v [B, H_kv, T, D], gate [B, H, T] or None, dropout_keep bool [B, H, T, |U|] or None
+    (contract slot order), slots from `slot_plan` -> (y [B, H, T, D] in q's dtype, the tensors of
+    `saved_layout` by name)."""
+    window, causal, variant, logit_clamp = settings.window, settings.causal, settings.variant, settings.logit_clamp
+    B, H, T, D = q.shape
+    H_kv = k.shape[1]
+    N, G = B * H_kv, H // H_kv
+    acc = accumulation_dtype(q.dtype)
+    qf = q.reshape(N, G, T, D).to(acc)
+    kf, vf = (x.reshape(N, T, D).to(acc) for x in (k, v))
+    gf = None if gate is None else gate.reshape(N, G, T).to(acc)
+    log_local, log_skip = log_priors(variant, gf, settings.prior, settings.eps)
+    keep = _keep_multiplier(dropout_keep, settings.dropout_p, acc, slots.order, G)
+    finite = all_finite(qf, kf, vf, gf)
+    n_first = slots.n_first
+
+    y = torch.empty(N, G, T, D, dtype=acc, device=q.device)
+    saved = {name: torch.empty(shape, dtype=dtype, device=q.device)
+             for name, (shape, dtype) in saved_layout(q, k, settings).items()}
+    w, coef, clamp_pass = saved["w"], saved.get("coef"), saved.get("clamp_pass")
+    probs = saved.get("probs", w)
+    zeros = {}
+    for h, c in _chunks(T, window, causal, qf):
+        r = c.rows
+        part = slots.part(h, c)
+        z = torch.empty(h.stop - h.start, G, slots.n_slots, c.length, dtype=acc, device=q.device)
+        _slot_scores(qf[h], kf[h], c, slots, part, z, finite)
+        z *= settings.scale
+        if logit_clamp is not None:
+            clamp_pass[h, ..., r] = z.abs() <= logit_clamp
+            z.clamp_(-logit_clamp, logit_clamp)
+        z[..., :n_first, :] += _chunk_addend(log_local, h, r)
+        z[..., n_first:, :] += _chunk_addend(log_skip, h, r)
+        z.masked_fill_(part.invalid, float("-inf"))
+        wc, pc, cc = _weights(z, variant, None if gf is None else gf[h, :, r], n_first, part.has_skip)
+        w[h, ..., r] = wc
+        if coef is not None:
+            probs[h, ..., r], coef[h, ..., r] = pc, cc
+        _apply_weights(wc if keep is None else wc * keep[h, ..., r], vf[h], c, slots, part, y[h], zeros, finite)
+    return y.view(B, H, T, D).to(q.dtype), saved
+
+
+def torch_backward(dy, q, k, v, gate, dropout_keep, slots: _Slots, saved: dict[str, torch.Tensor],
+                   settings: OpSettings, *, want_dgate: bool):
+    """The gradients (dq, dk, dv, dgate or None) for the cotangent dy [B, H, T, D] of `torch_forward`'s
+    output, from its inputs, its slots and what it saved."""
+    w, coef, clamp_pass = saved["w"], saved.get("coef"), saved.get("clamp_pass")
+    probs = saved.get("probs", w)
+    B, H, T, D = q.shape
+    H_kv = k.shape[1]
+    N, G = B * H_kv, H // H_kv
+    acc = w.dtype
+    qf, dyf = (x.reshape(N, G, T, D).to(acc) for x in (q, dy))
+    kf, vf = (x.reshape(N, T, D).to(acc) for x in (k, v))
+    gf = None if gate is None else gate.reshape(N, G, T).to(acc)
+    keep = _keep_multiplier(dropout_keep, settings.dropout_p, acc, slots.order, G)
+    finite = all_finite(qf, kf, vf, gf, dyf)
+    n_first = slots.n_first
+
+    dq = torch.empty_like(qf)
+    dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
+    dgate = torch.empty_like(gf) if want_dgate else None
+    zeros = {}
+    for h, c in _chunks(T, settings.window, settings.causal, qf):
+        r = c.rows
+        part = slots.part(h, c)
+        wc, pc = w[h, ..., r], probs[h, ..., r]
+        dw = torch.zeros_like(wc)  # dL/dW = dY · V over U(i); relative slots without a key stay 0
+        _slot_scores(dyf[h], vf[h], c, slots, part, dw, finite)
+        if keep is not None:
+            wc_kept = wc * keep[h, ..., r]
+            dw *= keep[h, ..., r]
+        _apply_weights_transposed(wc if keep is None else wc_kept, dyf[h], c, slots, part, dv[h], zeros, finite)
+        d_logits, d_coef = _softmax_backward(dw, wc, pc, None if coef is None else coef[h, ..., r], n_first)
+        if want_dgate:
+            dgate[h, :, r] = _gate_grad(d_logits, d_coef, gf[h, :, r], settings.variant, settings.eps, n_first)
+        if clamp_pass is not None:
+            d_logits *= clamp_pass[h, ..., r]
+        d_logits *= settings.scale
+        _apply_weights(d_logits, kf[h], c, slots, part, dq[h], zeros, finite)
+        _apply_weights_transposed(d_logits, qf[h], c, slots, part, dk[h], zeros, finite)
+    return (dq.view(B, H, T, D).to(q.dtype), dk.view(B, H_kv, T, D).to(k.dtype),
+            dv.view(B, H_kv, T, D).to(v.dtype), None if dgate is None else dgate.view_as(gate).to(gate.dtype))
+
+
 class PiAttentionFunction(torch.autograd.Function):
+    """Autograd around `torch_forward` and `torch_backward`. Arguments: q, k, v, gate (differentiable), the
+    `OpSettings` fields in their order, the dropout keep mask and the slot plan (`pi_attention_torch`)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, gate, window, period, causal, variant, prior, logit_clamp, eps, scale,
-                dropout_keep, dropout_p, sinks, document_ids):
-        B, H, T, D = q.shape
-        H_kv = k.shape[1]
-        N, G = B * H_kv, H // H_kv
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        pat = Pattern(window, period, causal, sinks)
-        qf = q.reshape(N, G, T, D).to(acc)
-        kf, vf = (x.reshape(N, T, D).to(acc) for x in (k, v))
-        gf = None if gate is None else gate.reshape(N, G, T).to(acc)
-        log_local, log_skip = log_priors(variant, gf, prior, eps)
-        slots = _Slots(pat, T, document_ids, H_kv, N, q.device)
-        keep = _keep_multiplier(dropout_keep, dropout_p, acc, slots.order, G)
-        finite = all_finite(qf, kf, vf, gf)
-        n_first = slots.n_first
-
-        y = torch.empty(N, G, T, D, dtype=acc, device=q.device)
-        w = torch.empty(N, G, pat.n_slots, T, dtype=acc, device=q.device)
-        probs = w if variant != "separate" or not pat.skip_offsets else torch.empty_like(w)
-        coef = None if probs is w else torch.empty_like(w)
-        clamp_pass = None if logit_clamp is None else torch.empty(w.shape, dtype=torch.bool, device=q.device)
-        zeros = {}
-        for h, c in _chunks(T, window, causal, qf):
-            r = c.rows
-            part = slots.part(h, c)
-            z = torch.empty(h.stop - h.start, G, pat.n_slots, c.length, dtype=acc, device=q.device)
-            _slot_scores(qf[h], kf[h], c, slots, part, z, finite)
-            z *= scale
-            if logit_clamp is not None:
-                clamp_pass[h, ..., r] = z.abs() <= logit_clamp
-                z.clamp_(-logit_clamp, logit_clamp)
-            z[..., :n_first, :] += _chunk_addend(log_local, h, r)
-            z[..., n_first:, :] += _chunk_addend(log_skip, h, r)
-            z.masked_fill_(part.invalid, float("-inf"))
-            wc, pc, cc = _weights(z, variant, None if gf is None else gf[h, :, r], n_first, part.has_skip)
-            w[h, ..., r] = wc
-            if coef is not None:
-                probs[h, ..., r], coef[h, ..., r] = pc, cc
-            _apply_weights(wc if keep is None else wc * keep[h, ..., r], vf[h], c, slots, part, y[h], zeros,
-                           finite)
-
-        ctx.save_for_backward(q, k, v, gate, w, None if probs is w else probs, coef, clamp_pass, dropout_keep)
-        ctx.slots = slots  # built in forward, neither an input nor an output: kept on ctx as is
-        ctx.cfg = (window, causal, variant, eps, scale, dropout_p)
-        return y.view(B, H, T, D).to(q.dtype)
+    def forward(ctx, q, k, v, gate, *args):
+        *fields, dropout_keep, slots = args
+        settings = OpSettings(*fields)
+        y, saved = torch_forward(q, k, v, gate, dropout_keep, slots, settings)
+        ctx.save_for_backward(q, k, v, gate, dropout_keep, *saved.values())
+        # Neither inputs nor outputs: kept on ctx as they are.
+        ctx.saved_names, ctx.slots, ctx.settings = tuple(saved), slots, settings
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         refuse_double_backward("torch")
-        q, k, v, gate, w, probs, coef, clamp_pass, keep = ctx.saved_tensors
-        probs = w if probs is None else probs
-        slots = ctx.slots
-        window, causal, variant, eps, scale, dropout_p = ctx.cfg
-        B, H, T, D = q.shape
-        H_kv = k.shape[1]
-        N, G = B * H_kv, H // H_kv
-        acc = w.dtype
-        qf, dyf = (x.reshape(N, G, T, D).to(acc) for x in (q, dy))
-        kf, vf = (x.reshape(N, T, D).to(acc) for x in (k, v))
-        gf = None if gate is None else gate.reshape(N, G, T).to(acc)
-        keep = _keep_multiplier(keep, dropout_p, acc, slots.order, G)
-        want_gate = ctx.needs_input_grad[3]
-        finite = all_finite(qf, kf, vf, gf, dyf)
-        n_first = slots.n_first
-
-        dq = torch.empty_like(qf)
-        dk, dv = torch.zeros_like(kf), torch.zeros_like(vf)
-        dgate = torch.empty_like(gf) if want_gate else None
-        zeros = {}
-        for h, c in _chunks(T, window, causal, qf):
-            r = c.rows
-            part = slots.part(h, c)
-            wc, pc = w[h, ..., r], probs[h, ..., r]
-            dw = torch.zeros_like(wc)  # dL/dW = dY · V over U(i); relative slots without a key stay 0
-            _slot_scores(dyf[h], vf[h], c, slots, part, dw, finite)
-            if keep is not None:
-                wc_kept = wc * keep[h, ..., r]
-                dw *= keep[h, ..., r]
-            _apply_weights_transposed(wc if keep is None else wc_kept, dyf[h], c, slots, part, dv[h], zeros,
-                                      finite)
-            d_logits, d_coef = _softmax_backward(dw, wc, pc, None if coef is None else coef[h, ..., r], n_first)
-            if want_gate:
-                dgate[h, :, r] = _gate_grad(d_logits, d_coef, gf[h, :, r], variant, eps, n_first)
-            if clamp_pass is not None:
-                d_logits *= clamp_pass[h, ..., r]
-            d_logits *= scale
-            _apply_weights(d_logits, kf[h], c, slots, part, dq[h], zeros, finite)
-            _apply_weights_transposed(d_logits, qf[h], c, slots, part, dk[h], zeros, finite)
-        return (dq.view(B, H, T, D).to(q.dtype), dk.view(B, H_kv, T, D).to(k.dtype),
-                dv.view(B, H_kv, T, D).to(v.dtype), None if dgate is None else dgate.view_as(gate).to(gate.dtype),
-                ) + (None,) * 12
+        q, k, v, gate, dropout_keep, *kept = ctx.saved_tensors
+        saved = dict(zip(ctx.saved_names, kept, strict=True))
+        grads = torch_backward(dy, q, k, v, gate, dropout_keep, ctx.slots, saved, ctx.settings,
+                               want_dgate=ctx.needs_input_grad[3])
+        return grads + (None,) * (len(OpSettings._fields) + 2)
 
 
 def _keep_multiplier(keep: torch.Tensor | None, p: float, dtype: torch.dtype, order: list[int] | None,
@@ -491,5 +545,6 @@ def _keep_multiplier(keep: torch.Tensor | None, p: float, dtype: torch.dtype, or
 def pi_attention_torch(q, k, v, gate, *, window, period, causal, variant, prior, logit_clamp, eps, scale,
                        dropout_keep, dropout_p, sinks=0, document_ids=None):
     """Same contract as `pi_attention_reference`."""
-    return PiAttentionFunction.apply(q, k, v, gate, window, period, causal, variant, prior, logit_clamp,
-                                     eps, scale, dropout_keep, dropout_p, sinks, document_ids)
+    settings = OpSettings(window=window, period=period, causal=causal, variant=variant, prior=prior,
+                          logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p, sinks=sinks)
+    return PiAttentionFunction.apply(q, k, v, gate, *settings, dropout_keep, slot_plan(q, k, document_ids, settings))

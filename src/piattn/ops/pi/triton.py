@@ -21,7 +21,8 @@ import triton
 
 from .backends import refuse_double_backward
 from .pattern import Pattern, document_bounds, log_priors
-from .torch import pi_attention_torch
+from .settings import OpSettings
+from .torch import slot_plan, torch_backward, torch_forward
 from .triton_kernels import (
     MODE_ADAPTIVE,
     MODE_CONSTANT,
@@ -153,51 +154,51 @@ def triton_backward(dy, q, k, v, gate, keep, stats, launch: Launch, *, want_dgat
     return dq, dk, dv, dgate
 
 
-def triton_gradients(dy, q, k, v, gate, keep, stats, launch: Launch, settings: dict, *, want_dgate: bool,
-                     bounds=None):
+def triton_gradients(dy, q, k, v, gate, keep, document_ids, stats, launch: Launch, settings: OpSettings, *,
+                     want_dgate: bool, bounds=None):
     """What both wrappers (`_PiAttentionTriton`, the operator `piattn::pi_triton_bwd`) run backward:
-    `triton_backward`, or for a call with a non-finite input or cotangent the "torch" backend's gradients.
+    `triton_backward`, or for a call with a non-finite input or cotangent the "torch" backend's gradients
+    (document_ids [B, T] or None: for those).
 
     The forward kernel keeps a bad value in the rows that read it, the backward kernels do not (their tiles
     multiply masked slots by 0, and 0·NaN = NaN): such a call's gradients come from the "torch" backend,
     which keeps it where it belongs. The check costs a host sync.
     """
     if not all_finite(q, k, v, gate, dy):
-        return _contained_gradients(dy, q, k, v, gate, keep, settings, want_dgate)
+        return _contained_gradients(dy, q, k, v, gate, keep, document_ids, settings, want_dgate)
     return triton_backward(dy, q, k, v, gate, keep, stats, launch, want_dgate=want_dgate, bounds=bounds)
 
 
 class _PiAttentionTriton(torch.autograd.Function):
-    """Autograd around the launchers: q, k, v, gate differentiable; keep, the document bounds and launch
-    are not."""
+    """Autograd around the launchers: q, k, v, gate differentiable; keep, the document bounds, document_ids
+    (for the "torch" gradients of a non-finite call), launch and settings are not."""
 
     @staticmethod
-    def forward(ctx, q, k, v, gate, keep, start, end, launch, settings):
+    def forward(ctx, q, k, v, gate, keep, start, end, document_ids, launch, settings):
         bounds = None if start is None else (start, end)
         out, stats = triton_forward(q, k, v, gate, keep, launch, bounds)
-        ctx.save_for_backward(q, k, v, gate, keep, start, end, stats)
+        ctx.save_for_backward(q, k, v, gate, keep, start, end, document_ids, stats)
         ctx.launch, ctx.settings = launch, settings
         return out
 
     @staticmethod
     def backward(ctx, dy):
         refuse_double_backward("triton")
-        q, k, v, gate, keep, start, end, stats = ctx.saved_tensors
+        q, k, v, gate, keep, start, end, document_ids, stats = ctx.saved_tensors
         want_dgate = gate is not None and ctx.needs_input_grad[3]
-        dq, dk, dv, dgate = triton_gradients(dy, q, k, v, gate, keep, stats, ctx.launch, ctx.settings,
+        dq, dk, dv, dgate = triton_gradients(dy, q, k, v, gate, keep, document_ids, stats, ctx.launch, ctx.settings,
                                              want_dgate=want_dgate, bounds=None if start is None else (start, end))
-        return dq, dk, dv, dgate, None, None, None, None, None
+        return dq, dk, dv, dgate, None, None, None, None, None, None
 
 
-def _contained_gradients(dy, q, k, v, gate, keep, settings: dict, want_dgate: bool):
-    """(dq, dk, dv, dgate or None) of the call, computed by the "torch" backend; `settings` are the call's
-    keyword arguments but the dropout mask, which `keep` holds (as uint8)."""
-    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-    g = None if gate is None else gate.detach().requires_grad_(want_dgate)
-    with torch.enable_grad():
-        y = pi_attention_torch(*leaves, g, dropout_keep=None if keep is None else keep.view(torch.bool), **settings)
-        grads = torch.autograd.grad(y, leaves + ([g] if want_dgate else []), dy)
-    return (*grads[:3], grads[3] if want_dgate else None)
+def _contained_gradients(dy, q, k, v, gate, keep, document_ids, settings: OpSettings, want_dgate: bool):
+    """(dq, dk, dv, dgate or None) of the call, computed by the "torch" backend's plain functions; keep: the
+    dropout mask as uint8, or None."""
+    keep = None if keep is None else keep.view(torch.bool)
+    slots = slot_plan(q, k, document_ids, settings)
+    with torch.no_grad():
+        _, saved = torch_forward(q, k, v, gate, keep, slots, settings)
+        return torch_backward(dy, q, k, v, gate, keep, slots, saved, settings, want_dgate=want_dgate)
 
 
 def _kernel_inputs(q, k, v, gate):
@@ -215,19 +216,10 @@ def _unpadded(y: torch.Tensor, D: int) -> torch.Tensor:
     return y if y.shape[-1] == D else y[..., :D]
 
 
-def _call_settings(window, period, causal, variant, prior, logit_clamp, eps, scale, dropout_p, sinks,
-                   document_ids) -> dict:
-    """A call's keyword arguments but the dropout mask: what the "torch" fallback takes, and what `_plan_for`
-    plans the kernels from."""
-    return dict(window=window, period=period, causal=causal, variant=variant, prior=prior, logit_clamp=logit_clamp,
-                eps=eps, scale=scale, dropout_p=dropout_p, sinks=sinks, document_ids=document_ids)
-
-
-def _plan_for(q, k, keep, settings: dict) -> Launch:
-    """`plan` for kernel inputs q, k (`_kernel_inputs`), the uint8 keep mask or None and `_call_settings`."""
-    documents = settings["document_ids"] is not None
-    kw = {name: value for name, value in settings.items() if name != "document_ids"}
-    return plan(q, **kw, dropout=keep is not None, kv_heads=k.shape[1], documents=documents)
+def _plan_for(q, k, keep, document_ids, settings: OpSettings) -> Launch:
+    """`plan` for kernel inputs q, k (`_kernel_inputs`), the uint8 keep mask or None and document_ids or None."""
+    return plan(q, **settings._asdict(), dropout=keep is not None, kv_heads=k.shape[1],
+                documents=document_ids is not None)
 
 
 def pi_attention_triton(q, k, v, gate, *, window, period, causal, variant, prior, logit_clamp, eps, scale,
@@ -245,31 +237,31 @@ def pi_attention_triton(q, k, v, gate, *, window, period, causal, variant, prior
     q, k, v, gate, D = _kernel_inputs(q, k, v, gate)
     keep = None if dropout_keep is None else dropout_keep.contiguous().view(torch.uint8)
     start, end = document_bounds_int32(document_ids) or (None, None)
-    settings = _call_settings(window, period, causal, variant, prior, logit_clamp, eps, scale, dropout_p, sinks,
-                              document_ids)
-    launch = _plan_for(q, k, keep, settings)
-    return _unpadded(_PiAttentionTriton.apply(q, k, v, gate, keep, start, end, launch, settings), D)
+    settings = OpSettings(window=window, period=period, causal=causal, variant=variant, prior=prior,
+                          logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p, sinks=sinks)
+    launch = _plan_for(q, k, keep, document_ids, settings)
+    return _unpadded(_PiAttentionTriton.apply(q, k, v, gate, keep, start, end, document_ids, launch, settings), D)
 
 
 # The backend as PyTorch custom operators, what runs inside torch.compile (and on meta and fake tensors):
-# one opaque node each way, the kernels launched as in eager. Settings cross as ints, floats, bools and a
-# str, since an operator takes no other Python values; the launch plan is rebuilt from them.
+# one opaque node each way, the kernels launched as in eager. The settings are `OpSettings`' fields, in its
+# order (`settings.py`); the launch plan is rebuilt from them.
 #
 #     piattn::pi_triton_fwd (q, k, v, gate, keep, document_ids, settings…) -> (y, stats)
 #     piattn::pi_triton_bwd (dy, q, k, v, gate, keep, document_ids, stats, want_gate, settings…) -> grads
 
+_FWD_SCHEMA = (f"(Tensor q, Tensor k, Tensor v, Tensor? gate, Tensor? keep, Tensor? document_ids, "
+               f"{OpSettings.schema()}) -> (Tensor, Tensor)")
+_BWD_SCHEMA = (f"(Tensor dy, Tensor q, Tensor k, Tensor v, Tensor? gate, Tensor? keep, Tensor? document_ids, "
+               f"Tensor stats, bool want_gate, {OpSettings.schema()}) -> Tensor[]")
 
-@torch.library.custom_op("piattn::pi_triton_fwd", mutates_args=())
-def pi_triton_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, keep: torch.Tensor | None,
-    document_ids: torch.Tensor | None, window: int, period: int, causal: bool, variant: str, prior: float,
-    logit_clamp: float | None, eps: float, scale: float, dropout_p: float, sinks: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+
+@torch.library.custom_op("piattn::pi_triton_fwd", mutates_args=(), schema=_FWD_SCHEMA)
+def pi_triton_fwd(q, k, v, gate, keep, document_ids, *settings) -> tuple[torch.Tensor, torch.Tensor]:
     """(y [B, H, T, D], stats fp32 [2, B·H, T]) for q, k, v as `_kernel_inputs` leaves them and keep the
     bool dropout mask [B, H, T, |U|] or None."""
     keep = None if keep is None else keep.view(torch.uint8)
-    launch = _plan_for(q, k, keep, _call_settings(window, period, causal, variant, prior, logit_clamp, eps, scale,
-                                                  dropout_p, sinks, document_ids))
+    launch = _plan_for(q, k, keep, document_ids, OpSettings(*settings))
     return triton_forward(q, k, v, gate, keep, launch, document_bounds_int32(document_ids))
 
 
@@ -279,18 +271,13 @@ def _(q, k, v, gate, keep, document_ids, *settings):
     return q.new_empty(q.shape), q.new_empty((2, B * H, T), dtype=torch.float32)
 
 
-@torch.library.custom_op("piattn::pi_triton_bwd", mutates_args=())
-def pi_triton_bwd(
-    dy: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None,
-    keep: torch.Tensor | None, document_ids: torch.Tensor | None, stats: torch.Tensor, want_gate: bool,
-    window: int, period: int, causal: bool, variant: str, prior: float, logit_clamp: float | None, eps: float,
-    scale: float, dropout_p: float, sinks: int,
-) -> list[torch.Tensor]:
+@torch.library.custom_op("piattn::pi_triton_bwd", mutates_args=(), schema=_BWD_SCHEMA)
+def pi_triton_bwd(dy, q, k, v, gate, keep, document_ids, stats, want_gate, *settings) -> list[torch.Tensor]:
     """[dq, dk, dv], and dgate when `want_gate`, of `pi_triton_fwd` for the cotangent dy of its y."""
     keep = None if keep is None else keep.view(torch.uint8)
-    settings = _call_settings(window, period, causal, variant, prior, logit_clamp, eps, scale, dropout_p, sinks,
-                              document_ids)
-    dq, dk, dv, dgate = triton_gradients(dy, q, k, v, gate, keep, stats, _plan_for(q, k, keep, settings), settings,
+    settings = OpSettings(*settings)
+    dq, dk, dv, dgate = triton_gradients(dy, q, k, v, gate, keep, document_ids, stats,
+                                         _plan_for(q, k, keep, document_ids, settings), settings,
                                          want_dgate=want_gate, bounds=document_bounds_int32(document_ids))
     return [dq, dk, dv, dgate] if want_gate else [dq, dk, dv]
 
@@ -313,8 +300,8 @@ def _backward(ctx, dy, _stats_grad):
     q, k, v, gate, keep, docs, stats = ctx.saved_tensors
     want_gate = gate is not None and ctx.needs_input_grad[3]
     grads = pi_triton_bwd(dy, q, k, v, gate, keep, docs, stats, want_gate, *ctx.settings)
-    # One gradient per input of pi_triton_fwd: q, k, v, gate, then keep, document_ids and 10 settings.
-    return (*grads[:3], grads[3] if want_gate else None) + (None,) * 12
+    # One gradient per input of pi_triton_fwd: q, k, v, gate, then keep, document_ids and the settings.
+    return (*grads[:3], grads[3] if want_gate else None) + (None,) * (2 + len(ctx.settings))
 
 
 pi_triton_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -325,6 +312,7 @@ def pi_attention_triton_op(q, k, v, gate, *, window, period, causal, variant, pr
     """`pi_attention_triton` through the operator `piattn::pi_triton_fwd`: what torch.compile captures."""
     q, k, v, gate, D = _kernel_inputs(q, k, v, gate)
     keep = None if dropout_keep is None else dropout_keep.contiguous()
-    y, _ = pi_triton_fwd(q, k, v, gate, keep, document_ids, window, period, causal, variant, prior, logit_clamp,
-                         eps, scale, dropout_p, sinks)
+    settings = OpSettings(window=window, period=period, causal=causal, variant=variant, prior=prior,
+                          logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p, sinks=sinks)
+    y, _ = pi_triton_fwd(q, k, v, gate, keep, document_ids, *settings)
     return _unpadded(y, D)

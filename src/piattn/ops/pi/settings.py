@@ -1,0 +1,42 @@
+"""`OpSettings`: the settings of one π-Attention call besides its tensors, in the one order they cross in.
+
+A PyTorch custom operator takes ints, floats, bools and strs, not Python objects, so the backends'
+operators (`compiled.py`, the end of `triton.py`) take a call's settings as separate arguments. Their
+order is the order of `OpSettings`' fields, and only that: an operator's schema writes them with
+`OpSettings.schema()`, its caller passes `*settings` (a NamedTuple is the tuple of its fields) and its
+implementation reads them back with `OpSettings(*args)`. The tensors (q, k, v, gate, the dropout keep
+mask, document_ids) are not settings: each operator names them in its own schema.
+"""
+
+from typing import NamedTuple
+
+from .pattern import Pattern
+
+# The schema type of each field's annotation, as torch.library.infer_schema writes it. (No `from __future__
+# import annotations` in this module: the annotations must stay types, not strings.)
+_SCHEMA_TYPES = {int: "SymInt", bool: "bool", str: "str", float: "float", float | None: "float?"}
+
+
+class OpSettings(NamedTuple):
+    """The contract's keyword arguments (`reference.pi_attention_reference`) that are neither tensors nor
+    the dropout mask: see `piattn.pi_attention` for their meaning (scale is never None here)."""
+
+    window: int
+    period: int
+    causal: bool
+    variant: str
+    prior: float
+    logit_clamp: float | None
+    eps: float
+    scale: float
+    dropout_p: float
+    sinks: int
+
+    @property
+    def pattern(self) -> Pattern:
+        return Pattern(self.window, self.period, self.causal, self.sinks)
+
+    @classmethod
+    def schema(cls) -> str:
+        """The fields as the arguments of an operator schema: "SymInt window, SymInt period, …"."""
+        return ", ".join(f"{_SCHEMA_TYPES[cls.__annotations__[name]]} {name}" for name in cls._fields)
