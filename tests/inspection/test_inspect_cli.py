@@ -31,6 +31,8 @@ def runs(tmp_path_factory):
     return {
         "pi": train(root / "pi", *lm, "--attention", "pi", "--period", "8"),
         "local": train(root / "local", *lm, "--attention", "local"),
+        "pi-gqa-sinks-packed": train(root / "pi-gqa-sinks-packed", *lm, "--attention", "pi", "--period", "8",
+                                     "--n-kv-head", "1", "--sinks", "2", "--pack-documents"),
         "dense-listops": train(root / "dense-listops", "--task", "listops", "--seq-len", "48", "--attention", "dense",
                                "--train-size", "16", "--eval-size", "8"),
     }
@@ -78,10 +80,29 @@ def test_pi_beside_local(runs, tmp_path, capsys):
     reached = [d for d, v in zip(other["flow"]["offsets"], other["flow"]["influence"][1], strict=True) if v > 0]
     assert min(reached) == -6  # two layers of window 3
 
-    assert report["figures"] == {"token_flow": "token_flow.png", "gate_dynamics": "gate_dynamics.png"}
+    assert report["figures"] == {"token_flow": "token_flow.png", "gate_dynamics": "gate_dynamics.png",
+                                 "skip_prior_by_phase": "skip_prior_by_phase.png"}
     check_png(out / "token_flow.png")
     check_png(out / "gate_dynamics.png")
+    check_png(out / "skip_prior_by_phase.png")
+    for e in report["layers"]:  # the gate figure (d): 1 − α by position modulo π
+        assert len(e["skip_prior_by_phase"]) == 8 and all(0 < v < 1 for v in e["skip_prior_by_phase"])
+    assert not any("skip_prior_by_phase" in e for e in other["layers"])
     assert "skip" in captured.out and "inspect.json" in captured.err
+
+
+def test_pi_with_grouped_query_heads_sinks_and_packed_documents(runs, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, captured = inspect(capsys, "--checkpoint", str(runs["pi-gqa-sinks-packed"]), "--out", str(out),
+                             "--batches", "2")
+    assert code == 0, captured.err
+    report = json.loads((out / "inspect.json").read_text())
+    assert report["model"] | {"n_kv_head": 1, "sinks": 2} == report["model"]
+    check_layers(report["layers"], {"local", "skip", "sink"})
+    assert all(e["mass"]["sink"] > 0 for e in report["layers"])
+    assert report["figures"]["skip_prior_by_phase"] == "skip_prior_by_phase.png"
+    check_png(out / "skip_prior_by_phase.png")
+    assert "sink" in captured.out
 
 
 def test_dense_classifier(runs, tmp_path, capsys):
@@ -103,6 +124,7 @@ def test_local_alone_has_no_gate_figure(runs, tmp_path, capsys):
     code, _ = inspect(capsys, "--checkpoint", str(runs["local"]), "--out", str(out), "--batches", "1")
     assert code == 0
     assert (out / "token_flow.png").exists() and not (out / "gate_dynamics.png").exists()
+    assert not (out / "skip_prior_by_phase.png").exists()
     assert "compare" not in json.loads((out / "inspect.json").read_text())
 
 

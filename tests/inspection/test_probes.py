@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from piattn.inspection import Inspector, columns, masses, slot_probabilities
+from piattn.inspection import Inspector, columns, layer_weights, masses
 from piattn.inspection.probes import probe_columns, reader
 from piattn.models import GPT, Encoder, EncoderConfig, GPTConfig
 from utils import tiny_model
@@ -119,7 +119,7 @@ def test_slot_probabilities_put_nothing_on_keys_outside_the_text():
     idx = torch.randint(0, 50, (1, 6), generator=torch.Generator().manual_seed(4))  # T < period: no skip key
     with torch.no_grad():
         layer, x, q, k = layer_inputs(model, idx)
-        w = slot_probabilities(layer, q, k, layer.gate_values(x))
+        w = layer_weights(layer, q, k, layer.gate_values(x)).weights
     assert w[..., -1].abs().max() == 0  # the skip slot
     assert w[:, :, 0, :3].abs().max() == 0  # query 0 has no key before it
 

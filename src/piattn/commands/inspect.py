@@ -1,14 +1,18 @@
 """`piattn inspect`: what a trained model attends to, per layer; its token flow; its gate over training.
 
     piattn inspect --checkpoint runs/pi-books --out runs/pi-books/inspect [--compare runs/local-books]
-    → DIR/inspect.json, DIR/token_flow.png, DIR/gate_dynamics.png (when a run logged gate statistics)
+    → DIR/inspect.json, DIR/token_flow.png, DIR/gate_dynamics.png (when a run logged gate statistics),
+      DIR/skip_prior_by_phase.png (when a run has a gated π layer)
 
 The model runs over `--batches` batches of `--split` (default: the validation split of the data it was
 trained on, or `--data`), as `piattn eval` would score them; hooks on its attention layers
-(`piattn.inspection`) average the share of attention probability on each key class. Key classes:
-"local" (the window i − k … i, … i + k) and "skip" (i ± π) for `pi`; everything is "local" for `local`;
-"all" for `dense` and the other kinds, whose keys are not split that way ("sink" will appear for models
-with attention sinks). Each layer's shares sum to 1.
+(`piattn.inspection`) average the share of attention probability on each key class, read from the
+operator's own weights (`pi_attention_weights`, with the model's grouped-query heads, sinks and packed
+documents). Key classes: "local" (the window i − k … i, … i + k) and "skip" (i ± π) for `pi`; everything
+but the sinks is "local" for `local`; "sink" (the first `sinks` keys of each document) for models with
+attention sinks; "all" for `dense` and the other kinds, whose keys are not split that way. Each layer's
+shares sum to 1. For gated π layers the skip prior 1 − α is averaged by position modulo π (the paper's
+gate figure (d)): "skip_prior_by_phase" per layer and skip_prior_by_phase.png.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import sys
 from pathlib import Path
 
 from ..data.text import normalize_split
-from ..inspection import Inspector, plot_gate_dynamics, plot_token_flow
+from ..inspection import Inspector, plot_gate_dynamics, plot_skip_prior_by_phase, plot_token_flow
 from ..tasks import restore
 from ..train import checkpoint as ckpt
 from ..train.distributed import DEVICES, DistContext, setup, teardown
@@ -27,12 +31,13 @@ from ..train.loop import writable_folder
 from ..train.metrics import METRICS_FILE, read_metrics
 from .common import add_threads_argument, torch_threads
 
-MODEL_FIELDS = ("attention", "n_layer", "n_head", "d_model", "window", "period", "variant")
+MODEL_FIELDS = ("attention", "n_layer", "n_head", "n_kv_head", "d_model", "window", "period", "variant", "sinks")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="a run directory (its latest checkpoint) or a checkpoint folder")
-    p.add_argument("--out", required=True, help="folder for inspect.json, token_flow.png and gate_dynamics.png")
+    p.add_argument("--out", required=True, help="folder for inspect.json, token_flow.png, gate_dynamics.png and "
+                   "skip_prior_by_phase.png")
     p.add_argument("--compare", help="a second run (e.g. local beside π), inspected on the same flags and drawn "
                    "side by side")
     p.add_argument("--data", help="data to run the model on (default: the data each run was trained on)")
@@ -98,10 +103,13 @@ def inspect(args: argparse.Namespace) -> int:
                                    out / "token_flow.png")
         gate_png = plot_gate_dynamics([(label, rec) for label, (_, _, rec) in zip(labels, runs, strict=True)],
                                       out / "gate_dynamics.png")
+        phase_png = plot_skip_prior_by_phase([(label, r) for label, (_, r, _) in zip(labels, runs, strict=True)],
+                                             out / "skip_prior_by_phase.png")
     except ImportError as e:
         print(f"piattn inspect: no figures: {e}", file=sys.stderr)
-        flow_png = gate_png = None
-    report["figures"] = {"token_flow": flow_png and flow_png.name, "gate_dynamics": gate_png and gate_png.name}
+        flow_png = gate_png = phase_png = None
+    report["figures"] = {"token_flow": flow_png and flow_png.name, "gate_dynamics": gate_png and gate_png.name,
+                         "skip_prior_by_phase": phase_png and phase_png.name}
     if gate_png is None:
         report["figures"]["gate_dynamics_note"] = "no run logged gate statistics (alpha/… keys in metrics.jsonl)"
     if args.compare:
@@ -111,6 +119,6 @@ def inspect(args: argparse.Namespace) -> int:
         shares = "; ".join(f"layer {e['layer']}: " + ", ".join(f"{c} {v:.1%}" for c, v in e["mass"].items())
                            + (f", α {e['alpha_mean']:.3f}" if "alpha_mean" in e else "") for e in r["layers"])
         print(f"{label} ({r['model']['attention']}, {r['tokens']:,} tokens): {shares}")
-    written = ["inspect.json", *(p.name for p in (flow_png, gate_png) if p is not None)]
+    written = ["inspect.json", *(p.name for p in (flow_png, gate_png, phase_png) if p is not None)]
     print(f"written to {out}: {', '.join(written)}", file=sys.stderr)
     return 0

@@ -4,11 +4,15 @@
         run_the_model_over_some_data()          # e.g. task.evaluate(model, "validation", 4)
     report = inspector.result()                  # {"layers": [...], "flow": {...}, "tokens": ...}
 
-Forward hooks on every `AttentionLayer` read the layer input x, recompute its q, k (and gate), and add
+Forward hooks on every `AttentionLayer` read the layer input x and the `document_ids` it ran with,
+recompute its q, k (RoPE positions restarting per document, as the layer has them) and gate, and add
 this batch's sums (`probes.masses`) and, for the token flow, the layer's probabilities restricted to a
 window of W positions around one query position; nothing [T, T] is built beyond that window. Queries
 on padding tokens (the model's `pad_id`, read from its `embed` input) are left out of the averages.
-Cached (incremental) forwards are ignored.
+Cached (incremental) forwards are ignored; a layer running sequence-parallel is refused.
+
+The skip prior by phase (the paper's gate figure (d)): for a gated π layer, 1 − α averaged over heads and
+queries by the query's position modulo π, its position counted from the start of its document.
 
 Token flow ("attention rollout", Abnar & Zuidema 2020): with A_l the layer-l probabilities averaged over
 heads and Ã_l = ½(A_l + I) (the residual path), the influence of position j on the query p after layer l
@@ -20,10 +24,14 @@ figure says so.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
 from ..layers import ATTENTION, AttentionLayer
+from ..layers.sharding import active_shard
+from ..ops.pi.pattern import document_bounds
 from . import probes
 
 RESIDUAL_MIX = 0.5  # Ã = RESIDUAL_MIX·A + (1 − RESIDUAL_MIX)·I
@@ -42,14 +50,51 @@ def default_position(model: nn.Module, causal: bool, T: int) -> int:
     return 0 if getattr(getattr(model, "config", None), "pool", None) == "cls" else T // 2
 
 
+def forward_arguments(layer: AttentionLayer, args: tuple, kwargs: dict) -> tuple:
+    """(x, cache, document_ids) of a call of `layer.forward`, however they were passed."""
+    call = inspect.signature(layer.forward).bind(*args, **kwargs)
+    call.apply_defaults()
+    return call.arguments["x"], call.arguments["cache"], call.arguments["document_ids"]
+
+
+def document_positions(document_ids: torch.Tensor | None, T: int, device) -> torch.Tensor:
+    """[B, T] (or [1, T] without documents): each position counted from the start of its document, the
+    position RoPE gives it (`AttentionLayer.attend_documents`)."""
+    position = torch.arange(T, device=device)[None]
+    if document_ids is None:
+        return position
+    start, _ = document_bounds(document_ids.to(device))
+    return position - start
+
+
 class _LayerSums:
     def __init__(self, heads: int):
         self.mass: dict[str, torch.Tensor] = {}
         self.distance = torch.zeros(heads, dtype=torch.float64)
         self.alpha = torch.zeros(heads, dtype=torch.float64)
         self.alpha_sq = torch.zeros(heads, dtype=torch.float64)
-        self.gated = False
+        # Gated layers: Σ (1 − α) and the number of (query, head) pairs summed, by position modulo π.
+        self.skip_prior: torch.Tensor | None = None
+        self.skip_prior_count: torch.Tensor | None = None
         self.tokens = 0.0
+
+    @property
+    def gated(self) -> bool:
+        return self.skip_prior is not None
+
+    def add_gate(self, gate: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, period: int) -> None:
+        """gate α [B, H, T], mask [B, T] (0 for padding queries), positions [B or 1, T] (from the document start)."""
+        B, H, T = gate.shape
+        if self.skip_prior is None:
+            self.skip_prior = torch.zeros(period, dtype=torch.float64)
+            self.skip_prior_count = torch.zeros(period, dtype=torch.float64)
+        g = gate.double() * mask[:, None, :]
+        self.alpha += g.sum((0, 2)).cpu()
+        self.alpha_sq += (g * gate.double()).sum((0, 2)).cpu()
+        phase = (positions % period).expand(B, T).flatten().cpu()
+        skip_prior = ((1 - gate.double()) * mask[:, None, :]).sum(1)  # [B, T]: summed over heads
+        self.skip_prior.index_add_(0, phase, skip_prior.flatten().cpu())
+        self.skip_prior_count.index_add_(0, phase, (mask.double() * H).flatten().cpu())
 
 
 class Inspector:
@@ -81,7 +126,7 @@ class Inspector:
         if isinstance(embed, nn.Embedding):
             self._hooks.append(embed.register_forward_pre_hook(self._on_ids))
         for layer in self.layers:
-            self._hooks.append(layer.register_forward_hook(self._on_layer))
+            self._hooks.append(layer.register_forward_hook(self._on_layer, with_kwargs=True))
         return self
 
     def __exit__(self, *exc) -> bool:
@@ -110,29 +155,33 @@ class Inspector:
         return self._window
 
     @torch.no_grad()
-    def _on_layer(self, layer: AttentionLayer, args: tuple, output) -> None:
-        if len(args) > 1 and args[1] is not None:  # a cached decoding step
+    def _on_layer(self, layer: AttentionLayer, args: tuple, kwargs: dict, output) -> None:
+        x, cache, document_ids = forward_arguments(layer, args, kwargs)
+        if cache is not None:  # a cached decoding step
             return
+        if active_shard() is not None:
+            raise ValueError("inspection cannot read a layer running sequence-parallel (it sees one shard); "
+                             "inspect the model in one process")
         i = self.index[id(layer)]
-        x = args[0]
-        q, k, _ = layer.heads(x)
-        B, H, T, _ = q.shape
+        if document_ids is None:
+            q, k, _ = layer.heads(x)
+        else:
+            document_ids = document_ids.to(x.device)
+            q, k, _ = layer.heads(x, positions=document_positions(document_ids, x.shape[1], x.device))
+        B, _, T, _ = q.shape
         mask = self._query_mask(B, T, q.device)
         sums = self.sums[i]
-        mass, distance = probes.masses(layer, q, k, x, mask)
+        mass, distance = probes.masses(layer, q, k, x, mask, document_ids)
         for cls, value in mass.items():
             sums.mass[cls] = sums.mass.get(cls, 0) + value.cpu()
         sums.distance += distance.cpu()
         sums.tokens += float(mask.sum())
         gate = probes.layer_gate(layer, x)
         if gate is not None:
-            g = gate.double() * mask[:, None, :]
-            sums.gated = True
-            sums.alpha += g.sum((0, 2)).cpu()
-            sums.alpha_sq += (g * gate.double()).sum((0, 2)).cpu()
-        self._flow_step(i, layer, q, k, x, mask)
+            sums.add_gate(gate, mask, document_positions(document_ids, T, x.device), layer.settings.period)
+        self._flow_step(i, layer, q, k, x, mask, document_ids)
 
-    def _flow_step(self, i: int, layer: AttentionLayer, q, k, x, mask) -> None:
+    def _flow_step(self, i: int, layer: AttentionLayer, q, k, x, mask, document_ids) -> None:
         if i == 0:
             self._pass = []
         if len(self._pass) != i:  # a forward that skipped layers: no flow from it
@@ -140,7 +189,7 @@ class Inspector:
         T = q.shape[2]
         _, p, lo, hi = self._resolve_window(T, layer.causal)
         window = torch.arange(lo, hi, device=q.device)
-        self._pass.append(probes.columns(layer, q, k, x, window, window).double().mean(1).cpu())
+        self._pass.append(probes.columns(layer, q, k, x, window, window, document_ids).double().mean(1).cpu())
         if i < len(self.layers) - 1:
             return
         W = hi - lo
@@ -161,8 +210,9 @@ class Inspector:
 
         {"tokens", "layers": [{"layer", "kind", "heads", "mass": {class: share}, "mass_by_head": [{…}],
         "mean_distance", "mean_distance_by_head", and for gated layers "alpha_mean", "alpha_std",
-        "alpha_by_head"}], "flow": {"position", "window": [lo, hi], "causal", "offsets", "influence"
-        [L][W], "sequences", "rollout"} or None}
+        "alpha_by_head", "skip_prior_by_phase" [π]: mean 1 − α at positions ≡ 0 … π − 1 (mod π), None
+        for a phase no query had}], "flow": {"position", "window": [lo, hi], "causal", "offsets",
+        "influence" [L][W], "sequences", "rollout"} or None}
         """
         layers = []
         for i, (layer, s) in enumerate(zip(self.layers, self.sums, strict=True)):
@@ -180,7 +230,9 @@ class Inspector:
                 n = per_head_tokens * layer.n_heads
                 mean = float(s.alpha.sum() / n)
                 entry |= {"alpha_mean": mean, "alpha_std": max(float(s.alpha_sq.sum() / n) - mean**2, 0.0) ** 0.5,
-                          "alpha_by_head": (s.alpha / per_head_tokens).tolist()}
+                          "alpha_by_head": (s.alpha / per_head_tokens).tolist(),
+                          "skip_prior_by_phase": [float(total / count) if count else None for total, count
+                                                  in zip(s.skip_prior, s.skip_prior_count, strict=True)]}
             layers.append(entry)
         flow = None
         if self.flow_sum is not None and self.flow_sequences > 0:

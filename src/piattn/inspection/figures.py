@@ -1,6 +1,7 @@
-"""The figures of `piattn inspect`: gate dynamics over training, token flow and attention mass per layer.
+"""The figures of `piattn inspect`: gate dynamics over training, the skip prior by phase, token flow and
+attention mass per layer.
 
-Both take plain data (metrics records, `Inspector.result()` dicts) and write a PNG with a bare matplotlib
+Each takes plain data (metrics records, `Inspector.result()` dicts) and write a PNG with a bare matplotlib
 `Figure` (Agg, pyplot's global state untouched). Needs matplotlib (the `plot` extra).
 """
 
@@ -70,6 +71,31 @@ def plot_gate_dynamics(runs: list[tuple[str, list[dict]]], out: str | Path) -> P
         ax.set_title(f"{label}: gate α per layer\nline: mean; bands: 25–75 % and 5–95 % of tokens × heads",
                      fontsize=10)
         ax.legend(fontsize=8, ncol=2 if len(series) > 6 else 1, loc="best")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    return out
+
+
+def plot_skip_prior_by_phase(runs: list[tuple[str, dict]], out: str | Path) -> Path | None:
+    """The paper's gate figure (d): one panel per run with gated layers (`Inspector.result()` dicts), the
+    mean skip prior 1 − α against the query's position modulo π, a line per layer. None (nothing
+    written) if no run has a gated layer."""
+    panels = [(label, report, [e for e in report["layers"] if "skip_prior_by_phase" in e]) for label, report in runs]
+    panels = [panel for panel in panels if panel[2]]
+    if not panels:
+        return None
+    fig = _figure(figsize=(6.2 * len(panels), 4.2))
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    for ax, (label, report, layers) in zip(axes, panels, strict=True):
+        for entry in layers:
+            seen = [(phase, v) for phase, v in enumerate(entry["skip_prior_by_phase"]) if v is not None]
+            ax.plot([p for p, _ in seen], [v for _, v in seen], marker="o", ms=3, lw=1.4,
+                    label=f"layer {entry['layer']}")
+        ax.set_xlabel("query position mod π (position counted from its document's start)")
+        ax.set_ylabel("skip prior 1 − α  (mean over heads and queries)")
+        ax.set_title(f"{label}: {_describe(report)}\nskip prior by phase ({report['tokens']:,} tokens)", fontsize=10)
+        ax.legend(fontsize=8, ncol=2 if len(layers) > 6 else 1, loc="best")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch.nn import functional as F
 
 from ..config import PI_DEFAULTS, ModelConfig, PiSettings
 from ..decoding.cache import RingCache
-from ..ops.pi.decode import decode_ring, decode_rows
-from .base import AttentionLayer
+from ..ops.pi.decode import decode_ring
 from .gate import gate_hooked, gate_mlp, gate_values
-from .sharding import pi_operator
+from .windowed import WindowedAttention
 
 
-class PiAttention(AttentionLayer):
+class PiAttention(WindowedAttention):
     """Multi-head π-Attention on [B, T, d_model] inputs.
 
     Parameter names match the paper's appendix module (`qkv`, `out`, `gate.0`, `gate.2`), so its state
@@ -39,13 +36,9 @@ class PiAttention(AttentionLayer):
     `observe_gate` lets a caller (the trainer's gate statistics, `piattn inspect`) read the α̃ each forward
     computes, at no cost while no observer is set. Cached decoding steps of a few tokens run `pi_decode`
     (`attend_recent`), which reads only the keys the new queries attend to; with sinks the cache keeps
-    the first `sinks` positions besides its ring, so it stays constant in size.
+    the first `sinks` positions besides its ring, so it stays constant in size. The operator's settings
+    are `settings` (`PiSettings`, see `WindowedAttention`).
     """
-
-    sequence_parallel = True
-    ring_step = True
-    grouped_query = True
-    documents = True
 
     def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: int | None = None, window: int = PI_DEFAULTS.window,
                  period: int = PI_DEFAULTS.period, causal: bool = True, variant: str = PI_DEFAULTS.variant,
@@ -53,15 +46,12 @@ class PiAttention(AttentionLayer):
                  eps: float = PI_DEFAULTS.eps, sinks: int = PI_DEFAULTS.sinks, dropout: float = 0.0,
                  rotary: bool = False,
                  rope_base: float = 10000.0, gate_hidden: int | None = None, backend: str = "auto"):
-        super().__init__(d_model, n_heads, n_kv_heads=n_kv_heads, causal=causal, dropout=dropout, rotary=rotary,
-                         rope_base=rope_base)
-        self.settings = PiSettings(window=window, period=period, variant=variant, prior=prior,
-                                   logit_clamp=logit_clamp, eps=eps, sinks=sinks)
-        self.op_kwargs = dict(**self.settings.as_kwargs(), causal=causal, backend=backend)
-        self.gate = gate_mlp(d_model, n_heads, gate_hidden) if self.settings.gated else None
-        # `attend_recent`'s settings (no causal, backend; the scale spelled out), once rather than per step.
-        self._decode_kwargs = dict(**self.settings.as_kwargs(), scale=self.head_dim**-0.5)
-        self._gate_observer: Callable[[torch.Tensor], None] | None = None
+        settings = PiSettings(window=window, period=period, variant=variant, prior=prior, logit_clamp=logit_clamp,
+                              eps=eps, sinks=sinks)
+        super().__init__(d_model, n_heads, settings, n_kv_heads=n_kv_heads, causal=causal, dropout=dropout,
+                         rotary=rotary, rope_base=rope_base, backend=backend)
+        # Created after the base's projections: a seed draws the weights in the appendix module's order.
+        self.gate = gate_mlp(d_model, n_heads, gate_hidden) if settings.gated else None
 
     @classmethod
     def config_kwargs(cls, cfg: ModelConfig, layer: int) -> dict:
@@ -71,52 +61,15 @@ class PiAttention(AttentionLayer):
         """x [B, T, d] -> α̃ [B, H, T] in [ε, 1 − ε] (Eq. app_gate), or None for ungated variants."""
         return None if self.gate is None else gate_values(self.gate, x, self.settings.eps)
 
-    def observe_gate(self, observer: Callable[[torch.Tensor], None] | None) -> bool:
-        """From now on call `observer(α̃)` with the gate [B, H, T] (detached) of every forward; None stops.
-
-        Returns whether this layer has a gate; the ungated variants ("union", "fixed") observe nothing.
-        """
-        self._gate_observer = observer if self.gate is not None else None
-        return self.gate is not None
-
-    def cache_capacity(self) -> int:
-        """Decoding position t reads t−window … t and t−period (docs/design.md: not O(window) as the paper says)."""
-        if not self.causal:
-            raise ValueError("incremental decoding needs causal attention")
-        return self.settings.reach + 1
-
-    def cache_sinks(self) -> int:
-        return self.settings.sinks
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor,
-               document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """q [B, H, T, D], k, v [B, H_kv, T, D], x [B, T, d] (the gate's input), document_ids [B, T] or None
-        -> [B, H, T, D]."""
-        gate = self.gate_values(x)
-        if self._gate_observer is not None:
-            self._gate_observer(gate.detach())
-        return pi_operator(q, k, v, gate, dropout_p=self.attention_dropout, document_ids=document_ids,
-                           **self.op_kwargs)
-
-    def attend_recent(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The last t rows of `attend` (causal, eval) from the t new rows' q, x and all N rows' k, v."""
-        gate = self.gate_values(x)
-        if self._gate_observer is not None:
-            self._gate_observer(gate.detach())
-        return decode_rows(q, k, v, gate, **self._decode_kwargs)
-
     def attend_ring(self, q: torch.Tensor, cache: RingCache, x: torch.Tensor) -> torch.Tensor:
         """One new query's output [B, H, 1, D] read from the ring `cache` that already holds its key.
 
         For "adaptive" the operator takes the gate MLP's hidden pre-activation and its last layer, and
         finishes the gate itself (GELU, linear, σ, clip: in the compiled step, one call for all of it);
         a gate someone observes or hooks is computed whole here instead."""
-        kwargs = dict(capacity=cache.capacity, position=cache.seen - 1, **self._decode_kwargs)
         if self.settings.variant == "adaptive" and self._gate_observer is None and not gate_hooked(self.gate):
             first, _, last, _ = self.gate._modules.values()
             hidden = F.linear(x, first.weight, first.bias)
-            return decode_ring(q, cache.kv, hidden, gate_head=(last.weight, last.bias), **kwargs)
-        gate = self.gate_values(x)
-        if self._gate_observer is not None:
-            self._gate_observer(gate.detach())
-        return decode_ring(q, cache.kv, gate, **kwargs)
+            return decode_ring(q, cache.kv, hidden, gate_head=(last.weight, last.bias), capacity=cache.capacity,
+                               position=cache.seen - 1, **self._decode_kwargs)
+        return super().attend_ring(q, cache, x)

@@ -45,8 +45,8 @@ def pi_attention_weights(
 
     q [B, H, T, D], k [B, H_kv, T, D] (H_kv dividing H), gate [B, H, T] or None, document_ids [B, T] or
     None: the arguments of `pi_attention`, checked the same way. The slots are those of the pattern asked
-    for (`Pattern(settings.window, settings.period, causal, settings.sinks)`), not clamped to T: a slot no
-    query of this T can use is simply invalid everywhere, so slot m means the same key class at every T.
+    for (`settings_pattern`), not clamped to T: a slot no query of this T can use is simply invalid
+    everywhere, so slot m means the same key class at every T.
     """
     if not isinstance(settings, PiSettings):
         raise ValueError(f"settings must be a piattn.config.PiSettings, got {type(settings).__name__}")
@@ -54,10 +54,15 @@ def pi_attention_weights(
     check_arguments(q, k, k, gate, causal=causal, scale=scale, dropout_p=0.0, document_ids=document_ids,
                     **settings.as_kwargs())
     return slot_weights(
-        q, k, gate, Pattern(settings.window, settings.period, causal, settings.sinks), variant=settings.variant,
+        q, k, gate, settings_pattern(settings, causal), variant=settings.variant,
         prior=settings.prior, logit_clamp=settings.logit_clamp, eps=settings.eps,
         scale=q.shape[-1] ** -0.5 if scale is None else scale, document_ids=document_ids,
     )
+
+
+def settings_pattern(settings: PiSettings, causal: bool) -> Pattern:
+    """The slots of U(i) under `settings`, in the order of `pi_attention_weights`' last dimension."""
+    return Pattern(settings.window, settings.period, causal, settings.sinks)
 
 
 def slot_weights(

@@ -1,0 +1,87 @@
+"""`WindowedAttention`: the attention kinds that run on the π operator (`pi`, `local`), with their settings."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..config import PiSettings
+from ..decoding.cache import RingCache
+from ..ops.pi.decode import decode_ring, decode_rows
+from .base import AttentionLayer
+from .sharding import pi_operator
+
+
+class WindowedAttention(AttentionLayer):
+    """An `AttentionLayer` whose `attend` is `pi_attention` with the typed `settings` (`PiSettings`),
+    `causal` and `backend`, and whose decoding reads a ring of `settings.reach + 1` positions (plus
+    `settings.sinks` fixed ones).
+
+    `settings` is what the operator runs with: whoever reads the layer's attention (`piattn.inspection`,
+    through `piattn.ops.pi.weights.pi_attention_weights`) reads it here. `gate` is the gate MLP of the
+    gated variants, set by the subclass that has one (None otherwise); `gate_values(x)` its α̃, and
+    `observe_gate` lets a caller read every α̃ a forward computes.
+    """
+
+    sequence_parallel = True
+    ring_step = True
+    grouped_query = True
+    documents = True
+
+    def __init__(self, d_model: int, n_heads: int, settings: PiSettings, *, n_kv_heads: int | None, causal: bool,
+                 dropout: float, rotary: bool, rope_base: float, backend: str):
+        super().__init__(d_model, n_heads, n_kv_heads=n_kv_heads, causal=causal, dropout=dropout, rotary=rotary,
+                         rope_base=rope_base)
+        self.settings = settings
+        self.backend = backend
+        self.gate: nn.Module | None = None
+        # The decoding functions' settings (no causal, no backend; the scale spelled out), once rather than per step.
+        self._decode_kwargs = dict(**settings.as_kwargs(), scale=self.head_dim**-0.5)
+        self._gate_observer: Callable[[torch.Tensor], None] | None = None
+
+    def gate_values(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x [B, T, d] -> α̃ [B, H, T], or None for a layer without a gate (this base has none)."""
+        return None
+
+    def observe_gate(self, observer: Callable[[torch.Tensor], None] | None) -> bool:
+        """From now on call `observer(α̃)` with the gate [B, H, T] (detached) of every forward; None stops.
+
+        Returns whether this layer has a gate; a layer without one observes nothing.
+        """
+        self._gate_observer = observer if self.gate is not None else None
+        return self.gate is not None
+
+    def observed_gate(self, x: torch.Tensor) -> torch.Tensor | None:
+        """`gate_values(x)`, shown to the observer if one is set."""
+        gate = self.gate_values(x)
+        if self._gate_observer is not None:
+            self._gate_observer(gate.detach())
+        return gate
+
+    def cache_capacity(self) -> int:
+        """Decoding position t reads t − window … t and t − period (docs/design.md: not O(window) as the paper
+        says), besides the sinks."""
+        if not self.causal:
+            raise ValueError("incremental decoding needs causal attention")
+        return self.settings.reach + 1
+
+    def cache_sinks(self) -> int:
+        return self.settings.sinks
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor,
+               document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, H, T, D], k, v [B, H_kv, T, D], x [B, T, d] (the gate's input), document_ids [B, T] or None
+        -> [B, H, T, D]."""
+        return pi_operator(q, k, v, self.observed_gate(x), causal=self.causal, dropout_p=self.attention_dropout,
+                           document_ids=document_ids, backend=self.backend, **self.settings.as_kwargs())
+
+    def attend_recent(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The last t rows of `attend` (causal, eval) from the t new rows' q, x and all N rows' k, v."""
+        return decode_rows(q, k, v, self.observed_gate(x), **self._decode_kwargs)
+
+    def attend_ring(self, q: torch.Tensor, cache: RingCache, x: torch.Tensor) -> torch.Tensor:
+        """One new query's output [B, H, 1, D] read from the ring `cache` that already holds its key."""
+        return decode_ring(q, cache.kv, self.observed_gate(x), capacity=cache.capacity, position=cache.seen - 1,
+                           **self._decode_kwargs)
