@@ -9,8 +9,9 @@ import dataclasses
 import pytest
 
 from piattn.config import PI_DEFAULTS, PiSettings, TrainConfig
-from piattn.config.flags import add_flags, check_flags, flag
+from piattn.config.flags import Capability, add_flags, check_flags, flag, flag_fields
 from piattn.config.training import RUN_DEFINING, SECTIONS, ModelFlags
+from piattn.layers import kinds_with  # registers the attention kinds that scope flags by capability
 
 REGISTRIES = {"attention": ("dense", "local", "pi"), "task": ("lm", "reach"), "tokenizer": ("byte",),
               "backend": ("auto", "torch")}
@@ -54,7 +55,7 @@ def test_resume_comparison_covers_what_defines_a_run_only():
     (["--lag", "3"], "--lag applies to --task reach only, not 'lm'"),
     (["--no-causal"], "--causal / --no-causal applies to --task reach only, not 'lm'"),
     (["--prior", "0.3"], "--prior applies to --variant fixed only, not 'adaptive'"),
-    (["--attention", "dense", "--backend", "torch"], "--backend applies to --attention pi / local only, not 'dense'"),
+    (["--attention", "dense", "--backend", "torch"], "--backend applies to --attention local / pi only, not 'dense'"),
 ])
 def test_checks_name_the_flag(argv, message):
     with pytest.raises(ValueError) as err:
@@ -74,6 +75,15 @@ def test_a_new_flag_is_one_field():
     with pytest.raises(ValueError, match="--ring applies to --attention pi only, not 'dense'"):
         check_flags(Extra(ring=4), context={"attention": "dense"})
     check_flags(Extra(ring=4), context={"attention": "pi"})
+
+
+def test_flags_scoped_by_a_capability_name_one_some_registered_kind_has():
+    """A misspelt capability would be refused by the registry; one no kind has would refuse the flag always."""
+    scoped = {f.name: scope.name for cls in SECTIONS.values() for f, meta in flag_fields(cls)
+              for scope in (meta.applies or {}).values() if isinstance(scope, Capability)}
+    assert {"window", "n_kv_head", "sinks", "backend", "pack_documents", "sequence_parallel"} <= set(scoped)
+    for name, capability in scoped.items():
+        assert kinds_with(capability), name
 
 
 def test_model_flags_reach_the_model_config_by_name():

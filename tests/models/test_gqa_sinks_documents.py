@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from piattn.layers import ATTENTION, kinds_with
 from piattn.models import GPT, GPTConfig
 
 # (kind, extra config): kinds and settings whose packed documents must match the documents alone
@@ -42,7 +43,7 @@ def test_old_configs_without_the_new_fields_load():
     assert cfg.n_kv_head is None and cfg.sinks == 0 and cfg.kv_heads == cfg.n_head
 
 
-@pytest.mark.parametrize("attention", ["pi", "local", "dense"])
+@pytest.mark.parametrize("attention", kinds_with("grouped_query"))
 def test_grouped_query_projects_fewer_key_value_channels(attention):
     full, grouped = GPT(tiny(attention)), GPT(tiny(attention, n_kv_head=1))
     D = 32 // 4
@@ -51,7 +52,7 @@ def test_grouped_query_projects_fewer_key_value_channels(attention):
     assert grouped(torch.randint(0, 40, (2, 9))).shape == (2, 9, 40)
 
 
-@pytest.mark.parametrize("attention", ["longformer", "bigbird", "reformer"])
+@pytest.mark.parametrize("attention", sorted(set(ATTENTION) - {*kinds_with("grouped_query"), *kinds_with("documents")}))
 def test_other_kinds_refuse_grouped_query_and_documents(attention):
     with pytest.raises(ValueError, match=f"n_kv_head.*{attention}"):
         GPT(tiny(attention, n_kv_head=2, sparse_block=4, bucket_size=4))

@@ -71,7 +71,7 @@ def test_resume_refuses_another_data_parallel_size(two_by_two_run, corpus, tmp_p
      "--seq-len 30 must be divisible by --sequence-parallel 4: each rank of a sequence group takes seq-len / N "
      "positions"),
     (["--attention", "dense", "--sequence-parallel", "2"],
-     "--sequence-parallel applies to --attention pi / local only, not 'dense'"),
+     "--sequence-parallel applies to --attention local / pi only, not 'dense'"),
     (["--task", "listops", "--sequence-parallel", "2"],
      "--sequence-parallel applies to --task lm only, not 'listops'"),
     (["--sequence-parallel", "0"], "--sequence-parallel must be >= 1, got 0"),

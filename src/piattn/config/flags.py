@@ -4,6 +4,10 @@ A field of a flags dataclass carries a `Flag` in its metadata (made with `flag(.
 argparse argument (name, type, help, boolean style), the range and choice checks, the rule that a flag
 given to a task or attention kind that ignores it is an error, and whether the flag defines a run (so
 that `--resume` with another value is refused). Adding a flag is adding one field.
+
+A flag's scope may name a capability instead of listing values: `applies={"attention": Capability("documents")}`.
+The registry of that field's values, which lives above the configuration, answers which values have it
+(`answer_capabilities`, called by `piattn.layers`) at each check, so a kind registered later is covered.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 
@@ -22,8 +26,9 @@ class Flag:
     help: the help text. low / high: inclusive bounds of a number (checked when the value is not None).
     above / below: exclusive bounds. choices: the allowed values, or the name of a registry the caller passes
     to `check` (its keys are only known above the config, e.g. the attention kinds). applies: field name ->
-    values of that field under which this flag means something ({"task": ("reach",)}); given elsewhere it
-    is an error. defines_run: a resumed run must have the same value. required: no default.
+    values of that field under which this flag means something ({"task": ("reach",)}), or a `Capability`
+    those values must have ({"attention": Capability("documents")}); given elsewhere it is an error.
+    defines_run: a resumed run must have the same value. required: no default.
     """
 
     help: str
@@ -32,7 +37,7 @@ class Flag:
     above: float | None = None
     below: float | None = None
     choices: tuple | str | None = None
-    applies: Mapping[str, tuple] | None = None
+    applies: Mapping[str, tuple | Capability] | None = None
     defines_run: bool = True
     required: bool = False
 
@@ -44,6 +49,34 @@ def flag(default=None, help: str = "", **kwargs):
 
 def option_name(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class Capability:
+    """The values of a field that can do `name` (e.g. the attention kinds with "documents"), as the registry
+    answering for that field says when a flag is checked (`answer_capabilities`)."""
+
+    name: str
+
+
+# field name -> the function of its registry that answers capability -> the values that have it
+_CAPABILITY_ANSWERS: dict[str, Callable[[str], Iterable]] = {}
+
+
+def answer_capabilities(field: str, values_with: Callable[[str], Iterable]) -> None:
+    """Let `values_with(capability)` resolve the `Capability` scopes on `field` (its registry calls this)."""
+    _CAPABILITY_ANSWERS[field] = values_with
+
+
+def allowed_values(field: str, allowed: tuple | Capability) -> tuple:
+    """The values of `field` a flag scoped by `allowed` applies to: the tuple itself, or the registry's answer
+    for a `Capability` (LookupError when no registry answers for the field: nothing is assumed)."""
+    if not isinstance(allowed, Capability):
+        return allowed
+    if field not in _CAPABILITY_ANSWERS:
+        raise LookupError(f"no registry answers which {option_name(field)} values have {allowed.name!r}: "
+                          "import the package that registers them (piattn.layers for attention kinds)")
+    return tuple(_CAPABILITY_ANSWERS[field](allowed.name))
 
 
 def _base_type(cls, name: str):
@@ -126,7 +159,8 @@ def check_flags(obj, registries: Mapping[str, Iterable] | None = None, context: 
             raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
         if meta.applies is None or value == field.default:
             continue
-        for other, allowed in meta.applies.items():
+        for other, scope in meta.applies.items():
+            allowed = allowed_values(other, scope)
             if context.get(other) not in allowed:
                 shown = " / ".join(map(str, allowed))
                 raise ValueError(f"{name} applies to {option_name(other)} {shown} only, "
@@ -135,4 +169,5 @@ def check_flags(obj, registries: Mapping[str, Iterable] | None = None, context: 
 
 def applies(meta: Flag, context: Mapping) -> bool:
     """Whether a flag means something under the values of other fields in `context` (its `applies`)."""
-    return meta.applies is None or all(context.get(other) in allowed for other, allowed in meta.applies.items())
+    return meta.applies is None or all(context.get(other) in allowed_values(other, scope)
+                                       for other, scope in meta.applies.items())

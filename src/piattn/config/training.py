@@ -2,7 +2,9 @@
 
 Every `piattn train` flag is one field below; `piattn.config.flags` turns the fields into the argparse
 arguments, the range checks, the per-task and per-attention scope checks and the `--resume` comparison.
-A checkpoint stores the flat field dict (`to_flat`); field names are unique across sections.
+A checkpoint stores the flat field dict (`to_flat`); field names are unique across sections. A flag scoped
+to attention kinds names the capability they need (`Capability`), never the kinds: the registry of
+attention kinds (`piattn.layers.registry`) answers which have it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import textwrap
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from .flags import add_flags, applies, check_flags, flag, flag_fields, option_name
+from .flags import Capability, add_flags, applies, check_flags, flag, flag_fields, option_name
 from .model import SIZES, ModelConfig
 from .pi import PI_DEFAULTS, VARIANTS
 
@@ -21,8 +23,6 @@ from .pi import PI_DEFAULTS, VARIANTS
 CLASSIFICATION = ("listops", "pathfinder", "retrieval", "reach")
 # Tasks with fixed splits of examples, generated from --data-seed or read at most --train-size / --eval-size.
 FIXED_SPLITS = (*CLASSIFICATION, "vl-retrieval", "recall")
-# Attention kinds that read each π-related model field (the others ignore it).
-WINDOWED = ("local", "pi", "longformer", "bigbird")
 PRECISIONS = ("auto", "fp32", "bf16")
 
 
@@ -30,26 +30,27 @@ PRECISIONS = ("auto", "fp32", "bf16")
 class ModelFlags:
     config: str = flag("tiny", "model size", choices=tuple(SIZES))
     attention: str = flag("pi", "attention kind", choices="attention")
-    window: int | None = flag(None, "local window k (default: the config's, 4)", low=0, applies={"attention": WINDOWED})
+    window: int | None = flag(None, "local window k (default: the config's, 4)", low=0,
+                              applies={"attention": Capability("window")})
     period: int | None = flag(None, "π, the distance of the long-range key (default 16; vl-retrieval: the "
                               "image's patches per row, so the skip key is the patch above / below)", low=1,
-                              applies={"attention": ("pi",)})
+                              applies={"attention": Capability("period")})
     variant: str | None = flag(None, "π-Attention fusion variant (default adaptive)", choices=VARIANTS,
-                               applies={"attention": ("pi",)})
+                               applies={"attention": Capability("variant")})
     prior: float | None = flag(None, "the fixed local prior α of --variant fixed (default 0.5)", above=0, high=1,
-                               applies={"attention": ("pi",), "variant": ("fixed",)})
+                               applies={"attention": Capability("prior"), "variant": ("fixed",)})
     n_layer: int | None = flag(None, "number of layers (default: the --config's)", low=1)
     n_head: int | None = flag(None, "number of heads (default: the --config's)", low=1)
     n_kv_head: int | None = flag(None, "key/value heads, dividing the heads (grouped-query attention; default: as "
-                                 "many as heads)", low=1, applies={"attention": ("pi", "local", "dense")})
+                                 "many as heads)", low=1, applies={"attention": Capability("grouped_query")})
     sinks: int | None = flag(None, "sink keys: the first N tokens of each document, seen by every later query "
-                             "(default 0)", low=0, applies={"attention": ("pi", "local")})
+                             "(default 0)", low=0, applies={"attention": Capability("sinks")})
     d_model: int | None = flag(None, "width (default: the --config's)", low=1)
     # The size's own d_ff, also under --d-model: 4 × d-model holds for the named sizes only.
     d_ff: int | None = flag(None, "feed-forward width (default: the --config's, 4 × its width, kept when "
                             "--d-model changes)", low=1)
     backend: str | None = flag(None, "π operator backend (default auto)", choices="backend",
-                               applies={"attention": ("pi", "local")})
+                               applies={"attention": Capability("backend")})
     dropout: float = flag(0.1, "residual, attention and FFN dropout", low=0, below=1)
 
     def model_fields(self) -> dict:
@@ -75,7 +76,7 @@ class DataFlags:
     cross_documents: bool = flag(False, "let sequences span document boundaries", applies={"task": ("lm",)})
     pack_documents: bool = flag(False, "pack documents back to back into full sequences, attention kept inside "
                                 "each document (document ids in the batch) and no target across a boundary",
-                                applies={"task": ("lm",), "attention": ("pi", "local", "dense")})
+                                applies={"task": ("lm",), "attention": Capability("documents")})
     cache_dir: str | None = flag(None, "where tokenized corpora are cached (default: OUT/cache)",
                                  defines_run=False, applies={"task": ("lm",)})
 
@@ -165,7 +166,8 @@ class RunFlags:
     device: str = flag("auto", "auto, cpu, cuda or cuda:N", defines_run=False)
     sequence_parallel: int = flag(1, "ranks that share each sequence (under torchrun), each taking seq-len / N "
                                   "contiguous positions; the world size must be a multiple of N", low=1,
-                                  defines_run=False, applies={"task": ("lm",), "attention": ("pi", "local")})
+                                  defines_run=False,
+                                  applies={"task": ("lm",), "attention": Capability("sequence_parallel")})
     fsdp: bool = flag(False, "shard weights, gradients and optimiser state over the processes (FSDP2) "
                       "instead of replicating them (DDP); checkpoints hold the full state as without it; "
                       "nothing to shard on one process", defines_run=False)

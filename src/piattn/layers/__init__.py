@@ -1,6 +1,7 @@
 """Attention layers, one module per kind, and the registry models pick them from by name.
 
-Every kind subclasses `AttentionLayer` (shared projections and RoPE) and implements `attend`.
+Every kind subclasses `AttentionLayer` (shared projections and RoPE) and implements `attend`; `registry`
+names the kinds (`ATTENTION`) and says which can do what (`kinds_with`).
 `sequence_parallel(group)` (sharding.py) runs the kinds built on the π operator on a shard of each sequence.
 """
 
@@ -11,25 +12,8 @@ from .local import LocalAttention
 from .longformer import LongformerAttention
 from .pi import PiAttention
 from .reformer import ReformerAttention
+from .registry import ATTENTION, attention_class, kinds_with
 from .sharding import sequence_parallel
 
-ATTENTION: dict[str, type[AttentionLayer]] = {
-    "bigbird": BigBirdAttention,
-    "dense": DenseAttention,
-    "local": LocalAttention,
-    "longformer": LongformerAttention,
-    "pi": PiAttention,
-    "reformer": ReformerAttention,
-}
-
-
-
-def attention_class(name: str) -> type[AttentionLayer]:
-    """The module class registered under `name`; ValueError listing the registered names otherwise."""
-    if name not in ATTENTION:
-        raise ValueError(f"attention must be one of {sorted(ATTENTION)}, got {name!r}")
-    return ATTENTION[name]
-
-
-__all__ = ["ATTENTION", "attention_class", "AttentionLayer", "BigBirdAttention", "DenseAttention", "LocalAttention",
-           "LongformerAttention", "PiAttention", "ReformerAttention", "sequence_parallel"]
+__all__ = ["ATTENTION", "attention_class", "kinds_with", "AttentionLayer", "BigBirdAttention", "DenseAttention",
+           "LocalAttention", "LongformerAttention", "PiAttention", "ReformerAttention", "sequence_parallel"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from typing import ClassVar
 
 import torch
@@ -47,6 +49,10 @@ class AttentionLayer(nn.Module):
     rank's shard of each sequence; `forward` then rotates by the shard's global positions, and a kind whose
     `attend` calls `pi_operator` (which then exchanges halo rows with the other shards) says so with
     `sequence_parallel = True`. The other kinds refuse to run sharded.
+
+    Capabilities: each boolean class variable below is one, and so are incremental decoding (a kind that
+    sets `cache_capacity`) and the model settings a kind takes (`model_settings`). `kinds_with` in
+    `piattn.layers.registry` says which registered kinds have one, for the training flags and the refusals here.
     """
 
     # True for kinds whose `attend` is exact on a shard (it calls `sharding.pi_operator`); see `forward`.
@@ -55,6 +61,10 @@ class AttentionLayer(nn.Module):
     grouped_query: ClassVar[bool] = False
     # True for kinds whose `attend` takes `document_ids` [B, T] and keeps every key in its query's document.
     documents: ClassVar[bool] = False
+    # The model settings (`ModelConfig` fields) this kind takes: the flags of those settings apply to the
+    # kinds that take them (`--window` to the windowed ones). None: its constructor's own keywords named like
+    # a field, which is what `config_kwargs` passes; a kind that converts a field lists its settings here.
+    declared_settings: ClassVar[frozenset[str] | None] = None
 
     def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: int | None = None, causal: bool = True,
                  dropout: float = 0.0, rotary: bool = False, rope_base: float = 10000.0):
@@ -66,7 +76,7 @@ class AttentionLayer(nn.Module):
         if n_kv_heads != n_heads and not self.grouped_query:
             raise ValueError(f"n_kv_heads must equal n_heads ({n_heads}) for attention kind "
                              f"{type(self).__name__}, got {n_kv_heads}; kinds with grouped-query attention: "
-                             "dense, local, pi")
+                             f"{kinds_listed('grouped_query')}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
         self.n_heads, self.head_dim, self.causal, self.dropout = n_heads, d_model // n_heads, causal, dropout
@@ -74,6 +84,15 @@ class AttentionLayer(nn.Module):
         self.qkv = nn.Linear(d_model, d_model + 2 * n_kv_heads * self.head_dim)
         self.out = nn.Linear(d_model, d_model)
         self.rotary = Rotary(self.head_dim, rope_base) if rotary else None
+
+    @classmethod
+    def model_settings(cls) -> frozenset[str]:
+        """The `ModelConfig` fields this kind takes beyond the shared ones (d_model, dropout, rope_base, …):
+        `declared_settings`, or else its constructor's own keywords named like a field."""
+        if cls.declared_settings is not None:
+            return cls.declared_settings
+        own = inspect.signature(cls).parameters.keys() - inspect.signature(AttentionLayer).parameters.keys()
+        return frozenset(own & {f.name for f in dataclasses.fields(ModelConfig)})
 
     @classmethod
     def config_kwargs(cls, cfg: ModelConfig, layer: int) -> dict:
@@ -88,7 +107,8 @@ class AttentionLayer(nn.Module):
         if cfg.kv_heads != cfg.n_head:
             if not cls.grouped_query:
                 raise ValueError(f"n_kv_head must equal n_head ({cfg.n_head}) for attention {cfg.attention!r}, "
-                                 f"got {cfg.kv_heads}; kinds with grouped-query attention: dense, local, pi")
+                                 f"got {cfg.kv_heads}; kinds with grouped-query attention: "
+                                 f"{kinds_listed('grouped_query')}")
             heads["n_kv_heads"] = cfg.kv_heads
         return cls(cfg.d_model, cfg.n_head, causal=causal, dropout=cfg.dropout, rotary=True,
                    rope_base=cfg.rope_base, **heads, **cls.config_kwargs(cfg, layer))
@@ -116,7 +136,7 @@ class AttentionLayer(nn.Module):
     def cache_capacity(self) -> int | None:
         """Positions a decoding cache must hold (None: all of them); raises if the kind cannot decode."""
         raise ValueError(f"attention kind {type(self).__name__} has no incremental decoding; "
-                         "kinds that have one: dense, local, pi")
+                         f"kinds that have one: {kinds_listed('decoding')}")
 
     def cache_sinks(self) -> int:
         """Positions 0 … n − 1 a ring cache keeps besides its ring (attention sinks): 0 unless overridden."""
@@ -192,7 +212,7 @@ class AttentionLayer(nn.Module):
             return 0
         if not self.sequence_parallel:
             raise ValueError(f"attention kind {type(self).__name__} cannot run sequence-parallel; "
-                             "kinds that can: local, pi")
+                             f"kinds that can: {kinds_listed('sequence_parallel')}")
         return shard.offset(shard_len)
 
     def forward(self, x: torch.Tensor, cache: LayerCache | None = None,
@@ -220,7 +240,7 @@ class AttentionLayer(nn.Module):
         """x [B, T, d] of packed documents, document_ids [B, T] -> [B, H, T, D]; RoPE position t − start(t)."""
         if not self.documents:
             raise ValueError(f"document_ids are not supported by attention kind {type(self).__name__}; "
-                             "kinds that support them: dense, local, pi")
+                             f"kinds that support them: {kinds_listed('documents')}")
         if cache is not None or active_shard() is not None:
             raise ValueError("document_ids cannot be combined with cached decoding or sequence parallelism")
         if document_ids.shape != x.shape[:2] or document_ids.dtype.is_floating_point:
@@ -230,3 +250,10 @@ class AttentionLayer(nn.Module):
         start, _ = document_bounds(document_ids)
         positions = torch.arange(x.shape[1], device=x.device) - start
         return self.attend(*self.heads(x, positions=positions), x, document_ids=document_ids)
+
+
+def kinds_listed(capability: str) -> str:
+    """"dense, local, pi": the registered kinds with `capability`, for the refusals above."""
+    from .registry import kinds_with  # imported here: the registry imports every kind, and so this module
+
+    return ", ".join(kinds_with(capability))

@@ -60,6 +60,9 @@ class BigBirdAttention(AttentionLayer):
     [T, T] tensor.
     """
 
+    # `config_kwargs` turns window and sparse_block into window_blocks and block, so they are listed here.
+    declared_settings = frozenset({"window", "sparse_block", "n_global", "n_random"})
+
     def __init__(self, d_model: int, n_heads: int, *, block: int = 16, n_global: int = 1, n_random: int = 2,
                  causal: bool = True, dropout: float = 0.0, rotary: bool = False, rope_base: float = 10000.0,
                  seed: int = 0, window_blocks: int = 1):

@@ -1,0 +1,111 @@
+"""The registry of attention kinds answers which kinds can do what: the training flags, the layers' refusals
+and the tests ask it, so a new kind is its module plus its line in `ATTENTION`, and nothing else."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from piattn.config import GPTConfig, ModelConfig, TrainConfig
+from piattn.config.flags import Capability, flag_fields
+from piattn.config.training import SECTIONS
+from piattn.layers import ATTENTION, AttentionLayer, kinds_with
+from piattn.models import GPT
+
+# Another valid value of each model setting a flag is scoped by, to see which kinds' config_kwargs read it.
+OTHER_VALUE = {"window": 40, "period": 7, "variant": "fixed", "prior": 0.3, "sinks": 2, "backend": "torch"}
+
+
+class ToyAttention(AttentionLayer):
+    """Causal softmax attention kept inside each packed document, taking a window it does not use: a kind
+    only a test registers."""
+
+    documents = True
+
+    def __init__(self, d_model: int, n_heads: int, *, window: int = 4, **shared):
+        super().__init__(d_model, n_heads, **shared)
+        self.window = window
+
+    @classmethod
+    def config_kwargs(cls, cfg: ModelConfig, layer: int) -> dict:
+        return dict(window=cfg.window)
+
+    def attend(self, q, k, v, x, document_ids=None):
+        T = q.shape[2]
+        mask = torch.ones(T, T, dtype=torch.bool).tril()
+        if document_ids is not None:  # ids differ between neighbouring documents in the batches below
+            mask = mask & (document_ids[:, None, :, None] == document_ids[:, None, None, :])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@pytest.fixture
+def toy_kind():
+    """"toy" registered for the test only: every later test sees the registry as it was."""
+    ATTENTION["toy"] = ToyAttention
+    yield "toy"
+    del ATTENTION["toy"]
+
+
+def registries() -> dict:
+    return {"attention": tuple(ATTENTION), "task": ("lm",), "tokenizer": ("byte",), "backend": ("auto", "torch")}
+
+
+def test_a_registered_kind_gets_the_flags_of_its_capabilities(toy_kind):
+    assert toy_kind in kinds_with("documents") and toy_kind in kinds_with("window")
+    assert toy_kind not in kinds_with("grouped_query") + kinds_with("sinks") + kinds_with("decoding")
+    cfg = TrainConfig.from_flat({"attention": toy_kind, "window": 3, "pack_documents": True, "out": "run"})
+    cfg.check(registries())
+    assert "--window 3" in cfg.describe()
+    for flag, value, message in (
+            ("sinks", 1, "--sinks applies to --attention local / pi only, not 'toy'"),
+            ("n_kv_head", 2, "--n-kv-head applies to --attention dense / local / pi only, not 'toy'"),
+            ("sequence_parallel", 2, "--sequence-parallel applies to --attention local / pi only, not 'toy'")):
+        with pytest.raises(ValueError) as err:
+            TrainConfig.from_flat({"attention": toy_kind, flag: value, "out": "run"}).check(registries())
+        assert str(err.value) == message
+
+
+def test_a_registered_kind_runs_in_a_model_and_the_refusals_list_it(toy_kind):
+    cfg = GPTConfig.from_name("tiny", vocab_size=40, n_layer=1, d_model=32, n_head=4, dropout=0.0)
+    ids = torch.tensor([[0] * 5 + [1] * 4])
+    toy = GPT(GPTConfig.from_name("tiny", **{**cfg.to_dict(), "attention": toy_kind}))
+    assert toy(torch.randint(0, 40, (1, 9)), document_ids=ids).shape == (1, 9, 40)
+    with pytest.raises(ValueError, match="has no incremental decoding; kinds that have one: dense, local, pi$"):
+        toy.blocks[0].attn.init_cache(1)
+    longformer = GPT(GPTConfig.from_name("tiny", **{**cfg.to_dict(), "attention": "longformer"}))
+    with pytest.raises(ValueError, match="kinds that support them: dense, local, pi, toy$"):
+        longformer(torch.randint(0, 40, (1, 9)), document_ids=ids)
+    with pytest.raises(ValueError, match="kinds with grouped-query attention: dense, local, pi$"):
+        GPT(GPTConfig.from_name("tiny", **{**cfg.to_dict(), "attention": toy_kind, "n_kv_head": 2}))
+
+
+def test_the_settings_a_kind_takes_are_those_its_config_kwargs_read():
+    """`model_settings` (what scopes --window, --sinks, …) against what each kind really reads of a config."""
+    scoped = {scope.name for cls in SECTIONS.values() for _, meta in flag_fields(cls)
+              for scope in (meta.applies or {}).values() if isinstance(scope, Capability)}
+    settings = scoped & {f.name for f in dataclasses.fields(ModelConfig)}
+    assert settings == set(OTHER_VALUE), "give OTHER_VALUE a value of each setting a flag is scoped by"
+    default = ModelConfig()
+    for name, kind in ATTENTION.items():
+        for setting, value in OTHER_VALUE.items():
+            reads = kind.config_kwargs(ModelConfig(**{setting: value}), 0) != kind.config_kwargs(default, 0)
+            assert (setting in kind.model_settings()) == reads, (name, setting)
+
+
+def test_decoding_is_the_kinds_that_set_a_cache_capacity():
+    cfg = GPTConfig.from_name("tiny", vocab_size=40, n_layer=1, d_model=32, n_head=4, sparse_block=4, bucket_size=4)
+    for name, kind in ATTENTION.items():
+        layer = kind.from_config(GPTConfig(**{**cfg.to_dict(), "attention": name}), causal=True)
+        if name in kinds_with("decoding"):
+            layer.init_cache(1)
+        else:
+            with pytest.raises(ValueError, match="no incremental decoding"):
+                layer.init_cache(1)
+
+
+def test_an_unknown_capability_is_refused():
+    with pytest.raises(ValueError, match=r"capability must be one of \['sequence_parallel', .*got 'colour'"):
+        kinds_with("colour")
