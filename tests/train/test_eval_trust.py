@@ -210,6 +210,18 @@ def test_an_edited_config_is_refused_before_the_model_is_built(run, capsys, monk
     assert devices == ["meta"]
 
 
+def test_generate_refuses_an_edited_config_before_building(run, capsys):
+    """`piattn generate` loads a language model through `tasks.lm.load_language_model`, which built whatever
+    config.json asked for before reading the weights."""
+    from piattn.cli import main
+
+    edit_config(run, lambda c: c["model"].update(n_layer=5000))
+    assert main(["generate", "--checkpoint", str(run), "--prompt", "a", "--max-new-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("piattn generate: error: ") and err.count("\n") == 1
+    assert "does not match the model its config.json describes" in err
+
+
 # --- what a person reads ---
 
 class Terminal(io.StringIO):

@@ -53,3 +53,15 @@ def test_a_good_folder_passes_and_nothing_is_created(tmp_path):
 def test_output_file_refuses_a_folder(tmp_path):
     with pytest.raises(ValueError, match=f"^--output {tmp_path} is a folder; name a file$"):
         output_file(str(tmp_path), "--output")
+
+
+@pytest.mark.parametrize("out", ["", "/proc/piattn-run"])
+def test_train_checks_out_before_any_work(out, capsys):
+    """`piattn train --out ''` trained into the current folder; --out /proc/x (as root) failed late."""
+    if out.startswith("/proc") and os.geteuid() != 0:
+        pytest.skip("root: os.access says yes to /proc, creating there fails")
+    from piattn.cli import main
+
+    assert main(["train", "--task", "reach", "--lag", "3", "--steps", "1", "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("piattn train: error: --out ") and err.count("\n") == 1

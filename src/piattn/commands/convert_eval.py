@@ -43,6 +43,8 @@ import sys
 import time
 from pathlib import Path
 
+from .common import add_threads_argument, torch_threads
+
 CONFIGS = ("dense", "local", "local+sinks", "pi", "pi+sinks")
 ENGINES = ("pi", "mask")
 BOOKS_ENV = "PIATTN_BOOKS"
@@ -72,17 +74,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="pi: the converted model (default); mask: the original model with the pattern as a mask")
     parser.add_argument("--check-windows", type=int, default=1,
                         help="with --engine mask: windows also run through the converted model (default 1)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_threads_argument(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--out", type=Path, required=True, help="output folder")
 
 
 def run(args: argparse.Namespace) -> int:
     configs = _check(args)
-    import torch
+    with torch_threads(args.threads):
+        return _convert_and_score(args, configs)
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+
+def _convert_and_score(args: argparse.Namespace, configs: list[str]) -> int:
     from ..integrations.hf import load_gguf_model
 
     settings = _settings(args)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -47,12 +46,13 @@ from ..config import PRECISIONS
 from ..data.examples import ExampleLoader
 from ..data.packing import SequenceLoader
 from ..data.text import normalize_split
-from ..tasks import LanguageModelTask, VisionLanguageTask, restore, task_class
+from ..tasks import LanguageModelTask, VisionLanguageTask, restore
 from ..tasks.classification import ClassificationTask
 from ..train import checkpoint as ckpt
 from ..train.distributed import DEVICES, DistContext, setup, teardown
 from ..train.loop import autocast, autocast_dtype, saved_train_config
 from . import paths
+from .common import add_threads_argument, torch_threads
 
 # Recorded --data values that name no file or dataset: the examples are generated from the run's seed.
 GENERATED = (None, "shapes")
@@ -79,6 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "the same windows; reports A − B per position bin with a 95%% t-interval over windows")
     p.add_argument("--output", help="JSON file to write (default: RUN/eval/<checkpoint>_<split>[_<data>].json; "
                    "when that exists, a new name ending -2.json, -3.json, …: an earlier evaluation is kept)")
+    add_threads_argument(p)
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing --output file (or the default file) instead of refusing "
                    "(--output) or writing a numbered name (default)")
@@ -140,17 +141,6 @@ def check_cache_folder(run_dir: Path) -> None:
                              "inside the run folder: remove it or pass --cache-dir DIR")
 
 
-def check_weights(folder: Path, ctx: DistContext, data: str | None) -> None:
-    """The checkpoint's config.json describes the model its weights hold: checked on the meta device before
-    `restore` builds the model, so an edited config cannot make eval allocate more than the file holds.
-    `data`: the source chosen for the evaluation (None: the recorded one), as `restore` will use it."""
-    cfg = saved_train_config(folder)
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, data=data or cfg.data.data))
-    task = task_class(ckpt.read_config(folder).get("task")).from_config(cfg, ckpt.run_dir_of(folder), ctx,
-                                                                       checkpoint=folder)
-    ckpt.check_weight_shapes(folder, task.build_model)
-
-
 def evaluate_checkpoint(args: argparse.Namespace, ctx: DistContext, folder: Path, data: str | None,
                         other: Path | None) -> dict:
     """Metrics of the checkpoint `folder` on `args.split` of `data` (None: its recorded source, already
@@ -162,10 +152,6 @@ def evaluate_checkpoint(args: argparse.Namespace, ctx: DistContext, folder: Path
     split = normalize_split(args.split)
     by_position = args.position_bins is not None or other is not None
     amp = autocast_dtype(args.precision, ctx.device)
-    scored = data or saved_train_config(folder).data.data  # what A, and B on A's windows, will read
-    for checked in (folder, other):
-        if checked is not None:
-            check_weights(checked, ctx, scored)
     task, model, cfg = restore(folder, ctx, data=data, batch_size=args.batch_size, cache_dir=args.cache_dir)
     start = time.perf_counter()  # "seconds" includes tokenizing the split, as before the bar needed its size
     total = planned_batches(task, split, args.batches, ctx)
@@ -429,7 +415,8 @@ def run(args: argparse.Namespace) -> int:
     output = chosen_output or default_output(folder, args)
     ctx = setup(args.device)
     try:
-        result = evaluate_checkpoint(args, ctx, folder, data, other)
+        with torch_threads(args.threads, args.device):
+            result = evaluate_checkpoint(args, ctx, folder, data, other)
     finally:
         teardown(ctx)
     if not ctx.is_main:  # under torchrun every rank scores its share; rank 0 reports

@@ -37,6 +37,7 @@ from ..tasks import TASKS, task_class
 from ..train.gates import condensed
 from ..train.loop import MicroStepHook, resumed_config, train
 from .common import add_threads_argument, torch_threads
+from .paths import output_folder
 
 # The allowed values of flags whose choices are registries above `piattn.config`.
 REGISTRIES = {"attention": tuple(ATTENTION), "task": tuple(TASKS), "tokenizer": tuple(TOKENIZER_KINDS),
@@ -97,6 +98,7 @@ def _dumps(value, indent: int = 0) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    output_folder(args.out, "--out")  # before any work: '' (the current folder) or /proc are refused
     cfg = config_of(args)
     with torch_threads(args.threads, cfg.run.device):
         summary = train_config(cfg)

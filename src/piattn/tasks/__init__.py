@@ -57,6 +57,8 @@ def restore(folder: Path, ctx: DistContext, *, data: str | None = None, batch_si
         optim=dataclasses.replace(cfg.optim, batch_size=batch_size or cfg.optim.batch_size))
     task = task_class(ckpt.read_config(folder).get("task")).from_config(cfg, ckpt.run_dir_of(folder), ctx,
                                                                          checkpoint=folder)
+    # config.json is checked against the weights' header first: an edited config cannot allocate more
+    ckpt.check_weight_shapes(folder, task.build_model)
     model = task.build_model()
     ckpt.load_weights(model, folder)
     return task, model.to(ctx.device), cfg

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 from pathlib import Path
@@ -16,7 +17,7 @@ from ..data.text import load_documents, source_fingerprint
 from ..data.tokenizers import load_tokenizer, make_tokenizer
 from ..layers import sequence_parallel
 from ..models import GPT
-from ..train.checkpoint import load_weights, read_config
+from ..train.checkpoint import check_weight_shapes, load_weights, read_config
 from ..train.distributed import DistContext, all_reduce_sum, barrier
 from ..train.task import Task, evaluation_sums, per_second
 
@@ -270,6 +271,8 @@ def load_language_model(folder: Path, device: torch.device) -> tuple[GPT, object
     config = read_config(folder)
     if config.get("task") != "lm":
         raise ValueError(f"--checkpoint: {folder} holds a {config.get('task')!r} model, not a language model")
-    model = GPT(GPTConfig.from_dict(config["model"]))
+    build = functools.partial(GPT, GPTConfig.from_dict(config["model"]))
+    check_weight_shapes(folder, build)  # before allocating what config.json asks for
+    model = build()
     load_weights(model, folder)
     return model.to(device).eval(), load_tokenizer(folder / TOKENIZER_DIR)
