@@ -140,8 +140,8 @@ def test_two_processes_give_the_one_process_bins_and_differences(runs, capsys, t
     argv = ["--checkpoint", str(runs["pi"]), "--compare", str(runs["local"]), "--position-bins", "3",
             "--batch-size", "1"]
     one = evaluate(capsys, tmp_path, *argv, "--batches", "10")
-    done = torchrun(2, ["eval", "--split", "test", "--device", "cpu", "--use-stored-data", "--output", str(tmp_path / "two.json"),
-                        *argv, "--batches", "5"])
+    done = torchrun(2, ["eval", "--split", "test", "--device", "cpu", "--use-stored-data",
+                        "--output", str(tmp_path / "two.json"), *argv, "--batches", "5"])
     assert done.returncode == 0, done.stderr
     two = json.loads((tmp_path / "two.json").read_text())
     assert two["tokens"] == one["tokens"] == 10 * SEQ and two["compare"]["windows"] == 10
