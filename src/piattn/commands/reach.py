@@ -1,6 +1,12 @@
 """`piattn reach`: coverage, span and minimum depth of local vs π-Attention, and the paper's Fig. rf_app.
 
     piattn reach --n 48 --window 4 --period 16 --layers 6 [--sinks N] [--bidirectional] [--out PATH.png]
+    piattn reach --design --target 256 --window 4 --layers 4 --heads 4 [--out PATH.png]
+    piattn reach --periods 5,6,7,8/9,14,19,24 --target 64 --window 4 [--out PATH.png]
+
+With --design or --periods (multi-scale π: a skip period per head and per layer) it compares, over the
+lags 1 … --target, local attention, single π = --period, geometric heads and the designed or given
+periods (`piattn.analysis.multiscale`), and draws which lag each reaches at which depth.
 
 `--out` names the figure file (.png, .pdf or .svg), or a folder to write receptive_field.png in: an
 existing folder, or any path ending in '/'. The reachability is computed as dense n × n matrix powers
@@ -14,12 +20,16 @@ import argparse
 import os
 from pathlib import Path
 
+from ..analysis.multiscale import periods_per_layer
+from ..analysis.multiscale_report import compare_schedules, format_schedules, plot_schedules
 from ..analysis.report import format_summary, plot_receptive_field, reach_summary
 from ..config import PI_DEFAULTS
 from .paths import output_file
 
 FIGURE_NAME = "receptive_field.png"
 DEFAULT_OUT = Path("runs/reach") / FIGURE_NAME
+MULTISCALE_NAME = "multiscale_reach.png"
+MAX_TARGET = 1 << 16  # lags are bits of Python ints: cheap, but the figure draws one marker per lag
 FORMATS = (".png", ".pdf", ".svg")  # what matplotlib writes without extra packages
 # n = 4096 holds a few 64 MiB matrices and takes about a minute at depth 8 on one CPU core; the work is
 # about n³ per layer per matrix, so MAX_WORK allows that depth at n = 4096 and proportionally more below.
@@ -43,9 +53,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"sink keys (the first N positions, seen by every query): what they add; 0 … n, "
                         f"with n <= {MAX_N_SINKS} (default 0)")
     parser.add_argument("--bidirectional", action="store_true", help="bidirectional instead of causal")
-    parser.add_argument("--out", default=str(DEFAULT_OUT),
+    parser.add_argument("--out", default=None,
                         help=f"figure file (.png, .pdf, .svg), or a folder (existing, or ending in /) to write "
-                        f"{FIGURE_NAME} in (default {DEFAULT_OUT})")
+                        f"{FIGURE_NAME} ({MULTISCALE_NAME} with --design/--periods) in (default runs/reach/)")
+    multi = parser.add_argument_group("multi-scale π (a skip period per head and per layer)")
+    how = multi.add_mutually_exclusive_group()
+    how.add_argument("--design", action="store_true",
+                     help="propose per-layer head periods that reach every lag 1 … --target within --layers")
+    how.add_argument("--periods", default=None, metavar="SPEC",
+                     help="periods to analyse: one int (every head), H ints for every layer ('8,16,32,64'), or "
+                     "L groups of H ints separated by '/' ('5,6,7,8/9,14,19,24')")
+    multi.add_argument("--heads", type=int, default=4, help="heads per layer H, >= 1 (default 4)")
+    multi.add_argument("--target", type=int, default=None,
+                       help=f"the longest lag to reach and report, 1 … {MAX_TARGET} (required with --design or "
+                       "--periods)")
 
 
 def check_sizes(args: argparse.Namespace) -> None:
@@ -69,22 +90,65 @@ def check_sizes(args: argparse.Namespace) -> None:
         raise ValueError(f"--n must be <= {MAX_N_SINKS} with --sinks (the sink depths take n⁴ work), got {n}")
 
 
-def figure_path(out: str) -> Path:
+def figure_path(out: str | None, name: str = FIGURE_NAME) -> Path:
     """The figure file --out means: inside it when it is a folder (existing, or written with a trailing /),
     else the file itself, which must end in one of FORMATS (matplotlib would otherwise write `out.png` and
     the path reported would not exist). Checked to be writable before any work."""
+    if out is None:
+        return output_file(DEFAULT_OUT.parent / name, "--out")
     if not out.strip():
         raise ValueError(f"--out must name a figure file or a folder, got {out!r}")
     path = Path(out)
     if path.is_dir() or out.endswith(("/", os.sep)):
-        path = path / FIGURE_NAME
+        path = path / name
     elif path.suffix.lower() not in FORMATS:
         raise ValueError(f"--out {out}: a figure file must end in {', '.join(FORMATS)}; a folder must exist or "
                          "end in /")
     return output_file(path, "--out")
 
 
+def parse_periods(spec: str, n_layer: int, n_head: int):
+    """--periods SPEC -> a Schedule of n_layer layers: one int (every head of every layer), H ints (every
+    layer; H replaces --heads) or n_layer '/'-separated groups of H ints. ValueError naming --periods."""
+    try:
+        groups = [[int(p) for p in group.split(",")] for group in spec.split("/")]
+    except ValueError:
+        raise ValueError(f"--periods must be integers separated by ',' (heads) and '/' (layers), "
+                         f"got {spec!r}") from None
+    if len(groups) == 1:
+        value, heads = (groups[0][0], n_head) if len(groups[0]) == 1 else (groups[0], len(groups[0]))
+    else:
+        value, heads = groups, len(groups[0])
+    try:
+        return periods_per_layer(value, n_layer, heads)
+    except ValueError as e:
+        raise ValueError(f"--periods {spec} with --layers {n_layer}: {e}") from None
+
+
+def run_multiscale(args: argparse.Namespace) -> int:
+    """--design / --periods: the schedule table and figure over lags 1 … --target."""
+    if args.target is None or not 1 <= args.target <= MAX_TARGET:
+        raise ValueError(f"--target must be in 1 … {MAX_TARGET} with --design or --periods, got {args.target}")
+    if args.heads < 1:
+        raise ValueError(f"--heads must be >= 1, got {args.heads}")
+    if args.window < 0 or args.period < 1 or not 1 <= args.layers <= MAX_LAYERS:
+        check_sizes(args)  # the same messages as the single-period report
+    given = None if args.periods is None else parse_periods(args.periods, args.layers, args.heads)
+    out = figure_path(args.out, MULTISCALE_NAME)
+    rows, _ = compare_schedules(args.window, args.layers, args.heads, args.period, args.target, given)
+    print(format_schedules(rows, args.window, args.target))
+    try:
+        path = plot_schedules(rows, args.window, args.target, out)
+    except ImportError as e:
+        print(f"\nno figure: {e}")
+        return 0
+    print(f"\nfigure: {path}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.design or args.periods is not None:
+        return run_multiscale(args)
     check_sizes(args)
     out = figure_path(args.out)
     causal = not args.bidirectional
