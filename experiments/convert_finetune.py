@@ -27,9 +27,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from piattn.commands.convert_eval import evaluation_windows, token_losses
 from piattn.data.text import book_files, strip_gutenberg_boilerplate
+from piattn.data.windows import evaluation_windows
 from piattn.integrations.hf import convert_to_pi, load_gguf_model
+from piattn.integrations.hf.evaluation import token_losses
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # name -> (skip key, what is trained)

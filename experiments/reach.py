@@ -14,8 +14,8 @@ from pathlib import Path
 
 from runs import train_and_test
 
-from piattn.commands.demo import REACH
 from piattn.data.reach import reachable
+from piattn.tasks.reach_setting import REACH
 
 
 def train_argv(kind: str, lag: int, seed: int, steps: int, run: Path) -> list[str]:

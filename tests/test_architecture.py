@@ -1,5 +1,6 @@
 """The package's shape, checked from its source: no import cycle between subpackages (imports inside
-functions and under TYPE_CHECKING included), and command-line code only in `piattn.commands` / `piattn.cli`."""
+functions and under TYPE_CHECKING included), command-line code only in `piattn.commands` / `piattn.cli`, and
+nothing but the CLI imports the commands (the experiments and benchmarks included)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from pathlib import Path
 import piattn
 
 SRC = Path(piattn.__file__).parent
+ROOT = Path(__file__).resolve().parents[1]
+# Scripts outside the package that use it as a library.
+SCRIPT_FOLDERS = ("experiments", "benchmarks")
 # Modules of the package root that sit above every subpackage (entry points), and the root itself.
 TOP = {"cli", "__main__"}
 
@@ -19,16 +23,16 @@ def module_name(path: Path) -> str:
 
 
 def imported_modules(path: Path) -> set[str]:
-    """Every piattn module `path` imports, anywhere in the file, as absolute dotted names."""
-    name = module_name(path)
-    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    """Every piattn module `path` (a module of the package or a script) imports, anywhere in the file, as
+    absolute dotted names."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
+            if node.level:  # relative: only inside the package
+                name = module_name(path)
+                base = (name if path.name == "__init__.py" else name.rsplit(".", 1)[0]).split(".")
                 base = base[: len(base) - node.level + 1]
                 origin = ".".join(base + ([node.module] if node.module else []))
             else:
@@ -105,10 +109,15 @@ def test_configuration_imports_nothing_else_from_piattn():
     assert dependency_graph()["config"] == set()
 
 
-def test_only_the_command_front_ends_are_imported_by_nothing_below_them():
-    graph = dependency_graph()
-    importers = {source for source, targets in graph.items() if "commands" in targets}
-    assert importers <= TOP
+def test_nothing_but_the_cli_imports_the_commands():
+    """The commands parse and print; what they compute lives in library modules, which the package's other
+    modules, the experiments and the benchmarks import instead (a command's own tests may import it)."""
+    library = [path for path in SRC.rglob("*.py") if unit(module_name(path)) not in {"commands", *TOP}]
+    scripts = [path for folder in SCRIPT_FOLDERS for path in sorted((ROOT / folder).rglob("*.py"))]
+    assert scripts, f"no scripts found under {ROOT}"
+    importers = [str(path) for path in library + scripts
+                 if any(m == "piattn.commands" or m.startswith("piattn.commands.") for m in imported_modules(path))]
+    assert importers == []
 
 
 def test_command_line_code_lives_in_commands_only():

@@ -15,7 +15,6 @@ from distributed_runs import torchrun
 from torch.nn import functional as F
 
 from piattn.cli import main
-from piattn.commands.eval import t_quantile_975
 from piattn.models import GPT, GPTConfig
 from piattn.train.checkpoint import load_weights, read_config, read_latest
 from utils import write_word_corpus
@@ -125,12 +124,6 @@ def test_bad_input_gives_one_line(runs, capsys, tmp_path, argv, message):
     if "reach" in argv[-1] or "reach" in argv[1]:
         assert "holds a 'reach' model" in err[0]
     assert not (tmp_path / "e.json").exists()
-
-
-@pytest.mark.parametrize(("df", "table"), [(1, 12.7062), (2, 4.3027), (3, 3.1824), (5, 2.5706), (10, 2.2281),
-                                           (30, 2.0423), (120, 1.9799)])
-def test_t_quantile_matches_the_table(df, table):
-    assert t_quantile_975(df) == pytest.approx(table, rel=2e-3)
 
 
 @pytest.mark.slow

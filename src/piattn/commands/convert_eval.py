@@ -30,6 +30,8 @@ the converted model itself on the first N windows and records the largest differ
 
 Writes convert_eval.json, convert_eval.md and (with matplotlib) loss_by_position.png to --out. The JSON is
 rewritten after each configuration; a rerun with the same settings skips the configurations it holds.
+The scoring is library code: the windows from `piattn.data.windows`, the losses and the mask engine from
+`piattn.integrations.hf.evaluation`.
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 import sys
 import time
@@ -86,7 +87,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _convert_and_score(args: argparse.Namespace, configs: list[str]) -> int:
+    from ..data.windows import evaluation_windows
     from ..integrations.hf import load_gguf_model
+    from ..integrations.hf.evaluation import pattern_mask, summarize_losses, token_losses
 
     settings = _settings(args)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -107,7 +110,7 @@ def _convert_and_score(args: argparse.Namespace, configs: list[str]) -> int:
                 nll = token_losses(model, windows, args.batch, progress=progress, label=name, mask=mask)
             else:
                 nll = token_losses(_model_for(name, model, args), windows, args.batch, progress=progress, label=name)
-            results["configs"][name] = summarize(nll, args.bins, time.perf_counter() - started)
+            results["configs"][name] = summarize_losses(nll, args.bins, time.perf_counter() - started)
             if args.engine == "mask" and name != "dense" and args.check_windows:
                 checked = windows[: args.check_windows]
                 direct = token_losses(_model_for(name, model, args), checked, args.batch, progress=progress,
@@ -162,24 +165,6 @@ def _previous(path: Path, settings: dict) -> dict:
     return dict(settings=settings, configs={})
 
 
-def evaluation_windows(source: str, split: str, tokenizer, context: int, limit_tokens: int):
-    """[N, context] int64: N = limit_tokens // context windows spread evenly over the split's token stream
-    (documents joined by the tokenizer's end-of-sequence token)."""
-    import torch
-
-    from ..data.text import load_documents
-
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    stream: list[int] = []
-    for doc in load_documents(source, None if split.lower() == "none" else split):
-        stream += tokenizer(doc, add_special_tokens=False)["input_ids"] + eos
-    n = min(limit_tokens // context, len(stream) // context)
-    if n == 0:
-        raise ValueError(f"--data {source} [{split}] has {len(stream)} tokens, fewer than --context {context}")
-    stride = (len(stream) - context) // max(n - 1, 1)
-    return torch.tensor([stream[i * stride : i * stride + context] for i in range(n)], dtype=torch.long)
-
-
 def _pattern(name: str, args: argparse.Namespace) -> dict:
     """window, period and sinks of a π/local configuration (local: period = context, which no key reaches)."""
     return dict(window=args.window, period=args.period if name.startswith("pi") else args.context,
@@ -194,53 +179,6 @@ def _model_for(name: str, model, args: argparse.Namespace):
         return model
     return convert_to_pi(copy.deepcopy(model), **_pattern(name, args), logit_clamp=None,
                          gate_init_alpha=args.gate_alpha, backend=args.backend)
-
-
-def pattern_mask(T: int, *, window: int, period: int, sinks: int, alpha: float, eps: float = 1e-4, dtype=None):
-    """[1, 1, T, T] additive mask: what the converted model's attention adds to the scores while its gate
-    outputs the constant α. Causal; key j of query i is local if i − window <= j <= i, else skip if
-    j = i − period, else sink if j < sinks; local and sink keys get log α̃, the skip key log(1 − α̃), with
-    α̃ = ε + (1 − 2ε)·α as the gate computes it; other keys −inf."""
-    import torch
-
-    a = eps + (1 - 2 * eps) * alpha
-    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
-    causal = j <= i
-    local = causal & (i - j <= window)
-    skip = causal & ~local & (i - j == period)
-    sink = causal & ~local & ~skip & (j < sinks)
-    mask = torch.full((T, T), float("-inf"), dtype=torch.float64)
-    mask[local | sink] = math.log(max(a, eps))
-    mask[skip] = math.log(max(1 - a, eps))
-    return mask.to(dtype or torch.float32)[None, None]
-
-
-def token_losses(model, windows, batch: int, *, progress: bool = True, label: str = "", mask=None):
-    """Next-token loss of every window: [N, context − 1] fp32 (column t: predicting token t + 1); `mask`: a 4D
-    additive attention mask for every window, or None (the model's own attention)."""
-    import torch
-    import torch.nn.functional as F
-    from tqdm import tqdm
-
-    out = []
-    with torch.no_grad():
-        for i in tqdm(range(0, len(windows), batch), desc=label, unit="batch", disable=not progress,
-                      dynamic_ncols=True):
-            ids = windows[i : i + batch]
-            extra = {} if mask is None else dict(attention_mask=mask.expand(len(ids), -1, -1, -1))
-            logits = model(ids, use_cache=False, **extra).logits[:, :-1].float()
-            out.append(F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none"))
-    return torch.cat(out)
-
-
-def summarize(nll, bins: int, seconds: float) -> dict:
-    """Mean loss, perplexity and the loss in `bins` equal position bins of a config's losses [N, T − 1]."""
-    per_position = nll.mean(0)
-    edges = [round(b * per_position.numel() / bins) for b in range(bins + 1)]
-    loss = float(nll.mean())
-    return dict(loss=loss, perplexity=math.exp(loss), seconds=round(seconds, 1),
-                loss_by_bin=[float(per_position[a:b].mean()) for a, b in zip(edges[:-1], edges[1:], strict=True)],
-                bin_edges=[e + 1 for e in edges])  # positions of the predicted tokens
 
 
 def markdown(results: dict) -> str:

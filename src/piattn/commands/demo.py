@@ -20,12 +20,9 @@ from ..benchmarking import CHECK_TOLERANCE, error_vs_reference, machine_info, me
 from ..config.training import DataFlags, ModelFlags, OptimFlags, RunFlags, TaskFlags, TrainConfig
 from ..data.reach import reachable
 from ..ops.pi import BACKENDS
+from ..tasks.reach_setting import REACH
 from .common import child_threads, torch_threads
 from .train import train_config
-
-# The reach task at a size that trains in ~15 s per run on one CPU thread (docs/results.md, reach task):
-# window 2 and 2 layers reach 4 tokens back locally; π = 8 adds lag 8 in one hop. Lag 5 neither reaches.
-REACH = dict(window=2, period=8, layers=2, vocab=4, seq_len=32)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import re
 import sys
@@ -51,6 +50,7 @@ from ..tasks.classification import ClassificationTask
 from ..train import checkpoint as ckpt
 from ..train.distributed import DEVICES, DistContext, setup, teardown
 from ..train.loop import autocast, autocast_dtype, saved_train_config
+from ..train.statistics import paired_differences
 from . import paths
 from .common import add_threads_argument, torch_threads
 
@@ -200,38 +200,13 @@ def compare(task, windows: torch.Tensor, other, split: str, bins: int, args: arg
         raise ValueError(f"--compare needs at least 2 windows for an interval, got {len(windows)}; "
                          "raise --batches or --batch-size")
     widths = torch.tensor([b["end"] - b["start"] for b in metrics_b["position_bins"]], dtype=torch.float64)
-    difference = windows - windows_b  # [W, bins]
-    whole = (difference * widths).sum(1) / widths.sum()  # per-window difference over all positions
+    total, by_bin = paired_differences(windows, windows_b, widths)
     return {"checkpoint": str(other), "step": ckpt.read_config(other).get("step"),
             **{k: metrics_b[k] for k in ("loss", "bpb", "perplexity")}, "windows": len(windows),
             "interval": "95% t-interval over windows of the per-window mean loss difference A − B (nats/token)",
-            "total": paired_interval(whole),
-            "position_bins": [{"start": b["start"], "end": b["end"], **paired_interval(difference[:, i])}
-                              for i, b in enumerate(metrics_b["position_bins"])]}
-
-
-def paired_interval(differences: torch.Tensor) -> dict:
-    """Mean of [W] paired differences and its 95% t-interval (W >= 2): mean ± t(0.975, W − 1)·sd/√W."""
-    n = len(differences)
-    mean = differences.mean().item()
-    half = t_quantile_975(n - 1) * differences.std().item() / math.sqrt(n)
-    return {"difference": mean, "low": mean - half, "high": mean + half}
-
-
-def t_quantile_975(df: int) -> float:
-    """The 0.975 quantile of Student's t with `df` degrees of freedom: exact for 1 and 2, else the
-    Cornish-Fisher expansion in 1/df about the normal quantile (Abramowitz & Stegun 26.7.5), within
-    0.2% at df = 3 and closer beyond."""
-    if df == 1:
-        return math.tan(math.pi * 0.475)
-    if df == 2:
-        return 0.95 / math.sqrt(2 * 0.975 * 0.025)
-    z = 1.959963984540054
-    return (z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
-            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3)
-            + (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / (92160 * df**4))
-
-
+            "total": total,
+            "position_bins": [{"start": b["start"], "end": b["end"], **d}
+                              for b, d in zip(metrics_b["position_bins"], by_bin, strict=True)]}
 
 
 def planned_batches(task, split: str, batches: int, ctx: DistContext) -> int | None:
