@@ -3,7 +3,7 @@
     lm            language modelling on packed text (lm.py)
     listops, pathfinder, retrieval
                   the Long Range Arena classifiers (lra.py, on classification.py)
-    reach         recall the token a fixed lag back (reach.py)
+    reach         recall the token a fixed lag back (reach.py; reach_setting.py: the demo's small size)
     recall        recall the value after a marker, at a lag drawn per example (recall.py)
     vl-retrieval  image-text retrieval with a CLIP dual encoder, Recall@K (vl_retrieval.py, ranking.py)
 

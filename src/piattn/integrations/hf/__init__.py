@@ -42,7 +42,8 @@ masks, and packed or non-consecutive position_ids without a mask.
 
 Modules: `attention` (what HF dispatches to, and the stored settings), `convert` (conversion and loading),
 `cache` (the bounded cache), `padding` (padding masks as documents), `pretrained` (an optional real model,
-SmolLM2-135M, from GGUF).
+SmolLM2-135M, from GGUF), `evaluation` (token losses, loss by position and the pattern-as-mask engine of
+`piattn convert-eval`).
 """
 
 from .attention import ATTENTION_NAME, HFPiSettings, pi_attention_forward, pi_attention_mask, register
