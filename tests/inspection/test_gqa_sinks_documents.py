@@ -63,7 +63,7 @@ def test_probabilities_are_the_layers_own(attention):
 
 def sink_share(p: torch.Tensor, ids: torch.Tensor, skip: int | None) -> float:
     """Mean over queries and heads of the probability on sink keys: the first SINKS keys of the query's
-    document that are neither in its window nor its skip key i − `skip` (design.md §7: local > skip > sink)."""
+    document that are neither in its window nor its skip key i − `skip` (design.md §3.8: local > skip > sink)."""
     start, _ = document_bounds(ids)
     B, H = p.shape[:2]
     total = 0.0

@@ -28,7 +28,7 @@ from ..layers.windowed import WindowedAttention
 from ..ops.pi.pattern import Pattern, document_bounds
 from ..ops.pi.weights import SlotWeights, pi_attention_weights, settings_pattern
 
-# The order key classes are reported and drawn in. "sink" is for attention sinks (docs/design.md §7); "all"
+# The order key classes are reported and drawn in. "sink" is for attention sinks (docs/design.md §3.8); "all"
 # is the one class of kinds whose keys are not split into local, skip and sink.
 KEY_CLASSES = ("local", "skip", "sink", "all")
 # query rows (dense) or key columns (probe) handled at once: bounds the [B, H, rows, T] working tensors
