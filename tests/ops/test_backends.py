@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import piattn
+from piattn.config.pi import VARIANTS
 from piattn.ops.pi.backends import AUTO_ORDER, REGISTRY, Backend, select
 from piattn.ops.pi.validate import SUPPORTED_DTYPES
 from utils import assert_close, make_inputs
@@ -150,3 +151,48 @@ def test_explicit_backend_without_its_dependency():
 def test_unknown_backend():
     with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'reference', 'torch'"):
         select("cuda-magic", device="cpu", **CALL)
+
+
+def test_every_variant_has_a_backend_and_every_backend_declares_its_variants():
+    """Variants are declared per backend like the other features; "reference" runs every one."""
+    for b in REGISTRY.values():
+        assert b.variants and b.variants <= set(VARIANTS), b.name
+    assert REGISTRY["reference"].variants == set(VARIANTS)
+
+
+def test_a_backend_without_the_variant_is_refused_and_auto_picks_the_next():
+    registry = {**REGISTRY, "torch": dataclasses.replace(REGISTRY["torch"], variants=frozenset({"union", "fixed"}))}
+    assert registry["torch"].refusal(device="cpu", **CALL, variant="separate") == (
+        "does not implement variant 'separate' (runs fixed, union)")
+    assert registry["torch"].refusal(device="cpu", **CALL, variant="union") is None
+    assert select("auto", device="cpu", **CALL, variant="separate", registry=registry).name == "reference"
+    assert select("auto", device="cpu", **CALL, variant="union", registry=registry).name == "torch"
+    with pytest.raises(ValueError, match=r"backend 'torch' cannot run this call \(cpu, .*variant 'separate'\): "
+                                         r"does not implement variant 'separate'.*Backends that can: 'reference'"):
+        select("torch", device="cpu", **CALL, variant="separate", registry=registry)
+
+
+def test_pi_attention_runs_a_variant_on_a_backend_that_declares_it(monkeypatch):
+    """With "torch" declaring no "separate", "auto" runs it on "reference" and naming "torch" is refused."""
+    from piattn.ops.pi import torch as torch_backend
+
+    monkeypatch.setitem(REGISTRY, "torch", dataclasses.replace(REGISTRY["torch"], variants=frozenset({"adaptive"})))
+    ran_torch = []
+    monkeypatch.setattr(torch_backend.PiAttentionFunction, "apply", lambda *args: ran_torch.append(args))
+    q, k, v, gate = make_inputs(1, 2, 33, 8, variant="separate", requires_grad=False)
+    kw = dict(variant="separate", window=3, period=8)
+    y = piattn.pi_attention(q, k, v, gate, **kw)
+    assert not ran_torch
+    assert torch.equal(y, piattn.pi_attention(q, k, v, gate, backend="reference", **kw))
+    with pytest.raises(ValueError, match="backend 'torch' cannot run .*does not implement variant 'separate'"):
+        piattn.pi_attention(q, k, v, gate, backend="torch", **kw)
+
+
+def test_a_variant_no_backend_declares_is_refused_not_run_as_another(monkeypatch):
+    """A variant added to the settings but to no backend's declaration: every backend refuses it with its
+    reason (before the declarations, "torch" ran it silently as "union")."""
+    monkeypatch.setattr(piattn.config.pi, "VARIANTS", (*VARIANTS, "novel"))
+    q, k, v = make_inputs(1, 2, 16, 8, variant="union", requires_grad=False)[:3]
+    with pytest.raises(ValueError, match=r"backend 'auto' found no backend .*variant 'novel'\): "
+                                         r"torch: does not implement variant 'novel'"):
+        piattn.pi_attention(q, k, v, variant="novel", window=2, period=4)

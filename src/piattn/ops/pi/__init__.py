@@ -62,12 +62,12 @@ def pi_attention(
             window or at ±period is not counted twice.
         document_ids: [B, T] integer ids, or None (one document). A new document starts wherever the id
             changes; every document gets exactly what it would alone (no key crosses a boundary).
-        backend: one of `piattn.BACKENDS`. "auto" picks the first backend that can run the call (device,
-            dtype, head dim, gradients, dropout; `backends.py`): on CUDA "triton", then "torch"; elsewhere
-            "torch". A backend that cannot run the call raises a ValueError saying why. A call with a NaN
-            or ±inf in q, k or v reaches only the outputs (and gradients) that read it, on every backend:
-            "flex", whose kernels would carry it further, hands such a call to "torch", and "triton"
-            computes such a call's gradients with "torch".
+        backend: one of `piattn.BACKENDS`. "auto" picks the first backend that can run the call (variant,
+            device, dtype, head dim, gradients, dropout, sinks, documents, grouped heads; `backends.py`): on
+            CUDA "triton", then "torch"; elsewhere "torch". A backend that cannot run the call raises a
+            ValueError saying why. A call with a NaN or ±inf in q, k or v reaches only the outputs (and
+            gradients) that read it, on every backend: "flex", whose kernels would carry it further, hands
+            such a call to "torch", and "triton" computes such a call's gradients with "torch".
 
     Returns:
         [B, H, T, D] in the dtype of q.
@@ -82,13 +82,14 @@ def pi_attention(
     needs_grad = _torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     features = {name for name, used in (("sinks", sinks > 0), ("documents", document_ids is not None),
                                         ("gqa", k.shape[1] != H)) if used}
-    chosen = _backend_name(backend, q.device, q.dtype, D, needs_grad, dropout_p, frozenset(features),
-                           _torch.compiler.is_compiling())
+    call = (q.device, q.dtype, D, needs_grad, dropout_p, frozenset(features), variant)
+    chosen = _backend_name(backend, *call, _torch.compiler.is_compiling())
     if not REGISTRY[chosen].contains_nonfinite and not is_symbolic(q) and not all_finite(*inputs):
         # flex's tiles multiply a masked key's value by a weight of 0 (0·NaN = NaN), which would carry a bad
-        # value to rows that never read it; "torch" runs every call flex can, and keeps it in the rows that
-        # read it. The price is this check: one reduction per input and a host sync.
-        chosen = "torch"
+        # value to rows that never read it; "torch" runs every call flex can (asked like any backend, so
+        # that one it did not would be refused with its reason), and keeps it in the rows that read it.
+        # The price is this check: one reduction per input and a host sync.
+        chosen = _backend_name("torch", *call, False)
     asked = Pattern(window, period, causal, sinks)
     used = usable_pattern(asked, T)
     keep = None
@@ -120,7 +121,7 @@ _COMPILE_ORDER = {device: tuple(n for n in order if n in COMPILABLE) for device,
 
 
 def _backend_name(requested: str, device: _torch.device, dtype: _torch.dtype, head_dim: int, needs_grad: bool,
-                  dropout_p: float, features: frozenset[str], compiling: bool) -> str:
+                  dropout_p: float, features: frozenset[str], variant: str, compiling: bool) -> str:
     """The name of the backend `select` picks; from `COMPILABLE` only when `compiling`.
 
     Dynamo traces this. A ValueError raised here under torch.compile reaches the caller inside dynamo's
@@ -131,7 +132,7 @@ def _backend_name(requested: str, device: _torch.device, dtype: _torch.dtype, he
                          f"{', '.join(map(repr, ('auto', *COMPILABLE)))}")
     registry = {name: REGISTRY[name] for name in COMPILABLE} if compiling else REGISTRY
     return select(requested, device=device, dtype=dtype, head_dim=head_dim, needs_grad=needs_grad,
-                  dropout_p=dropout_p, features=features, registry=registry,
+                  dropout_p=dropout_p, features=features, variant=variant, registry=registry,
                   auto_order=_COMPILE_ORDER if compiling else AUTO_ORDER).name
 
 

@@ -1,9 +1,10 @@
 """What each backend can run, declared once, and the choice of backend for a call.
 
-Each backend is a `Backend`: where its function lives, and the dtypes, devices, head dims, gradients and
-dropout it supports. `Backend.refusal` turns that declaration into a verdict on one concrete call, and
-`select` uses it both for `backend="auto"` (the first backend of `AUTO_ORDER` that can run the call) and
-to explain why an explicitly named backend cannot. The backend functions themselves check nothing.
+Each backend is a `Backend`: where its function lives, and the variants, dtypes, devices, head dims,
+gradients, dropout and optional features it supports. `Backend.refusal` turns that declaration into a
+verdict on one concrete call, and `select` uses it both for `backend="auto"` (the first backend of
+`AUTO_ORDER` that can run the call) and to explain why an explicitly named backend cannot. The backend
+functions themselves check nothing.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def _device_present(device: str) -> bool:
 class Backend:
     """One backend and what it supports.
 
+    variants: the variants (`piattn.config.pi.VARIANTS`) it computes; a call of another is refused.
     devices: device types it runs on (None: any). forward_only_on: device types where it has no backward.
     max_head_dim: the largest D (None: no limit). requires: modules that must be installed.
     """
@@ -60,6 +62,7 @@ class Backend:
     name: str
     module: str  # submodule of piattn.ops.pi
     function: str  # with the signature of `reference.pi_attention_reference`
+    variants: frozenset[str] = frozenset()
     dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES
     devices: tuple[str, ...] | None = None
     max_head_dim: int | None = None
@@ -81,9 +84,10 @@ class Backend:
 
     def refusal(
         self, *, device: torch.device | str, dtype: torch.dtype, head_dim: int, needs_grad: bool, dropout_p: float,
-        features: frozenset[str] = frozenset(),
+        features: frozenset[str] = frozenset(), variant: str | None = None,
     ) -> str | None:
-        """None if this backend can run a call with these properties, else a short reason why not."""
+        """None if this backend can run a call with these properties, else a short reason why not (variant
+        None: a question about the other properties only)."""
         device = torch.device(device).type
         missing = [m for m in self.requires if not _installed(m)]
         if missing:
@@ -98,6 +102,8 @@ class Backend:
             return f"forward-only on {device} (no backward there): run it under torch.no_grad()"
         if dropout_p > 0 and not self.dropout:
             return f"no dropout (dropout_p={dropout_p})"
+        if variant is not None and variant not in self.variants:
+            return f"does not implement variant {variant!r} (runs {', '.join(sorted(self.variants)) or 'none'})"
         missing = sorted(features - self.features)
         if missing:
             return f"does not implement {', '.join(missing)} yet"
@@ -115,18 +121,23 @@ def _load(module: str, function: str) -> Callable:
 
 _LOW_AND_FP32 = (torch.float32, torch.bfloat16, torch.float16)
 ALL_FEATURES = frozenset({"sinks", "documents", "gqa"})
+# The paper's four (Eq. beta, Variants 1-3), written out rather than read from `piattn.config.pi.VARIANTS`: a
+# variant added there runs on no backend until one declares it.
+PAPER_VARIANTS = frozenset({"union", "separate", "fixed", "adaptive"})
 
 REGISTRY: dict[str, Backend] = {
     b.name: b
     for b in (
         # The ground truth: a loop over offsets, O(T·|U|·D) memory.
-        Backend("reference", "reference", "pi_attention_reference", features=ALL_FEATURES, contains_nonfinite=True),
+        Backend("reference", "reference", "pi_attention_reference", variants=PAPER_VARIANTS, features=ALL_FEATURES,
+                contains_nonfinite=True),
         # Blocked matrix products with a hand-written backward; any device torch runs on. With a non-finite
         # input it goes slot by slot (`all_finite`), so that a bad value stays in the rows that read it.
-        Backend("torch", "torch", "pi_attention_torch", features=ALL_FEATURES, contains_nonfinite=True),
+        Backend("torch", "torch", "pi_attention_torch", variants=PAPER_VARIANTS, features=ALL_FEATURES,
+                contains_nonfinite=True),
         # Fused kernels; tl.dot has no fp64, and D is padded to a power of two of at most 256.
         Backend(
-            "triton", "triton", "pi_attention_triton", dtypes=_LOW_AND_FP32,
+            "triton", "triton", "pi_attention_triton", variants=PAPER_VARIANTS, dtypes=_LOW_AND_FP32,
             devices=("cuda", "cpu") if TRITON_INTERPRET else ("cuda",), max_head_dim=256, requires=("triton",),
             note="" if TRITON_INTERPRET else " (set TRITON_INTERPRET=1 before importing triton for its CPU "
                                              "interpreter)", features=ALL_FEATURES,
@@ -134,9 +145,9 @@ REGISTRY: dict[str, Backend] = {
         ),
         # torch's FlexAttention: no fp64 kernels, no CPU backward, no per-slot dropout mask.
         Backend(
-            "flex", "flex", "pi_attention_flex", dtypes=_LOW_AND_FP32, devices=("cpu", "cuda"),
-            forward_only_on=("cpu",), dropout=False, requires=("torch.nn.attention.flex_attention",),
-            features=ALL_FEATURES,
+            "flex", "flex", "pi_attention_flex", variants=PAPER_VARIANTS, dtypes=_LOW_AND_FP32,
+            devices=("cpu", "cuda"), forward_only_on=("cpu",), dropout=False,
+            requires=("torch.nn.attention.flex_attention",), features=ALL_FEATURES,
         ),
     )
 }
@@ -149,10 +160,11 @@ AUTO_DEFAULT: tuple[str, ...] = ("torch", "reference")
 
 
 def _describe(device: str, dtype: torch.dtype, head_dim: int, needs_grad: bool, dropout_p: float,
-              features: frozenset[str]) -> str:
+              features: frozenset[str], variant: str | None) -> str:
     grad = "with gradients" if needs_grad else "forward only"
     used = f", with {', '.join(sorted(features))}" if features else ""
-    return f"{device}, {_dtype_name(dtype)}, head dim {head_dim}, {grad}, dropout_p={dropout_p}{used}"
+    named = "" if variant is None else f", variant {variant!r}"
+    return f"{device}, {_dtype_name(dtype)}, head dim {head_dim}, {grad}, dropout_p={dropout_p}{used}{named}"
 
 
 def select(
@@ -164,6 +176,7 @@ def select(
     needs_grad: bool,
     dropout_p: float,
     features: frozenset[str] = frozenset(),
+    variant: str | None = None,
     registry: Mapping[str, Backend] = REGISTRY,
     auto_order: Mapping[str, tuple[str, ...]] = AUTO_ORDER,
 ) -> Backend:
@@ -174,7 +187,7 @@ def select(
     """
     device = torch.device(device).type
     call = dict(device=device, dtype=dtype, head_dim=head_dim, needs_grad=needs_grad, dropout_p=dropout_p,
-                features=features)
+                features=features, variant=variant)
     reasons = {name: b.refusal(**call) for name, b in registry.items()}
     able = [name for name, reason in reasons.items() if reason is None]
     if requested == "auto":

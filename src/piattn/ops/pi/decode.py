@@ -11,6 +11,12 @@ first given rows.
 
 Grouped-query attention (k, v with H_kv heads dividing the H of q): the H / H_kv query heads of a group
 are scored against the one gathered copy of their key/value head; nothing is repeated.
+
+Two steps compute these rows, and each declares the variants it runs: the torch ops here
+(`TORCH_OPS_VARIANTS`, `decode_gathered`) and, for one query read from a ring cache, the compiled C step
+(`native.PRIOR_MODES`). `decode_ring` takes the compiled step for a variant it declares (where it applies),
+else the torch ops; a variant the torch ops do not declare is refused with the reason, never run as
+another.
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ from ...config.pi import GATED_VARIANTS, PI_DEFAULTS, check_pi_settings, is_int
 from . import native
 from .pattern import Pattern, log_priors
 from .validate import _check_gate, check_qkv_tensors
+
+# The variants `decode_gathered` computes ("separate" included: two softmaxes, mixed by α).
+TORCH_OPS_VARIANTS = frozenset({"union", "separate", "fixed", "adaptive"})
 
 
 @functools.lru_cache(maxsize=256)
@@ -225,22 +234,23 @@ def decode_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | No
     and α = ε + (1 − 2ε)·σ(weight·GELU(gate) + bias) is computed here (`gate_tail`). Inconsistent
     arguments raise ValueError (`check_ring`).
 
-    The step of generation: one call of the compiled C step (`native.ring_step`) where it applies, else one
-    gather for keys and values and `decode_gathered`, with no reordering of the ring and no concatenation
-    with the new row.
+    The step of generation: one call of the compiled C step (`native.ring_step`) where it applies (a variant
+    of `native.PRIOR_MODES`, and see there), else one gather for keys and values and `decode_gathered`, with
+    no reordering of the ring and no concatenation with the new row.
     """
     check_ring(q, kv_store, gate, capacity, position, window, period, variant, prior, logit_clamp, eps, scale, sinks,
                gate_head)
     slot, valid, kind, n_local, n_skip = ring_slots(window, period, sinks, capacity, position, q.device)
-    if variant != "separate":
+    mode = native.PRIOR_MODES.get(variant)
+    if mode is not None:
         if gate_head is not None:
             mode, extra = native.PRIOR_HIDDEN, dict(gate=gate, gate_weight=gate_head[0], gate_bias=gate_head[1])
-        elif variant == "adaptive":
-            mode, extra = native.PRIOR_ALPHA, dict(gate=gate)
-        elif variant == "fixed":
-            mode, extra = native.PRIOR_CONST, dict(log_priors=log_priors(variant, None, prior, eps))
+        elif mode == native.PRIOR_ALPHA:
+            extra = dict(gate=gate)
+        elif mode == native.PRIOR_CONST:
+            extra = dict(log_priors=log_priors(variant, None, prior, eps))
         else:
-            mode, extra = native.PRIOR_NONE, {}
+            extra = {}
         # Unchecked: check_ring covered what ring_step's own checks would, and the slots are ring_slots'.
         y = native.ring_step_unchecked(q, kv_store, slot, valid, kind, prior_mode=mode, logit_clamp=logit_clamp,
                                        eps=eps, scale=scale, **extra)
@@ -290,8 +300,13 @@ def decode_gathered(q: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, valid: 
 
     Laid out as R = B·H_kv·t batched products of the g = H / H_kv query heads of a group against the S
     keys their query reads, in as few tensor ops as the maths allows: a decoding step is dominated by
-    the fixed cost of each op, not by its arithmetic.
+    the fixed cost of each op, not by its arithmetic. A variant outside `TORCH_OPS_VARIANTS` raises
+    ValueError.
     """
+    if variant not in TORCH_OPS_VARIANTS:
+        raise ValueError(f"no decoding step runs variant {variant!r}: torch ops run "
+                         f"{', '.join(sorted(TORCH_OPS_VARIANTS))}; the compiled step runs "
+                         f"{', '.join(sorted(native.PRIOR_MODES))} (fp32 and fp64 CPU tensors without autograd)")
     B, H, t, D = q.shape
     H_kv, S = kg.shape[1], kind.shape[0]
     g = H // H_kv

@@ -11,10 +11,11 @@ alone (made with mode 0o700; one owned by another user or writable by group or o
 warning), and the library must match the SHA-256 recorded beside it when it was built. One that fails
 (cut short, from an older piattn, written by something else) or does not load is rebuilt.
 
-It serves fp32 and fp64 CPU tensors in inference (no gradient asked for), variants "union", "fixed"
-and "adaptive", any batch, heads, grouped-query attention and sinks. Anything else (another device or
-dtype, autograd, "separate", no compiler, `PIATTN_NATIVE=0`) returns None and the caller runs the same
-step in torch ops (`decode.decode_gathered`), which gives the same result up to rounding.
+It serves the variants of `PRIOR_MODES` ("union", "fixed", "adaptive"; `decode.decode_ring` hands it no
+other), fp32 and fp64 CPU tensors in inference (no gradient asked for), any batch, heads, grouped-query
+attention and sinks. Anything else it is given (another device or dtype, autograd, no compiler,
+`PIATTN_NATIVE=0`) returns None and the caller runs the same step in torch ops (`decode.decode_gathered`),
+which gives the same result up to rounding.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ import torch
 SOURCE = Path(__file__).with_name("decode_step.c")
 # Prior modes of decode_step.c.
 PRIOR_NONE, PRIOR_CONST, PRIOR_ALPHA, PRIOR_HIDDEN = range(4)
+# The variants the C step computes, each by its prior mode ("adaptive" also by PRIOR_HIDDEN, from the gate
+# MLP's hidden layer). Not "separate": it normalises the local and the skip slots apart, and the step takes
+# one softmax over all of them.
+PRIOR_MODES = {"union": PRIOR_NONE, "fixed": PRIOR_CONST, "adaptive": PRIOR_ALPHA}
 _FUNCTIONS = {torch.float32: "pi_decode_step_f32", torch.float64: "pi_decode_step_f64"}
 # Slots per query the C step takes; wider windows run in torch ops, where the per-op overhead that the C
 # step saves no longer dominates anyway.

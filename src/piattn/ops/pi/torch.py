@@ -1,6 +1,10 @@
 """Fast eager backend: blocked matrix products for the window, shifted rows for the skips, gathered rows for
 the sinks, and a hand-derived backward (ops/pi/README.md, "Backward" and "How the torch backend is fast").
 
+`torch_forward` and `torch_backward` are the computation, plain functions of tensors, a slot plan
+(`slot_plan`) and `OpSettings`; `PiAttentionFunction` only connects them to autograd, and `compiled.py`
+registers the same two as custom operators for torch.compile.
+
 Queries are cut into blocks of `block` rows. A block's local keys are its own rows plus a halo of `window`
 rows before it (and after it, when bidirectional), so one batched matrix product per block gives every
 local score and a strided view picks the band out of it; the same view scatters weights back for the
