@@ -6,8 +6,6 @@ import torch
 from torch.nn import functional as F
 
 from ..config import PI_DEFAULTS, ModelConfig, PiSettings
-from ..decoding.cache import RingCache
-from ..ops.pi.decode import decode_ring
 from .gate import gate_hooked, gate_mlp, gate_values
 from .windowed import WindowedAttention
 
@@ -61,15 +59,13 @@ class PiAttention(WindowedAttention):
         """x [B, T, d] -> α̃ [B, H, T] in [ε, 1 − ε] (Eq. app_gate), or None for ungated variants."""
         return None if self.gate is None else gate_values(self.gate, x, self.settings.eps)
 
-    def attend_ring(self, q: torch.Tensor, cache: RingCache, x: torch.Tensor) -> torch.Tensor:
-        """One new query's output [B, H, 1, D] read from the ring `cache` that already holds its key.
+    def ring_gate(self, x: torch.Tensor) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The gate arguments of `decode_ring` for one new token x [B, 1, d].
 
-        For "adaptive" the operator takes the gate MLP's hidden pre-activation and its last layer, and
-        finishes the gate itself (GELU, linear, σ, clip: in the compiled step, one call for all of it);
-        a gate someone observes or hooks is computed whole here instead."""
+        For "adaptive", the gate MLP's hidden pre-activation [B, 1, d_hidden] and its last layer (weight,
+        bias): the step finishes the gate itself (GELU, linear, σ, clip: in the compiled step, one call for
+        all of it); a gate someone observes or hooks is computed whole here instead."""
         if self.settings.variant == "adaptive" and self._gate_observer is None and not gate_hooked(self.gate):
             first, _, last, _ = self.gate._modules.values()
-            hidden = F.linear(x, first.weight, first.bias)
-            return decode_ring(q, cache.kv, hidden, gate_head=(last.weight, last.bias), capacity=cache.capacity,
-                               position=cache.seen - 1, **self._decode_kwargs)
-        return super().attend_ring(q, cache, x)
+            return F.linear(x, first.weight, first.bias), (last.weight, last.bias)
+        return super().ring_gate(x)

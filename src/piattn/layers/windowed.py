@@ -83,5 +83,10 @@ class WindowedAttention(AttentionLayer):
 
     def attend_ring(self, q: torch.Tensor, cache: RingCache, x: torch.Tensor) -> torch.Tensor:
         """One new query's output [B, H, 1, D] read from the ring `cache` that already holds its key."""
-        return decode_ring(q, cache.kv, self.observed_gate(x), capacity=cache.capacity, position=cache.seen - 1,
+        gate, gate_head = self.ring_gate(x)
+        return decode_ring(q, cache.kv, gate, gate_head=gate_head, capacity=cache.capacity, position=cache.seen - 1,
                            **self._decode_kwargs)
+
+    def ring_gate(self, x: torch.Tensor) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The gate arguments of `decode_ring` for one new token x [B, 1, d]: (α̃ [B, H, 1] or None, None)."""
+        return self.observed_gate(x), None
