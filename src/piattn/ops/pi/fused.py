@@ -1,0 +1,307 @@
+"""Backend "fused" (CPU): the forward and the backward each as one compiled pass over the rows (`fused_cpu.c`).
+
+The "torch" backend runs a dozen tensor ops per chunk, each moving its [T, |U|] or [T, D] intermediate
+through memory; the C kernels carry a query row from its scores to its outputs (and, backward, to every
+gradient it feeds) while the row and its few key rows are in cache. The forward saves one statistic per row
+(the log-sum-exp of its logits; two for "separate", one per branch) and the backward recomputes the scores
+from q and k: no [T, |U|] tensor is saved, and the passes are bound by reading inputs and writing outputs.
+
+What it runs: fp32 and fp64 CPU tensors (computed in their own precision), the four variants, causal and
+bidirectional, grouped-query attention, the logit clamp, any head dim; OpenMP threads over (batch,
+key/value head), as many as `torch.get_num_threads()`. Not (yet): sinks, document_ids and dropout, which it
+refuses (`backends.py` declares that, so `pi_attention` never sends it such a call). A NaN or ±inf input
+stays in the rows that read it.
+
+The library is compiled on first use with the system's C compiler (`$CC`, else `cc`), with the
+machine's vector instructions and OpenMP where the compiler takes them, and loaded through `native`'s
+checks (a private folder, a SHA-256 recorded at build time). Where it cannot be built or loaded (no
+compiler, `PIATTN_NATIVE=0`), each call runs the "torch" backend instead, the same function up to
+rounding, after one warning that says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from . import native
+from .backends import refuse_double_backward
+from .settings import OpSettings
+from .torch import pi_attention_torch
+
+SOURCE = Path(__file__).with_name("fused_cpu.c")
+# No -ffast-math: NaN and inf must behave as IEEE says (they stay in the rows that read them).
+_BASE_FLAGS = ("-O3", "-std=c99", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=fast")
+# Tried in order until the compiler takes one: this machine's vector instructions and OpenMP threads, then
+# without what it refuses (-fopenmp-simd: vectorised loops over D without the OpenMP runtime).
+FLAG_SETS = (("-march=native", "-fopenmp"), ("-fopenmp",), ("-fopenmp-simd",), ())
+VARIANT_CODES = {"union": 0, "fixed": 1, "adaptive": 2, "separate": 3}
+_SUFFIXES = {torch.float32: "f32", torch.float64: "f64"}
+_FUNCTIONS = {(dtype, direction): f"pi_fused_{direction}_{suffix}"
+              for dtype, suffix in _SUFFIXES.items() for direction in ("forward", "backward")}
+# fused_cpu.c's PI_ERR_* codes. The checks here come first, so these are reached only through a bug.
+_ERRORS = {1: "sizes (B >= 0, 1 <= H_kv <= H dividing H, T >= 1, D >= 1, B·H·T·D within int64)",
+           2: "settings (window >= 0, period >= 1, variant, clamp > 0, scale > 0, 0 <= eps < 0.5, prior in [0, 1])",
+           3: "a buffer's length disagrees with the sizes, or a buffer the call needs is missing",
+           4: "out of memory for the scratch rows"}
+
+
+class _Call(ctypes.Structure):
+    """fused_cpu.c's pi_call, field by field."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in ("B", "H", "H_kv", "T", "D", "window", "period", "causal",
+                                                    "variant", "has_clamp", "threads")] + \
+               [(name, ctypes.c_double) for name in ("clamp", "prior", "eps", "scale")]
+
+
+class _Buffer(ctypes.Structure):
+    """fused_cpu.c's pi_buffer: a tensor's data pointer and its number of elements."""
+
+    _fields_ = [("data", ctypes.c_void_p), ("numel", ctypes.c_int64)]
+
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+class _BuildError(Exception):
+    """No flag set compiled."""
+
+
+def _cpu_identity() -> bytes:
+    """What -march=native compiles for: the CPU's model and flags (Linux), so that a library cache shared
+    between machines never hands one CPU's instructions to another."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor().encode()
+    return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))})).encode()
+
+
+def _library_path(compiler: str, flags: tuple[str, ...]) -> Path:
+    """Keyed by the source, the compiler, its flags and the machine."""
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), compiler.encode(), " ".join(_BASE_FLAGS + flags).encode(),
+                                     platform.machine().encode(), _cpu_identity()])).hexdigest()[:16]
+    return native.library_folder() / f"fused_cpu-{key}.so"
+
+
+def _build(path: Path, compiler: str, flags: tuple[str, ...]) -> None:
+    """Compile SOURCE into `path` and record its SHA-256 in `native`'s sidecar, each written under a
+    temporary name and renamed into place (as `native` does for its step, whose builder is tied to its own
+    source and flags)."""
+    made = []
+    try:
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+        os.close(fd)
+        made.append(tmp)
+        done = subprocess.run([compiler, *_BASE_FLAGS, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
+                              text=True, timeout=300)
+        if done.returncode:
+            raise _BuildError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "compiler failed")
+        fd, tmp_digest = tempfile.mkstemp(suffix=".sha256", dir=path.parent)
+        made.append(tmp_digest)
+        with os.fdopen(fd, "w") as f:
+            f.write(hashlib.sha256(Path(tmp).read_bytes()).hexdigest() + "\n")
+        os.replace(tmp, path)
+        os.replace(tmp_digest, native._digest_path(path))
+    except (OSError, subprocess.SubprocessError) as err:
+        raise _BuildError(str(err)) from err
+    finally:
+        for name in made:
+            if os.path.exists(name):
+                os.unlink(name)
+
+
+def _open(path: Path) -> dict[tuple[torch.dtype, str], ctypes._CFuncPtr]:
+    library = ctypes.CDLL(str(path))
+    functions = {}
+    for key, name in _FUNCTIONS.items():
+        function = getattr(library, name)
+        function.argtypes = [ctypes.POINTER(_Call), ctypes.POINTER(_Buffer), ctypes.c_int64]
+        function.restype = ctypes.c_int
+        functions[key] = function
+    return functions
+
+
+def _build_and_open(compiler: str) -> tuple[dict, tuple[str, ...]]:
+    """The kernels and the flags they were built with: the first flag set that compiles and loads, reusing
+    a verified library from an earlier build."""
+    failures = []
+    for flags in FLAG_SETS:
+        path = _library_path(compiler, flags)
+        native._private_folder(path.parent)
+        if native._verified(path):
+            try:
+                return _open(path), flags
+            except (OSError, AttributeError):
+                pass  # built for something else after all: rebuild below
+        try:
+            _build(path, compiler, flags)
+        except _BuildError as err:
+            failures.append(f"{' '.join(flags) or 'no extra flags'}: {err}")
+            continue
+        try:
+            return _open(path), flags
+        except (OSError, AttributeError) as err:
+            failures.append(f"{' '.join(flags) or 'no extra flags'}: built but does not load ({err})")
+    raise _BuildError(f"could not build {SOURCE.name} with {compiler!r} ({'; '.join(failures)})")
+
+
+def _load() -> dict | None:
+    """The C kernels by (dtype, direction), built on first use; None (with the reason in `unavailable()`)
+    when disabled or when they cannot be built or loaded safely."""
+    with _lock:
+        if "functions" in _state:
+            return _state["functions"]
+        functions = None
+        if os.environ.get("PIATTN_NATIVE", "1") == "0":
+            _state["reason"] = "disabled by PIATTN_NATIVE=0"
+            _state["warned"] = True  # asked for: nothing to warn about
+        else:
+            try:
+                functions, _state["flags"] = _build_and_open(os.environ.get("CC") or "cc")
+            except _BuildError as err:
+                _state["reason"] = f"{err}; set CC to a C compiler"
+            except native._Unsafe as err:
+                _state["reason"] = f"will not load compiled code from a folder others control: {err}"
+            except OSError as err:  # the folder could not be made
+                _state["reason"] = f"{err}; check PIATTN_CACHE"
+        _state["functions"] = functions
+        return functions
+
+
+def unavailable() -> str | None:
+    """Why the compiled kernels cannot run here (None when they can); builds them if not tried yet."""
+    _load()
+    return _state.get("reason")
+
+
+def build_flags() -> tuple[str, ...] | None:
+    """The extra compiler flags the loaded library was built with (None when it is unavailable)."""
+    _load()
+    return _state.get("flags")
+
+
+def reset() -> None:
+    """Forget the loaded library, so the next call builds or loads it again (after a change of CC or
+    PIATTN_NATIVE)."""
+    with _lock:
+        _state.clear()
+
+
+def _buffer(t: torch.Tensor | None) -> _Buffer:
+    return _Buffer(None, 0) if t is None else _Buffer(t.data_ptr() or None, t.numel())
+
+
+def _run(direction: str, q: torch.Tensor, k: torch.Tensor, settings: OpSettings, tensors: list) -> None:
+    """Call the C kernel of `direction` on `tensors` (its buffers, in fused_cpu.c's order)."""
+    B, H, T, D = q.shape
+    clamp = settings.logit_clamp
+    call = _Call(B=B, H=H, H_kv=k.shape[1], T=T, D=D, window=settings.window, period=settings.period,
+                 causal=int(settings.causal), variant=VARIANT_CODES[settings.variant], has_clamp=int(clamp is not None),
+                 threads=torch.get_num_threads(), clamp=0.0 if clamp is None else clamp, prior=settings.prior,
+                 eps=settings.eps, scale=settings.scale)
+    buffers = (_Buffer * len(tensors))(*map(_buffer, tensors))
+    code = _load()[q.dtype, direction](ctypes.byref(call), buffers, len(tensors))
+    if code:
+        raise RuntimeError(f"fused_cpu.c refused the {direction} call: {_ERRORS.get(code, f'error {code}')}")
+
+
+def stats_per_row(variant: str) -> int:
+    """The statistics the forward keeps per query row: the log-sum-exp of its logits, one per branch for
+    "separate"."""
+    return 2 if variant == "separate" else 1
+
+
+def fused_forward(q, k, v, gate, settings: OpSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, H, T, D], k, v [B, H_kv, T, D], gate [B, H, T] or None, all contiguous CPU tensors of one dtype
+    (fp32 or fp64) -> (y [B, H, T, D], stat [B, H, T, stats_per_row])."""
+    B, H, T, D = q.shape
+    y = torch.empty_like(q)
+    stat = torch.empty(B, H, T, stats_per_row(settings.variant), dtype=q.dtype)
+    _run("forward", q, k, settings, [q, k, v, gate, y, stat])
+    return y, stat
+
+
+def fused_backward(dy, q, k, v, gate, stat, settings: OpSettings, *, want_dgate: bool):
+    """The gradients (dq, dk, dv, dgate or None) for the cotangent dy [B, H, T, D] of `fused_forward`'s
+    output, from its inputs and its statistics (all contiguous, one dtype)."""
+    dq = torch.empty_like(q)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dgate = torch.empty_like(gate) if want_dgate else None
+    _run("backward", q, k, settings, [q, k, v, gate, dy.contiguous(), stat, dq, dk, dv, dgate])
+    return dq, dk, dv, dgate
+
+
+class _FusedFunction(torch.autograd.Function):
+    """Autograd around `fused_forward` and `fused_backward`; inputs contiguous, of one dtype."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, gate, settings: OpSettings):
+        y, stat = fused_forward(q, k, v, gate, settings)
+        ctx.save_for_backward(q, k, v, gate, stat)
+        ctx.settings = settings
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        refuse_double_backward("fused")
+        q, k, v, gate, stat = ctx.saved_tensors
+        dq, dk, dv, dgate = fused_backward(dy, q, k, v, gate, stat, ctx.settings, want_dgate=ctx.needs_input_grad[3])
+        return dq, dk, dv, dgate, None
+
+
+def _refusal(q: torch.Tensor, dropout_keep, dropout_p: float, sinks: int, document_ids) -> str | None:
+    """Why this backend cannot run a call (what `backends.py` declares for it), or None."""
+    if q.device.type != "cpu":
+        return f"runs on the CPU, not {q.device.type}"
+    if q.dtype not in _SUFFIXES:
+        return f"no {str(q.dtype).removeprefix('torch.')} (runs float32, float64)"
+    if sinks:
+        return "does not implement sinks yet"
+    if document_ids is not None:
+        return "does not implement documents yet"
+    if dropout_p > 0 or dropout_keep is not None:
+        return f"no dropout (dropout_p={dropout_p})"
+    return None
+
+
+def pi_attention_fused(q, k, v, gate, *, window, period, causal, variant, prior, logit_clamp, eps, scale,
+                       dropout_keep=None, dropout_p=0.0, sinks=0, document_ids=None):
+    """Same contract as `pi_attention_reference`: q [B, H, T, D], k, v [B, H_kv, T, D], gate [B, H, T] or None
+    -> [B, H, T, D] in q's dtype. Refuses (ValueError) what it does not implement; runs "torch" when the
+    compiled kernels are unavailable."""
+    reason = _refusal(q, dropout_keep, dropout_p, sinks, document_ids)
+    if reason is not None:
+        raise ValueError(f"backend 'fused' cannot run this call: {reason}")
+    if _load() is None:
+        _warn_fallback()
+        return pi_attention_torch(q, k, v, gate, window=window, period=period, causal=causal, variant=variant,
+                                  prior=prior, logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_keep=None,
+                                  dropout_p=0.0)
+    settings = OpSettings(window=window, period=period, causal=causal, variant=variant, prior=prior,
+                          logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=0.0, sinks=0)
+    # Cast and copied outside the Function, so that autograd takes the gradients back to the callers' layout
+    # and dtype.
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    if gate is not None:
+        gate = gate.to(q.dtype).contiguous()
+    return _FusedFunction.apply(q, k, v, gate, settings)
+
+
+def _warn_fallback() -> None:
+    with _lock:
+        if _state.get("warned"):
+            return
+        _state["warned"] = True
+    warnings.warn(f"piattn: backend 'fused' runs the 'torch' backend ({_state['reason']}); PIATTN_NATIVE=0 "
+                  "silences this", RuntimeWarning, stacklevel=3)

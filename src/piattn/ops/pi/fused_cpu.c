@@ -1,0 +1,519 @@
+/* π-Attention forward and backward in one pass each over the rows, on the CPU (built and called by fused.py).
+ *
+ * Why: the eager backend moves each step's [T, |U|] intermediate through memory; here a query row's whole
+ * computation (its scores, the softmax, the weighted sum of values, and in the backward every gradient it
+ * feeds) runs while that row and the few key rows it reads are in cache. The local keys i − window … i
+ * (+ window) and the skip keys i ∓ period lie at most max(window, period) rows away, so each row of q, k, v,
+ * dy is read from memory about once and each output row written once: the pass is bound by memory traffic.
+ *
+ * Shapes (contiguous, one precision R = float or double, the accumulation type too):
+ *   q, y, dy, dq [B, H, T, D]; k, v, dk, dv [B, H_kv, T, D] (query head h reads key/value head h / G, G = H / H_kv);
+ *   gate, dgate [B, H, T] ("adaptive" and "separate" only); stat [B, H, T, S], S = 2 for "separate", else 1.
+ * The forward writes y and stat: the log-sum-exp of the row's logits (for "separate" one per branch, local and
+ * skip). The backward recomputes the scores from q and k, the weights from stat, and takes Σ_m w_m·dp_m over
+ * the row's own slots, so it reads neither y nor a saved weight tensor.
+ *
+ * Slots of query i (docs/design.md §3): local keys i − window … i (+ window when bidirectional), clipped to
+ * [0, T); the skip keys i − period (and i + period when bidirectional) when period > window and inside [0, T).
+ * Logits z = clamp(q·k·scale, ±clamp) + log-prior ("fixed": log max(prior, ε), log max(1 − prior, ε);
+ * "adaptive": the same with α = gate); "separate" mixes two softmaxes with α and 1 − α (α = 1 without a skip).
+ *
+ * Threads (OpenMP): over (batch, key/value head). One thread runs the G query heads of a key/value head row
+ * by row, so a key row is read once for all of them and dk, dv of that head are written by that thread only
+ * (no atomics). dk and dv rows are zeroed when the row loop first reaches them (key j is first read by query
+ * j − reach), in cache, instead of by a separate pass over memory. The forward, which writes only its own
+ * rows, also splits the rows of a head into blocks when there are fewer heads than threads.
+ *
+ * Non-finite inputs stay in the rows that read them: only valid slots are visited (an invalid slot is
+ * skipped, never weighted by 0, since 0·NaN = NaN), and every comparison lets a NaN through as torch's clamp
+ * and clamp_min do.
+ *
+ * Trust: fused.py checks the tensors before the call; the entry points check again what they can see (the
+ * sizes, the settings, every buffer's length against the sizes) and return a PI_ERR_* code, having touched
+ * nothing, rather than read or write outside a buffer.
+ *
+ * The file includes itself once per precision (PI_REAL), so each kernel is written once as plain C.
+ */
+#ifndef PI_REAL
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { PI_UNION = 0, PI_FIXED = 1, PI_ADAPTIVE = 2, PI_SEPARATE = 3 };
+/* Return codes; fused.py turns each into its error. */
+enum { PI_OK = 0, PI_ERR_SIZE = 1, PI_ERR_SETTING = 2, PI_ERR_BUFFER = 3, PI_ERR_MEMORY = 4 };
+
+/* One call's sizes and settings; fused.py's _Call mirrors it field by field. */
+typedef struct {
+  int64_t B, H, H_kv, T, D;
+  int64_t window, period, causal, variant, has_clamp, threads;
+  double clamp, prior, eps, scale;
+} pi_call;
+
+/* A tensor's data and its number of elements (checked against the sizes before anything is read). */
+typedef struct {
+  void *data;
+  int64_t numel;
+} pi_buffer;
+
+/* The slot offsets every query shares, before clipping to [0, T). */
+typedef struct {
+  int64_t left, right;           /* local keys i − left … i + right (window clipped to T − 1) */
+  int64_t skip_back, skip_ahead; /* whether i − period, i + period are slots of their own */
+  int64_t period;
+  int64_t reach; /* the largest forward offset: key j is first read by query j − reach */
+  int64_t n_max; /* the most slots a query has */
+} pi_pattern;
+
+static pi_pattern pi_pattern_of(const pi_call *c) {
+  pi_pattern p;
+  const int64_t window = c->window < c->T - 1 ? c->window : c->T - 1;
+  p.left = window;
+  p.right = c->causal ? 0 : window;
+  /* A skip within the window (period <= window, the window as asked) is a local key already. */
+  p.skip_back = c->period > c->window;
+  p.skip_ahead = p.skip_back && !c->causal;
+  p.period = c->period;
+  p.reach = p.skip_ahead && c->period > p.right ? c->period : p.right;
+  p.n_max = p.left + p.right + 1 + p.skip_back + p.skip_ahead;
+  return p;
+}
+
+static int64_t pi_stats_per_row(const pi_call *c) { return c->variant == PI_SEPARATE ? 2 : 1; }
+
+static int pi_gated(const pi_call *c) { return c->variant == PI_ADAPTIVE || c->variant == PI_SEPARATE; }
+
+/* PI_OK when the sizes and settings are consistent and B·H·T·D counts no more elements than int64 holds. */
+static int pi_check_call(const pi_call *c) {
+  if (!c) return PI_ERR_SIZE;
+  if (c->B < 0 || c->H < 1 || c->H_kv < 1 || c->H_kv > c->H || c->H % c->H_kv || c->T < 1 || c->D < 1)
+    return PI_ERR_SIZE;
+  const int64_t most = INT64_MAX / 4;
+  if (c->T > most / c->D || c->H > most / (c->T * c->D) || (c->B && c->B > most / (c->H * c->T * c->D)))
+    return PI_ERR_SIZE;
+  if (c->window < 0 || c->period < 1 || (c->causal != 0 && c->causal != 1) || c->variant < PI_UNION ||
+      c->variant > PI_SEPARATE || (c->has_clamp != 0 && c->has_clamp != 1) || c->threads < 1)
+    return PI_ERR_SETTING;
+  if ((c->has_clamp && !(c->clamp > 0)) || !(c->scale > 0) || !(c->eps >= 0 && c->eps < 0.5) ||
+      !(c->prior >= 0 && c->prior <= 1))
+    return PI_ERR_SETTING;
+  return PI_OK;
+}
+
+/* A buffer the call uses must hold exactly `numel` elements; one it does not use must be empty (NULL, 0). */
+static int pi_check_buffer(const pi_buffer *b, int used, int64_t numel) {
+  if (!used) return b->data == NULL && b->numel == 0 ? PI_OK : PI_ERR_BUFFER;
+  return b->numel == numel && (b->data != NULL || numel == 0) ? PI_OK : PI_ERR_BUFFER;
+}
+
+/* The rows of each (batch, key/value head) cut into `blocks` pieces for the forward: more work items than
+ * threads where there are fewer heads than threads. */
+static int64_t pi_forward_blocks(const pi_call *c) {
+  const int64_t heads = c->B * c->H_kv;
+  if (heads == 0 || heads >= c->threads) return 1;
+  const int64_t blocks = (c->threads + heads - 1) / heads * 4;
+  return blocks < c->T ? blocks : c->T;
+}
+
+/* The width of the vectors the loops over D work in: one AVX register, or one SSE register without AVX. */
+#ifdef __AVX__
+#define PI_VECTOR_BYTES 32
+#else
+#define PI_VECTOR_BYTES 16
+#endif
+
+#define PI_CAT2(a, b) a##_##b
+#define PI_CAT(a, b) PI_CAT2(a, b)
+
+#define PI_REAL float
+#define PI_LANES (PI_VECTOR_BYTES / 4) /* a literal, for #if */
+#define PI_SUFFIX f32
+#define PI_EXP expf
+#define PI_LOG logf
+#include __FILE__
+#undef PI_REAL
+#undef PI_LANES
+#undef PI_SUFFIX
+#undef PI_EXP
+#undef PI_LOG
+
+#define PI_REAL double
+#define PI_LANES (PI_VECTOR_BYTES / 8)
+#define PI_SUFFIX f64
+#define PI_EXP exp
+#define PI_LOG log
+#include __FILE__
+
+#else /* the kernels of one precision */
+
+#define R PI_REAL
+#define FN(name) PI_CAT(name, PI_SUFFIX)
+
+/* Vectors of PI_VECTOR_BYTES (GCC/Clang vector extensions): the loops over D say what runs in one instruction,
+ * instead of leaving the compiler to version each loop for alignment, aliasing and tails. Loads and stores
+ * go through an unaligned, may_alias type (rows start anywhere D·sizeof(R) puts them). */
+typedef R FN(vec) __attribute__((vector_size(PI_VECTOR_BYTES)));
+typedef R FN(uvec) __attribute__((vector_size(PI_VECTOR_BYTES), aligned(sizeof(R)), may_alias));
+#define LANES ((int64_t)PI_LANES)
+
+static inline FN(vec) FN(load)(const R *p) { return *(const FN(uvec) *)p; }
+static inline void FN(store)(R *p, FN(vec) x) { *(FN(uvec) *)p = x; }
+static inline FN(vec) FN(splat)(R x) { return (FN(vec)){0} + x; }
+
+/* The sum of a vector's lanes, as a tree (the compiler's shuffles; log2(LANES) dependent additions). */
+static inline R FN(sum_lanes)(FN(vec) x) {
+#if PI_LANES == 8
+  return ((x[0] + x[4]) + (x[2] + x[6])) + ((x[1] + x[5]) + (x[3] + x[7]));
+#elif PI_LANES == 4
+  return (x[0] + x[2]) + (x[1] + x[3]);
+#else
+  return x[0] + x[1];
+#endif
+}
+
+/* a·b over D: two vector accumulators, so consecutive multiply-adds do not wait on each other. */
+static inline R FN(dot)(const R *a, const R *b, int64_t D) {
+  FN(vec) s0 = {0}, s1 = {0};
+  int64_t d = 0;
+  for (; d + 2 * LANES <= D; d += 2 * LANES) {
+    s0 += FN(load)(a + d) * FN(load)(b + d);
+    s1 += FN(load)(a + d + LANES) * FN(load)(b + d + LANES);
+  }
+  for (; d + LANES <= D; d += LANES) s0 += FN(load)(a + d) * FN(load)(b + d);
+  R s = FN(sum_lanes)(s0 + s1);
+  for (; d < D; d++) s += a[d] * b[d];
+  return s;
+}
+
+/* (a·b, c·e) over D in one pass: a slot's score and dL/dweight in the backward. */
+static inline void FN(dot2)(const R *a, const R *b, const R *c, const R *e, int64_t D, R *ab, R *ce) {
+  FN(vec) s0 = {0}, s1 = {0}, t0 = {0}, t1 = {0};
+  int64_t d = 0;
+  for (; d + 2 * LANES <= D; d += 2 * LANES) {
+    s0 += FN(load)(a + d) * FN(load)(b + d);
+    t0 += FN(load)(c + d) * FN(load)(e + d);
+    s1 += FN(load)(a + d + LANES) * FN(load)(b + d + LANES);
+    t1 += FN(load)(c + d + LANES) * FN(load)(e + d + LANES);
+  }
+  for (; d + LANES <= D; d += LANES) {
+    s0 += FN(load)(a + d) * FN(load)(b + d);
+    t0 += FN(load)(c + d) * FN(load)(e + d);
+  }
+  R x = FN(sum_lanes)(s0 + s1), y = FN(sum_lanes)(t0 + t1);
+  for (; d < D; d++) {
+    x += a[d] * b[d];
+    y += c[d] * e[d];
+  }
+  *ab = x;
+  *ce = y;
+}
+
+/* out[d] = Σ_m w[m]·x[row[m] + d] for m < n (row: element offsets of rows of x). Four vectors of out at a
+ * time, summed over the slots in registers, then written once. */
+static inline void FN(weighted_sum)(R *out, const R *w, const R *x, const int64_t *row, int64_t n, int64_t D) {
+  int64_t d = 0;
+  for (; d + 4 * LANES <= D; d += 4 * LANES) {
+    FN(vec) a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    for (int64_t m = 0; m < n; m++) {
+      const FN(vec) wm = FN(splat)(w[m]);
+      const R *r = x + row[m] + d;
+      a0 += wm * FN(load)(r);
+      a1 += wm * FN(load)(r + LANES);
+      a2 += wm * FN(load)(r + 2 * LANES);
+      a3 += wm * FN(load)(r + 3 * LANES);
+    }
+    FN(store)(out + d, a0);
+    FN(store)(out + d + LANES, a1);
+    FN(store)(out + d + 2 * LANES, a2);
+    FN(store)(out + d + 3 * LANES, a3);
+  }
+  for (; d + LANES <= D; d += LANES) {
+    FN(vec) acc = {0};
+    for (int64_t m = 0; m < n; m++) acc += FN(splat)(w[m]) * FN(load)(x + row[m] + d);
+    FN(store)(out + d, acc);
+  }
+  for (; d < D; d++) {
+    R acc = 0;
+    for (int64_t m = 0; m < n; m++) acc += w[m] * x[row[m] + d];
+    out[d] = acc;
+  }
+}
+
+/* a[d] += s·x[d] and b[d] += t·y[d] over D: a slot's terms of dk and dv (loads before stores in each step). */
+static inline void FN(add2)(R *a, R s, const R *x, R *b, R t, const R *y, int64_t D) {
+  const FN(vec) vs = FN(splat)(s), vt = FN(splat)(t);
+  int64_t d = 0;
+  for (; d + LANES <= D; d += LANES) {
+    const FN(vec) na = FN(load)(a + d) + vs * FN(load)(x + d), nb = FN(load)(b + d) + vt * FN(load)(y + d);
+    FN(store)(a + d, na);
+    FN(store)(b + d, nb);
+  }
+  for (; d < D; d++) {
+    a[d] += s * x[d];
+    b[d] += t * y[d];
+  }
+}
+
+/* Where query i's valid slots read: the element offsets key·D of their key rows in a [T, D] head, local
+ * slots first (how many: *n_local), then skips. Returns how many. */
+static inline int64_t FN(slot_rows)(const pi_pattern *p, int64_t T, int64_t D, int64_t i, int64_t *row,
+                                    int64_t *n_local) {
+  const int64_t lo = i < p->left ? -i : -p->left;
+  const int64_t hi = T - 1 - i < p->right ? T - 1 - i : p->right;
+  int64_t n = 0;
+  for (int64_t o = lo; o <= hi; o++) row[n++] = (i + o) * D;
+  *n_local = n;
+  if (p->skip_back && i - p->period >= 0) row[n++] = (i - p->period) * D;
+  if (p->skip_ahead && i + p->period < T) row[n++] = (i + p->period) * D;
+  return n;
+}
+
+/* The log-priors of a query's local and skip slots (0 for "union" and "separate", whose α mixes after
+ * normalising); `a` is its gate value. */
+static inline void FN(log_priors)(const pi_call *c, R a, R *local, R *skip) {
+  const R eps = (R)c->eps;
+  if (c->variant == PI_FIXED) {
+    /* As Python computes them (pattern.log_priors), in double, then rounded. */
+    *local = (R)log(c->prior < c->eps ? c->eps : c->prior);
+    *skip = (R)log(1 - c->prior < c->eps ? c->eps : 1 - c->prior);
+  } else if (c->variant == PI_ADAPTIVE) {
+    const R rest = 1 - a;
+    *local = PI_LOG(a < eps ? eps : a); /* max(·, ε) that keeps a NaN */
+    *skip = PI_LOG(rest < eps ? eps : rest);
+  } else {
+    *local = 0;
+    *skip = 0;
+  }
+}
+
+/* The logit of a score: clamped (a NaN passes), plus the slot's log-prior. */
+static inline R FN(logit)(const pi_call *c, R score, R prior) {
+  const R limit = (R)c->clamp;
+  if (c->has_clamp) {
+    if (score > limit) score = limit;
+    if (score < -limit) score = -limit;
+  }
+  return score + prior;
+}
+
+/* Softmax of z[from … to) in place; returns the log-sum-exp. A NaN logit makes every weight NaN. */
+static inline R FN(normalise)(R *z, int64_t from, int64_t to) {
+  R top = -INFINITY;
+  for (int64_t m = from; m < to; m++)
+    if (z[m] > top) top = z[m];
+  R total = 0;
+  for (int64_t m = from; m < to; m++) {
+    z[m] = PI_EXP(z[m] - top);
+    total += z[m];
+  }
+  const R inverse = 1 / total;
+  for (int64_t m = from; m < to; m++) z[m] *= inverse;
+  return top + PI_LOG(total);
+}
+
+/* Scratch of one thread, p->n_max each: key row offsets, logits (then weights), dL/dweights (then dL/dlogits),
+ * clamp mask. */
+typedef struct {
+  int64_t *row;
+  R *z, *dp, *pass;
+} FN(pi_scratch);
+
+/* The scratch rows in one allocation (free(w->row) releases them); NULL members when out of memory. */
+static FN(pi_scratch) FN(scratch)(int64_t n) {
+  FN(pi_scratch) w = {malloc((sizeof(int64_t) + 3 * sizeof(R)) * (size_t)n), NULL, NULL, NULL};
+  if (w.row) {
+    w.z = (R *)(w.row + n);
+    w.dp = w.z + n;
+    w.pass = w.dp + n;
+  }
+  return w;
+}
+
+/* One query row: y_i and its statistics. qi [D], k, v [T, D] of its key/value head, a its gate value. */
+static void FN(forward_row)(const pi_call *c, const pi_pattern *p, int64_t i, const R *qi, const R *k,
+                            const R *v, R a, R *yi, R *stat, FN(pi_scratch) * w) {
+  const int64_t D = c->D;
+  int64_t *row = w->row, nl;
+  R *z = w->z;
+  const int64_t n = FN(slot_rows)(p, c->T, D, i, row, &nl);
+  R lp_local, lp_skip;
+  FN(log_priors)(c, a, &lp_local, &lp_skip);
+  const R scale = (R)c->scale;
+  for (int64_t m = 0; m < n; m++)
+    z[m] = FN(logit)(c, FN(dot)(qi, k + row[m], D) * scale, m < nl ? lp_local : lp_skip);
+  if (c->variant != PI_SEPARATE) {
+    stat[0] = FN(normalise)(z, 0, n);
+  } else {
+    stat[0] = FN(normalise)(z, 0, nl);
+    stat[1] = n > nl ? FN(normalise)(z, nl, n) : 0;
+    if (n > nl) { /* α is read only where a skip key exists: elsewhere the local branch has weight 1 */
+      for (int64_t m = 0; m < nl; m++) z[m] *= a;
+      for (int64_t m = nl; m < n; m++) z[m] *= 1 - a;
+    }
+  }
+  FN(weighted_sum)(yi, z, v, row, n, D);
+}
+
+/* One query row's gradients: dq_i, dgate_i (when dgate is not NULL), and its terms of dk, dv. */
+static void FN(backward_row)(const pi_call *c, const pi_pattern *p, int64_t i, const R *qi,
+                             const R *dyi, const R *k, const R *v, R a, const R *stat, R *dqi,
+                             R *dk, R *dv, R *dgate, FN(pi_scratch) * w) {
+  const int64_t D = c->D;
+  int64_t *row = w->row, nl;
+  R *z = w->z, *dp = w->dp, *pass = w->pass;
+  const int64_t n = FN(slot_rows)(p, c->T, D, i, row, &nl);
+  R lp_local, lp_skip;
+  FN(log_priors)(c, a, &lp_local, &lp_skip);
+  const R scale = (R)c->scale, limit = (R)c->clamp;
+  for (int64_t m = 0; m < n; m++) {
+    R score;
+    FN(dot2)(qi, k + row[m], dyi, v + row[m], D, &score, &dp[m]);
+    score *= scale;
+    /* Whether the clamp lets the gradient through (a NaN score: not, as torch's mask). */
+    pass[m] = (R)(!c->has_clamp || (score <= limit && score >= -limit));
+    z[m] = FN(logit)(c, score, m < nl ? lp_local : lp_skip);
+  }
+  /* z becomes the weights, dp the gradient of the logits (before the clamp mask). */
+  if (c->variant != PI_SEPARATE) {
+    R sum = 0;
+    for (int64_t m = 0; m < n; m++) {
+      z[m] = PI_EXP(z[m] - stat[0]);
+      sum += z[m] * dp[m];
+    }
+    R d_local = 0, d_skip = 0;
+    for (int64_t m = 0; m < n; m++) {
+      dp[m] = z[m] * (dp[m] - sum);
+      if (m < nl) d_local += dp[m];
+      else d_skip += dp[m];
+    }
+    if (dgate && c->variant == PI_ADAPTIVE) { /* d log max(α, ε) / dα = 1/α where α >= ε, else 0 */
+      const R eps = (R)c->eps, rest = 1 - a;
+      *dgate = d_local * (R)(a >= eps) / a - (n > nl ? d_skip * (R)(rest >= eps) / rest : 0);
+    }
+  } else {
+    R sum_local = 0, sum_skip = 0;
+    for (int64_t m = 0; m < n; m++) {
+      z[m] = PI_EXP(z[m] - stat[m < nl ? 0 : 1]);
+      if (m < nl) sum_local += z[m] * dp[m];
+      else sum_skip += z[m] * dp[m];
+    }
+    const R coef_local = n > nl ? a : 1, coef_skip = 1 - coef_local;
+    for (int64_t m = 0; m < n; m++) {
+      const R coef = m < nl ? coef_local : coef_skip;
+      dp[m] = coef * z[m] * (dp[m] - (m < nl ? sum_local : sum_skip));
+      z[m] *= coef;
+    }
+    if (dgate) *dgate = n > nl ? sum_local - sum_skip : 0;
+  }
+  /* dq_i = Σ_m dz_m·k_m; dk_m += dz_m·q_i and dv_m += w_m·dy_i, one pass over D per slot. */
+  for (int64_t m = 0; m < n; m++) dp[m] *= pass[m] * scale;
+  FN(weighted_sum)(dqi, dp, k, row, n, D);
+  for (int64_t m = 0; m < n; m++) FN(add2)(dk + row[m], dp[m], qi, dv + row[m], z[m], dyi, D);
+}
+
+int FN(pi_fused_forward)(const pi_call *c, const pi_buffer *buf, int64_t n_buf) {
+  /* buf: q, k, v, gate, y, stat */
+  int err = pi_check_call(c);
+  if (err) return err;
+  if (!buf || n_buf != 6) return PI_ERR_BUFFER;
+  const int64_t B = c->B, H = c->H, H_kv = c->H_kv, T = c->T, D = c->D, G = H / H_kv;
+  const int64_t n_stat = pi_stats_per_row(c);
+  const int64_t sizes[6] = {B * H * T * D, B * H_kv * T * D, B * H_kv * T * D, B * H * T, B * H * T * D,
+                            B * H * T * n_stat};
+  for (int j = 0; j < 6; j++)
+    if ((err = pi_check_buffer(&buf[j], j != 3 || pi_gated(c), sizes[j]))) return err;
+  if (B == 0) return PI_OK;
+  const R *q = buf[0].data, *k = buf[1].data, *v = buf[2].data, *gate = buf[3].data;
+  R *y = buf[4].data, *stat = buf[5].data;
+  const pi_pattern p = pi_pattern_of(c);
+  const int64_t blocks = pi_forward_blocks(c), items = B * H_kv * blocks, rows = (T + blocks - 1) / blocks;
+  int failed = 0;
+#pragma omp parallel num_threads(c->threads) if (c->threads > 1 && items > 1)
+  {
+    FN(pi_scratch) w = FN(scratch)(p.n_max);
+    if (!w.row) {
+#pragma omp atomic write
+      failed = 1;
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; item++) {
+      if (!w.row) continue;
+      const int64_t bn = item / blocks, t0 = item % blocks * rows, t1 = t0 + rows < T ? t0 + rows : T;
+      const int64_t b = bn / H_kv, n = bn % H_kv;
+      const R *kh = k + bn * T * D, *vh = v + bn * T * D;
+      for (int64_t i = t0; i < t1; i++)
+        for (int64_t g = 0; g < G; g++) {
+          const int64_t row = (b * H + n * G + g) * T + i;
+          FN(forward_row)(c, &p, i, q + row * D, kh, vh, gate ? gate[row] : 0, y + row * D, stat + row * n_stat,
+                          &w);
+        }
+    }
+    free(w.row);
+  }
+  return failed ? PI_ERR_MEMORY : PI_OK;
+}
+
+int FN(pi_fused_backward)(const pi_call *c, const pi_buffer *buf, int64_t n_buf) {
+  /* buf: q, k, v, gate, dy, stat, dq, dk, dv, dgate (dgate empty: not wanted) */
+  int err = pi_check_call(c);
+  if (err) return err;
+  if (!buf || n_buf != 10) return PI_ERR_BUFFER;
+  const int64_t B = c->B, H = c->H, H_kv = c->H_kv, T = c->T, D = c->D, G = H / H_kv;
+  const int64_t n_stat = pi_stats_per_row(c);
+  const int64_t q_size = B * H * T * D, kv_size = B * H_kv * T * D, gate_size = B * H * T;
+  const int64_t sizes[10] = {q_size, kv_size, kv_size, gate_size, q_size, gate_size * n_stat,
+                             q_size, kv_size, kv_size, gate_size};
+  const int want_dgate = buf[9].data != NULL || buf[9].numel != 0;
+  if (want_dgate && !pi_gated(c)) return PI_ERR_BUFFER;
+  for (int j = 0; j < 10; j++) {
+    const int used = j == 3 ? pi_gated(c) : j == 9 ? want_dgate : 1;
+    if ((err = pi_check_buffer(&buf[j], used, sizes[j]))) return err;
+  }
+  if (B == 0) return PI_OK;
+  const R *q = buf[0].data, *k = buf[1].data, *v = buf[2].data, *gate = buf[3].data, *dy = buf[4].data;
+  const R *stat = buf[5].data;
+  R *dq = buf[6].data, *dk = buf[7].data, *dv = buf[8].data, *dgate = buf[9].data;
+  const pi_pattern p = pi_pattern_of(c);
+  const int64_t items = B * H_kv;
+  int failed = 0;
+#pragma omp parallel num_threads(c->threads) if (c->threads > 1 && items > 1)
+  {
+    FN(pi_scratch) w = FN(scratch)(p.n_max);
+    if (!w.row) {
+#pragma omp atomic write
+      failed = 1;
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t bn = 0; bn < items; bn++) {
+      if (!w.row) continue;
+      const int64_t b = bn / H_kv, n = bn % H_kv;
+      const R *kh = k + bn * T * D, *vh = v + bn * T * D;
+      R *dkh = dk + bn * T * D, *dvh = dv + bn * T * D;
+      const int64_t zeroed = p.reach < T ? p.reach : T;
+      memset(dkh, 0, sizeof(R) * (size_t)(zeroed * D));
+      memset(dvh, 0, sizeof(R) * (size_t)(zeroed * D));
+      for (int64_t i = 0; i < T; i++) {
+        if (i + p.reach < T) { /* the first query that reads key i + reach: its rows start at zero */
+          memset(dkh + (i + p.reach) * D, 0, sizeof(R) * (size_t)D);
+          memset(dvh + (i + p.reach) * D, 0, sizeof(R) * (size_t)D);
+        }
+        for (int64_t g = 0; g < G; g++) {
+          const int64_t row = (b * H + n * G + g) * T + i;
+          FN(backward_row)(c, &p, i, q + row * D, dy + row * D, kh, vh, gate ? gate[row] : 0, stat + row * n_stat,
+                           dq + row * D, dkh, dvh, dgate ? dgate + row : NULL, &w);
+        }
+      }
+    }
+    free(w.row);
+  }
+  return failed ? PI_ERR_MEMORY : PI_OK;
+}
+
+#undef R
+#undef FN
+#undef LANES
+
+#endif
