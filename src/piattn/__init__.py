@@ -14,9 +14,10 @@ __version__ = "0.1.0"  # the package's one version: pyproject.toml reads it from
 _EXPORTS = {
     "BACKENDS": "piattn.ops.pi",
     "pi_attention": "piattn.ops.pi",
+    "pi_attention_weights": "piattn.ops.pi",
     "PiAttention": "piattn.layers",
 }
-__all__ = ["BACKENDS", "PiAttention", "layers", "pi_attention"]
+__all__ = ["BACKENDS", "PiAttention", "layers", "pi_attention", "pi_attention_weights"]
 
 
 def __getattr__(name: str):

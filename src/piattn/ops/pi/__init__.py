@@ -15,6 +15,7 @@ from .compiled import is_symbolic, pi_attention_torch_op
 from .pattern import Pattern
 from .reference import pi_attention_reference
 from .validate import all_finite, check_arguments
+from .weights import SlotWeights, pi_attention_weights  # noqa: F401 (public: piattn.pi_attention_weights)
 
 # "auto" and the backends this install can run.
 BACKENDS: tuple[str, ...] = ("auto", *(name for name, b in REGISTRY.items() if b.available()))
