@@ -1,0 +1,412 @@
+"""The fused CPU backend (`piattn.ops.pi.fused`, `fused_cpu.c`) against "reference": the forward and every
+gradient (dq, dk, dv, dgate) for all four variants, causal and bidirectional, grouped-query heads, edge
+shapes, the logit clamp, any head dim and random shapes; non-finite inputs kept in the rows that read them;
+what it refuses; the C entry points' own checks; builds without -march=native or OpenMP, and the fallback
+without a compiler.
+
+fp64 runs at 1e-10 (utils.TOLERANCES). fp32 is compared with the fp64 reference on the same values: 2e-5
+for y, dq, dk, dv, and 1e-4 for dgate, which divides Σ dlogit by α or 1 − α (down to 0.02 in
+`make_inputs`): the fp32 reference itself is 4e-5 off the fp64 one there. Outputs are NaN-poisoned
+(tests/conftest.py) so that an element the kernels do not write cannot pass.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from piattn.config.pi import GATED_VARIANTS, VARIANTS
+from piattn.ops.pi import fused
+from piattn.ops.pi.fused import pi_attention_fused
+from piattn.ops.pi.pattern import Pattern, slot_keys
+from piattn.ops.pi.reference import pi_attention_reference
+from piattn.ops.pi.settings import OpSettings
+from utils import TOLERANCES, assert_close, make_inputs, param_id
+
+FP32 = dict(atol=2e-5, rtol=2e-5)
+FP32_DGATE = dict(atol=1e-4, rtol=1e-4)
+NAMES = ("y", "dq", "dk", "dv", "dgate")
+
+# id: (T, window, period)
+SHAPES = {
+    "odd": (37, 4, 16),
+    "T64": (64, 4, 16),
+    "short": (10, 4, 16),  # T < period: no skip key anywhere
+    "T1": (1, 4, 16),
+    "window0": (33, 0, 5),
+    "period1": (17, 2, 1),
+    "period<window": (40, 5, 3),  # the skip offsets are local already
+    "period=window": (40, 4, 4),
+    "period=T-1": (29, 3, 28),
+    "beyond-T": (30, 40, 45),  # window and period both longer than the sequence
+    "wide": (75, 20, 7),
+}
+
+
+@pytest.fixture(autouse=True)
+def compiled_kernels():
+    """Skip where there is no C compiler (or PIATTN_NATIVE=0); where there is one, the kernels must build."""
+    if os.environ.get("PIATTN_NATIVE") == "0":
+        pytest.skip("compiled kernels disabled by PIATTN_NATIVE=0")
+    if shutil.which(os.environ.get("CC") or "cc") is None:
+        pytest.skip("no C compiler ($CC or cc) to build fused_cpu.c")
+    if fused.unavailable() is not None:
+        pytest.fail(f"fused_cpu.c must build where a compiler exists: {fused.unavailable()}")
+
+
+def _settings(variant, **kw):
+    return dict(dict(window=4, period=16, causal=True, variant=variant, prior=0.3, logit_clamp=1.5, eps=1e-6,
+                     scale=0.25, dropout_keep=None, dropout_p=0.0), **kw)
+
+
+def _run(function, inputs, dy, kw):
+    """(y, dq, dk, dv, dgate or None) of `function` with cotangent dy."""
+    live = [t for t in inputs if t is not None]
+    y = function(*inputs, **kw)
+    grads = list(torch.autograd.grad(y, live, dy))
+    return (y, *grads, *([None] if inputs[3] is None else []))
+
+
+def _compare(inputs, kw, *, dy_seed=1):
+    """The fused backend against the reference: the same dtype for fp64 (1e-10), the fp64 reference of the
+    same values for fp32."""
+    dtype = inputs[0].dtype
+    dy = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(dy_seed), dtype=torch.float64)
+    wide = [None if t is None else t.detach().double().requires_grad_() for t in inputs]
+    expected = _run(pi_attention_reference, wide, dy, kw)
+    actual = _run(pi_attention_fused, inputs, dy.to(dtype), kw)
+    for name, e, a in zip(NAMES, expected, actual, strict=True):
+        assert (e is None) == (a is None), f"{name}: expected {'no ' if e is None else ''}gradient"
+        if e is None:
+            continue
+        assert a.dtype == dtype, f"{name}: dtype {a.dtype}, not {dtype}"
+        tol = TOLERANCES[dtype] if dtype == torch.float64 else FP32_DGATE if name == "dgate" else FP32
+        assert_close(name, e, a, tol=tol)
+    return actual
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("causal", (True, False), ids=param_id)
+def test_matches_reference_fp64(shape, variant, causal, nan_poison):
+    """Two query heads per key/value head (grouped-query attention) and plain heads, batch 2."""
+    T, window, period = SHAPES[shape]
+    q, _, _, gate = make_inputs(2, 4, T, 16, variant=variant, seed=1)
+    _, k, v, _ = make_inputs(2, 2, T, 16, variant=variant, seed=2)
+    _compare((q, k, v, gate), _settings(variant, window=window, period=period, causal=causal))
+    _compare(make_inputs(2, 2, T, 16, variant=variant, seed=3),
+             _settings(variant, window=window, period=period, causal=causal))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("causal", (True, False), ids=param_id)
+@pytest.mark.parametrize("shape", ("odd", "short", "window0", "period<window", "wide"))
+def test_matches_reference_fp32(variant, causal, shape, nan_poison):
+    T, window, period = SHAPES[shape]
+    inputs = make_inputs(1, 4, T, 64, variant=variant, dtype=torch.float32, seed=4)
+    _compare(inputs, _settings(variant, window=window, period=period, causal=causal, scale=64**-0.5))
+
+
+@pytest.mark.parametrize("H_kv", (1, 2, 3, 6))
+@pytest.mark.parametrize("dtype", (torch.float64, torch.float32), ids=param_id)
+def test_grouped_query_heads(H_kv, dtype, nan_poison):
+    """Six query heads over 1, 2, 3 or 6 key/value heads: dk, dv sum over the heads that share them."""
+    q, _, _, gate = make_inputs(2, 6, 45, 8, dtype=dtype, seed=5)
+    _, k, v, _ = make_inputs(2, H_kv, 45, 8, dtype=dtype, seed=6)
+    _compare((q, k, v, gate), _settings("adaptive", causal=False))
+
+
+@pytest.mark.parametrize("D", (1, 3, 4, 8, 17, 33, 64, 100))
+def test_head_dims(D, nan_poison):
+    """Any D: whole vectors of four and one, then single lanes (the tails of every loop over D)."""
+    for dtype in (torch.float64, torch.float32):
+        inputs = make_inputs(1, 2, 21, D, variant="separate", dtype=dtype, seed=D)
+        _compare(inputs, _settings("separate", window=3, period=11, causal=False, scale=D**-0.5))
+
+
+@pytest.mark.parametrize("clamp", (2.0, None), ids=("clamp2", "no-clamp"))
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_logit_clamp(clamp, variant, nan_poison):
+    """Large scores: many logits beyond the clamp, where no gradient passes, or none clamped (None)."""
+    q, k, v, gate = make_inputs(1, 2, 70, 32, variant=variant, seed=7)
+    q = (q.detach() * 3).requires_grad_()
+    kw = _settings(variant, causal=False, logit_clamp=clamp, scale=32**-0.5)
+    with torch.no_grad():
+        scores = (q @ k.transpose(-1, -2)).abs() * kw["scale"]
+    assert clamp is None or (scores > clamp).float().mean() > 0.1, "the case must clamp"
+    _compare((q, k, v, gate), kw)
+
+
+def test_scale_eps_and_prior(nan_poison):
+    """eps = 0.1 floors the priors of gates below 0.1 or above 0.9 (their gradient is then zero); a fixed
+    prior of 0.9."""
+    for variant, causal, kw in (("adaptive", True, dict(eps=0.1)), ("fixed", False, dict(prior=0.9))):
+        inputs = make_inputs(1, 2, 50, 16, variant=variant, seed=8)
+        _compare(inputs, _settings(variant, window=3, period=9, causal=causal, scale=0.3, **kw))
+
+
+def test_noncontiguous_inputs_and_a_gate_of_another_dtype(nan_poison):
+    """[B, T, H, D] projections viewed as [B, H, T, D] and a transposed fp64 gate with fp32 q, k, v: the
+    gradients come back in the callers' layout and dtype."""
+    q, k, v, gate = make_inputs(2, 3, 41, 16, dtype=torch.float32, seed=9)
+    q, k, v = (t.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    gate = gate.detach().double().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()
+    assert not q.is_contiguous() and not gate.is_contiguous()
+    dy = torch.randn(2, 3, 41, 16)
+    y, dq, dk, dv, dgate = _run(pi_attention_fused, (q, k, v, gate), dy, _settings("adaptive"))
+    wide = [t.detach().double().requires_grad_() for t in (q, k, v, gate)]
+    expected = _run(pi_attention_reference, wide, dy.double(), _settings("adaptive"))
+    assert dgate.dtype == torch.float64 and y.dtype == torch.float32
+    for name, e, a in zip(NAMES, expected, (y, dq, dk, dv, dgate), strict=True):
+        assert_close(name, e, a.double(), tol=FP32_DGATE if name == "dgate" else FP32)
+
+
+def test_threads_give_identical_results(nan_poison):
+    """Threads split (batch, key/value head) work items, and the forward's rows where there are fewer heads
+    than threads: each row is computed the same way whatever the thread count, so bit for bit equal."""
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            for B, H, H_kv in ((2, 4, 2), (1, 2, 1)):
+                q, _, _, gate = make_inputs(B, H, 300, 16, variant="separate", seed=10)
+                _, k, v, _ = make_inputs(B, H_kv, 300, 16, seed=11)
+                dy = torch.randn(B, H, 300, 16, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
+                results.append(_run(pi_attention_fused, (q, k, v, gate), dy, _settings("separate", causal=False)))
+    finally:
+        torch.set_num_threads(threads)
+    for one, many in zip(results[:2], results[2:], strict=True):
+        for name, a, b in zip(NAMES, one, many, strict=True):
+            assert torch.equal(a, b), f"{name} differs between 1 and 3 threads"
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(B=st.integers(1, 2), H_kv=st.integers(1, 2), group=st.integers(1, 3), T=st.integers(1, 80),
+       D=st.sampled_from([1, 3, 8, 16, 20]), window=st.integers(0, 9), period=st.integers(1, 40),
+       causal=st.booleans(), variant=st.sampled_from(VARIANTS), clamp=st.sampled_from([None, 1.0, 3.0]),
+       seed=st.integers(0, 2**16))
+def test_random_shapes(B, H_kv, group, T, D, window, period, causal, variant, clamp, seed, nan_poison):
+    q, _, _, gate = make_inputs(B, H_kv * group, T, D, variant=variant, seed=seed)
+    _, k, v, _ = make_inputs(B, H_kv, T, D, seed=seed + 1)
+    _compare((q, k, v, gate), _settings(variant, window=window, period=period, causal=causal, logit_clamp=clamp))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A non-finite input value may only reach the outputs that read it (docs/design.md).
+
+def _keys_of(T, window, period, causal) -> list[set[int]]:
+    """U(i), the keys query i reads, from the pattern's one definition."""
+    key, valid = slot_keys(Pattern(window, period, causal), T)
+    return [set(key[0, i][valid[0, i]].tolist()) for i in range(T)]
+
+
+def _bad_rows(x: torch.Tensor) -> set[int]:
+    """Rows (dim 2) of batch 0, head 0 holding a non-finite value."""
+    bad = ~torch.isfinite(x[0, 0])
+    return set((bad.any(-1) if bad.dim() == 2 else bad).nonzero().flatten().tolist())
+
+
+def _poisoned(t: torch.Tensor, p: int, value: str) -> torch.Tensor:
+    """t with position p of batch 0, head 0 set to NaN, or to ±inf alternating along D (a dot with it is
+    NaN, not a clampable ±inf)."""
+    t = t.detach().clone()
+    if t.dim() == 3:
+        t[0, 0, p] = float(value)
+    else:
+        row = torch.full((t.shape[-1],), float("inf"), dtype=t.dtype)
+        row[1::2] = -float("inf")
+        t[0, 0, p] = float("nan") if value == "nan" else row
+    return t.requires_grad_()
+
+
+@pytest.mark.parametrize("which", ("q", "k", "v", "gate"))
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("causal", (True, False), ids=param_id)
+@pytest.mark.parametrize("value", ("nan", "inf"))
+def test_nonfinite_stays_local(which, variant, causal, value):
+    """NaN or ±inf in q, k, v or the gate at position p of one head: y is non-finite in exactly the rows that
+    read p, the gradients at most in those rows (dq, dgate) or their neighbourhoods (dk, dv; dv nowhere for
+    a bad v), and every other row, and the other head, equals the clean run's."""
+    if which == "gate" and variant not in GATED_VARIANTS:
+        pytest.skip("no gate")
+    T, window, period = 40, 4, 16
+    kw = _settings(variant, window=window, period=period, causal=causal)
+    keys = _keys_of(T, window, period, causal)
+    no_skip = _keys_of(T, window, T + 1, causal)
+    clean = make_inputs(1, 2, T, 16, variant=variant, seed=12)
+    dy = torch.randn(1, 2, T, 16, generator=torch.Generator().manual_seed(13), dtype=torch.float64)
+    names = ("q", "k", "v", "gate")
+    reference = dict(zip(NAMES, _run(pi_attention_fused, clean, dy, kw), strict=True))
+    for p in (0, T // 2, T - 1, T - 1 - period):
+        inputs = list(clean)
+        inputs[names.index(which)] = _poisoned(clean[names.index(which)], p, value)
+        got = dict(zip(NAMES, _run(pi_attention_fused, inputs, dy, kw), strict=True))
+        readers = {i for i in range(T) if p in keys[i]}
+        tainted = {p} if which in ("q", "gate") else readers
+        if which == "gate" and variant == "separate" and keys[p] == no_skip[p]:
+            tainted = set()  # "separate" reads α only to mix in skip keys: a query without one ignores it
+        near = set().union(*(keys[i] for i in tainted))
+        within = {"y": tainted, "dq": tainted, "dgate": tainted, "dk": near, "dv": set() if which == "v" else near}
+        for name, allowed in within.items():
+            if got[name] is None:
+                continue
+            bad = _bad_rows(got[name])
+            where = f"{which}[{p}]={value}: {name}"
+            if name == "y":
+                assert bad == allowed, f"{where}: non-finite rows {sorted(bad)}, expected {sorted(allowed)}"
+            else:
+                assert bad <= allowed, f"{where}: non-finite rows {sorted(bad - allowed)} beyond {sorted(allowed)}"
+            keep = [i for i in range(T) if i not in allowed]
+            assert_close(f"{where} (head 0, other rows)", reference[name][0, 0, keep], got[name][0, 0, keep])
+            assert_close(f"{where} (head 1)", reference[name][0, 1], got[name][0, 1])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# What it refuses, and the C entry points' own checks.
+
+@pytest.mark.parametrize("case", ("sinks", "documents", "dropout", "bfloat16", "meta"))
+def test_refuses_what_it_does_not_implement(case):
+    """Declared in backends.py (features without sinks and documents, dropout=False, fp32/fp64 on the CPU),
+    and refused here too when called directly: never silently wrong."""
+    q, k, v, gate = make_inputs(1, 2, 20, 8, requires_grad=False)
+    kw = _settings("adaptive")
+    if case == "sinks":
+        kw["sinks"] = 2
+    elif case == "documents":
+        kw["document_ids"] = torch.zeros(1, 20, dtype=torch.long)
+    elif case == "dropout":
+        kw.update(dropout_p=0.1, dropout_keep=torch.ones(1, 2, 20, 6, dtype=torch.bool))
+    elif case == "bfloat16":
+        q, k, v, gate = (t.bfloat16() for t in (q, k, v, gate))
+    else:
+        q, k, v, gate = (t.to("meta") for t in (q, k, v, gate))
+    match = {"sinks": "sinks", "documents": "documents", "dropout": "dropout", "bfloat16": "bfloat16",
+             "meta": "CPU"}[case]
+    with pytest.raises(ValueError, match=match):
+        pi_attention_fused(q, k, v, gate, **kw)
+
+
+def test_refuses_double_backward():
+    q, k, v, gate = make_inputs(1, 2, 20, 8)
+    y = pi_attention_fused(q, k, v, gate, **_settings("adaptive"))
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(y.sum(), q, create_graph=True)
+
+
+def _raw_call(direction, tensors, **change):
+    """The C entry point itself, on these tensors, with the sizes of a [1, 2, 20, 8] call changed by `change`:
+    its return code."""
+    call = dict(B=1, H=2, H_kv=2, T=20, D=8, window=4, period=16, causal=1, variant=fused.VARIANT_CODES["adaptive"],
+                has_clamp=1, threads=1, clamp=1.5, prior=0.3, eps=1e-6, scale=0.25)
+    call.update(change)
+    buffers = (fused._Buffer * len(tensors))(*map(fused._buffer, tensors))
+    function = fused._load()[torch.float64, direction]
+    return function(ctypes.byref(fused._Call(**call)), buffers, len(tensors))
+
+
+def test_c_entry_points_check_sizes_and_buffers():
+    """Each bad size or buffer gets its error code, with nothing written (y stays NaN)."""
+    q, k, v, gate = make_inputs(1, 2, 20, 8, requires_grad=False)
+    y, stat = torch.full_like(q, float("nan")), torch.empty(1, 2, 20, 1, dtype=torch.float64)
+    ok = [q, k, v, gate, y, stat]
+    assert _raw_call("forward", ok) == 0 and torch.isfinite(y).all()
+    y.fill_(float("nan"))
+    cases = {
+        "H_kv does not divide H": (ok, dict(H_kv=3), 1),
+        "D larger than the buffers": (ok, dict(D=9), 3),
+        "T larger than the buffers": (ok, dict(T=21), 3),
+        "negative window": (ok, dict(window=-1), 2),
+        "unknown variant": (ok, dict(variant=7), 2),
+        "scale 0": (ok, dict(scale=0.0), 2),
+        "no gate for a gated variant": ([q, k, v, None, y, stat], {}, 3),
+        "a gate for an ungated variant": (ok, dict(variant=fused.VARIANT_CODES["union"]), 3),
+        "short stat": ([q, k, v, gate, y, stat[..., :0]], {}, 3),
+        "too few buffers": (ok[:5], {}, 3),
+    }
+    for name, (tensors, change, code) in cases.items():
+        assert _raw_call("forward", tensors, **change) == code, name
+        assert torch.isnan(y).all(), f"{name}: written before refusing"
+    dq, dk, dv, dgate = (torch.full_like(t, float("nan")) for t in (q, k, v, gate))
+    backward = [q, k, v, gate, q, stat, dq, dk, dv, dgate]
+    assert _raw_call("backward", backward[:6] + [dq, dk[..., :4], dv, dgate]) == 3
+    assert _raw_call("backward", backward, variant=fused.VARIANT_CODES["fixed"]) == 3  # no gate, no dgate
+    assert torch.isnan(dq).all()
+
+
+def test_the_python_side_reports_a_refusal(monkeypatch):
+    """An error code becomes a RuntimeError that says what was refused."""
+    q, k, v, gate = make_inputs(1, 2, 20, 8, requires_grad=False)
+    settings = OpSettings(window=4, period=16, causal=True, variant="adaptive", prior=0.3, logit_clamp=None,
+                          eps=1e-6, scale=0.25, dropout_p=0.0, sinks=0)
+    with pytest.raises(RuntimeError, match="buffer's length"):
+        fused._run("forward", q, k, settings, [q, k, v, gate, torch.empty_like(q), torch.empty(3)])
+
+
+def test_empty_batch():
+    q, k, v, gate = make_inputs(0, 2, 20, 8)
+    y = pi_attention_fused(q, k, v, gate, **_settings("adaptive"))
+    assert y.shape == (0, 2, 20, 8)
+    y.sum().backward()
+    assert q.grad.shape == q.shape and gate.grad.shape == gate.shape
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Building: the flag sets below -march=native, and no compiler at all (fresh interpreters, own caches).
+
+CHECK = """
+import json, warnings, torch
+warnings.simplefilter("always")
+from piattn.ops.pi import fused
+{setup}
+from piattn.ops.pi.reference import pi_attention_reference
+torch.manual_seed(0)
+q, k, v = (torch.randn(1, 2, 50, 13, dtype=torch.float64, requires_grad=True) for _ in range(3))
+gate = (0.05 + 0.9 * torch.rand(1, 2, 50, dtype=torch.float64)).requires_grad_()
+kw = dict(window=3, period=9, causal=False, variant="adaptive", prior=0.5, logit_clamp=2.0, eps=1e-6,
+          scale=0.3, dropout_keep=None, dropout_p=0.0)
+worst = 0.0
+for f in (pi_attention_reference, fused.pi_attention_fused):
+    y = f(q, k, v, gate, **kw)
+    got = (y, *torch.autograd.grad(y.square().sum(), (q, k, v, gate)))
+    if f is pi_attention_reference:
+        expected = got
+worst = max((a - b).abs().max().item() for a, b in zip(expected, got))
+flags = fused.build_flags()
+print(json.dumps(dict(reason=fused.unavailable(), flags=None if flags is None else list(flags), worst=worst)))
+"""
+
+
+def _check_in(tmp_path, setup="", **env):
+    """Run CHECK in a fresh interpreter with its own PIATTN_CACHE: (its report, its stderr)."""
+    done = subprocess.run([sys.executable, "-c", CHECK.format(setup=setup)], capture_output=True, text=True,
+                          check=True, env={**os.environ, "PIATTN_CACHE": str(tmp_path), **env})
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+@pytest.mark.parametrize("flags", (("-fopenmp",), ("-fopenmp-simd",), ()), ids=("no-march", "no-openmp", "plain"))
+def test_builds_without_native_instructions_or_openmp(tmp_path, flags):
+    """Where the compiler refuses -march=native or -fopenmp, the next flag set is built, and computes the same
+    (SSE vectors and one thread: the same function)."""
+    out, _ = _check_in(tmp_path, setup=f"fused.FLAG_SETS = ({flags!r},)")
+    assert out == dict(reason=None, flags=list(flags), worst=out["worst"]) and out["worst"] < 1e-10, out
+    assert len(list((tmp_path / "native").glob("fused_cpu-*.so"))) == 1
+
+
+def test_without_a_compiler_it_warns_once_and_runs_torch(tmp_path):
+    out, err = _check_in(tmp_path, CC="/nonexistent/cc")
+    assert out["reason"].startswith("could not build fused_cpu.c with '/nonexistent/cc'"), out
+    assert out["flags"] is None and out["worst"] < 1e-10
+    assert err.count("RuntimeWarning") == 1 and "runs the 'torch' backend" in err
+    out, err = _check_in(tmp_path, PIATTN_NATIVE="0")
+    assert out["reason"] == "disabled by PIATTN_NATIVE=0" and "Warning" not in err
