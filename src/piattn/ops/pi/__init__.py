@@ -6,6 +6,8 @@ how they compute, never in what. What each can run is declared in `backends.py`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 # Aliased: importing the submodule `.torch` rebinds the package attribute `torch` to that submodule.
 import torch as _torch
 
@@ -14,7 +16,7 @@ from .backends import AUTO_ORDER, REGISTRY, select
 from .compiled import is_symbolic, pi_attention_torch_op
 from .pattern import Pattern
 from .reference import pi_attention_reference
-from .validate import all_finite, check_arguments
+from .validate import all_finite, check_arguments, check_qkv_tensors, head_periods
 from .weights import SlotWeights, pi_attention_weights  # noqa: F401 (public: piattn.pi_attention_weights)
 
 # "auto" and the backends this install can run.
@@ -28,7 +30,7 @@ def pi_attention(
     gate: _torch.Tensor | None = None,
     *,
     window: int = PI_DEFAULTS.window,
-    period: int = PI_DEFAULTS.period,
+    period: int | Sequence[int] | _torch.Tensor = PI_DEFAULTS.period,
     causal: bool = True,
     variant: str = PI_DEFAULTS.variant,
     prior: float = PI_DEFAULTS.prior,
@@ -49,7 +51,13 @@ def pi_attention(
         gate: [B, H, T] the local prior α in (0, 1), for variants "adaptive" and "separate"; else None.
         window: local radius k >= 0. Causal queries see i-k … i, bidirectional ones i-k … i+k.
         period: skip distance π >= 1; the key i-π (and i+π when bidirectional). period <= window adds
-            nothing beyond the window.
+            nothing beyond the window. Or one period per query head (multi-scale π): a sequence or 1-D
+            integer tensor (on q's device) of H ints, head h skipping π_h; with grouped heads, query heads
+            that share a key/value head may differ. The heads are grouped by period and the backend runs
+            once per distinct period (cost: one call per group, on 1/groups of the heads each; a group
+            whose query heads do not make up whole key/value groups reads its k, v through one copied
+            key/value head per query head, the only case that materialises a repeat), then the outputs
+            are put back in head order. Entries all equal are the one-period call exactly.
         causal: whether queries see only the past.
         variant: "union" (Eq. beta), "separate" (Variant 1), "fixed" (Variant 2, constant α = prior)
             or "adaptive" (Variant 3, α = gate).
@@ -58,6 +66,8 @@ def pi_attention(
         eps: floor of the priors: log max(α, eps) and log max(1 - α, eps).
         scale: score scale; None means 1/sqrt(D).
         dropout_p: dropout on the attention weights (like SDPA, applied whenever > 0: pass 0 in eval).
+            The keep mask is drawn in one layout for every backend (with per-head periods, once per period
+            group, in increasing period), so equal seeds give equal results across backends.
         sinks: the first `sinks` keys of each document are seen by every query of it at or after them
             (causal) or by all its queries (bidirectional), with the local prior; a key already in the
             window or at ±period is not counted twice.
@@ -73,11 +83,54 @@ def pi_attention(
     Returns:
         [B, H, T, D] in the dtype of q.
     """
+    check_qkv_tensors(q, k, v)
+    periods = head_periods(period, q)
     check_arguments(
-        q, k, v, gate, window=window, period=period, causal=causal, variant=variant, prior=prior,
-        logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p, sinks=sinks,
-        document_ids=document_ids,
+        q, k, v, gate, window=window, period=periods if isinstance(periods, int) else periods[0], causal=causal,
+        variant=variant, prior=prior, logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p,
+        sinks=sinks, document_ids=document_ids,
     )
+    settings = dict(window=window, causal=causal, variant=variant, prior=prior, logit_clamp=logit_clamp, eps=eps,
+                    scale=scale, dropout_p=dropout_p, sinks=sinks, document_ids=document_ids, backend=backend)
+    if isinstance(periods, int):
+        return _pi_attention(q, k, v, gate, period=periods, **settings)
+    return _per_head_periods(q, k, v, gate, periods, settings)
+
+
+def _per_head_periods(q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor, gate: _torch.Tensor | None,
+                      periods: tuple[int, ...], settings: dict) -> _torch.Tensor:
+    """`pi_attention` with head h skipping periods[h] (H entries, at least two distinct): one
+    `_pi_attention` per distinct period, in increasing period, on that group's heads, outputs back in head
+    order. q [B, H, T, D], k, v [B, H_kv, T, D], gate [B, H, T] or None -> [B, H, T, D].
+
+    Each head's result is that of its own call, so every backend is exact here as it is on one period, and
+    autograd carries the gradients back through the index_select and cat.
+    """
+    H, H_kv = q.shape[1], k.shape[1]
+    group = H // H_kv
+    outputs, order = [], []
+    for p in sorted(set(periods)):
+        heads = [h for h, ph in enumerate(periods) if ph == p]
+        kv_heads = sorted({h // group for h in heads})
+        if len(heads) != len(kv_heads) * group:
+            # Some key/value head is shared with another period's group: read one copy per query head.
+            kv_heads = [h // group for h in heads]
+        index = _torch.tensor(heads, device=q.device)
+        kv_index = _torch.tensor(kv_heads, device=q.device)
+        outputs.append(_pi_attention(
+            q.index_select(1, index), k.index_select(1, kv_index), v.index_select(1, kv_index),
+            None if gate is None else gate.index_select(1, index), period=p, **settings))
+        order += heads
+    inverse = _torch.empty(H, dtype=_torch.long)
+    inverse[_torch.tensor(order)] = _torch.arange(H)
+    return _torch.cat(outputs, 1).index_select(1, inverse.to(q.device))
+
+
+def _pi_attention(q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor, gate: _torch.Tensor | None, *, window: int,
+                  period: int, causal: bool, variant: str, prior: float, logit_clamp: float | None, eps: float,
+                  scale: float | None, dropout_p: float, sinks: int, document_ids: _torch.Tensor | None,
+                  backend: str) -> _torch.Tensor:
+    """`pi_attention` on checked arguments and one period: the backend's choice, the dropout mask, the call."""
     B, H, T, D = q.shape
     inputs = (q, k, v) if gate is None else (q, k, v, gate)
     needs_grad = _torch.is_grad_enabled() and any(t.requires_grad for t in inputs)

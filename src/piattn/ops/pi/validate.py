@@ -7,9 +7,11 @@ Whether a backend can run a call is not checked here: see `backends.py`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from ...config.pi import GATED_VARIANTS, check_pi_settings
+from ...config.pi import GATED_VARIANTS, check_pi_settings, is_int
 
 SUPPORTED_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -48,6 +50,36 @@ def check_arguments(
         raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p!r}")
     _check_gate(q, gate, variant)
     check_document_ids(document_ids, q)
+
+
+def head_periods(period, q: torch.Tensor) -> int | tuple[int, ...]:
+    """`pi_attention`'s period -> an int (one period for every head) or a tuple of H ints (one per query
+    head of q [B, H, T, D]), each >= 1. A sequence or tensor whose entries are all equal becomes their int,
+    so that it takes exactly the path of one period. ValueError naming `period` otherwise.
+
+    A tensor must be 1-D, integer and on q's device; reading its values is a host sync (and, under
+    torch.compile, a graph break: pass a tuple there).
+    """
+    H = q.shape[1]
+    allowed = f"an int >= 1 or one int >= 1 per query head (a sequence or 1-D integer tensor of length H={H})"
+    if is_int(period):
+        return period  # its range: check_pi_settings, with the other settings
+    if isinstance(period, torch.Tensor):
+        if period.dim() != 1 or period.is_floating_point() or period.is_complex() or period.dtype == torch.bool:
+            raise ValueError(f"period must be {allowed}; got a tensor of shape {tuple(period.shape)} and dtype "
+                             f"{period.dtype}")
+        if period.device != q.device:
+            raise ValueError(f"period must be on the device of q ({q.device}), got {period.device}")
+        period = period.tolist()
+    if not isinstance(period, Sequence) or isinstance(period, (str, bytes)):
+        raise ValueError(f"period must be {allowed}; got {period!r}")
+    if len(period) != H:
+        raise ValueError(f"period has {len(period)} entries; per-head periods need one per query head, H={H}")
+    for h, p in enumerate(period):
+        if not is_int(p) or p < 1:
+            raise ValueError(f"period[{h}] must be an int >= 1, got {p!r}; period must be {allowed}")
+    periods = tuple(int(p) for p in period)
+    return periods[0] if len(set(periods)) == 1 else periods
 
 
 def check_kv_heads(q, k, v) -> None:
