@@ -281,6 +281,18 @@ class _BeyondWeights(Exception):
     """A model being built in `check_weight_shapes` has a parameter its weights file cannot hold."""
 
 
+def _stored_shapes(ckpt: Path) -> tuple[Path, dict[str, tuple[int, ...]]]:
+    """(model.safetensors of `ckpt`, name -> shape of each stored tensor), read from the header alone;
+    ValueError naming the file when it is missing or unreadable."""
+    file = Path(ckpt) / MODEL_FILE
+    _require_file(file)
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return file, {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118 (not a dict)
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ValueError(f"{file}: not a readable safetensors file ({_one_line(err)})") from None
+
+
 def check_weight_shapes(ckpt: Path, build: Callable[[], nn.Module]) -> None:
     """ValueError naming model.safetensors unless the model `build()` makes has exactly the tensors the file
     holds, each of the stored shape; checked before any memory is spent on the model.
@@ -292,13 +304,7 @@ def check_weight_shapes(ckpt: Path, build: Callable[[], nn.Module]) -> None:
     counts as present under each of its names. The first meta build of a process costs about 2 s (torch
     loads its Python reference ops).
     """
-    file = Path(ckpt) / MODEL_FILE
-    _require_file(file)
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            saved = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118 (not a dict)
-    except (SafetensorError, OSError, ValueError) as err:
-        raise ValueError(f"{file}: not a readable safetensors file ({_one_line(err)})") from None
+    file, saved = _stored_shapes(ckpt)
     shapes, registered = set(saved.values()), 0
 
     def stop_at_unknown(module: nn.Module, name: str, param: torch.Tensor) -> None:
@@ -341,13 +347,7 @@ def load_weights(model: nn.Module, ckpt: Path) -> None:
     ValueError naming the file when it is missing, unreadable, truncated, or holds tensors of other names
     or shapes (the first mismatching tensor is named with both shapes).
     """
-    file = Path(ckpt) / MODEL_FILE
-    _require_file(file)
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            saved = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}  # noqa: SIM118 (not a dict)
-    except (SafetensorError, OSError, ValueError) as err:
-        raise ValueError(f"{file}: not a readable safetensors file ({_one_line(err)})") from None
+    file, saved = _stored_shapes(ckpt)
     for key, tensor in model.state_dict().items():
         if key in saved and tuple(tensor.shape) != saved[key]:
             raise ValueError(f"{file}: does not match the model: {key} has shape {_fmt_shape(saved[key])} in the "
