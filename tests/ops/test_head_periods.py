@@ -218,8 +218,9 @@ def test_fuzz(data):
     (torch.tensor([4.0, 8, 8, 16]), r"period must be .* dtype torch.float32"),
     (torch.tensor([True] * 4), r"period must be .* dtype torch.bool"),
     (torch.tensor([4, 8, 8, 16], device="meta"), r"period must be on the device of q \(cpu\), got meta"),
-    ("16", r"period must be an int >= 1 or one int >= 1 per query head"),
-    (2.5, r"period must be an int >= 1 or one int >= 1 per query head .*; got 2.5"),
+    ("16", r"period must be an int >= 1 or a sequence of ints >= 1, one per query head; got '16'"),
+    (2.5, r"period must be an int >= 1 or a sequence of ints >= 1, one per query head; got 2.5"),
+    ((), r"period must be an int >= 1 or a sequence of ints >= 1, one per query head; got \(\)"),
     (0, r"period must be an int >= 1, got 0"),
 ])
 def test_bad_periods(period, message):

@@ -7,6 +7,7 @@ model is built); each kind reads the fields it needs, so a model never changes t
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .pi import PI_DEFAULTS, PiSettings, is_int
@@ -34,7 +35,9 @@ class ModelConfig:
     block_size (longest sequence), vocab_size; n_kv_head: key/value heads (grouped-query attention, dividing
     n_head; None: n_head, plain multi-head; `dense`, `local` and `pi` accept fewer).
     Attention: `attention` names the kind; window, period, variant, prior, logit_clamp, gate_eps are the
-    π-Attention knobs (`PiSettings`, with sinks: the first `sinks` keys of each document seen by all its
+    π-Attention knobs (`PiSettings`; period: one int, per head, per layer and head, or a schedule, see
+    `resolve_periods`, stored resolved so that a checkpoint's config rebuilds the same periods; with
+    sinks: the first `sinks` keys of each document seen by all its
     later queries, for `pi`; window is also the radius of local and longformer; bigbird slides over
     ceil(window / sparse_block) blocks each side); n_global global tokens (longformer) or global blocks of
     sparse_block tokens (bigbird); sparse_block and n_random (bigbird's block size and random blocks per
@@ -51,7 +54,7 @@ class ModelConfig:
     vocab_size: int = 50257
     attention: str = "pi"
     window: int = PI_DEFAULTS.window
-    period: int = PI_DEFAULTS.period
+    period: int | str | list = PI_DEFAULTS.period
     variant: str = PI_DEFAULTS.variant
     prior: float = PI_DEFAULTS.prior
     logit_clamp: float | None = PI_DEFAULTS.logit_clamp
@@ -82,7 +85,10 @@ class ModelConfig:
             raise ValueError(f"d_ff must be a positive integer, got {self.d_ff!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
-        self.pi.check()
+        self.period = resolve_periods(self.period, window=self.window, n_layer=self.n_layer, n_head=self.n_head,
+                                      block_size=self.block_size)
+        for layer in range(self.n_layer):
+            self.pi_settings(layer)  # checks every layer's settings
 
     @property
     def head_dim(self) -> int:
@@ -95,8 +101,16 @@ class ModelConfig:
 
     @property
     def pi(self) -> PiSettings:
-        """The π-Attention operator settings of this config (checked on construction)."""
-        return PiSettings(window=self.window, period=self.period, variant=self.variant, prior=self.prior,
+        """The π-Attention operator settings of layer 0 (layers differ in their periods only)."""
+        return self.pi_settings(0)
+
+    def pi_settings(self, layer: int) -> PiSettings:
+        """The π-Attention operator settings of layer `layer` (checked on construction): its period is an int,
+        or a tuple of n_head per-head periods."""
+        period = self.period
+        if not is_int(period):
+            period = period[layer] if isinstance(period[0], list) else period
+        return PiSettings(window=self.window, period=period, variant=self.variant, prior=self.prior,
                           logit_clamp=self.logit_clamp, eps=self.gate_eps, sinks=self.sinks)
 
     @classmethod
@@ -117,6 +131,56 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+# The period schedules a config may name: `piattn.analysis.multiscale.SCHEDULES` (a test checks that they
+# agree), whose `periods_per_layer` and `schedule` resolve them. The configuration imports nothing else from
+# piattn, so `piattn.models` lends it those two functions on import (`use_period_schedules`).
+PERIOD_SCHEDULES = ("single", "geometric", "cover")
+_resolvers: dict[str, Callable] = {}
+
+
+def use_period_schedules(periods_per_layer: Callable, schedule: Callable) -> None:
+    """Let `resolve_periods` normalise lists and resolve schedule names with these functions (of
+    `piattn.analysis.multiscale`)."""
+    _resolvers.update(periods_per_layer=periods_per_layer, schedule=schedule)
+
+
+def resolve_periods(period, *, window: int, n_layer: int, n_head: int, block_size: int) -> int | list:
+    """A config's period -> the form it is stored in: an int when every head of every layer shares it, a
+    list of n_head ints when every layer has the same heads, else a list of n_layer lists of n_head ints.
+
+    period: an int; a list of n_head ints (every layer alike); a list of n_layer lists of n_head ints; or a
+    schedule of `piattn.analysis.multiscale.schedule`, "name" or "name:N": "single" (every head π = N),
+    "geometric" (heads at N, 2N, 4N, … in every layer), N defaulting to the default period 16; "cover"
+    (`design_periods`: every lag up to N reachable through the layers), N defaulting to block_size − 1,
+    the longest lag a sequence of the model has. One-line ValueError naming `period` for anything else.
+    """
+    if is_int(period):
+        return period
+    if not isinstance(period, (str, list, tuple)):
+        raise ValueError(f"period must be an int, a list of n_head ints, a list of n_layer lists of n_head ints "
+                         f"or a schedule name ({', '.join(PERIOD_SCHEDULES)}), got {period!r}")
+    if not _resolvers:
+        raise LookupError("per-head periods and schedules are resolved by piattn.analysis.multiscale: import "
+                          "piattn.models (which lends them to the configuration) first")
+    if isinstance(period, str):
+        name, _, arg = period.partition(":")
+        if name not in PERIOD_SCHEDULES or (arg and not arg.isdigit()):
+            raise ValueError(f"period schedule must be one of {', '.join(PERIOD_SCHEDULES)}, optionally with ':N' "
+                             f"(N an int: the period, or cover's target lag), got {period!r}")
+        n = int(arg) if arg else (block_size - 1 if name == "cover" else PI_DEFAULTS.period)
+        given = dict(target=n) if name == "cover" else dict(period=n)
+        try:
+            resolved = _resolvers["schedule"](name, window, n_layer, n_head, **given)
+        except ValueError as e:
+            raise ValueError(f"period {period!r}: {e}") from None
+    else:
+        resolved = _resolvers["periods_per_layer"](list(period), n_layer, n_head)
+    layers = [list(heads) for heads in resolved]
+    if all(heads == layers[0] for heads in layers):
+        return layers[0][0] if len(set(layers[0])) == 1 else layers[0]
+    return layers
 
 
 @dataclass

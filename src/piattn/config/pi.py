@@ -7,6 +7,7 @@ gate clip ε = 1e-4; the fixed prior α = 0.5 is Variant 2's.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 VARIANTS = ("union", "separate", "fixed", "adaptive")
@@ -23,13 +24,15 @@ def is_int(x) -> bool:
 class PiSettings:
     """The operator's knobs, beyond the tensors: see `piattn.pi_attention` for their meaning.
 
-    window: local radius k >= 0; period: skip distance π >= 1; variant: one of VARIANTS; prior: the
+    window: local radius k >= 0; period: skip distance π >= 1, or a tuple of them, one per query head
+    (multi-scale π; a sequence is stored as a tuple, one whose entries are all equal as their int, so that
+    `period` is an int exactly when every head shares it); variant: one of VARIANTS; prior: the
     constant α of variant "fixed", in (0, 1); logit_clamp: > 0 or None (no clamp); eps: gate floor in
     (0, 0.5); sinks: the first `sinks` keys of each document are visible to all its later queries (0: none).
     """
 
     window: int = 4
-    period: int = 16
+    period: int | tuple[int, ...] = 16
     variant: str = "adaptive"
     prior: float = 0.5
     logit_clamp: float | None = 20.0
@@ -37,11 +40,19 @@ class PiSettings:
     sinks: int = 0
 
     def __post_init__(self):
+        object.__setattr__(self, "period", head_periods(self.period))
         self.check()
 
     def check(self) -> None:
         """ValueError naming the setting and what it allows, for the first one out of range."""
-        check_pi_settings(**dataclasses.asdict(self))
+        fields = dataclasses.asdict(self)
+        periods = head_periods(fields.pop("period"))
+        check_pi_settings(period=periods if is_int(periods) else min(periods), **fields)
+
+    @property
+    def periods(self) -> tuple[int, ...] | None:
+        """The per-head periods, or None when every head shares `period` (an int)."""
+        return None if is_int(self.period) else self.period
 
     @property
     def gated(self) -> bool:
@@ -51,18 +62,38 @@ class PiSettings:
     @property
     def reach(self) -> int:
         """How far back a causal query looks: besides its document's first `sinks` keys, it reads no key
-        older than i − max(window, period)."""
-        return max(self.window, self.period)
+        older than i − max(window, period) (the largest period, with one per head)."""
+        return max(self.window, self.period if is_int(self.period) else max(self.period))
 
     def as_kwargs(self) -> dict:
         return dataclasses.asdict(self)
 
 
+def head_periods(period) -> int | tuple[int, ...]:
+    """A period setting -> an int, or a tuple of per-head ints with at least two distinct values (a
+    sequence of equal entries becomes their int). ValueError naming `period` for anything else; the range
+    of an int is `check_pi_settings`'s, and the head count is the caller's (the layer's, the operator's)."""
+    if is_int(period):
+        return period
+    allowed = "an int >= 1 or a sequence of ints >= 1, one per query head"
+    if not isinstance(period, Sequence) or isinstance(period, (str, bytes)) or len(period) == 0:
+        raise ValueError(f"period must be {allowed}; got {period!r}")
+    for h, p in enumerate(period):
+        if not is_int(p) or p < 1:
+            raise ValueError(f"period[{h}] must be an int >= 1, got {p!r}; period must be {allowed}")
+    periods = tuple(int(p) for p in period)
+    return periods[0] if len(set(periods)) == 1 else periods
+
+
 def check_pi_settings(*, window, period, variant, prior, logit_clamp, eps, sinks=0) -> None:
-    """The range checks of `PiSettings`, for callers that hold the values loose (the operator itself)."""
+    """The range checks of `PiSettings` with one period, for callers that hold the values loose (the
+    operator itself, the decoding functions, which take one period)."""
     if not is_int(window) or window < 0:
         raise ValueError(f"window must be an int >= 0, got {window!r}")
     if not is_int(period) or period < 1:
+        if isinstance(period, Sequence) and not isinstance(period, (str, bytes)):
+            raise ValueError(f"period must be one int >= 1 here, got per-head periods {period!r}: they run in "
+                             f"pi_attention, PiAttention and its cached decoding, which call this once per period")
         raise ValueError(f"period must be an int >= 1, got {period!r}")
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from .flags import Capability, add_flags, applies, check_flags, flag, flag_fields, option_name
-from .model import SIZES, ModelConfig
+from .model import PERIOD_SCHEDULES, SIZES, ModelConfig
 from .pi import PI_DEFAULTS, VARIANTS
 
 # Task families whose flags only they read.
@@ -32,9 +32,11 @@ class ModelFlags:
     attention: str = flag("pi", "attention kind", choices="attention")
     window: int | None = flag(None, "local window k (default: the config's, 4)", low=0,
                               applies={"attention": Capability("window")})
-    period: int | None = flag(None, "π, the distance of the long-range key (default 16; vl-retrieval: the "
-                              "image's patches per row, so the skip key is the patch above / below)", low=1,
-                              applies={"attention": Capability("period")})
+    period: str | None = flag(None, "π, the distance of the long-range key (default 16; vl-retrieval: the "
+                              "image's patches per row, so the skip key is the patch above / below); or one "
+                              "per head, '8,16,32,64'; or per layer, '5,6,7,8/9,14,19,24'; or a schedule: "
+                              "single[:N], geometric[:N] (N, 2N, 4N, ...) or cover[:N] (every lag up to N, "
+                              "default seq-len - 1)", applies={"attention": Capability("period")})
     variant: str | None = flag(None, "π-Attention fusion variant (default adaptive)", choices=VARIANTS,
                                applies={"attention": Capability("variant")})
     prior: float | None = flag(None, "the fixed local prior α of --variant fixed (default 0.5)", above=0, high=1,
@@ -57,7 +59,29 @@ class ModelFlags:
         """The `ModelConfig` fields these flags set (every flag named like a field, when given), for
         `ModelConfig.from_name(config, ...)`: a new model flag needs no code here."""
         fields = {f.name for f in dataclasses.fields(ModelConfig)}
-        return {k: v for k, v in dataclasses.asdict(self).items() if k in fields and v is not None}
+        given = {k: v for k, v in dataclasses.asdict(self).items() if k in fields and v is not None}
+        if "period" in given:
+            given["period"] = parse_period(given["period"])
+        return given
+
+
+def parse_period(text: str) -> int | list | str:
+    """--period's text -> a `ModelConfig.period`: "16" -> 16, "8,16,32,64" -> one period per head,
+    "5,6,7,8/9,14,19,24" -> per layer ('/' between layers), a schedule name ("cover", "geometric:8") as is
+    (`ModelConfig` resolves it, and checks the counts against the model). One-line ValueError otherwise."""
+    text = text.strip()
+    if text.split(":")[0] in PERIOD_SCHEDULES:
+        return text
+    try:
+        layers = [[int(p) for p in layer.split(",")] for layer in text.split("/")]
+    except ValueError:
+        layers = None
+    if layers is None or any(p < 1 for layer in layers for p in layer):
+        raise ValueError(f"--period must be an int >= 1, per-head ints '8,16,32,64', per-layer '5,6,7,8/9,14,19,24' "
+                         f"or a schedule ({', '.join(PERIOD_SCHEDULES)}, optionally ':N'), got {text!r}")
+    if "/" in text:
+        return layers
+    return layers[0][0] if len(layers[0]) == 1 else layers[0]
 
 
 @dataclass

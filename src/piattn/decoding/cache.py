@@ -2,6 +2,8 @@
 
 Decoding position t with π-Attention reads keys t−window … t and t−π, so a ring of
 max(window, period) + 1 positions per layer is exact: its size never depends on how far the text has run.
+With a period per head (multi-scale π) the layer's ring holds max(window, largest period) + 1, shared by
+all heads (`PiSettings.reach`).
 With attention sinks it also reads positions 0 … sinks − 1, which the cache keeps in `sinks` fixed slots
 besides the ring: still constant. Keys are stored after RoPE (rotated at their own absolute position), so
 they never need touching again. Caches hold the layer's key/value heads (H_kv of grouped-query attention).

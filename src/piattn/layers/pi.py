@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch.nn import functional as F
 
@@ -21,7 +23,8 @@ class PiAttention(WindowedAttention):
         n_heads: H; head width d / H.
         n_kv_heads: H_kv key/value heads dividing H (grouped-query attention; None: H). The operator reads
             k, v with H_kv heads directly, nothing is repeated.
-        window, period, causal, variant, prior, logit_clamp, eps, sinks, backend: as in `piattn.pi_attention`.
+        window, period, causal, variant, prior, logit_clamp, eps, sinks, backend: as in `piattn.pi_attention`;
+            period may be one int or a sequence of n_heads ints, one per query head (multi-scale π).
         dropout: attention-weight dropout, active in training mode only.
         rotary: apply rotary position embeddings to q and k (off by default, as in the appendix).
         rope_base: rotary frequency base.
@@ -39,8 +42,9 @@ class PiAttention(WindowedAttention):
     """
 
     def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: int | None = None, window: int = PI_DEFAULTS.window,
-                 period: int = PI_DEFAULTS.period, causal: bool = True, variant: str = PI_DEFAULTS.variant,
-                 prior: float = PI_DEFAULTS.prior, logit_clamp: float | None = PI_DEFAULTS.logit_clamp,
+                 period: int | Sequence[int] = PI_DEFAULTS.period, causal: bool = True,
+                 variant: str = PI_DEFAULTS.variant, prior: float = PI_DEFAULTS.prior,
+                 logit_clamp: float | None = PI_DEFAULTS.logit_clamp,
                  eps: float = PI_DEFAULTS.eps, sinks: int = PI_DEFAULTS.sinks, dropout: float = 0.0,
                  rotary: bool = False,
                  rope_base: float = 10000.0, gate_hidden: int | None = None, backend: str = "auto"):
@@ -53,7 +57,7 @@ class PiAttention(WindowedAttention):
 
     @classmethod
     def config_kwargs(cls, cfg: ModelConfig, layer: int) -> dict:
-        return dict(**cfg.pi.as_kwargs(), backend=cfg.backend)
+        return dict(**cfg.pi_settings(layer).as_kwargs(), backend=cfg.backend)
 
     def gate_values(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [B, T, d] -> α̃ [B, H, T] in [ε, 1 − ε] (Eq. app_gate), or None for ungated variants."""

@@ -10,14 +10,20 @@ from torch import nn
 from ..config import PiSettings
 from ..decoding.cache import RingCache
 from ..ops.pi.decode import decode_ring, decode_rows
+from ..ops.pi.heads import by_period
 from .base import AttentionLayer
-from .sharding import pi_operator
+from .sharding import active_shard, pi_operator
 
 
 class WindowedAttention(AttentionLayer):
     """An `AttentionLayer` whose `attend` is `pi_attention` with the typed `settings` (`PiSettings`),
     `causal` and `backend`, and whose decoding reads a ring of `settings.reach + 1` positions (plus
     `settings.sinks` fixed ones).
+
+    `settings.period` may hold one period per query head (multi-scale π, n_heads of them): the forward
+    hands them to `pi_attention`, and the cached decoding paths (`attend_recent`, `attend_ring`) run their
+    one-period functions once per distinct period on that period's heads (`piattn.ops.pi.heads`), the
+    ring holding max(window, largest period) + 1 positions. Per-head periods do not run sequence-parallel.
 
     `settings` is what the operator runs with: whoever reads the layer's attention (`piattn.inspection`,
     through `piattn.ops.pi.weights.pi_attention_weights`) reads it here. `gate` is the gate MLP of the
@@ -34,6 +40,9 @@ class WindowedAttention(AttentionLayer):
                  dropout: float, rotary: bool, rope_base: float, backend: str):
         super().__init__(d_model, n_heads, n_kv_heads=n_kv_heads, causal=causal, dropout=dropout, rotary=rotary,
                          rope_base=rope_base)
+        if settings.periods is not None and len(settings.periods) != n_heads:
+            raise ValueError(f"period has {len(settings.periods)} entries; per-head periods need one per query "
+                             f"head, n_heads={n_heads}")
         self.settings = settings
         self.backend = backend
         self.gate: nn.Module | None = None
@@ -74,18 +83,42 @@ class WindowedAttention(AttentionLayer):
                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, H, T, D], k, v [B, H_kv, T, D], x [B, T, d] (the gate's input), document_ids [B, T] or None
         -> [B, H, T, D]."""
+        if self.settings.periods is not None and active_shard() is not None:
+            raise ValueError("per-head periods cannot run sequence-parallel: the halo exchange takes one period; "
+                             "use one int period, or run the model unsharded")
         return pi_operator(q, k, v, self.observed_gate(x), causal=self.causal, dropout_p=self.attention_dropout,
                            document_ids=document_ids, backend=self.backend, **self.settings.as_kwargs())
 
     def attend_recent(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The last t rows of `attend` (causal, eval) from the t new rows' q, x and all N rows' k, v."""
-        return decode_rows(q, k, v, self.observed_gate(x), **self._decode_kwargs)
+        gate = self.observed_gate(x)
+        if self.settings.periods is None:
+            return decode_rows(q, k, v, gate, **self._decode_kwargs)
+
+        def run(period: int, heads: torch.Tensor, kv_heads: torch.Tensor) -> torch.Tensor:
+            return decode_rows(q.index_select(1, heads), k.index_select(1, kv_heads), v.index_select(1, kv_heads),
+                               None if gate is None else gate.index_select(1, heads),
+                               **{**self._decode_kwargs, "period": period})
+
+        return by_period(self.settings.periods, k.shape[1], q.device, run)
 
     def attend_ring(self, q: torch.Tensor, cache: RingCache, x: torch.Tensor) -> torch.Tensor:
         """One new query's output [B, H, 1, D] read from the ring `cache` that already holds its key."""
         gate, gate_head = self.ring_gate(x)
-        return decode_ring(q, cache.kv, gate, gate_head=gate_head, capacity=cache.capacity, position=cache.seen - 1,
-                           **self._decode_kwargs)
+        ring = dict(capacity=cache.capacity, position=cache.seen - 1)
+        if self.settings.periods is None:
+            return decode_ring(q, cache.kv, gate, gate_head=gate_head, **ring, **self._decode_kwargs)
+
+        def run(period: int, heads: torch.Tensor, kv_heads: torch.Tensor) -> torch.Tensor:
+            # gate: α [B, H, 1] (heads on dim 1), or with gate_head the MLP's hidden layer, shared by all heads,
+            # whose last layer (weight [H, n_hidden], bias [H]) is cut to the period's heads instead.
+            head = None if gate_head is None else tuple(t.index_select(0, heads) for t in gate_head)
+            g = gate if gate is None or gate_head is not None else gate.index_select(1, heads)
+            # The ring's heads are copied for the step (one index_select per period): O(capacity) a step.
+            return decode_ring(q.index_select(1, heads), cache.kv.index_select(2, kv_heads), g, gate_head=head,
+                               **ring, **{**self._decode_kwargs, "period": period})
+
+        return by_period(self.settings.periods, cache.kv.shape[2], q.device, run)
 
     def ring_gate(self, x: torch.Tensor) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
         """The gate arguments of `decode_ring` for one new token x [B, 1, d]: (α̃ [B, H, 1] or None, None)."""

@@ -14,6 +14,7 @@ import torch as _torch
 from ...config.pi import PI_DEFAULTS
 from .backends import AUTO_ORDER, REGISTRY, select
 from .compiled import is_symbolic, pi_attention_torch_op
+from .heads import by_period
 from .pattern import Pattern
 from .reference import pi_attention_reference
 from .validate import all_finite, check_arguments, check_qkv_tensors, head_periods
@@ -94,36 +95,12 @@ def pi_attention(
                     scale=scale, dropout_p=dropout_p, sinks=sinks, document_ids=document_ids, backend=backend)
     if isinstance(periods, int):
         return _pi_attention(q, k, v, gate, period=periods, **settings)
-    return _per_head_periods(q, k, v, gate, periods, settings)
 
+    def run(p: int, heads: _torch.Tensor, kv_heads: _torch.Tensor) -> _torch.Tensor:
+        return _pi_attention(q.index_select(1, heads), k.index_select(1, kv_heads), v.index_select(1, kv_heads),
+                             None if gate is None else gate.index_select(1, heads), period=p, **settings)
 
-def _per_head_periods(q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor, gate: _torch.Tensor | None,
-                      periods: tuple[int, ...], settings: dict) -> _torch.Tensor:
-    """`pi_attention` with head h skipping periods[h] (H entries, at least two distinct): one
-    `_pi_attention` per distinct period, in increasing period, on that group's heads, outputs back in head
-    order. q [B, H, T, D], k, v [B, H_kv, T, D], gate [B, H, T] or None -> [B, H, T, D].
-
-    Each head's result is that of its own call, so every backend is exact here as it is on one period, and
-    autograd carries the gradients back through the index_select and cat.
-    """
-    H, H_kv = q.shape[1], k.shape[1]
-    group = H // H_kv
-    outputs, order = [], []
-    for p in sorted(set(periods)):
-        heads = [h for h, ph in enumerate(periods) if ph == p]
-        kv_heads = sorted({h // group for h in heads})
-        if len(heads) != len(kv_heads) * group:
-            # Some key/value head is shared with another period's group: read one copy per query head.
-            kv_heads = [h // group for h in heads]
-        index = _torch.tensor(heads, device=q.device)
-        kv_index = _torch.tensor(kv_heads, device=q.device)
-        outputs.append(_pi_attention(
-            q.index_select(1, index), k.index_select(1, kv_index), v.index_select(1, kv_index),
-            None if gate is None else gate.index_select(1, index), period=p, **settings))
-        order += heads
-    inverse = _torch.empty(H, dtype=_torch.long)
-    inverse[_torch.tensor(order)] = _torch.arange(H)
-    return _torch.cat(outputs, 1).index_select(1, inverse.to(q.device))
+    return by_period(periods, k.shape[1], q.device, run)
 
 
 def _pi_attention(q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor, gate: _torch.Tensor | None, *, window: int,

@@ -7,11 +7,10 @@ Whether a backend can run a call is not checked here: see `backends.py`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from ...config.pi import GATED_VARIANTS, check_pi_settings, is_int
+from ...config.pi import head_periods as config_head_periods
 
 SUPPORTED_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -61,25 +60,18 @@ def head_periods(period, q: torch.Tensor) -> int | tuple[int, ...]:
     torch.compile, a graph break: pass a tuple there).
     """
     H = q.shape[1]
-    allowed = f"an int >= 1 or one int >= 1 per query head (a sequence or 1-D integer tensor of length H={H})"
-    if is_int(period):
-        return period  # its range: check_pi_settings, with the other settings
     if isinstance(period, torch.Tensor):
         if period.dim() != 1 or period.is_floating_point() or period.is_complex() or period.dtype == torch.bool:
-            raise ValueError(f"period must be {allowed}; got a tensor of shape {tuple(period.shape)} and dtype "
-                             f"{period.dtype}")
+            raise ValueError(f"period must be an int >= 1 or one int >= 1 per query head (a sequence or 1-D "
+                             f"integer tensor of length H={H}); got a tensor of shape {tuple(period.shape)} and "
+                             f"dtype {period.dtype}")
         if period.device != q.device:
             raise ValueError(f"period must be on the device of q ({q.device}), got {period.device}")
         period = period.tolist()
-    if not isinstance(period, Sequence) or isinstance(period, (str, bytes)):
-        raise ValueError(f"period must be {allowed}; got {period!r}")
-    if len(period) != H:
+    periods = config_head_periods(period)
+    if not is_int(period) and len(period) != H:
         raise ValueError(f"period has {len(period)} entries; per-head periods need one per query head, H={H}")
-    for h, p in enumerate(period):
-        if not is_int(p) or p < 1:
-            raise ValueError(f"period[{h}] must be an int >= 1, got {p!r}; period must be {allowed}")
-    periods = tuple(int(p) for p in period)
-    return periods[0] if len(set(periods)) == 1 else periods
+    return periods
 
 
 def check_kv_heads(q, k, v) -> None:

@@ -1,0 +1,156 @@
+"""Per-head and per-layer periods in the layer, the model, its config and `piattn train --period`: the layer
+runs the operator's per-head periods, cached decoding (ring step, few-token steps, long chunks) equals the
+full forward, the ring holds the largest period, schedules resolve, bad input is one line naming `period`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import piattn.layers.windowed as windowed_module
+from piattn.analysis.multiscale import SCHEDULES, schedule
+from piattn.config import PiSettings
+from piattn.config.model import PERIOD_SCHEDULES
+from piattn.config.training import ModelFlags, parse_period
+from piattn.layers import PiAttention
+from piattn.models import GPT, GPTConfig
+from piattn.ops.pi import pi_attention
+
+PERIODS = [[5, 2, 9, 5], [12, 3, 7, 30]]  # per layer; 2 and 3 fold into the window
+
+
+def model(variant="adaptive", period=PERIODS, **overrides) -> GPT:
+    torch.manual_seed(0)
+    cfg = GPTConfig.from_name("tiny", variant=variant, vocab_size=50, n_layer=2, d_model=32, n_head=4, n_kv_head=2,
+                              window=3, period=period, dropout=0.0, block_size=64, **overrides)
+    m = GPT(cfg).eval()
+    for block in m.blocks:  # gates away from 0.5 and varying per token
+        if block.attn.gate is not None:
+            torch.nn.init.normal_(block.attn.gate[2].bias, std=2.0)
+            torch.nn.init.normal_(block.attn.gate[2].weight, std=1.0)
+    return m
+
+
+def test_layer_runs_the_operator_per_head():
+    layer = PiAttention(16, 4, n_kv_heads=2, window=2, period=(3, 8, 8, 5), variant="fixed").eval()
+    x = torch.randn(2, 20, 16)
+    q, k, v = layer.heads(x)
+    want = pi_attention(q, k, v, window=2, period=(3, 8, 8, 5), variant="fixed")
+    torch.testing.assert_close(layer.attend(q, k, v, x), want, rtol=0, atol=0)
+    assert layer.settings.period == (3, 8, 8, 5) and layer.cache_capacity() == 9
+
+
+def test_model_hands_each_layer_its_periods():
+    m = model()
+    assert [b.attn.settings.period for b in m.blocks] == [tuple(p) for p in PERIODS]
+    assert [b.attn.cache_capacity() for b in m.blocks] == [10, 31]
+
+
+@pytest.mark.parametrize("variant", ["union", "separate", "fixed", "adaptive"])
+def test_cached_decoding_equals_the_full_forward(variant):
+    """Steps of 1 (the ring step, adaptive's gate head cut per period), 2-4 (few-token rows) and a long chunk."""
+    m = model(variant)
+    idx = torch.randint(0, 50, (2, 48), generator=torch.Generator().manual_seed(4))
+    cache = m.init_cache(2)
+    bounds = [0, 1, 3, 6, 10, 11, 13, 16, 20, 21, 22, 26, 35, 36, 37, 48]
+    with torch.no_grad():
+        pieces = [m(idx[:, a:b], cache) for a, b in zip(bounds, bounds[1:], strict=False)]
+        torch.testing.assert_close(torch.cat(pieces, 1), m(idx), rtol=0, atol=1e-5)
+
+
+def test_one_token_steps_take_the_ring_once_per_period(monkeypatch):
+    m = model()
+    idx = torch.randint(0, 50, (1, 40), generator=torch.Generator().manual_seed(5))
+    cache = m.init_cache(1)
+    calls = []
+    real = windowed_module.decode_ring
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["period"])
+        return real(*args, **kwargs)
+
+    with torch.no_grad():
+        expected = m(idx)[:, -1]
+        m(idx[:, :39], cache)
+        monkeypatch.setattr(windowed_module, "decode_ring", spy)
+        step = m(idx[:, 39:], cache)[:, -1]
+    assert calls == [2, 5, 9, 3, 7, 12, 30]
+    torch.testing.assert_close(step, expected, rtol=0, atol=1e-5)
+
+
+def test_one_period_is_todays_model():
+    """A list of equal periods is the int: the same config, the same outputs bit for bit."""
+    idx = torch.randint(0, 50, (1, 30), generator=torch.Generator().manual_seed(6))
+    a, b = model(period=7), model(period=[[7] * 4, [7] * 4])
+    assert b.config.period == 7 and b.blocks[0].attn.settings.period == 7
+    with torch.no_grad():
+        assert torch.equal(a(idx), b(idx))
+
+
+def test_config_forms_and_checkpoint_round_trip():
+    base = dict(n_layer=2, n_head=4, d_model=32, block_size=64, window=4)
+    assert GPTConfig.from_name("tiny", period=[8, 16, 32, 64], **base).period == [8, 16, 32, 64]
+    assert GPTConfig.from_name("tiny", period=[[5, 6, 7, 8], [5, 6, 7, 8]], **base).period == [5, 6, 7, 8]
+    assert GPTConfig.from_name("tiny", period="geometric:4", **base).period == [4, 8, 16, 32]
+    assert GPTConfig.from_name("tiny", period="single", **base).period == 16
+    cover = GPTConfig.from_name("tiny", period="cover", **base)
+    assert cover.period == [list(h) for h in schedule("cover", 4, 2, 4, target=63)]
+    assert GPTConfig.from_dict(cover.to_dict()).period == cover.period  # a checkpoint stores the resolved form
+    assert cover.pi_settings(1).reach == max(cover.period[1])
+
+
+@pytest.mark.parametrize("period, message", [
+    ([8, 16], r"periods has 2 entries: a list of ints needs one per head, n_head=4"),
+    ([[1, 2, 3, 4]], r"periods has 1 layers, the model n_layer=2"),
+    ([8, 0, 8, 8], r"periods\[1\] must be an int >= 1"),
+    (1.5, r"period must be an int, a list of n_head ints"),
+    ("nope", r"period schedule must be one of single, geometric, cover"),
+    ("cover:x", r"period schedule must be one of"),
+])
+def test_bad_config_periods(period, message):
+    with pytest.raises(ValueError, match=message):
+        GPTConfig.from_name("tiny", n_layer=2, n_head=4, d_model=32, period=period)
+
+
+def test_layer_and_settings_refuse_bad_periods():
+    with pytest.raises(ValueError, match="period has 3 entries; per-head periods need one per query head, n_heads=4"):
+        PiAttention(16, 4, period=(3, 8, 5))
+    with pytest.raises(ValueError, match=r"period\[1\] must be an int >= 1, got 0"):
+        PiSettings(period=(3, 0))
+    assert PiSettings(period=[6, 6]).period == 6 and PiSettings(period=[6, 9]).period == (6, 9)
+    assert PiSettings(window=12, period=(6, 9)).reach == 12
+
+
+def test_sequence_parallel_refuses_per_head_periods(monkeypatch):
+    layer = PiAttention(16, 2, period=(3, 8))
+    monkeypatch.setattr(windowed_module, "active_shard", lambda: object())
+    q = k = v = torch.randn(1, 2, 8, 8)
+    with pytest.raises(ValueError, match="per-head periods cannot run sequence-parallel"):
+        layer.attend(q, k, v, torch.randn(1, 8, 16))
+
+
+def test_one_period_functions_refuse_per_head_periods():
+    from piattn.ops.pi.decode import pi_decode
+
+    q = torch.randn(1, 2, 1, 4)
+    with pytest.raises(ValueError, match="period must be one int >= 1 here, got per-head periods"):
+        pi_decode(q, q, q, None, period=(3, 5), variant="union")
+
+
+@pytest.mark.parametrize("text, value", [
+    ("16", 16), ("8,16,32,64", [8, 16, 32, 64]), ("5,6,7,8/9,14,19,24", [[5, 6, 7, 8], [9, 14, 19, 24]]),
+    ("cover", "cover"), ("geometric:8", "geometric:8"), (" 7 ", 7),
+])
+def test_period_flag_text(text, value):
+    assert parse_period(text) == value
+    assert ModelFlags(period=text).model_fields()["period"] == value
+
+
+@pytest.mark.parametrize("text", ["", "a", "8,,16", "8,0", "-3", "1.5", "8/x"])
+def test_period_flag_bad_text(text):
+    with pytest.raises(ValueError, match=r"--period must be an int >= 1, per-head ints"):
+        parse_period(text)
+
+
+def test_config_schedules_are_the_analysis_schedules():
+    assert PERIOD_SCHEDULES == SCHEDULES
