@@ -146,6 +146,15 @@ def test_logit_clamp(clamp, variant, nan_poison):
     _compare((q, k, v, gate), kw)
 
 
+def test_logits_far_apart_fp32(nan_poison):
+    """Without a clamp, logits 100 and more below the row's largest: their exp underflows to 0 (in fp32 the
+    kernels' vector exp hands such lanes to libm)."""
+    for variant in VARIANTS:
+        q, k, v, gate = make_inputs(1, 2, 60, 16, variant=variant, dtype=torch.float32, seed=14)
+        q = (q.detach() * 40).requires_grad_()
+        _compare((q, k, v, gate), _settings(variant, causal=False, logit_clamp=None))
+
+
 def test_scale_eps_and_prior(nan_poison):
     """eps = 0.1 floors the priors of gates below 0.1 or above 0.9 (their gradient is then zero); a fixed
     prior of 0.9."""
@@ -234,7 +243,8 @@ def _poisoned(t: torch.Tensor, p: int, value: str) -> torch.Tensor:
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("causal", (True, False), ids=param_id)
 @pytest.mark.parametrize("value", ("nan", "inf"))
-def test_nonfinite_stays_local(which, variant, causal, value):
+@pytest.mark.parametrize("dtype", (torch.float64, torch.float32), ids=param_id)
+def test_nonfinite_stays_local(which, variant, causal, value, dtype):
     """NaN or ±inf in q, k, v or the gate at position p of one head: y is non-finite in exactly the rows that
     read p, the gradients at most in those rows (dq, dgate) or their neighbourhoods (dk, dv; dv nowhere for
     a bad v), and every other row, and the other head, equals the clean run's."""
@@ -244,8 +254,8 @@ def test_nonfinite_stays_local(which, variant, causal, value):
     kw = _settings(variant, window=window, period=period, causal=causal)
     keys = _keys_of(T, window, period, causal)
     no_skip = _keys_of(T, window, T + 1, causal)
-    clean = make_inputs(1, 2, T, 16, variant=variant, seed=12)
-    dy = torch.randn(1, 2, T, 16, generator=torch.Generator().manual_seed(13), dtype=torch.float64)
+    clean = make_inputs(1, 2, T, 16, variant=variant, dtype=dtype, seed=12)
+    dy = torch.randn(1, 2, T, 16, generator=torch.Generator().manual_seed(13), dtype=dtype)
     names = ("q", "k", "v", "gate")
     reference = dict(zip(NAMES, _run(pi_attention_fused, clean, dy, kw), strict=True))
     for p in (0, T // 2, T - 1, T - 1 - period):

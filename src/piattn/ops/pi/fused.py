@@ -224,10 +224,11 @@ def stats_per_row(variant: str) -> int:
 
 def fused_forward(q, k, v, gate, settings: OpSettings) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, H, T, D], k, v [B, H_kv, T, D], gate [B, H, T] or None, all contiguous CPU tensors of one dtype
-    (fp32 or fp64) -> (y [B, H, T, D], stat [B, H, T, stats_per_row])."""
+    (fp32 or fp64) -> (y [B, H, T, D], stat [B, H, T, stats_per_row] fp64: the log-sum-exp in double, so that
+    the backward's exp(z − lse) does not lose |lse|·2^-24 in fp32)."""
     B, H, T, D = q.shape
     y = torch.empty_like(q)
-    stat = torch.empty(B, H, T, stats_per_row(settings.variant), dtype=q.dtype)
+    stat = torch.empty(B, H, T, stats_per_row(settings.variant), dtype=torch.float64)
     _run("forward", q, k, settings, [q, k, v, gate, y, stat])
     return y, stat
 

@@ -8,7 +8,8 @@
  *
  * Shapes (contiguous, one precision R = float or double, the accumulation type too):
  *   q, y, dy, dq [B, H, T, D]; k, v, dk, dv [B, H_kv, T, D] (query head h reads key/value head h / G, G = H / H_kv);
- *   gate, dgate [B, H, T] ("adaptive" and "separate" only); stat [B, H, T, S], S = 2 for "separate", else 1.
+ *   gate, dgate [B, H, T] ("adaptive" and "separate" only); stat [B, H, T, S] double, S = 2 for "separate",
+ *   else 1.
  * The forward writes y and stat: the log-sum-exp of the row's logits (for "separate" one per branch, local and
  * skip). The backward recomputes the scores from q and k, the weights from stat, and takes Σ_m w_m·dp_m over
  * the row's own slots, so it reads neither y nor a saved weight tensor.
@@ -133,7 +134,9 @@ static int64_t pi_forward_blocks(const pi_call *c) {
 #define PI_SUFFIX f32
 #define PI_EXP expf
 #define PI_LOG logf
+#define PI_VECTOR_EXP 1 /* exp by a vector polynomial (fp32 only: fp64 keeps libm's) */
 #include __FILE__
+#undef PI_VECTOR_EXP
 #undef PI_REAL
 #undef PI_LANES
 #undef PI_SUFFIX
@@ -145,6 +148,7 @@ static int64_t pi_forward_blocks(const pi_call *c) {
 #define PI_SUFFIX f64
 #define PI_EXP exp
 #define PI_LOG log
+#define PI_VECTOR_EXP 0
 #include __FILE__
 
 #else /* the kernels of one precision */
@@ -163,14 +167,20 @@ static inline FN(vec) FN(load)(const R *p) { return *(const FN(uvec) *)p; }
 static inline void FN(store)(R *p, FN(vec) x) { *(FN(uvec) *)p = x; }
 static inline FN(vec) FN(splat)(R x) { return (FN(vec)){0} + x; }
 
-/* The sum of a vector's lanes, as a tree (the compiler's shuffles; log2(LANES) dependent additions). */
+/* The sum of a vector's lanes, as a tree: the two halves added as vectors first (one extract and one add
+ * on AVX), then the remaining lanes. */
+typedef R FN(half) __attribute__((vector_size(PI_VECTOR_BYTES / 2)));
 static inline R FN(sum_lanes)(FN(vec) x) {
+  FN(half) lo, hi;
+  memcpy(&lo, &x, sizeof lo);
+  memcpy(&hi, (const char *)&x + sizeof lo, sizeof hi);
+  lo += hi;
 #if PI_LANES == 8
-  return ((x[0] + x[4]) + (x[2] + x[6])) + ((x[1] + x[5]) + (x[3] + x[7]));
+  return (lo[0] + lo[2]) + (lo[1] + lo[3]);
 #elif PI_LANES == 4
-  return (x[0] + x[2]) + (x[1] + x[3]);
+  return lo[0] + lo[1];
 #else
-  return x[0] + x[1];
+  return lo[0];
 #endif
 }
 
@@ -299,19 +309,71 @@ static inline R FN(logit)(const pi_call *c, R score, R prior) {
   return score + prior;
 }
 
-/* Softmax of z[from … to) in place; returns the log-sum-exp. A NaN logit makes every weight NaN. */
-static inline R FN(normalise)(R *z, int64_t from, int64_t to) {
+#if PI_VECTOR_EXP
+/* exp of each lane, for lanes in [-87, 88] (Cephes' expf: x = n·ln 2 + r, a degree-6 polynomial in r, 2^n from
+ * the exponent bits; within about 2 ulp of libm). Lanes outside, NaN included, are left to libm by the
+ * caller: *inside says which lanes this computed. */
+typedef int32_t FN(ivec) __attribute__((vector_size(PI_VECTOR_BYTES)));
+typedef uint32_t FN(uivec) __attribute__((vector_size(PI_VECTOR_BYTES)));
+static inline FN(vec) FN(exp_lanes)(FN(vec) x, FN(ivec) * inside) {
+  const FN(vec) magic = FN(splat)(12582912.0f); /* 1.5·2^23: adding it rounds to an integer */
+  *inside = (x >= FN(splat)(-87.0f)) & (x <= FN(splat)(88.0f));
+  x = (FN(vec))((FN(ivec))x & *inside); /* lanes outside: 0, so nothing below overflows */
+  const FN(vec) t = x * FN(splat)(1.44269504088896341f) + magic;
+  const FN(vec) n = t - magic;
+  const FN(vec) r = x - n * FN(splat)(0.693359375f) - n * FN(splat)(-2.12194440e-4f);
+  FN(vec) p = FN(splat)(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const FN(uivec) bits = (FN(uivec))((FN(ivec))t - (FN(ivec))magic + 127) << 23; /* 2^n, n in [-126, 127] */
+  return p * (FN(vec))bits;
+}
+
+/* z[j] = exp(z[j]) for j < LANES: the vector polynomial, libm for the lanes outside its range. */
+static inline void FN(exp_vector)(R *z) {
+  FN(ivec) inside;
+  const FN(vec) x = FN(load)(z);
+  FN(store)(z, FN(exp_lanes)(x, &inside));
+  for (int64_t j = 0; j < LANES; j++)
+    if (!inside[j]) z[j] = PI_EXP(x[j]);
+}
+#endif
+
+/* z[m] = exp(z[m] − shift) for m in [from, to), the difference taken in double (shift may be a log-sum-exp
+ * kept in double: see normalise); returns their sum. */
+static inline R FN(exp_shifted)(R *z, int64_t from, int64_t to, double shift) {
+  int64_t m = from;
+#if PI_VECTOR_EXP
+  for (; m < to; m += LANES) { /* a partial last vector goes through a copy: nothing past `to` is written */
+    R lanes[LANES] = {0};
+    const int64_t count = to - m < LANES ? to - m : LANES;
+    for (int64_t j = 0; j < count; j++) lanes[j] = (R)((double)z[m + j] - shift);
+    FN(exp_vector)(lanes);
+    memcpy(z + m, lanes, sizeof(R) * (size_t)count);
+  }
+#else
+  for (; m < to; m++) z[m] = PI_EXP((R)((double)z[m] - shift));
+#endif
+  R total = 0;
+  for (m = from; m < to; m++) total += z[m];
+  return total;
+}
+
+/* Softmax of z[from … to) in place; returns the log-sum-exp, in double: the backward takes exp(z − lse), and
+ * an fp32 lse would be off by |lse|·2^-24, an error that grows with the logits (and multiplies every
+ * gradient). A NaN logit makes every weight NaN. */
+static inline double FN(normalise)(R *z, int64_t from, int64_t to) {
   R top = -INFINITY;
   for (int64_t m = from; m < to; m++)
     if (z[m] > top) top = z[m];
-  R total = 0;
-  for (int64_t m = from; m < to; m++) {
-    z[m] = PI_EXP(z[m] - top);
-    total += z[m];
-  }
+  const R total = FN(exp_shifted)(z, from, to, top);
   const R inverse = 1 / total;
   for (int64_t m = from; m < to; m++) z[m] *= inverse;
-  return top + PI_LOG(total);
+  return (double)top + log((double)total);
 }
 
 /* Scratch of one thread, p->n_max each: key row offsets, logits (then weights), dL/dweights (then dL/dlogits),
@@ -334,7 +396,7 @@ static FN(pi_scratch) FN(scratch)(int64_t n) {
 
 /* One query row: y_i and its statistics. qi [D], k, v [T, D] of its key/value head, a its gate value. */
 static void FN(forward_row)(const pi_call *c, const pi_pattern *p, int64_t i, const R *qi, const R *k,
-                            const R *v, R a, R *yi, R *stat, FN(pi_scratch) * w) {
+                            const R *v, R a, R *yi, double *stat, FN(pi_scratch) * w) {
   const int64_t D = c->D;
   int64_t *row = w->row, nl;
   R *z = w->z;
@@ -359,7 +421,7 @@ static void FN(forward_row)(const pi_call *c, const pi_pattern *p, int64_t i, co
 
 /* One query row's gradients: dq_i, dgate_i (when dgate is not NULL), and its terms of dk, dv. */
 static void FN(backward_row)(const pi_call *c, const pi_pattern *p, int64_t i, const R *qi,
-                             const R *dyi, const R *k, const R *v, R a, const R *stat, R *dqi,
+                             const R *dyi, const R *k, const R *v, R a, const double *stat, R *dqi,
                              R *dk, R *dv, R *dgate, FN(pi_scratch) * w) {
   const int64_t D = c->D;
   int64_t *row = w->row, nl;
@@ -378,11 +440,9 @@ static void FN(backward_row)(const pi_call *c, const pi_pattern *p, int64_t i, c
   }
   /* z becomes the weights, dp the gradient of the logits (before the clamp mask). */
   if (c->variant != PI_SEPARATE) {
+    FN(exp_shifted)(z, 0, n, stat[0]);
     R sum = 0;
-    for (int64_t m = 0; m < n; m++) {
-      z[m] = PI_EXP(z[m] - stat[0]);
-      sum += z[m] * dp[m];
-    }
+    for (int64_t m = 0; m < n; m++) sum += z[m] * dp[m];
     R d_local = 0, d_skip = 0;
     for (int64_t m = 0; m < n; m++) {
       dp[m] = z[m] * (dp[m] - sum);
@@ -394,9 +454,10 @@ static void FN(backward_row)(const pi_call *c, const pi_pattern *p, int64_t i, c
       *dgate = d_local * (R)(a >= eps) / a - (n > nl ? d_skip * (R)(rest >= eps) / rest : 0);
     }
   } else {
+    FN(exp_shifted)(z, 0, nl, stat[0]);
+    FN(exp_shifted)(z, nl, n, stat[1]);
     R sum_local = 0, sum_skip = 0;
     for (int64_t m = 0; m < n; m++) {
-      z[m] = PI_EXP(z[m] - stat[m < nl ? 0 : 1]);
       if (m < nl) sum_local += z[m] * dp[m];
       else sum_skip += z[m] * dp[m];
     }
@@ -427,7 +488,8 @@ int FN(pi_fused_forward)(const pi_call *c, const pi_buffer *buf, int64_t n_buf) 
     if ((err = pi_check_buffer(&buf[j], j != 3 || pi_gated(c), sizes[j]))) return err;
   if (B == 0) return PI_OK;
   const R *q = buf[0].data, *k = buf[1].data, *v = buf[2].data, *gate = buf[3].data;
-  R *y = buf[4].data, *stat = buf[5].data;
+  R *y = buf[4].data;
+  double *stat = buf[5].data;
   const pi_pattern p = pi_pattern_of(c);
   const int64_t blocks = pi_forward_blocks(c), items = B * H_kv * blocks, rows = (T + blocks - 1) / blocks;
   int failed = 0;
@@ -474,7 +536,7 @@ int FN(pi_fused_backward)(const pi_call *c, const pi_buffer *buf, int64_t n_buf)
   }
   if (B == 0) return PI_OK;
   const R *q = buf[0].data, *k = buf[1].data, *v = buf[2].data, *gate = buf[3].data, *dy = buf[4].data;
-  const R *stat = buf[5].data;
+  const double *stat = buf[5].data;
   R *dq = buf[6].data, *dk = buf[7].data, *dv = buf[8].data, *dgate = buf[9].data;
   const pi_pattern p = pi_pattern_of(c);
   const int64_t items = B * H_kv;
