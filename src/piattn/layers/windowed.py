@@ -95,12 +95,11 @@ class WindowedAttention(AttentionLayer):
         if self.settings.periods is None:
             return decode_rows(q, k, v, gate, **self._decode_kwargs)
 
-        def run(period: int, heads: torch.Tensor, kv_heads: torch.Tensor) -> torch.Tensor:
-            return decode_rows(q.index_select(1, heads), k.index_select(1, kv_heads), v.index_select(1, kv_heads),
-                               None if gate is None else gate.index_select(1, heads),
-                               **{**self._decode_kwargs, "period": period})
+        def run(period: int, q_g: torch.Tensor, gate_g: torch.Tensor | None, k_g: torch.Tensor,
+                v_g: torch.Tensor) -> torch.Tensor:
+            return decode_rows(q_g, k_g, v_g, gate_g, **{**self._decode_kwargs, "period": period})
 
-        return by_period(self.settings.periods, k.shape[1], q.device, run)
+        return by_period(self.settings.periods, k.shape[1], run, [(q, 1), (gate, 1)], [(k, 1), (v, 1)])
 
     def attend_ring(self, q: torch.Tensor, cache: RingCache, x: torch.Tensor) -> torch.Tensor:
         """One new query's output [B, H, 1, D] read from the ring `cache` that already holds its key."""
@@ -109,16 +108,20 @@ class WindowedAttention(AttentionLayer):
         if self.settings.periods is None:
             return decode_ring(q, cache.kv, gate, gate_head=gate_head, **ring, **self._decode_kwargs)
 
-        def run(period: int, heads: torch.Tensor, kv_heads: torch.Tensor) -> torch.Tensor:
-            # gate: α [B, H, 1] (heads on dim 1), or with gate_head the MLP's hidden layer, shared by all heads,
-            # whose last layer (weight [H, n_hidden], bias [H]) is cut to the period's heads instead.
-            head = None if gate_head is None else tuple(t.index_select(0, heads) for t in gate_head)
-            g = gate if gate is None or gate_head is not None else gate.index_select(1, heads)
-            # The ring's heads are copied for the step (one index_select per period): O(capacity) a step.
-            return decode_ring(q.index_select(1, heads), cache.kv.index_select(2, kv_heads), g, gate_head=head,
-                               **ring, **{**self._decode_kwargs, "period": period})
+        # gate: α [B, H, 1] (heads on dim 1), or with gate_head the MLP's hidden layer, shared by all heads,
+        # whose last layer (weight [H, n_hidden], bias [H]) is cut to each period's heads instead.
+        weight, bias = (None, None) if gate_head is None else gate_head
+        alpha = gate if gate_head is None else None
 
-        return by_period(self.settings.periods, cache.kv.shape[2], q.device, run)
+        def run(period: int, q_g: torch.Tensor, alpha_g: torch.Tensor | None, weight_g: torch.Tensor | None,
+                bias_g: torch.Tensor | None, kv_g: torch.Tensor) -> torch.Tensor:
+            head = None if gate_head is None else (weight_g, bias_g)
+            return decode_ring(q_g, kv_g, gate if head is not None else alpha_g, gate_head=head, **ring,
+                               **{**self._decode_kwargs, "period": period})
+
+        # The ring's heads are copied for the step unless the periods' order is the heads': O(capacity) a step.
+        return by_period(self.settings.periods, cache.kv.shape[2], run, [(q, 1), (alpha, 1), (weight, 0), (bias, 0)],
+                         [(cache.kv, 2)])
 
     def ring_gate(self, x: torch.Tensor) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
         """The gate arguments of `decode_ring` for one new token x [B, 1, d]: (α̃ [B, H, 1] or None, None)."""

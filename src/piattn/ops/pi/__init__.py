@@ -96,11 +96,11 @@ def pi_attention(
     if isinstance(periods, int):
         return _pi_attention(q, k, v, gate, period=periods, **settings)
 
-    def run(p: int, heads: _torch.Tensor, kv_heads: _torch.Tensor) -> _torch.Tensor:
-        return _pi_attention(q.index_select(1, heads), k.index_select(1, kv_heads), v.index_select(1, kv_heads),
-                             None if gate is None else gate.index_select(1, heads), period=p, **settings)
+    def run(p: int, q_g: _torch.Tensor, gate_g: _torch.Tensor | None, k_g: _torch.Tensor,
+            v_g: _torch.Tensor) -> _torch.Tensor:
+        return _pi_attention(q_g, k_g, v_g, gate_g, period=p, **settings)
 
-    return by_period(periods, k.shape[1], q.device, run)
+    return by_period(periods, k.shape[1], run, [(q, 1), (gate, 1)], [(k, 1), (v, 1)])
 
 
 def _pi_attention(q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor, gate: _torch.Tensor | None, *, window: int,

@@ -3,12 +3,13 @@ period's query heads, and put the outputs back in head order.
 
 Every one-period path (each backend of `pi_attention`, the decoding functions of `decode.py`) is exact on
 any subset of heads, so grouping makes each of them exact for per-head periods without touching it; the
-price is one call per distinct period. Autograd carries gradients back through the index_select and cat.
+price is one call per distinct period. Autograd carries gradients back through the split, index_select
+and cat.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -31,14 +32,35 @@ def period_groups(periods: tuple[int, ...], n_kv_heads: int) -> list[tuple[int, 
     return out
 
 
-def by_period(periods: tuple[int, ...], n_kv_heads: int, device: torch.device,
-              run: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """run(period, heads, kv_heads) -> [B, len(heads), …] for each `period_groups` entry (heads and kv_heads
-    as int64 index tensors on `device`), concatenated along dim 1 and reordered to head order: [B, H, …]."""
-    outputs, order = [], []
-    for p, heads, kv_heads in period_groups(periods, n_kv_heads):
-        outputs.append(run(p, torch.tensor(heads, device=device), torch.tensor(kv_heads, device=device)))
-        order += heads
+def by_period(periods: tuple[int, ...], n_kv_heads: int, run: Callable[..., torch.Tensor],
+              per_head: Sequence[tuple[torch.Tensor | None, int]],
+              per_kv: Sequence[tuple[torch.Tensor, int]]) -> torch.Tensor:
+    """run(period, *its query heads' parts of `per_head`, *its key/value heads' parts of `per_kv`) ->
+    [B, H_g, …] for each `period_groups` entry, concatenated along dim 1 in head order: [B, H, …].
+
+    per_head: (tensor, dim) pairs with the H query heads along dim (None passes None); per_kv: (tensor, dim)
+    pairs with the key/value heads along dim. Each is reordered once (no copy when the order is already
+    that of the groups) and split into views, so that the backward gathers each gradient with one cat and
+    one index_select instead of one full-size zeros-and-add per group.
+    """
+    groups = period_groups(periods, n_kv_heads)
+    order = [h for _, heads, _ in groups for h in heads]
+    kv_order = [j for _, _, kv_heads in groups for j in kv_heads]
+
+    def parts(x: torch.Tensor | None, dim: int, index: list[int], sizes: list[int]) -> list:
+        if x is None:
+            return [None] * len(sizes)
+        if index != list(range(x.shape[dim])):
+            x = x.index_select(dim, torch.tensor(index, device=x.device))
+        return list(x.split(sizes, dim))
+
+    sizes, kv_sizes = [len(g[1]) for g in groups], [len(g[2]) for g in groups]
+    head_parts = [parts(x, dim, order, sizes) for x, dim in per_head]
+    kv_parts = [parts(x, dim, kv_order, kv_sizes) for x, dim in per_kv]
+    y = torch.cat([run(p, *(hp[i] for hp in head_parts), *(kp[i] for kp in kv_parts))
+                   for i, (p, _, _) in enumerate(groups)], 1)
+    if order == list(range(len(periods))):
+        return y
     inverse = torch.empty(len(periods), dtype=torch.long)
     inverse[torch.tensor(order)] = torch.arange(len(periods))
-    return torch.cat(outputs, 1).index_select(1, inverse.to(device))
+    return y.index_select(1, inverse.to(y.device))
