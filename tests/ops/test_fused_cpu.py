@@ -125,9 +125,10 @@ def test_grouped_query_heads(H_kv, dtype, nan_poison):
     _compare((q, k, v, gate), _settings("adaptive", causal=False))
 
 
-@pytest.mark.parametrize("D", (1, 3, 4, 8, 17, 33, 64, 100))
+@pytest.mark.parametrize("D", (1, 3, 4, 8, 17, 33, 64, 100, 128))
 def test_head_dims(D, nan_poison):
-    """Any D: whole vectors of four and one, then single lanes (the tails of every loop over D)."""
+    """Any D: whole vectors of four and one, then single lanes (the tails of every loop over D); 64 and 128
+    run the kernels compiled for them as constants."""
     for dtype in (torch.float64, torch.float32):
         inputs = make_inputs(1, 2, 21, D, variant="separate", dtype=dtype, seed=D)
         _compare(inputs, _settings("separate", window=3, period=11, causal=False, scale=D**-0.5))

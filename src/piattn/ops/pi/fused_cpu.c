@@ -255,8 +255,9 @@ static inline void FN(weighted_sum)(R *out, const R *w, const R *x, const int64_
 /* a[d] += s·x[d] and b[d] += t·y[d] over D: a slot's terms of dk and dv (loads before stores in each step). */
 static inline void FN(add2)(R *a, R s, const R *x, R *b, R t, const R *y, int64_t D) {
   const FN(vec) vs = FN(splat)(s), vt = FN(splat)(t);
+  const int64_t whole = D - D % LANES;
   int64_t d = 0;
-  for (; d + LANES <= D; d += LANES) {
+  for (; d < whole; d += LANES) {
     const FN(vec) na = FN(load)(a + d) + vs * FN(load)(x + d), nb = FN(load)(b + d) + vt * FN(load)(y + d);
     FN(store)(a + d, na);
     FN(store)(b + d, nb);
@@ -395,9 +396,10 @@ static FN(pi_scratch) FN(scratch)(int64_t n) {
 }
 
 /* One query row: y_i and its statistics. qi [D], k, v [T, D] of its key/value head, a its gate value. */
-static void FN(forward_row)(const pi_call *c, const pi_pattern *p, int64_t i, const R *qi, const R *k,
-                            const R *v, R a, R *yi, double *stat, FN(pi_scratch) * w) {
-  const int64_t D = c->D;
+static inline __attribute__((always_inline)) void FN(forward_row_d)(const pi_call *c, const pi_pattern *p,
+                                                                   int64_t i, const R *qi, const R *k, const R *v,
+                                                                   R a, R *yi, double *stat, FN(pi_scratch) * w,
+                                                                   const int64_t D) {
   int64_t *row = w->row, nl;
   R *z = w->z;
   const int64_t n = FN(slot_rows)(p, c->T, D, i, row, &nl);
@@ -420,10 +422,11 @@ static void FN(forward_row)(const pi_call *c, const pi_pattern *p, int64_t i, co
 }
 
 /* One query row's gradients: dq_i, dgate_i (when dgate is not NULL), and its terms of dk, dv. */
-static void FN(backward_row)(const pi_call *c, const pi_pattern *p, int64_t i, const R *qi,
-                             const R *dyi, const R *k, const R *v, R a, const double *stat, R *dqi,
-                             R *dk, R *dv, R *dgate, FN(pi_scratch) * w) {
-  const int64_t D = c->D;
+static inline __attribute__((always_inline)) void FN(backward_row_d)(const pi_call *c, const pi_pattern *p,
+                                                                    int64_t i, const R *qi, const R *dyi,
+                                                                    const R *k, const R *v, R a, const double *stat,
+                                                                    R *dqi, R *dk, R *dv, R *dgate,
+                                                                    FN(pi_scratch) * w, const int64_t D) {
   int64_t *row = w->row, nl;
   R *z = w->z, *dp = w->dp, *pass = w->pass;
   const int64_t n = FN(slot_rows)(p, c->T, D, i, row, &nl);
@@ -473,6 +476,27 @@ static void FN(backward_row)(const pi_call *c, const pi_pattern *p, int64_t i, c
   for (int64_t m = 0; m < n; m++) dp[m] *= pass[m] * scale;
   FN(weighted_sum)(dqi, dp, k, row, n, D);
   for (int64_t m = 0; m < n; m++) FN(add2)(dk + row[m], dp[m], qi, dv + row[m], z[m], dyi, D);
+}
+
+/* The rows for any D, and for the common head dims as constants: then the compiler unrolls the loops over D
+ * whole and keeps a row's q (and dy) in registers across its slots. */
+static void FN(forward_row)(const pi_call *c, const pi_pattern *p, int64_t i, const R *qi, const R *k,
+                            const R *v, R a, R *yi, double *stat, FN(pi_scratch) * w) {
+  switch (c->D) {
+  case 64: FN(forward_row_d)(c, p, i, qi, k, v, a, yi, stat, w, 64); break;
+  case 128: FN(forward_row_d)(c, p, i, qi, k, v, a, yi, stat, w, 128); break;
+  default: FN(forward_row_d)(c, p, i, qi, k, v, a, yi, stat, w, c->D);
+  }
+}
+
+static void FN(backward_row)(const pi_call *c, const pi_pattern *p, int64_t i, const R *qi, const R *dyi,
+                             const R *k, const R *v, R a, const double *stat, R *dqi, R *dk, R *dv, R *dgate,
+                             FN(pi_scratch) * w) {
+  switch (c->D) {
+  case 64: FN(backward_row_d)(c, p, i, qi, dyi, k, v, a, stat, dqi, dk, dv, dgate, w, 64); break;
+  case 128: FN(backward_row_d)(c, p, i, qi, dyi, k, v, a, stat, dqi, dk, dv, dgate, w, 128); break;
+  default: FN(backward_row_d)(c, p, i, qi, dyi, k, v, a, stat, dqi, dk, dv, dgate, w, c->D);
+  }
 }
 
 int FN(pi_fused_forward)(const pi_call *c, const pi_buffer *buf, int64_t n_buf) {
