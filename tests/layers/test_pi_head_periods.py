@@ -154,3 +154,8 @@ def test_period_flag_bad_text(text):
 
 def test_config_schedules_are_the_analysis_schedules():
     assert PERIOD_SCHEDULES == SCHEDULES
+
+
+def test_a_stored_int_period_reads_as_its_text():
+    """Checkpoints written before --period took text store an int: it resumes as the same flag."""
+    assert ModelFlags(period=16).period == "16" and ModelFlags(period=16).model_fields()["period"] == 16

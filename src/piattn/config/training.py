@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from .flags import Capability, add_flags, applies, check_flags, flag, flag_fields, option_name
 from .model import PERIOD_SCHEDULES, SIZES, ModelConfig
-from .pi import PI_DEFAULTS, VARIANTS
+from .pi import PI_DEFAULTS, VARIANTS, is_int
 
 # Task families whose flags only they read.
 CLASSIFICATION = ("listops", "pathfinder", "retrieval", "reach")
@@ -54,6 +54,10 @@ class ModelFlags:
     backend: str | None = flag(None, "π operator backend (default auto)", choices="backend",
                                applies={"attention": Capability("backend")})
     dropout: float = flag(0.1, "residual, attention and FFN dropout", low=0, below=1)
+
+    def __post_init__(self):
+        if is_int(self.period):  # a checkpoint written before --period took text stores an int
+            self.period = str(self.period)
 
     def model_fields(self) -> dict:
         """The `ModelConfig` fields these flags set (every flag named like a field, when given), for
