@@ -67,6 +67,7 @@ typedef struct {
   int64_t period;
   int64_t reach; /* the largest forward offset: key j is first read by query j − reach */
   int64_t n_max; /* the most slots a query has */
+  double fixed_local, fixed_skip; /* the log-priors of "fixed" (pattern.log_priors): once per call, in double */
 } pi_pattern;
 
 static pi_pattern pi_pattern_of(const pi_call *c) {
@@ -80,6 +81,8 @@ static pi_pattern pi_pattern_of(const pi_call *c) {
   p.period = c->period;
   p.reach = p.skip_ahead && c->period > p.right ? c->period : p.right;
   p.n_max = p.left + p.right + 1 + p.skip_back + p.skip_ahead;
+  p.fixed_local = log(c->prior < c->eps ? c->eps : c->prior);
+  p.fixed_skip = log(1 - c->prior < c->eps ? c->eps : 1 - c->prior);
   return p;
 }
 
@@ -284,12 +287,11 @@ static inline int64_t FN(slot_rows)(const pi_pattern *p, int64_t T, int64_t D, i
 
 /* The log-priors of a query's local and skip slots (0 for "union" and "separate", whose α mixes after
  * normalising); `a` is its gate value. */
-static inline void FN(log_priors)(const pi_call *c, R a, R *local, R *skip) {
+static inline void FN(log_priors)(const pi_call *c, const pi_pattern *p, R a, R *local, R *skip) {
   const R eps = (R)c->eps;
   if (c->variant == PI_FIXED) {
-    /* As Python computes them (pattern.log_priors), in double, then rounded. */
-    *local = (R)log(c->prior < c->eps ? c->eps : c->prior);
-    *skip = (R)log(1 - c->prior < c->eps ? c->eps : 1 - c->prior);
+    *local = (R)p->fixed_local;
+    *skip = (R)p->fixed_skip;
   } else if (c->variant == PI_ADAPTIVE) {
     const R rest = 1 - a;
     *local = PI_LOG(a < eps ? eps : a); /* max(·, ε) that keeps a NaN */
@@ -334,35 +336,52 @@ static inline FN(vec) FN(exp_lanes)(FN(vec) x, FN(ivec) * inside) {
   return p * (FN(vec))bits;
 }
 
-/* z[j] = exp(z[j]) for j < LANES: the vector polynomial, libm for the lanes outside its range. */
-static inline void FN(exp_vector)(R *z) {
-  FN(ivec) inside;
-  const FN(vec) x = FN(load)(z);
-  FN(store)(z, FN(exp_lanes)(x, &inside));
-  for (int64_t j = 0; j < LANES; j++)
-    if (!inside[j]) z[j] = PI_EXP(x[j]);
+/* Whether any lane of a mask is set. */
+static inline int FN(any)(FN(ivec) mask) {
+  int32_t lanes[LANES];
+  memcpy(lanes, &mask, sizeof lanes);
+  int32_t seen = 0;
+  for (int64_t j = 0; j < LANES; j++) seen |= lanes[j];
+  return seen != 0;
 }
-#endif
 
-/* z[m] = exp(z[m] − shift) for m in [from, to), the difference taken in double (shift may be a log-sum-exp
- * kept in double: see normalise); returns their sum. */
+static const int32_t pi_lane_index[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+
+/* z[m] = exp(z[m] − shift) for m in [from, to), a vector at a time; returns their sum. shift is taken as a
+ * float pair hi + lo, so that (z − hi) − lo keeps the precision of a shift in double (a log-sum-exp: see
+ * normalise). The last vector may read lanes past `to` (the scratch rows are padded) but never writes them;
+ * lanes outside the polynomial's range, NaN included, take libm's exp. */
 static inline R FN(exp_shifted)(R *z, int64_t from, int64_t to, double shift) {
-  int64_t m = from;
-#if PI_VECTOR_EXP
-  for (; m < to; m += LANES) { /* a partial last vector goes through a copy: nothing past `to` is written */
-    R lanes[LANES] = {0};
+  const R hi = (R)shift, lo = (R)(shift - (double)hi);
+  const FN(ivec) index = *(const FN(ivec) *)(const void *)pi_lane_index;
+  FN(vec) sum = {0};
+  for (int64_t m = from; m < to; m += LANES) {
     const int64_t count = to - m < LANES ? to - m : LANES;
-    for (int64_t j = 0; j < count; j++) lanes[j] = (R)((double)z[m + j] - shift);
-    FN(exp_vector)(lanes);
-    memcpy(z + m, lanes, sizeof(R) * (size_t)count);
+    const FN(ivec) valid = index < (FN(ivec)){0} + (int32_t)count;
+    const FN(vec) x = (FN(load)(z + m) - hi) - lo;
+    FN(ivec) inside;
+    FN(vec) e = (FN(vec))((FN(ivec))FN(exp_lanes)(x, &inside) & valid);
+    if (FN(any)(valid & ~inside))
+      for (int64_t j = 0; j < count; j++)
+        if (!inside[j]) e[j] = PI_EXP(x[j]);
+    sum += e;
+    if (count == LANES) FN(store)(z + m, e);
+    else
+      for (int64_t j = 0; j < count; j++) z[m + j] = e[j];
   }
+  return FN(sum_lanes)(sum);
+}
 #else
-  for (; m < to; m++) z[m] = PI_EXP((R)((double)z[m] - shift));
-#endif
+/* z[m] = exp(z[m] − shift) for m in [from, to), the difference taken in double; returns their sum. */
+static inline R FN(exp_shifted)(R *z, int64_t from, int64_t to, double shift) {
   R total = 0;
-  for (m = from; m < to; m++) total += z[m];
+  for (int64_t m = from; m < to; m++) {
+    z[m] = PI_EXP((R)((double)z[m] - shift));
+    total += z[m];
+  }
   return total;
 }
+#endif
 
 /* Softmax of z[from … to) in place; returns the log-sum-exp, in double: the backward takes exp(z − lse), and
  * an fp32 lse would be off by |lse|·2^-24, an error that grows with the logits (and multiplies every
@@ -374,7 +393,8 @@ static inline double FN(normalise)(R *z, int64_t from, int64_t to) {
   const R total = FN(exp_shifted)(z, from, to, top);
   const R inverse = 1 / total;
   for (int64_t m = from; m < to; m++) z[m] *= inverse;
-  return (double)top + log((double)total);
+  /* total lies in [1, to − from]: its log in R is accurate to an ulp of a small number; top is added in double */
+  return (double)top + (double)PI_LOG(total);
 }
 
 /* Scratch of one thread, p->n_max each: key row offsets, logits (then weights), dL/dweights (then dL/dlogits),
@@ -386,10 +406,12 @@ typedef struct {
 
 /* The scratch rows in one allocation (free(w->row) releases them); NULL members when out of memory. */
 static FN(pi_scratch) FN(scratch)(int64_t n) {
-  FN(pi_scratch) w = {malloc((sizeof(int64_t) + 3 * sizeof(R)) * (size_t)n), NULL, NULL, NULL};
+  /* z is padded by a vector (exp_shifted may read a whole last vector) and zeroed, so that what it reads past
+   * the row's slots is a number */
+  FN(pi_scratch) w = {calloc(1, sizeof(int64_t) * (size_t)n + sizeof(R) * (size_t)(3 * n + LANES)), NULL, NULL, NULL};
   if (w.row) {
     w.z = (R *)(w.row + n);
-    w.dp = w.z + n;
+    w.dp = w.z + n + LANES;
     w.pass = w.dp + n;
   }
   return w;
@@ -404,7 +426,7 @@ static inline __attribute__((always_inline)) void FN(forward_row_d)(const pi_cal
   R *z = w->z;
   const int64_t n = FN(slot_rows)(p, c->T, D, i, row, &nl);
   R lp_local, lp_skip;
-  FN(log_priors)(c, a, &lp_local, &lp_skip);
+  FN(log_priors)(c, p, a, &lp_local, &lp_skip);
   const R scale = (R)c->scale;
   for (int64_t m = 0; m < n; m++)
     z[m] = FN(logit)(c, FN(dot)(qi, k + row[m], D) * scale, m < nl ? lp_local : lp_skip);
@@ -431,7 +453,7 @@ static inline __attribute__((always_inline)) void FN(backward_row_d)(const pi_ca
   R *z = w->z, *dp = w->dp, *pass = w->pass;
   const int64_t n = FN(slot_rows)(p, c->T, D, i, row, &nl);
   R lp_local, lp_skip;
-  FN(log_priors)(c, a, &lp_local, &lp_skip);
+  FN(log_priors)(c, p, a, &lp_local, &lp_skip);
   const R scale = (R)c->scale, limit = (R)c->clamp;
   for (int64_t m = 0; m < n; m++) {
     R score;
