@@ -1,30 +1,68 @@
-"""CPU benchmark of the π-Attention backends against the paper's offset loop and dense SDPA.
+"""CPU benchmark of the π-Attention backends against the memory floor: the bytes a call must move, at the
+speed this machine copies memory.
 
-Every case runs in a fresh process (`piattn.benchmarking.measure_isolated`): median time over repeats and
-peak resident-memory growth of the first call. Ratios are taken between cases of the same run. A backend
-whose forward or gradients differ from the reference is reported as failed and not timed.
+The floor of a call is the bytes it must read and write once, divided by the copy bandwidth (a 256 MiB
+`copy_`, counted as 2 × 256 MiB moved): fp32, forward-only reads q, k, v, gate and writes y and one
+statistic per row, 4·B·H·(4·T·D + 2·T) bytes; forward and backward add reading q, k, v, gate, y, dy and the
+statistic and writing dq, dk, dv, dgate, 4·B·H·(12·T·D + 5·T) in all. Each backend's time is reported in
+ms and as a multiple of that floor.
 
-    python benchmarks/cpu_bench.py --out benchmarks/results            # T = 1K … 32K, ~10 min on 2 cores
-    python benchmarks/cpu_bench.py --lengths 1024 2048 --out /tmp/b    # quick
+Everything runs in one process, interleaved: each repeat times the copy and then every case once, so that
+a busy machine slows them alike; the tables give medians. Threads: every case at one thread, and the
+`--threaded-cases` at each other count of `--threads` too, against the copy bandwidth at that count. The
+backend functions are called directly (`pi_attention`'s argument checks are the same for all of them and
+not timed). A backend whose forward or gradients differ from the reference is reported as failed and not
+timed; "fused" without its compiled kernels is reported as unavailable (it would run "torch").
+
+    python benchmarks/cpu_bench.py --out benchmarks/results                 # T = 1K … 16K, a few minutes
+    python benchmarks/cpu_bench.py --lengths 1024 2048 --repeats 3 --out /tmp/b    # quick
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-from piattn.benchmarking import CHECK_TOLERANCE, error_vs_reference, machine_info, measure_isolated, save_results
+import torch
+
+from piattn.benchmarking import CHECK_TOLERANCE, machine_info, save_results
+from piattn.config import PI_DEFAULTS
+from piattn.ops.pi import fused
+from piattn.ops.pi.fused import pi_attention_fused
+from piattn.ops.pi.reference import pi_attention_reference
+from piattn.ops.pi.settings import OpSettings
+from piattn.ops.pi.torch import pi_attention_torch
 
 SHAPE = dict(B=1, H=8, D=64)
+SETTINGS = dict(window=PI_DEFAULTS.window, period=PI_DEFAULTS.period, causal=True, variant="adaptive",
+                prior=PI_DEFAULTS.prior, logit_clamp=PI_DEFAULTS.logit_clamp, eps=PI_DEFAULTS.eps)
+FUNCTIONS = {"reference": pi_attention_reference, "torch": pi_attention_torch, "fused": pi_attention_fused}
+# Not a backend: allocating the outputs of a call and writing them once, the part of any backend's time that
+# fresh memory costs (the kernel zeroes each new page on its first write: a second write the floor does not
+# count).
+OUTPUTS = "outputs"
+# The fused kernels alone: forward (and backward) written into outputs allocated once, before timing, without
+# autograd: what the fused backend costs without the first touches of fresh memory.
+KERNEL = "fused-kernel"
+MODES = ("fwd", "fwd+bwd")
+FP32_BYTES = 4
 
 
-def slope(rows: list[dict], case: str, mode: str, key: str) -> float | None:
+def floor_bytes(mode: str, *, B: int, H: int, T: int, D: int) -> int:
+    """The bytes an fp32 call must move at least: its inputs read and its outputs written once."""
+    per_head = 4 * T * D + 2 * T if mode == "fwd" else 12 * T * D + 5 * T
+    return FP32_BYTES * B * H * per_head
+
+
+def slope(rows: list[dict], case: str, mode: str, key: str, threads: int = 1) -> float | None:
     """Least-squares slope of log(key) against log(T): 1.0 means linear in T."""
     pts = [(math.log(r["T"]), math.log(r[key])) for r in rows
-           if r["case"] == case and r["mode"] == mode and r.get(key)]
+           if r["case"] == case and r["mode"] == mode and r.get("threads", 1) == threads and r.get(key)]
     if len(pts) < 2:
         return None
     mx = sum(x for x, _ in pts) / len(pts)
@@ -32,70 +70,243 @@ def slope(rows: list[dict], case: str, mode: str, key: str) -> float | None:
     return sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
 
 
+def _call(case: str, q, k, v, gate, scale: float):
+    return FUNCTIONS[case](q, k, v, gate, scale=scale, dropout_keep=None, dropout_p=0.0, **SETTINGS)
+
+
+def check(case: str) -> float:
+    """Largest abs difference to the reference of y and every gradient: adaptive, fp64, both directions."""
+    worst = 0.0
+    for causal in (True, False):
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 2, 300, 32, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(3))
+        gate = (0.05 + 0.9 * torch.rand(1, 2, 300, generator=g, dtype=torch.float64)).requires_grad_()
+        outs = []
+        for function in (pi_attention_reference, FUNCTIONS[case]):
+            y = function(q, k, v, gate, scale=32**-0.5, dropout_keep=None, dropout_p=0.0,
+                         **{**SETTINGS, "causal": causal})
+            outs.append((y, *torch.autograd.grad(y.square().sum(), (q, k, v, gate))))
+        worst = max(worst, *((a - b).abs().max().item() for a, b in zip(*outs, strict=True)))
+    return worst
+
+
+class Inputs:
+    """fp32 q, k, v [B, H, T, D], a gate [B, H, T] in (0.05, 0.95) and a cotangent dy, seeded."""
+
+    def __init__(self, *, B: int, H: int, T: int, D: int):
+        g = torch.Generator().manual_seed(0)
+        self.q, self.k, self.v = (torch.randn(B, H, T, D, generator=g, requires_grad=True) for _ in range(3))
+        self.gate = (0.05 + 0.9 * torch.rand(B, H, T, generator=g)).requires_grad_()
+        self.dy = torch.randn(B, H, T, D, generator=g)
+        self.scale = D**-0.5
+        self.reused = None  # outputs of KERNEL's calls
+
+    def run(self, case: str, mode: str) -> float:
+        """One call of `case` in `mode`; its wall time in ms (gradients cleared before, not timed)."""
+        if case == OUTPUTS:
+            return self.fresh_outputs(mode)
+        if case == KERNEL:
+            return self.kernel(mode)
+        tensors = (self.q, self.k, self.v, self.gate)
+        for t in tensors:
+            t.grad = None
+        start = time.perf_counter()
+        if mode == "fwd":
+            with torch.no_grad():
+                _call(case, *tensors, self.scale)
+        else:
+            _call(case, *tensors, self.scale).backward(self.dy)
+        return (time.perf_counter() - start) * 1e3
+
+
+    def kernel(self, mode: str) -> float:
+        """ms of the fused kernels of `mode` writing into outputs of an earlier call."""
+        settings = OpSettings(**SETTINGS, scale=self.scale, dropout_p=0.0, sinks=0)
+        q, k, v, gate = (t.detach() for t in (self.q, self.k, self.v, self.gate))
+        if self.reused is None:  # allocated and written once, untimed
+            forward = fused.fused_forward(q, k, v, gate, settings)
+            self.reused = forward, fused.fused_backward(self.dy, q, k, v, gate, forward[1], settings, want_dgate=True)
+        start = time.perf_counter()
+        _, stat = fused.fused_forward(q, k, v, gate, settings, out=self.reused[0])
+        if mode != "fwd":
+            fused.fused_backward(self.dy, q, k, v, gate, stat, settings, want_dgate=True, out=self.reused[1])
+        return (time.perf_counter() - start) * 1e3
+
+    def fresh_outputs(self, mode: str) -> float:
+        """ms to allocate the outputs of `mode` (y and one statistic per row; with the backward also dq, dk,
+        dv, dgate) and write each once."""
+        shapes = [self.q.shape, self.gate.shape]
+        if mode != "fwd":
+            shapes += [self.q.shape, self.k.shape, self.v.shape, self.gate.shape]
+        start = time.perf_counter()
+        for shape in shapes:
+            torch.empty(shape).fill_(1.0)
+        return (time.perf_counter() - start) * 1e3
+
+
+class Copy:
+    """A `copy_` of `mib` MiB between two buffers allocated (and touched) once."""
+
+    def __init__(self, mib: int):
+        self.src = torch.randn(mib * 2**20 // FP32_BYTES)
+        self.dst = torch.empty_like(self.src)
+        self.dst.copy_(self.src)
+        self.moved = 2 * self.src.numel() * FP32_BYTES  # read once, written once
+
+    def run(self) -> float:
+        start = time.perf_counter()
+        self.dst.copy_(self.src)
+        return (time.perf_counter() - start) * 1e3
+
+
+def measure(lengths: list[int], cases: list[str], thread_counts: list[int], threaded: list[str], repeats: int,
+            copy: Copy, log=print) -> tuple[list[dict], dict[int, list[float]]]:
+    """Interleaved timings: (rows of medians by T, mode, case and threads; copy times in ms by threads)."""
+    copy_ms: dict[int, list[float]] = {n: [] for n in thread_counts}
+    rows = []
+    plan = [(n, case) for n in thread_counts for case in cases if n == 1 or case in threaded]
+    before = torch.get_num_threads()
+    try:
+        for T in lengths:
+            inputs = Inputs(**SHAPE, T=T)
+            times = {(n, case, mode): [] for n, case in plan for mode in MODES}
+            for n, case in plan:  # warm-up: thread pools, the compiled library, first allocations
+                torch.set_num_threads(n)
+                for mode in MODES:
+                    inputs.run(case, mode)
+            for r in range(repeats):
+                for n in thread_counts:
+                    torch.set_num_threads(n)
+                    copy_ms[n].append(copy.run())
+                    for case in (c for m, c in plan if m == n):
+                        for mode in MODES:
+                            times[n, case, mode].append(inputs.run(case, mode))
+                log(f"T={T} repeat {r + 1}/{repeats}: " + ", ".join(
+                    f"{case}/{n}t {mode} {times[n, case, mode][-1]:.1f}" for n, case in plan for mode in MODES))
+            for (n, case, mode), ms in times.items():
+                rows.append(dict(case=case, mode=mode, T=T, threads=n, ms=statistics.median(ms), ms_min=min(ms),
+                                 ms_all=ms, bytes=floor_bytes(mode, **SHAPE, T=T)))
+            del inputs
+    finally:
+        torch.set_num_threads(before)
+    return rows, copy_ms
+
+
+def add_floors(rows: list[dict], copy_ms: dict[int, list[float]], moved: int) -> dict[int, float]:
+    """Each row's floor (ms at the median copy bandwidth of its thread count) and its multiple of it; returns
+    the bandwidths in GB/s by thread count."""
+    bandwidth = {n: moved / (statistics.median(ms) / 1e3) / 1e9 for n, ms in copy_ms.items()}
+    for r in rows:
+        r["floor_ms"] = r["bytes"] / (bandwidth[r["threads"]] * 1e9) * 1e3
+        r["x_floor"] = r["ms"] / r["floor_ms"]
+        r["x_floor_min"] = r["ms_min"] / r["floor_ms"]
+    return bandwidth
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+    except OSError:
+        return machine_info()["processor"]
+
+
+def _compiler() -> str:
+    try:
+        done = subprocess.run(["cc", "--version"], capture_output=True, text=True, timeout=10)
+        return done.stdout.splitlines()[0] if done.returncode == 0 and done.stdout else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "none"
+
+
 def markdown(result: dict) -> str:
-    rows = result["rows"]
-    out = [f"# CPU benchmark: π-Attention backends ({result['machine']['processor']}, "
-           f"{result['machine']['cpu_count']} threads, torch {result['machine']['torch']})", "",
-           f"B={SHAPE['B']} H={SHAPE['H']} D={SHAPE['D']} fp32, window=4, period=16, adaptive, causal. "
-           "Median of the repeats, each case in a fresh process; peak = resident-memory growth of the "
-           "first call (inputs excluded, outputs and gradients included).", "",
+    rows, threads = result["rows"], result["threads"]
+    machine = result["machine"]
+    bw = ", ".join(f"{n} thread{'s' if n > 1 else ''}: {b:.1f} GB/s" for n, b in result["copy_gb_s"].items())
+    out = [f"# CPU benchmark: π-Attention backends against the memory floor ({result['cpu']}, "
+           f"{machine['cpu_count']} threads, torch {machine['torch']}, piattn {machine['piattn']})", "",
+           f"B={SHAPE['B']} H={SHAPE['H']} D={SHAPE['D']} fp32, window={SETTINGS['window']}, "
+           f"period={SETTINGS['period']}, {SETTINGS['variant']}, causal, logit clamp {SETTINGS['logit_clamp']}. "
+           f"Medians of {result['repeats']} interleaved repeats in one process. Floor = bytes that must move "
+           f"(fwd: 4·B·H·(4·T·D + 2·T), fwd+bwd: 4·B·H·(12·T·D + 5·T)) / copy bandwidth "
+           f"({result['copy_mib']} MiB copy_, 2 × size moved; {bw}); × floor = ms / floor ms. Multi-thread "
+           f"columns are against the copy bandwidth at that thread count. '{OUTPUTS}' is no backend: the time to "
+           "allocate a call's outputs and write them once (the kernel zeroes each fresh page on its first write), "
+           f"part of every backend's time and of none's floor; '{KERNEL}' is the fused kernels writing into outputs "
+           "allocated once (no autograd, no fresh memory). 'best' is the fastest repeat: the least disturbed by "
+           "the other processes on this machine.", "",
+           f"Machine: {machine['platform']}, Python {machine['python']}; C compiler: {result['compiler']}; "
+           f"fused built with: {result['fused_flags']}.", "",
            f"Command: `{result['command']}`", ""]
-    for mode in ("fwd", "fwd+bwd"):
-        out += [f"## {mode}", "", "| T | case | ms | peak MiB | speed-up vs reference | memory vs reference |",
-                "|---:|---|---:|---:|---:|---:|"]
+    more = [n for n in threads if n != 1]
+    for mode in MODES:
+        head = "| T | MB | floor ms | case | ms | × floor | best ms | best × floor |"
+        rule = "|---:|---:|---:|---|---:|---:|---:|---:|"
+        for n in more:
+            head += f" ms ({n} threads) | × floor ({n}) | speed-up ×{n} |"
+            rule += "---:|---:|---:|"
+        out += [f"## {mode}", "", head, rule]
         for T in result["lengths"]:
-            base = next((r for r in rows if r["T"] == T and r["mode"] == mode and r["case"] == "reference"
-                         and "ms" in r), None)
-            for r in rows:
-                if r["T"] != T or r["mode"] != mode:
+            for case in result["cases"]:
+                one = _row(rows, case, mode, T, 1)
+                if one is None:
                     continue
-                if "ms" not in r:
-                    out.append(f"| {T} | {r['case']} | {r.get('error', 'skipped')} | | | |")
-                    continue
-                speed = f"{base['ms'] / r['ms']:.1f}×" if base else "–"
-                mem = f"{r['peak_mib'] / base['peak_mib']:.2f}" if base and r["peak_mib"] else "–"
-                out.append(f"| {T} | {r['case']} | {r['ms']:.1f} | {r['peak_mib']:.0f} | {speed} | {mem} |")
+                line = (f"| {T} | {one['bytes'] / 1e6:.0f} | {one['floor_ms']:.1f} | {case} | {one['ms']:.1f} | "
+                        f"{one['x_floor']:.2f} | {one['ms_min']:.1f} | {one['x_floor_min']:.2f} |")
+                for n in more:
+                    r = _row(rows, case, mode, T, n)
+                    line += (" | | |" if r is None else
+                             f" {r['ms']:.1f} | {r['x_floor']:.2f} | {one['ms'] / r['ms']:.2f} |")
+                out.append(line)
         out.append("")
-    out += ["## Growth with T (log-log slope over the measured lengths; 1.0 = linear, 2.0 = quadratic)", "",
-            "| case | mode | time slope | memory slope |", "|---|---|---:|---:|"]
+    out += ["## Growth with T (log-log slope of ms over the measured lengths, one thread; 1.0 = linear)", "",
+            "| case | mode | slope |", "|---|---|---:|"]
     for s in result["slopes"]:
-        fmt = lambda x: "–" if x is None else f"{x:.2f}"  # noqa: E731
-        out.append(f"| {s['case']} | {s['mode']} | {fmt(s['time'])} | {fmt(s['memory'])} |")
+        shown = "–" if s["time"] is None else f"{s['time']:.2f}"
+        out.append(f"| {s['case']} | {s['mode']} | {shown} |")
     checks = ", ".join(f"{b}: {e:.1e}" for b, e in result["checks"].items())
     out += ["", f"Correctness before timing (max abs diff to reference, fp64, fwd + all grads): {checks}."]
+    out += [f"Not timed: {case}: {why}." for case, why in result["not_timed"].items()]
     return "\n".join(out) + "\n"
+
+
+def _row(rows, case, mode, T, threads):
+    return next((r for r in rows if (r["case"], r["mode"], r["T"], r["threads"]) == (case, mode, T, threads)), None)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
-    p.add_argument("--cases", nargs="+", default=["reference", "torch", "sdpa"])
-    p.add_argument("--sdpa-max", type=int, default=16384, help="longest T for dense SDPA (it is quadratic)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192, 16384])
+    p.add_argument("--cases", nargs="+", default=list(FUNCTIONS), choices=list(FUNCTIONS))
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="thread counts (1 is always run)")
+    p.add_argument("--threaded-cases", nargs="+", default=["torch", "fused", KERNEL], choices=[*FUNCTIONS, KERNEL],
+                   help="the cases also timed at the other thread counts")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--copy-mib", type=int, default=256, help="size of the copy that measures the bandwidth")
+    p.add_argument("--no-outputs", action="store_true", help=f"skip the {OUTPUTS!r} row (fresh output memory)")
+    p.add_argument("--no-kernel", action="store_true", help=f"skip the {KERNEL!r} row (outputs reused)")
     args = p.parse_args(argv)
 
-    checks = {b: error_vs_reference(b) for b in args.cases if b not in ("reference", "sdpa")}
-    cases = [c for c in args.cases if checks.get(c, 0.0) <= CHECK_TOLERANCE]
-    rows = []
-    t_start = time.time()
-    for T in args.lengths:
-        for mode in ("fwd", "fwd+bwd"):
-            for case in cases:
-                if case == "sdpa" and args.sdpa_max < T:
-                    rows.append(dict(case=case, mode=mode, T=T, error=f"skipped (T > --sdpa-max {args.sdpa_max})"))
-                    continue
-                r = measure_isolated(case, **SHAPE, T=T, mode=mode, repeats=args.repeats)
-                rows.append(r)
-                shown = f"{r['ms']:9.1f} ms  peak {r['peak_mib']:7.0f} MiB" if "ms" in r else r["error"]
-                print(f"[{time.time() - t_start:6.0f}s] T={T:6d} {mode:8s} {case:9s} {shown}", flush=True)
-    for case, err in checks.items():
-        if err > CHECK_TOLERANCE:
-            rows.append(dict(case=case, mode="all", T=0, error=f"failed correctness check ({err:.1e}); not timed"))
-    result = dict(machine=machine_info(), shape=SHAPE, lengths=args.lengths, checks=checks, rows=rows,
+    not_timed = {}
+    if "fused" in args.cases and fused.unavailable() is not None:
+        not_timed["fused"] = f"unavailable ({fused.unavailable()})"
+    checks = {c: check(c) for c in args.cases if c != "reference" and c not in not_timed}
+    not_timed.update({c: f"failed the correctness check ({e:.1e})" for c, e in checks.items() if e > CHECK_TOLERANCE})
+    cases = [c for c in args.cases if c not in not_timed]
+    cases += [KERNEL] if "fused" in cases and not args.no_kernel else []
+    cases += [] if args.no_outputs else [OUTPUTS]
+    threads = sorted({1, *args.threads})
+    copy = Copy(args.copy_mib)
+    rows, copy_ms = measure(args.lengths, cases, threads, args.threaded_cases, args.repeats, copy)
+    bandwidth = add_floors(rows, copy_ms, copy.moved)
+    flags = " ".join(fused.build_flags() or ()) or "–"
+    result = dict(machine=machine_info(), cpu=_cpu_model(), compiler=_compiler(), fused_flags=flags,
+                  shape=SHAPE, settings=SETTINGS, lengths=args.lengths, cases=cases, threads=threads,
+                  repeats=args.repeats, copy_mib=args.copy_mib, copy_gb_s=bandwidth,
+                  copy_ms={n: ms for n, ms in copy_ms.items()}, checks=checks, not_timed=not_timed, rows=rows,
                   command="python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-                  slopes=[dict(case=c, mode=m, time=slope(rows, c, m, "ms"), memory=slope(rows, c, m, "peak_mib"))
-                          for c in cases for m in ("fwd", "fwd+bwd")])
+                  slopes=[dict(case=c, mode=m, time=slope(rows, c, m, "ms")) for c in cases for m in MODES])
     table = markdown(result)
     save_results(args.out, "cpu_bench", result, table)
     print(table)

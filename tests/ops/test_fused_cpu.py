@@ -364,6 +364,29 @@ def test_the_python_side_reports_a_refusal(monkeypatch):
         fused._run("forward", q, k, settings, [q, k, v, gate, torch.empty_like(q), torch.empty(3)])
 
 
+def test_out_writes_into_the_given_tensors(nan_poison):
+    """fused_forward / fused_backward with out=: the same numbers, written into the tensors given (every
+    element: they start as NaN); outputs of another dtype, shape or layout are refused."""
+    q, k, v, gate = make_inputs(1, 2, 30, 8, variant="separate", requires_grad=False)
+    settings = OpSettings(window=4, period=16, causal=False, variant="separate", prior=0.3, logit_clamp=1.5,
+                          eps=1e-6, scale=0.25, dropout_p=0.0, sinks=0)
+    y, stat = fused.fused_forward(q, k, v, gate, settings)
+    given = (torch.full_like(y, float("nan")), torch.full_like(stat, float("nan")))
+    assert all(a is b for a, b in zip(fused.fused_forward(q, k, v, gate, settings, out=given), given, strict=True))
+    assert torch.equal(given[0], y) and torch.equal(given[1], stat)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(15), dtype=y.dtype)
+    grads = fused.fused_backward(dy, q, k, v, gate, stat, settings, want_dgate=True)
+    given = [torch.full_like(t, float("nan")) for t in grads]
+    got = fused.fused_backward(dy, q, k, v, gate, stat, settings, want_dgate=True, out=given)
+    assert all(a is b and torch.equal(a, e) for a, b, e in zip(got, given, grads, strict=True))
+    with pytest.raises(ValueError, match="out= must be"):
+        fused.fused_forward(q, k, v, gate, settings, out=(y.float(), stat))
+    with pytest.raises(ValueError, match="out= must be"):
+        fused.fused_forward(q, k, v, gate, settings, out=(y.transpose(1, 2).contiguous().transpose(1, 2), stat))
+    with pytest.raises(ValueError, match="out= must be"):
+        fused.fused_backward(dy, q, k, v, gate, stat, settings, want_dgate=False, out=given)
+
+
 def test_empty_batch():
     q, k, v, gate = make_inputs(0, 2, 20, 8)
     y = pi_attention_fused(q, k, v, gate, **_settings("adaptive"))

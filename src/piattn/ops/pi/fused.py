@@ -222,23 +222,38 @@ def stats_per_row(variant: str) -> int:
     return 2 if variant == "separate" else 1
 
 
-def fused_forward(q, k, v, gate, settings: OpSettings) -> tuple[torch.Tensor, torch.Tensor]:
+def _outputs(out, layout: list[tuple[torch.Size, torch.dtype] | None], name: str) -> list[torch.Tensor | None]:
+    """`out` checked against `layout` (shape and dtype of each output, None where there is none), or fresh
+    tensors of that layout when out is None."""
+    if out is None:
+        return [None if lay is None else torch.empty(lay[0], dtype=lay[1]) for lay in layout]
+    out = list(out)
+    got = [None if t is None else (t.shape, t.dtype, t.device.type, t.is_contiguous()) for t in out]
+    want = [None if lay is None else (lay[0], lay[1], "cpu", True) for lay in layout]
+    if got != want:
+        raise ValueError(f"{name} out= must be contiguous CPU tensors {want}, got {got}")
+    return out
+
+
+def fused_forward(q, k, v, gate, settings: OpSettings, *, out=None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, H, T, D], k, v [B, H_kv, T, D], gate [B, H, T] or None, all contiguous CPU tensors of one dtype
     (fp32 or fp64) -> (y [B, H, T, D], stat [B, H, T, stats_per_row] fp64: the log-sum-exp in double, so that
-    the backward's exp(z − lse) does not lose |lse|·2^-24 in fp32)."""
+    the backward's exp(z − lse) does not lose |lse|·2^-24 in fp32). out: (y, stat) to write into instead of
+    fresh tensors (a benchmark's way to time the kernel without first touches of new memory)."""
     B, H, T, D = q.shape
-    y = torch.empty_like(q)
-    stat = torch.empty(B, H, T, stats_per_row(settings.variant), dtype=torch.float64)
+    y, stat = _outputs(out, [(q.shape, q.dtype), (torch.Size((B, H, T, stats_per_row(settings.variant))),
+                                                  torch.float64)], "fused_forward")
     _run("forward", q, k, settings, [q, k, v, gate, y, stat])
     return y, stat
 
 
-def fused_backward(dy, q, k, v, gate, stat, settings: OpSettings, *, want_dgate: bool):
+def fused_backward(dy, q, k, v, gate, stat, settings: OpSettings, *, want_dgate: bool, out=None):
     """The gradients (dq, dk, dv, dgate or None) for the cotangent dy [B, H, T, D] of `fused_forward`'s
-    output, from its inputs and its statistics (all contiguous, one dtype)."""
-    dq = torch.empty_like(q)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    dgate = torch.empty_like(gate) if want_dgate else None
+    output, from its inputs and its statistics (all contiguous, one dtype). out: (dq, dk, dv, dgate or None)
+    to write into instead of fresh tensors."""
+    layout = [(q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype),
+              (gate.shape, gate.dtype) if want_dgate else None]
+    dq, dk, dv, dgate = _outputs(out, layout, "fused_backward")
     _run("backward", q, k, settings, [q, k, v, gate, dy.contiguous(), stat, dq, dk, dv, dgate])
     return dq, dk, dv, dgate
 
