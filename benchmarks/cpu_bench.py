@@ -14,7 +14,7 @@ backend functions are called directly (`pi_attention`'s argument checks are the 
 not timed). A backend whose forward or gradients differ from the reference is reported as failed and not
 timed; "fused" without its compiled kernels is reported as unavailable (it would run "torch").
 
-    python benchmarks/cpu_bench.py --out benchmarks/results                 # T = 1K … 16K, a few minutes
+    OMP_WAIT_POLICY=passive python benchmarks/cpu_bench.py --out benchmarks/results   # T = 1K … 16K, ~2 min
     python benchmarks/cpu_bench.py --lengths 1024 2048 --repeats 3 --out /tmp/b    # quick
 """
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -51,6 +52,9 @@ OUTPUTS = "outputs"
 KERNEL = "fused-kernel"
 MODES = ("fwd", "fwd+bwd")
 FP32_BYTES = 4
+# Variables that change the timings, recorded with the command: OMP_WAIT_POLICY=passive keeps idle OpenMP
+# threads (torch's and the fused kernels') from spinning on a machine whose cores other processes share.
+ENVIRONMENT = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "PIATTN_NATIVE", "CC")
 
 
 def floor_bytes(mode: str, *, B: int, H: int, T: int, D: int) -> int:
@@ -305,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
                   shape=SHAPE, settings=SETTINGS, lengths=args.lengths, cases=cases, threads=threads,
                   repeats=args.repeats, copy_mib=args.copy_mib, copy_gb_s=bandwidth,
                   copy_ms={n: ms for n, ms in copy_ms.items()}, checks=checks, not_timed=not_timed, rows=rows,
-                  command="python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+                  command=" ".join([*(f"{name}={os.environ[name]}" for name in ENVIRONMENT if name in os.environ),
+                                    "python", sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
                   slopes=[dict(case=c, mode=m, time=slope(rows, c, m, "ms")) for c in cases for m in MODES])
     table = markdown(result)
     save_results(args.out, "cpu_bench", result, table)
