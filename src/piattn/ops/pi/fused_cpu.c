@@ -302,14 +302,27 @@ static inline void FN(log_priors)(const pi_call *c, const pi_pattern *p, R a, R 
   }
 }
 
-/* The logit of a score: clamped (a NaN passes), plus the slot's log-prior. */
-static inline R FN(logit)(const pi_call *c, R score, R prior) {
-  const R limit = (R)c->clamp;
+/* The logits from the dot products z[m] (m < n, local slots first: n_local): scaled, clamped (a NaN passes),
+ * plus the slot's log-prior; pass[m] (when not NULL): whether the clamp lets the gradient through (a NaN
+ * score: not, as torch's mask). After all the dots of a row, in loops of their own: no branch per slot, and
+ * the dots' latencies overlap. */
+static inline void FN(logits)(const pi_call *c, R *z, R *pass, int64_t n, int64_t n_local, R lp_local,
+                              R lp_skip) {
+  const R scale = (R)c->scale, limit = (R)c->clamp;
   if (c->has_clamp) {
-    if (score > limit) score = limit;
-    if (score < -limit) score = -limit;
+    for (int64_t m = 0; m < n; m++) {
+      R score = z[m] * scale;
+      if (pass) pass[m] = (R)(score <= limit && score >= -limit);
+      score = score > limit ? limit : score;
+      score = score < -limit ? -limit : score;
+      z[m] = score + (m < n_local ? lp_local : lp_skip);
+    }
+  } else {
+    for (int64_t m = 0; m < n; m++) {
+      if (pass) pass[m] = 1;
+      z[m] = z[m] * scale + (m < n_local ? lp_local : lp_skip);
+    }
   }
-  return score + prior;
 }
 
 #if PI_VECTOR_EXP
@@ -427,9 +440,8 @@ static inline __attribute__((always_inline)) void FN(forward_row_d)(const pi_cal
   const int64_t n = FN(slot_rows)(p, c->T, D, i, row, &nl);
   R lp_local, lp_skip;
   FN(log_priors)(c, p, a, &lp_local, &lp_skip);
-  const R scale = (R)c->scale;
-  for (int64_t m = 0; m < n; m++)
-    z[m] = FN(logit)(c, FN(dot)(qi, k + row[m], D) * scale, m < nl ? lp_local : lp_skip);
+  for (int64_t m = 0; m < n; m++) z[m] = FN(dot)(qi, k + row[m], D);
+  FN(logits)(c, z, NULL, n, nl, lp_local, lp_skip);
   if (c->variant != PI_SEPARATE) {
     stat[0] = FN(normalise)(z, 0, n);
   } else {
@@ -454,15 +466,9 @@ static inline __attribute__((always_inline)) void FN(backward_row_d)(const pi_ca
   const int64_t n = FN(slot_rows)(p, c->T, D, i, row, &nl);
   R lp_local, lp_skip;
   FN(log_priors)(c, p, a, &lp_local, &lp_skip);
-  const R scale = (R)c->scale, limit = (R)c->clamp;
-  for (int64_t m = 0; m < n; m++) {
-    R score;
-    FN(dot2)(qi, k + row[m], dyi, v + row[m], D, &score, &dp[m]);
-    score *= scale;
-    /* Whether the clamp lets the gradient through (a NaN score: not, as torch's mask). */
-    pass[m] = (R)(!c->has_clamp || (score <= limit && score >= -limit));
-    z[m] = FN(logit)(c, score, m < nl ? lp_local : lp_skip);
-  }
+  const R scale = (R)c->scale;
+  for (int64_t m = 0; m < n; m++) FN(dot2)(qi, k + row[m], dyi, v + row[m], D, &z[m], &dp[m]);
+  FN(logits)(c, z, pass, n, nl, lp_local, lp_skip);
   /* z becomes the weights, dp the gradient of the logits (before the clamp mask). */
   if (c->variant != PI_SEPARATE) {
     FN(exp_shifted)(z, 0, n, stat[0]);
