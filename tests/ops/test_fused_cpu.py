@@ -355,7 +355,7 @@ def test_c_entry_points_check_sizes_and_buffers():
     assert torch.isnan(dq).all()
 
 
-def test_the_python_side_reports_a_refusal(monkeypatch):
+def test_the_python_side_reports_a_refusal():
     """An error code becomes a RuntimeError that says what was refused."""
     q, k, v, gate = make_inputs(1, 2, 20, 8, requires_grad=False)
     settings = OpSettings(window=4, period=16, causal=True, variant="adaptive", prior=0.3, logit_clamp=None,
