@@ -143,6 +143,12 @@ REGISTRY: dict[str, Backend] = {
                                              "interpreter)", features=ALL_FEATURES,
             contains_nonfinite=True,  # the forward kernel itself; the backward falls back to "torch" then
         ),
+        # Fused C kernels for the CPU (fused_cpu.c, compiled on first use; without a C compiler it says so once
+        # and runs "torch" in their place): fp32 and fp64; no sinks, documents or dropout yet. Not in "auto"
+        # yet: it cannot run inside torch.compile, and it has not run in the models' tests.
+        Backend("fused", "fused", "pi_attention_fused", variants=PAPER_VARIANTS,
+                dtypes=(torch.float32, torch.float64), devices=("cpu",), dropout=False,
+                features=frozenset({"gqa"}), contains_nonfinite=True),
         # torch's FlexAttention: no fp64 kernels, no CPU backward, no per-slot dropout mask.
         Backend(
             "flex", "flex", "pi_attention_flex", variants=PAPER_VARIANTS, dtypes=_LOW_AND_FP32,
