@@ -54,6 +54,7 @@ SHAPES = {
     "window0": (33, 0, 5),
     "period1": (17, 2, 1),
     "period<window": (40, 5, 3),  # the skip offsets are local already
+    "period=window": (40, 4, 4),
     "period=T-1": (29, 3, 28),
     "beyond-T": (30, 40, 45),  # window and period both longer than the sequence
     "wide": (75, 20, 7),  # windows wider than torch's 16-row blocks

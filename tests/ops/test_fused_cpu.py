@@ -30,26 +30,12 @@ from piattn.ops.pi.fused import pi_attention_fused
 from piattn.ops.pi.pattern import Pattern, slot_keys
 from piattn.ops.pi.reference import pi_attention_reference
 from piattn.ops.pi.settings import OpSettings
+from test_conformance import SHAPES  # id: (T, window, period), the shapes every backend is checked on
 from utils import TOLERANCES, assert_close, make_inputs, param_id
 
 FP32 = dict(atol=2e-5, rtol=2e-5)
 FP32_DGATE = dict(atol=1e-4, rtol=1e-4)
 NAMES = ("y", "dq", "dk", "dv", "dgate")
-
-# id: (T, window, period)
-SHAPES = {
-    "odd": (37, 4, 16),
-    "T64": (64, 4, 16),
-    "short": (10, 4, 16),  # T < period: no skip key anywhere
-    "T1": (1, 4, 16),
-    "window0": (33, 0, 5),
-    "period1": (17, 2, 1),
-    "period<window": (40, 5, 3),  # the skip offsets are local already
-    "period=window": (40, 4, 4),
-    "period=T-1": (29, 3, 28),
-    "beyond-T": (30, 40, 45),  # window and period both longer than the sequence
-    "wide": (75, 20, 7),
-}
 
 
 @pytest.fixture(autouse=True)
