@@ -23,6 +23,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_conformance import SHAPES  # id: (T, window, period), the shapes every backend is checked on
 
 from piattn.config.pi import GATED_VARIANTS, VARIANTS
 from piattn.ops.pi import fused
@@ -30,7 +31,6 @@ from piattn.ops.pi.fused import pi_attention_fused
 from piattn.ops.pi.pattern import Pattern, slot_keys
 from piattn.ops.pi.reference import pi_attention_reference
 from piattn.ops.pi.settings import OpSettings
-from test_conformance import SHAPES  # id: (T, window, period), the shapes every backend is checked on
 from utils import TOLERANCES, assert_close, make_inputs, param_id
 
 FP32 = dict(atol=2e-5, rtol=2e-5)
