@@ -8,6 +8,7 @@ included, without inductor's minutes of C++ compilation on a CPU).
 
 from __future__ import annotations
 
+import functools
 import re
 import shlex
 import subprocess
@@ -90,12 +91,18 @@ def test_mentioned_piattn_flags_exist(args):
     assert not unknown, f"`piattn {args[0]}` has no {unknown}"
 
 
+@functools.cache
+def script_help(script: Path) -> subprocess.CompletedProcess:
+    """`python SCRIPT --help`, once per script (a torch import each: seconds)."""
+    return subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, cwd=ROOT,
+                          env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"}, timeout=120)
+
+
 @pytest.mark.parametrize("args", SCRIPTS, ids=[" ".join(a[:2]) for a in SCRIPTS])
 def test_script_offers_its_flags(args):
     script, flags = ROOT / args[0], {a.split("=")[0] for a in args[1:] if a.startswith("--")}
     assert script.is_file(), f"{args[0]} does not exist"
-    shown = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, cwd=ROOT,
-                           env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"}, timeout=120)
+    shown = script_help(script)
     assert shown.returncode == 0, shown.stderr[-500:]
     unknown = sorted(f for f in flags if f not in shown.stdout)
     assert not unknown, f"{args[0]} offers no {unknown}"

@@ -414,6 +414,7 @@ def _check_in(tmp_path, setup="", **env):
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 
 
+@pytest.mark.slow  # two extra C builds, seconds each
 @pytest.mark.parametrize("flags", (("-fopenmp",), ()), ids=("no-march", "no-march-no-openmp"))
 def test_builds_without_native_instructions_or_openmp(tmp_path, flags):
     """Where the compiler refuses -march=native or -fopenmp, the next flag set is built, and computes the same
