@@ -151,3 +151,16 @@ def write_word_corpus(root: Path, words_per_doc: dict[str, list[int]]) -> Path:
         for i, n in enumerate(sizes):
             (root / split / f"doc{i}.txt").write_text(" ".join(rng.choice(words) for _ in range(n)), encoding="utf-8")
     return root
+
+
+def poisoned_input(t: torch.Tensor, p: int, value: str) -> torch.Tensor:
+    """t with position p of batch 0, head 0 set to NaN, or to ±inf alternating along D (so that a dot with
+    it is NaN, not a clampable ±inf)."""
+    t = t.detach().clone()
+    if t.dim() == 3:  # gate
+        t[0, 0, p] = float(value)
+    else:
+        row = torch.full((t.shape[-1],), float("inf"), dtype=t.dtype)
+        row[1::2] = -float("inf")
+        t[0, 0, p] = float("nan") if value == "nan" else row
+    return t.requires_grad_()

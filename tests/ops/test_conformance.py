@@ -31,6 +31,7 @@ from utils import (
     make_inputs,
     most_exact_dtype,
     param_id,
+    poisoned_input,
     require_backend,
 )
 
@@ -230,17 +231,6 @@ def _call(backend, q, k, v, gate, **kw):
                                     dropout_p=0.0, **kw)
 
 
-def _poison(t: torch.Tensor, p: int, value: str) -> torch.Tensor:
-    """t with position p of batch 0, head 0 set to NaN, or to ±inf alternating along D (so that a dot with
-    it is NaN, not a clampable ±inf)."""
-    t = t.detach().clone()
-    if t.dim() == 3:  # gate
-        t[0, 0, p] = float(value)
-    else:
-        row = torch.full((t.shape[-1],), float("inf"), dtype=t.dtype)
-        row[1::2] = -float("inf")
-        t[0, 0, p] = float("nan") if value == "nan" else row
-    return t.requires_grad_()
 
 
 @pytest.mark.parametrize(*backend_matrix(
@@ -267,7 +257,7 @@ def test_nonfinite_stays_local(backend, shape, variant, causal, which, value):
     g0 = torch.autograd.grad(y0, live, dy)
     for p in (0, T // 2, T - 1, T - 1 - period):  # the last: key of the skip of query T - 1
         inputs = list(clean)
-        inputs[names.index(which)] = _poison(clean[names.index(which)], p, value)
+        inputs[names.index(which)] = poisoned_input(clean[names.index(which)], p, value)
         y = _call(backend, *inputs, **kw)
         present = [n for n, t in zip(names, clean, strict=True) if t is not None]
         grads = dict(zip(present, torch.autograd.grad(y, [t for t in inputs if t is not None], dy), strict=True))
@@ -327,7 +317,7 @@ def test_nonfinite_calls_are_rerouted_to_a_containing_backend(backend, which):
                         requires_grad=False)
     p, i = 20, "qkv".index(which)
     inputs = list(clean)
-    inputs[i] = _poison(clean[i], p, "nan").requires_grad_(grad)
+    inputs[i] = poisoned_input(clean[i], p, "nan").requires_grad_(grad)
     with torch.no_grad():
         y0 = piattn.pi_attention(*clean, **kw)
     with torch.set_grad_enabled(grad):

@@ -31,7 +31,7 @@ from piattn.ops.pi.fused import pi_attention_fused
 from piattn.ops.pi.pattern import Pattern, slot_keys
 from piattn.ops.pi.reference import pi_attention_reference
 from piattn.ops.pi.settings import OpSettings
-from utils import TOLERANCES, assert_close, make_inputs, param_id
+from utils import TOLERANCES, assert_close, make_inputs, param_id, poisoned_input
 
 FP32 = dict(atol=2e-5, rtol=2e-5)
 FP32_DGATE = dict(atol=1e-4, rtol=1e-4)
@@ -213,17 +213,6 @@ def _bad_rows(x: torch.Tensor) -> set[int]:
     return set((bad.any(-1) if bad.dim() == 2 else bad).nonzero().flatten().tolist())
 
 
-def _poisoned(t: torch.Tensor, p: int, value: str) -> torch.Tensor:
-    """t with position p of batch 0, head 0 set to NaN, or to ±inf alternating along D (a dot with it is
-    NaN, not a clampable ±inf)."""
-    t = t.detach().clone()
-    if t.dim() == 3:
-        t[0, 0, p] = float(value)
-    else:
-        row = torch.full((t.shape[-1],), float("inf"), dtype=t.dtype)
-        row[1::2] = -float("inf")
-        t[0, 0, p] = float("nan") if value == "nan" else row
-    return t.requires_grad_()
 
 
 @pytest.mark.parametrize("which", ("q", "k", "v", "gate"))
@@ -247,7 +236,7 @@ def test_nonfinite_stays_local(which, variant, causal, value, dtype):
     reference = dict(zip(NAMES, _run(pi_attention_fused, clean, dy, kw), strict=True))
     for p in (0, T // 2, T - 1, T - 1 - period):
         inputs = list(clean)
-        inputs[names.index(which)] = _poisoned(clean[names.index(which)], p, value)
+        inputs[names.index(which)] = poisoned_input(clean[names.index(which)], p, value)
         got = dict(zip(NAMES, _run(pi_attention_fused, inputs, dy, kw), strict=True))
         readers = {i for i in range(T) if p in keys[i]}
         tainted = {p} if which in ("q", "gate") else readers
