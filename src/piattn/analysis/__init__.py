@@ -1,6 +1,18 @@
 """Reachability, minimum depth and the hierarchy cost model of π-Attention; multi-scale π (a skip period per
-head and per layer) and the period designer."""
+head and per layer) and the period designer; loss by copy distance (which bytes a kind's reach could copy)."""
 
+from .copy_distance import (
+    CLASSES,
+    COPY_N,
+    Reach,
+    attention_reach,
+    compare_by_class,
+    copy_classes,
+    copy_distances,
+    copy_lags,
+    lag_classes,
+    paired_class_stats,
+)
 from .cost import PROFILES, HardwareProfile, dense_cost, online_cost, working_set_size
 from .multiscale import (
     SCHEDULES,
@@ -30,6 +42,16 @@ from .reachability import (
 )
 
 __all__ = [
+    "CLASSES",
+    "COPY_N",
+    "Reach",
+    "attention_reach",
+    "compare_by_class",
+    "copy_classes",
+    "copy_distances",
+    "copy_lags",
+    "lag_classes",
+    "paired_class_stats",
     "PROFILES",
     "SCHEDULES",
     "Design",

@@ -38,7 +38,7 @@ from numbers import Integral, Real
 
 import torch
 
-from .multiscale import layer_hops, reachable_lags
+from .multiscale import layer_hops, periods_per_layer, reachable_lags
 
 COPY_N = 4
 """The context length n used for the evidence runs (module docstring: why)."""
@@ -129,6 +129,21 @@ def copy_distances(tokens: torch.Tensor, n: int = COPY_N) -> torch.Tensor:
     return dist.scatter_(1, order[:, 1:], torch.where(repeat, gap, NO_MATCH))
 
 
+def copy_lags(windows: torch.Tensor, n: int = COPY_N) -> torch.Tensor:
+    """long [N, T]: for a language model's windows [N, T + 1] (inputs windows[:, :-1], targets
+    windows[:, 1:]), the lag each target's copy spans, NO_MATCH where it has none.
+
+    Target t of a window (windows[:, t], t >= 1) is predicted by the query at position t − 1; the token to
+    copy sits at s = t − d (`copy_distances`). The query reads it across lag t − 1 − s = d − 1, which is
+    what a kind's reach (lags from a query back to a key) must contain: column j of the result is the lag
+    of target j + 1, in the order of the model's targets."""
+    windows = _check_tensor("windows", windows, 2, "int")
+    if windows.shape[1] < 2:
+        raise ValueError(f"windows must hold T + 1 >= 2 tokens per row (inputs and targets), got {windows.shape[1]}")
+    d = copy_distances(windows, n)[:, 1:]
+    return torch.where(d == NO_MATCH, NO_MATCH, d - 1)
+
+
 # --- classes ---------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -157,6 +172,28 @@ def reach(window: int, schedule, max_lag: int) -> Reach:
 def local_reach(window: int, n_layer: int, max_lag: int) -> Reach:
     """The Reach of local attention alone (no skip): lags 0 … window·n_layer."""
     return reach(window, ((),) * _check_int("n_layer", n_layer, 0), max_lag)
+
+
+REACH_KINDS = ("dense", "local", "pi")
+"""Attention kinds whose reach is a fixed set of lags (`attention_reach`)."""
+
+
+def attention_reach(attention: str, *, window: int | None, period, n_layer: int, n_head: int,
+                    max_lag: int) -> Reach:
+    """The Reach over lags 0 … max_lag of a model's attention after its n_layer layers: dense reaches
+    every lag (span max_lag); local attention with window k lags 0 … k·n_layer; π its window plus the
+    skip periods (an int, n_head per-head ints, or n_layer lists of them: `periods_per_layer`).
+
+    Sinks are not a lag: a kind with sinks has the Reach of the same kind without them (what the sinks
+    add is the first tokens of the window, at every lag)."""
+    if attention == "dense":
+        return Reach(torch.ones(_check_int("max_lag", max_lag, 0) + 1, dtype=torch.bool), int(max_lag))
+    if attention == "local":
+        return local_reach(window, n_layer, max_lag)
+    if attention == "pi":
+        return reach(window, periods_per_layer(period, n_layer, n_head), max_lag)
+    raise ValueError(f"attention must be one of {list(REACH_KINDS)} (kinds whose reach is a fixed set of lags), "
+                     f"got {attention!r}")
 
 
 def lag_classes(kind: Reach, local: Reach) -> torch.Tensor:

@@ -17,13 +17,16 @@ its UTF-8 bytes)), perplexity per token. Two more views of a language model:
 
     piattn eval --checkpoint runs/pi --position-bins 16      # + "position_bins": mean loss by position
     piattn eval --checkpoint runs/pi --compare runs/local    # + "compare": A − B on the same windows
+    piattn eval --checkpoint runs/pi --compare runs/local --by-copy-distance   # + "copy_distance"
 
 `--position-bins N` splits the target positions 0 … T − 1 of every window into N near-equal ranges and
 reports the mean loss (nats per token) of each. `--compare B` scores checkpoint B on exactly the windows
 A was scored on (A's data, tokenization and context; B must share A's tokenizer) and reports, per bin and
 over all positions, the mean over windows of the per-window difference of mean losses A − B with a 95%
 t-interval over windows. Adjacent windows of one text are not independent, so read the interval as
-optimistic rather than exact.
+optimistic rather than exact. `--by-copy-distance` (with --compare) classes every target byte by how far
+back the token it could copy lies, against B's reach and that of --classes-of (default A), and reports
+per class the mean loss of both and A − B with a bootstrap interval over windows (`eval_copy`).
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ from ..train import checkpoint as ckpt
 from ..train.distributed import DEVICES, DistContext, setup, teardown
 from ..train.loop import autocast, autocast_dtype, saved_train_config
 from ..train.statistics import paired_differences
-from . import paths
+from . import eval_copy, paths
 from .common import add_threads_argument, torch_threads
 
 # Recorded --data values that name no file or dataset: the examples are generated from the run's seed.
@@ -77,6 +80,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "of positions of each window (default: off; 1 with --compare)")
     p.add_argument("--compare", help="language models: a second checkpoint (run directory or folder) to score on "
                    "the same windows; reports A − B per position bin with a 95%% t-interval over windows")
+    p.add_argument("--by-copy-distance", action="store_true",
+                   help="language models, with --compare: A's and B's loss by copy-distance class (how far back "
+                   "the token a target could copy lies, against the reaches of --classes-of and of B), paired, "
+                   "with a 95%% bootstrap interval over windows")
+    p.add_argument("--classes-of", help="with --by-copy-distance: the checkpoint whose attention's reach defines "
+                   "the classes beyond B's (default: --checkpoint)")
     p.add_argument("--output", help="JSON file to write (default: RUN/eval/<checkpoint>_<split>[_<data>].json; "
                    "when that exists, a new name ending -2.json, -3.json, …: an earlier evaluation is kept)")
     add_threads_argument(p)
@@ -98,6 +107,11 @@ def check_numbers(args: argparse.Namespace) -> None:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.position_bins is not None and args.position_bins < 1:
         raise ValueError(f"--position-bins must be >= 1, got {args.position_bins}")
+    if args.by_copy_distance and (args.compare is None or args.position_bins is not None):
+        raise ValueError("--by-copy-distance needs --compare B (the reference whose reach is class A) and "
+                         "takes no --position-bins")
+    if args.classes_of is not None and not args.by_copy_distance:
+        raise ValueError("--classes-of names the classes of --by-copy-distance; pass that too")
 
 
 def chosen_data(args: argparse.Namespace, folder: Path) -> str | None:
@@ -151,6 +165,8 @@ def evaluate_checkpoint(args: argparse.Namespace, ctx: DistContext, folder: Path
     """
     split = normalize_split(args.split)
     by_position = args.position_bins is not None or other is not None
+    if args.by_copy_distance:
+        return by_copy_distance(args, ctx, folder, data, other)
     amp = autocast_dtype(args.precision, ctx.device)
     task, model, cfg = restore(folder, ctx, data=data, batch_size=args.batch_size, cache_dir=args.cache_dir)
     start = time.perf_counter()  # "seconds" includes tokenizing the split, as before the bar needed its size
@@ -171,6 +187,29 @@ def evaluate_checkpoint(args: argparse.Namespace, ctx: DistContext, folder: Path
             "seconds": time.perf_counter() - start}
 
 
+def by_copy_distance(args: argparse.Namespace, ctx: DistContext, folder: Path, data: str | None,
+                     other: Path) -> dict:
+    """`evaluate_checkpoint` with --by-copy-distance: both models' per-target losses on A's windows, classed
+    (`eval_copy`)."""
+    split = normalize_split(args.split)
+    amp = autocast_dtype(args.precision, ctx.device)
+    task, model, cfg = restore(folder, ctx, data=data, batch_size=args.batch_size, cache_dir=args.cache_dir)
+    start = time.perf_counter()
+    total = planned_batches(task, split, args.batches, ctx)
+    with autocast(ctx.device, amp), Progress(None if total is None else 2 * total, enabled=ctx.is_main) as progress:
+        progress.watch(model)
+        metrics, losses, windows = task.evaluate_by_target(model, split, args.batches)
+        _, model_b = restore_other(task, other, args, ctx, progress)
+        metrics_b, losses_b, _ = task.evaluate_by_target(model_b, split, args.batches)
+    classes_of = folder if args.classes_of is None else ckpt.resolve_checkpoint(args.classes_of, "--classes-of")
+    copy = eval_copy.by_copy_distance(losses, losses_b, windows, classes_of=classes_of, reference=other)
+    reference = {"checkpoint": str(other), "step": ckpt.read_config(other).get("step"),
+                 **{k: metrics_b[k] for k in ("loss", "bpb", "perplexity")}}
+    return {"checkpoint": str(folder), "step": ckpt.read_config(folder).get("step"), "data": cfg.data.data,
+            "split": split, **metrics, "compare": reference, "copy_distance": copy,
+            "seconds": time.perf_counter() - start}
+
+
 def language_model(folder, flag: str) -> None:
     """ValueError unless the checkpoint `folder` holds a language model."""
     task = ckpt.read_config(folder).get("task")
@@ -183,18 +222,7 @@ def compare(task, windows: torch.Tensor, other, split: str, bins: int, args: arg
             ctx: DistContext, progress: Progress) -> dict:
     """Checkpoint `other` scored on the windows `task` gave A (`windows`: A's [W, bins] losses), and the
     paired differences A − B per bin and over all positions."""
-    # B is scored on A's task and windows; restoring it with A's data keeps the source its own config
-    # records out of the way (--use-stored-data speaks for --checkpoint only).
-    task_b, model_b, _ = restore(other, ctx, data=task.cfg.data.data, batch_size=args.batch_size,
-                                 cache_dir=args.cache_dir)
-    progress.watch(model_b)
-    if task_b.tokenizer_digest != task.tokenizer_digest:
-        raise ValueError(f"--compare: {other} has another tokenizer than --checkpoint; the two must score the "
-                         "same tokens")
-    context = task_b.model_config.block_size
-    if context < task.cfg.data.seq_len:
-        raise ValueError(f"--compare: {other} takes at most {context} positions, fewer than the "
-                         f"{task.cfg.data.seq_len} of --checkpoint's windows")
+    _, model_b = restore_other(task, other, args, ctx, progress)
     metrics_b, windows_b = task.evaluate_by_position(model_b, split, args.batches, bins)
     if len(windows) < 2:
         raise ValueError(f"--compare needs at least 2 windows for an interval, got {len(windows)}; "
@@ -207,6 +235,24 @@ def compare(task, windows: torch.Tensor, other, split: str, bins: int, args: arg
             "total": total,
             "position_bins": [{"start": b["start"], "end": b["end"], **d}
                               for b, d in zip(metrics_b["position_bins"], by_bin, strict=True)]}
+
+
+def restore_other(task, other: Path, args: argparse.Namespace, ctx: DistContext, progress: Progress):
+    """(task, model) of the --compare checkpoint `other`, checked to score A's windows: the same tokenizer
+    and a context at least as long."""
+    # B is scored on A's task and windows; restoring it with A's data keeps the source its own config
+    # records out of the way (--use-stored-data speaks for --checkpoint only).
+    task_b, model_b, _ = restore(other, ctx, data=task.cfg.data.data, batch_size=args.batch_size,
+                                 cache_dir=args.cache_dir)
+    progress.watch(model_b)
+    if task_b.tokenizer_digest != task.tokenizer_digest:
+        raise ValueError(f"--compare: {other} has another tokenizer than --checkpoint; the two must score the "
+                         "same tokens")
+    context = task_b.model_config.block_size
+    if context < task.cfg.data.seq_len:
+        raise ValueError(f"--compare: {other} takes at most {context} positions, fewer than the "
+                         f"{task.cfg.data.seq_len} of --checkpoint's windows")
+    return task_b, model_b
 
 
 def planned_batches(task, split: str, batches: int, ctx: DistContext) -> int | None:
@@ -296,7 +342,11 @@ def summary(result: dict) -> list[str]:
     else:
         line = f"done in {seconds}"
     lines = [head + line]
-    if "compare" in result:
+    if "copy_distance" in result:
+        c = result["compare"]
+        lines += ["", f"B = {c['checkpoint']} (step {c['step']}): loss {c['loss']:.4f} nats/token, "
+                  f"{c['bpb']:.4f} bits/byte", *eval_copy.summary_lines(result["copy_distance"])]
+    elif "compare" in result:
         c = result["compare"]
         lines += ["", f"A − B, B = {c['checkpoint']} (step {c['step']}): loss {c['loss']:.4f} nats/token; "
                   f"{c['interval']}",

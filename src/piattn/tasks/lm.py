@@ -221,6 +221,23 @@ class LanguageModelTask(Task):
             for (start, end), width, mean in zip(ranges, widths, windows.mean(0), strict=True)]
         return metrics, windows
 
+    def evaluate_by_target(self, model, split: str, max_batches: int) -> tuple[dict, torch.Tensor, torch.Tensor]:
+        """`evaluate`'s metrics, the loss of every target (nats) as float64 [W, T] and the windows scored as
+        long [W, T + 1] (inputs [:, :-1], targets [:, 1:]), windows in split order, the same on every rank.
+
+        Packed documents are refused: a window's targets would then span documents the model keeps apart,
+        and a caller pairing a target with earlier tokens of its window (`piattn.analysis.copy_distance`)
+        would pair it across them."""
+        sequences = self.sequences(split)
+        if sequences.document_ids:
+            raise ValueError("per-target losses are not taken from packed documents (--pack-documents): a window "
+                             "would mix documents the model keeps apart; evaluate a run trained without it")
+        T = self.cfg.data.seq_len
+        metrics, losses = self._evaluate(model, split, max_batches, position_ranges(T, T))
+        windows = torch.stack([sequences[i] for i in range(len(losses))]) if len(losses) else \
+            torch.zeros(0, T + 1, dtype=torch.long)
+        return metrics, losses, windows
+
     def _evaluate(self, model, split, max_batches, ranges: list[tuple[int, int]] | None):
         """(metrics, [W, len(ranges)] per-window mean loss by bin, or None without ranges)."""
         loader = SequenceLoader(self.sequences(split), self.cfg.optim.batch_size, shuffle=False,

@@ -1,0 +1,100 @@
+"""`piattn eval --compare B --by-copy-distance`: the loss of A and B by copy-distance class, paired.
+
+Every target byte of the scored windows is classed by how far back the token it could copy lies
+(`piattn.analysis.copy_distance`: the most recent earlier position of its window that followed the same
+n = COPY_N tokens; the lag is the one the predicting query must reach back) against two reaches: the
+reference B's (class A: B reaches the lag) and the one of the checkpoint named by --classes-of (default
+A itself): B, what that kind reaches and B does not; C, its gaps; D, beyond its every path; N, no match.
+Per class: the byte count, the mean loss of A and of B (nats per token) and the paired difference A − B
+with a 95 % percentile bootstrap interval whose unit is a window (the bytes of one window share a text).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from ..analysis.copy_distance import (
+    CLASSES,
+    COPY_N,
+    attention_reach,
+    copy_classes,
+    copy_lags,
+    lag_classes,
+    paired_class_stats,
+)
+from ..train import checkpoint as ckpt
+
+RESAMPLES = 1000
+"""Bootstrap resamples of the windows."""
+
+INTERVAL = (f"95% percentile bootstrap over windows ({RESAMPLES} resamples, seed 0) of the class mean of the "
+            "per-byte loss difference A − B (nats/token)")
+LAG = (f"the lag from the query predicting a target back to the token after the most recent earlier match "
+       f"of the target's preceding {COPY_N} tokens in its window")
+
+
+def checkpoint_reach(folder: Path, flag: str, max_lag: int):
+    """(the Reach of the model in checkpoint `folder` over lags 0 … max_lag, its description)."""
+    model = ckpt.read_config(folder)["model"]
+    kind = model.get("attention")
+    try:
+        reach = attention_reach(kind, window=model.get("window"), period=model.get("period"),
+                                n_layer=model["n_layer"], n_head=model["n_head"], max_lag=max_lag)
+    except ValueError as err:
+        raise ValueError(f"{flag}: {folder}: {err}") from None
+    described = {"checkpoint": str(folder), "attention": kind, "n_layer": model["n_layer"]}
+    if kind != "dense":
+        described["window"] = model.get("window")
+    if kind == "pi":
+        described["period"] = model.get("period")
+    if model.get("sinks"):
+        described["sinks"] = model["sinks"]
+    return reach, {**described, "span": reach.span, "reachable_lags": int(reach.reachable[1:].sum())}
+
+
+def lag_ranges(mask: torch.Tensor) -> str:
+    """"0–20, 32–40": the lags where the bool [max_lag + 1] mask holds, as ranges ("" for none)."""
+    lags = mask.nonzero().flatten().tolist()
+    runs: list[list[int]] = []
+    for lag in lags:
+        if runs and lag == runs[-1][1] + 1:
+            runs[-1][1] = lag
+        else:
+            runs.append([lag, lag])
+    return ", ".join(f"{a}" if a == b else f"{a}–{b}" for a, b in runs)
+
+
+def by_copy_distance(losses_a: torch.Tensor, losses_b: torch.Tensor, windows: torch.Tensor, *,
+                     classes_of: Path, reference: Path) -> dict:
+    """The "copy_distance" entry of an evaluation: A's and B's per-target losses [W, T] on `windows`
+    [W, T + 1], classed by the reaches of the checkpoints `classes_of` and `reference` (module docstring)."""
+    if len(windows) < 2:
+        raise ValueError(f"--by-copy-distance needs at least 2 windows for an interval, got {len(windows)}; "
+                         "raise --batches or --batch-size")
+    max_lag = windows.shape[1] - 2  # the longest lag within the T inputs
+    kind, kind_described = checkpoint_reach(classes_of, "--classes-of", max_lag)
+    local, local_described = checkpoint_reach(reference, "--compare", max_lag)
+    codes = copy_classes(copy_lags(windows), kind, local)
+    stats = paired_class_stats(losses_a, losses_b, codes, n_resamples=RESAMPLES, seed=0)
+    table = lag_classes(kind, local)
+    lags = {name: lag_ranges(table == code) for code, name in enumerate(CLASSES)}
+    lags["N"] = "no match"
+    return {"n": COPY_N, "lag": LAG, "classes_of": kind_described, "reference": local_described,
+            "windows": len(windows), "interval": INTERVAL,
+            "classes": {name: {"lags": lags[name], **asdict(stats[name])} for name in CLASSES}}
+
+
+def summary_lines(c: dict) -> list[str]:
+    """A reader's table of a "copy_distance" entry."""
+    lines = ["", f"by copy-distance class (classes of {c['classes_of']['checkpoint']}, reference "
+             f"{c['reference']['checkpoint']}); {c['interval']}",
+             f"{'class':>5}  {'lags':<24}{'bytes':>10}{'loss A':>10}{'loss B':>10}{'A − B':>10}{'95% interval':>22}"]
+    for name, row in c["classes"].items():
+        lags = row["lags"] if len(row["lags"]) <= 22 else row["lags"][:21] + "…"
+        interval = f"[{row['low']:+.4f}, {row['high']:+.4f}]"
+        lines.append(f"{name:>5}  {lags:<24}{row['count']:>10,}{row['loss']:>10.4f}{row['reference_loss']:>10.4f}"
+                     f"{row['diff']:>+10.4f}{interval:>22}")
+    return lines
