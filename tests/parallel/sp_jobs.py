@@ -247,3 +247,34 @@ def needed_positions(world: int, shard: int, window: int, period: int, causal: b
     T, a, b = world * shard, rank * shard, (rank + 1) * shard
     offsets = set(range(-window, (0 if causal else window) + 1)) | ({-period} if causal else {-period, period})
     return {i + o for i in range(a, b) for o in offsets if 0 <= i + o < T and not a <= i + o < b}
+
+
+def head_periods(rank: int, world: int, payload: dict) -> dict:
+    """Multi-scale π sharded: the operator cases (`equivalence`), the model cases (`model_shards`) and calls
+    with bad per-head periods (each must raise the same ValueError on every rank, and the group stay in
+    step), in one run of the processes."""
+    errors = {}
+    case = dict(seed=3, variant="adaptive", window=1, period=(2, 5), causal=True)
+    S = 4
+    q, k, v, gate, _ = make_inputs(case, world * S)
+    kw = operator_kwargs(case)
+    calls = {
+        "differ_across_ranks": dict(period=(2, 5) if rank else (2, 6)),
+        "wrong_length": dict(period=(2, 5, 7)),
+        "zero": dict(period=(2, 0)),
+        "float": dict(period=(2, 5.0)),
+        "float_tensor": dict(period=torch.tensor([2.0, 5.0])),
+        "tensor_on_another_device": dict(period=torch.tensor([2, 5], device="meta")),
+    }
+    for name, over in calls.items():
+        errors[name] = _attempt(lambda over=over: sequence_parallel_pi_attention(q, k, v, gate, **{**kw, **over}))
+    own = slice(rank * S, (rank + 1) * S)
+    y_full = pi_attention(q, k, v, gate, **kw)
+    y = sequence_parallel_pi_attention(q[:, :, own], k[:, :, own], v[:, :, own], gate[:, :, own],
+                                       **{**kw, "period": torch.tensor([2, 5])})  # a tensor of periods works
+    errors["after"] = (y - y_full[:, :, own]).abs().max().item()
+    return {"operator": equivalence(rank, world, payload["cases"]),
+            "models": model_shards(rank, world, payload["models"]), "errors": errors}
+
+
+JOBS["head_periods"] = head_periods

@@ -12,7 +12,7 @@ from ..decoding.cache import RingCache
 from ..ops.pi.decode import decode_ring, decode_rows
 from ..ops.pi.heads import by_period
 from .base import AttentionLayer
-from .sharding import active_shard, pi_operator
+from .sharding import pi_operator
 
 
 class WindowedAttention(AttentionLayer):
@@ -23,7 +23,8 @@ class WindowedAttention(AttentionLayer):
     `settings.period` may hold one period per query head (multi-scale π, n_heads of them): the forward
     hands them to `pi_attention`, and the cached decoding paths (`attend_recent`, `attend_ring`) run their
     one-period functions once per distinct period on that period's heads (`piattn.ops.pi.heads`), the
-    ring holding max(window, largest period) + 1 positions. Per-head periods do not run sequence-parallel.
+    ring holding max(window, largest period) + 1 positions. Sequence-parallel, each period group runs its own
+    halo exchange (`piattn.parallel.sequence_parallel_pi_attention`).
 
     `settings` is what the operator runs with: whoever reads the layer's attention (`piattn.inspection`,
     through `piattn.ops.pi.weights.pi_attention_weights`) reads it here. `gate` is the gate MLP of the
@@ -83,9 +84,6 @@ class WindowedAttention(AttentionLayer):
                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, H, T, D], k, v [B, H_kv, T, D], x [B, T, d] (the gate's input), document_ids [B, T] or None
         -> [B, H, T, D]."""
-        if self.settings.periods is not None and active_shard() is not None:
-            raise ValueError("per-head periods cannot run sequence-parallel: the halo exchange takes one period; "
-                             "use one int period, or run the model unsharded")
         return pi_operator(q, k, v, self.observed_gate(x), causal=self.causal, dropout_p=self.attention_dropout,
                            document_ids=document_ids, backend=self.backend, **self.settings.as_kwargs())
 

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from ..ops.pi import BACKENDS, pi_attention
-from ..ops.pi.validate import check_arguments
+from ..ops.pi.heads import by_period
+from ..ops.pi.validate import check_arguments, check_qkv_tensors, head_periods
 from .plan import HaloPlan, Transfer
 
 # The operator's keyword arguments and their defaults, read from its signature so they cannot drift.
@@ -153,13 +154,17 @@ class _HaloExchange(torch.autograd.Function):
         return dk, dv, None, None, None
 
 
-def plan_for(q: torch.Tensor, group=None, **pi_attention_kwargs) -> HaloPlan | None:
-    """The exchange plan a call with this local shard would use (None where the plain operator runs)."""
+def plan_for(q: torch.Tensor, group=None, **pi_attention_kwargs) -> HaloPlan | tuple[HaloPlan, ...] | None:
+    """The exchange plan a call with this local shard would use (None where the plain operator runs); with
+    per-head periods one plan per distinct period, in increasing period (the call runs one exchange each)."""
     resolved = _resolve_group(group)
     if resolved is None or resolved[2] == 1:
         return None
     settings = {**OPERATOR_DEFAULTS, **pi_attention_kwargs}
-    return HaloPlan(resolved[2], q.shape[2], settings["window"], settings["period"], settings["causal"])
+    periods = head_periods(settings["period"], q)
+    plans = tuple(HaloPlan(resolved[2], q.shape[2], settings["window"], p, settings["causal"])
+                  for p in ([periods] if isinstance(periods, int) else sorted(set(periods))))
+    return plans[0] if isinstance(periods, int) else plans
 
 
 def sequence_parallel_pi_attention(
@@ -177,7 +182,10 @@ def sequence_parallel_pi_attention(
         group: a torch.distributed ProcessGroup; None means the default (world) group. With no process
             group initialised, or a group of one rank, this is `pi_attention` itself.
         **pi_attention_kwargs: window, period, causal, variant, prior, logit_clamp, eps, scale, dropout_p,
-            backend, as for `pi_attention`; every rank must pass the same (the backend may differ).
+            backend, as for `pi_attention`; every rank must pass the same (the backend may differ). period
+            may give one period per query head (multi-scale π): the heads are grouped by period
+            (`piattn.ops.pi.heads.by_period`) and each group runs its own exchange of its key/value heads'
+            rows (the plan of its period), so every group is exact and moves only the rows it reads.
 
     Returns:
         [B, H, S, D]: this rank's shard of the output of `pi_attention` on the whole sequence. Backward
@@ -197,7 +205,11 @@ def sequence_parallel_pi_attention(
 
     error, shard, fingerprint = None, 0, 0
     try:  # local checks first, but the verdict is shared, so that a bad rank cannot leave others waiting
-        check_arguments(q, k, v, gate, **{n: x for n, x in settings.items() if n != "backend"})
+        check_qkv_tensors(q, k, v)
+        periods = head_periods(settings["period"], q)  # a tensor becomes a tuple: what is fingerprinted
+        settings["period"] = periods
+        checked = {n: x for n, x in settings.items() if n not in ("backend", "period")}
+        check_arguments(q, k, v, gate, period=periods if isinstance(periods, int) else min(periods), **checked)
         if settings["sinks"] or settings["document_ids"] is not None:
             # The exchange carries window and skip rows only: sink keys and documents would cross shards.
             raise ValueError("sequence_parallel_pi_attention supports neither sinks > 0 nor document_ids, got "
@@ -211,7 +223,23 @@ def sequence_parallel_pi_attention(
     device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
     _agree(shard, fingerprint, error, group, device)
 
-    plan = HaloPlan(world, shard, settings["window"], settings["period"], settings["causal"])
+    periods = settings["period"]
+    if isinstance(periods, int):
+        return _sharded(q, k, v, gate, periods, settings, world, rank, group)
+
+    def run(p: int, q_g: torch.Tensor, gate_g: torch.Tensor | None, k_g: torch.Tensor,
+            v_g: torch.Tensor) -> torch.Tensor:
+        return _sharded(q_g, k_g, v_g, gate_g, p, settings, world, rank, group)
+
+    # Every rank has the same periods (the fingerprint agreed), so every rank runs the same exchanges in order.
+    return by_period(periods, k.shape[1], run, [(q, 1), (gate, 1)], [(k, 1), (v, 1)])
+
+
+def _sharded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, period: int,
+             settings: dict, world: int, rank: int, group) -> torch.Tensor:
+    """The exchange and the operator of one period, on checked arguments agreed by every rank."""
+    shard = q.shape[2]
+    plan = HaloPlan(world, shard, settings["window"], period, settings["causal"])
     k_recv, v_recv = _HaloExchange.apply(k, v, plan, rank, group)
     before = plan.own_offset(rank)  # received rows that precede the own rows in the extended array
     after = plan.rows_received(rank) - before
