@@ -1,7 +1,8 @@
 """The fused CPU backend (`piattn.ops.pi.fused`, `fused_cpu.c`) against "reference": the forward and every
 gradient (dq, dk, dv, dgate) for all four variants, causal and bidirectional, grouped-query heads, edge
 shapes, the logit clamp, any head dim and random shapes; non-finite inputs kept in the rows that read them;
-what it refuses; the C entry points' own checks; builds without -march=native or OpenMP, and the fallback
+what it refuses (dropout); the C entry points' own checks (sizes, buffers, periods, document bounds); per-head
+periods, sinks and documents: test_fused_periods.py; builds without -march=native or OpenMP, and the fallback
 without a compiler.
 
 fp64 runs at 1e-10 (utils.TOLERANCES). fp32 is compared with the fp64 reference on the same values: 2e-5
@@ -261,24 +262,19 @@ def test_nonfinite_stays_local(which, variant, causal, value, dtype):
 # ---------------------------------------------------------------------------------------------------------
 # What it refuses, and the C entry points' own checks.
 
-@pytest.mark.parametrize("case", ("sinks", "documents", "dropout", "bfloat16", "meta"))
+@pytest.mark.parametrize("case", ("dropout", "bfloat16", "meta"))
 def test_refuses_what_it_does_not_implement(case):
-    """Declared in backends.py (features without sinks and documents, dropout=False, fp32/fp64 on the CPU),
-    and refused here too when called directly: never silently wrong."""
+    """Declared in backends.py (dropout=False, fp32/fp64 on the CPU), and refused here too when called
+    directly: never silently wrong."""
     q, k, v, gate = make_inputs(1, 2, 20, 8, requires_grad=False)
     kw = _settings("adaptive")
-    if case == "sinks":
-        kw["sinks"] = 2
-    elif case == "documents":
-        kw["document_ids"] = torch.zeros(1, 20, dtype=torch.long)
-    elif case == "dropout":
+    if case == "dropout":
         kw.update(dropout_p=0.1, dropout_keep=torch.ones(1, 2, 20, 6, dtype=torch.bool))
     elif case == "bfloat16":
         q, k, v, gate = (t.bfloat16() for t in (q, k, v, gate))
     else:
         q, k, v, gate = (t.to("meta") for t in (q, k, v, gate))
-    match = {"sinks": "sinks", "documents": "documents", "dropout": "dropout", "bfloat16": "bfloat16",
-             "meta": "CPU"}[case]
+    match = {"dropout": "dropout", "bfloat16": "bfloat16", "meta": "CPU"}[case]
     with pytest.raises(ValueError, match=match):
         pi_attention_fused(q, k, v, gate, **kw)
 
@@ -290,12 +286,16 @@ def test_refuses_double_backward():
         torch.autograd.grad(y.sum(), q, create_graph=True)
 
 
-def _raw_call(direction, tensors, **change):
-    """The C entry point itself, on these tensors, with the sizes of a [1, 2, 20, 8] call changed by `change`:
-    its return code."""
-    call = dict(B=1, H=2, H_kv=2, T=20, D=8, window=4, period=16, causal=1, variant=fused.VARIANT_CODES["adaptive"],
+PERIODS = torch.tensor([16, 16])
+
+
+def _raw_call(direction, tensors, periods=PERIODS, bounds=(None, None), **change):
+    """The C entry point itself, on these tensors (then the periods and the document bounds), with the sizes
+    of a [1, 2, 20, 8] call changed by `change`: its return code."""
+    call = dict(B=1, H=2, H_kv=2, T=20, D=8, window=4, sinks=0, causal=1, variant=fused.VARIANT_CODES["adaptive"],
                 has_clamp=1, threads=1, clamp=1.5, prior=0.3, eps=1e-6, scale=0.25)
     call.update(change)
+    tensors = [*tensors, periods, *bounds]
     buffers = (fused._Buffer * len(tensors))(*map(fused._buffer, tensors))
     function = fused._load()[torch.float64, direction]
     return function(ctypes.byref(fused._Call(**call)), buffers, len(tensors))
@@ -319,10 +319,26 @@ def test_c_entry_points_check_sizes_and_buffers():
         "a gate for an ungated variant": (ok, dict(variant=fused.VARIANT_CODES["union"]), 3),
         "short stat": ([q, k, v, gate, y, stat[..., :0]], {}, 3),
         "too few buffers": (ok[:5], {}, 3),
+        "negative sinks": (ok, dict(sinks=-1), 2),
     }
     for name, (tensors, change, code) in cases.items():
         assert _raw_call("forward", tensors, **change) == code, name
         assert torch.isnan(y).all(), f"{name}: written before refusing"
+    start, end = fused.document_bounds(torch.tensor([[0] * 7 + [1] * 13]))
+    layouts = {
+        "a period 0": (dict(periods=torch.tensor([16, 0])), 2),
+        "one period for two heads": (dict(periods=torch.tensor([16])), 3),
+        "a start without an end": (dict(bounds=(start, None)), 3),
+        "short bounds": (dict(bounds=(start[:, :19], end[:, :19])), 3),
+        "a start after its query": (dict(bounds=(start + 1, end)), 2),
+        "an end past T": (dict(bounds=(start, end + 1)), 2),
+        "an end at its query": (dict(bounds=(start, end.clamp_max(torch.arange(20)))), 2),
+    }
+    for name, (change, code) in layouts.items():
+        assert _raw_call("forward", ok, **change) == code, name
+        assert torch.isnan(y).all(), f"{name}: written before refusing"
+    assert _raw_call("forward", ok, bounds=(start, end)) == 0 and torch.isfinite(y).all()
+    y.fill_(float("nan"))
     dq, dk, dv, dgate = (torch.full_like(t, float("nan")) for t in (q, k, v, gate))
     backward = [q, k, v, gate, q, stat, dq, dk, dv, dgate]
     assert _raw_call("backward", backward[:6] + [dq, dk[..., :4], dv, dgate]) == 3
@@ -337,6 +353,9 @@ def test_the_python_side_reports_a_refusal():
                           eps=1e-6, scale=0.25, dropout_p=0.0, sinks=0)
     with pytest.raises(RuntimeError, match="buffer's length"):
         fused._run("forward", q, k, settings, [q, k, v, gate, torch.empty_like(q), torch.empty(3)])
+    with pytest.raises(ValueError, match="one per query head"):
+        fused._run("forward", q, k, settings._replace(period=(4, 8, 16)), [q, k, v, gate, torch.empty_like(q),
+                                                                          torch.empty(1, 2, 20, 1)])
 
 
 def test_out_writes_into_the_given_tensors(nan_poison):

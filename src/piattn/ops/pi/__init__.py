@@ -97,6 +97,9 @@ def pi_attention(
                     scale=scale, dropout_p=dropout_p, sinks=sinks, document_ids=document_ids, backend=backend)
     if isinstance(periods, int):
         return _pi_attention(q, k, v, gate, period=periods, **settings)
+    if dropout_p == 0 and REGISTRY[_chosen(q, k, v, gate, **settings)].per_head_periods:
+        # One call with every head's period (the backend declares it takes them).
+        return _pi_attention(q, k, v, gate, period=periods, **settings)
 
     def run(p: int, q_g: _torch.Tensor, gate_g: _torch.Tensor | None, k_g: _torch.Tensor,
             v_g: _torch.Tensor) -> _torch.Tensor:
@@ -105,12 +108,11 @@ def pi_attention(
     return by_period(periods, k.shape[1], run, [(q, 1), (gate, 1)], [(k, 1), (v, 1)])
 
 
-def _pi_attention(q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor, gate: _torch.Tensor | None, *, window: int,
-                  period: int, causal: bool, variant: str, prior: float, logit_clamp: float | None, eps: float,
-                  scale: float | None, dropout_p: float, sinks: int, document_ids: _torch.Tensor | None,
-                  backend: str) -> _torch.Tensor:
-    """`pi_attention` on checked arguments and one period: the backend's choice, the dropout mask, the call."""
-    B, H, T, D = q.shape
+def _chosen(q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor, gate: _torch.Tensor | None, *, causal: bool,
+            variant: str, dropout_p: float, sinks: int, document_ids: _torch.Tensor | None, backend: str,
+            **_) -> str:
+    """The name of the backend that runs a checked call."""
+    H, D = q.shape[1], q.shape[-1]
     inputs = (q, k, v) if gate is None else (q, k, v, gate)
     needs_grad = _torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     features = {name for name, used in (("sinks", sinks > 0), ("documents", document_ids is not None),
@@ -123,6 +125,24 @@ def _pi_attention(q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor, gate: _t
         # that one it did not would be refused with its reason), and keeps it in the rows that read it.
         # The price is this check: one reduction per input and a host sync.
         chosen = _backend_name("torch", *call, False)
+    return chosen
+
+
+def _pi_attention(q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor, gate: _torch.Tensor | None, *, window: int,
+                  period: int | tuple[int, ...], causal: bool, variant: str, prior: float, logit_clamp: float | None,
+                  eps: float, scale: float | None, dropout_p: float, sinks: int, document_ids: _torch.Tensor | None,
+                  backend: str) -> _torch.Tensor:
+    """`pi_attention` on checked arguments and one period (or, for a backend with `per_head_periods` and no
+    dropout, one per query head): the backend's choice, the dropout mask, the call."""
+    B, H, T, D = q.shape
+    chosen = _chosen(q, k, v, gate, causal=causal, variant=variant, dropout_p=dropout_p, sinks=sinks,
+                     document_ids=document_ids, backend=backend)
+    if not isinstance(period, int):  # each head's pattern made usable as one period's is
+        used = [usable_pattern(Pattern(window, p, causal, sinks), T) for p in period]
+        return _backend_function(chosen, q)(
+            q, k, v, gate, window=used[0].window, period=tuple(u.period for u in used), causal=causal,
+            variant=variant, prior=prior, logit_clamp=logit_clamp, eps=eps, scale=D**-0.5 if scale is None else scale,
+            dropout_keep=None, dropout_p=0.0, sinks=used[0].sinks, document_ids=document_ids)
     asked = Pattern(window, period, causal, sinks)
     used = usable_pattern(asked, T)
     keep = None

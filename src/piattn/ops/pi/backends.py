@@ -74,6 +74,9 @@ class Backend:
     # Whether a NaN or ±inf input reaches only the outputs and gradients that read it. `pi_attention` sends a
     # call with a non-finite q, k, v or gate from a backend that does not to "torch", which does.
     contains_nonfinite: bool = False
+    # Whether its function takes `period` as a tuple of one period per query head. `pi_attention` sends a call
+    # with per-head periods straight to such a backend; to any other, once per distinct period (`heads.py`).
+    per_head_periods: bool = False
     note: str = ""  # appended to a device refusal: how to get a supported device
 
     def available(self) -> bool:
@@ -144,11 +147,11 @@ REGISTRY: dict[str, Backend] = {
             contains_nonfinite=True,  # the forward kernel itself; the backward falls back to "torch" then
         ),
         # Fused C kernels for the CPU (fused_cpu.c, compiled on first use; without a C compiler it says so once
-        # and runs "torch" in their place): fp32 and fp64; no sinks, documents or dropout yet. Not in "auto"
-        # yet: it cannot run inside torch.compile, and it has not run in the models' tests.
+        # and runs "torch" in their place): fp32 and fp64, per-head periods in one call; no dropout yet. Not in
+        # "auto" yet: it cannot run inside torch.compile, and it has not run in the models' tests.
         Backend("fused", "fused", "pi_attention_fused", variants=PAPER_VARIANTS,
                 dtypes=(torch.float32, torch.float64), devices=("cpu",), dropout=False,
-                features=frozenset({"gqa"}), contains_nonfinite=True),
+                features=ALL_FEATURES, contains_nonfinite=True, per_head_periods=True),
         # torch's FlexAttention: no fp64 kernels, no CPU backward, no per-slot dropout mask.
         Backend(
             "flex", "flex", "pi_attention_flex", variants=PAPER_VARIANTS, dtypes=_LOW_AND_FP32,

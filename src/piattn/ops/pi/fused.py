@@ -7,9 +7,12 @@ gradient it feeds) while the row and its few key rows are in cache. The forward 
 from q and k: no [T, |U|] tensor is saved, and the passes are bound by reading inputs and writing outputs.
 
 What it runs: fp32 and fp64 CPU tensors (computed in their own precision), the four variants, causal and
-bidirectional, grouped-query attention, the logit clamp, any head dim; OpenMP threads over (batch,
-key/value head), as many as `torch.get_num_threads()`. Not (yet): sinks, document_ids and dropout, which it
-refuses (`backends.py` declares that, so `pi_attention` never sends it such a call). A NaN or ±inf input
+bidirectional, grouped-query attention, the logit clamp, any head dim, sinks, packed documents
+(`document_ids`, passed to the kernels as each position's document bounds), and per-head periods in one
+call (`period` a tuple of one π_h per query head; `backends.py` declares `per_head_periods`, so
+`pi_attention` sends such a call here whole instead of once per period group); OpenMP threads over (batch,
+key/value head), as many as `torch.get_num_threads()`. Not (yet): dropout, which it refuses (`backends.py`
+declares that, so `pi_attention` never sends it such a call; `NO_DROPOUT` says why). A NaN or ±inf input
 stays in the rows that read it.
 
 The library is compiled on first use with the system's C compiler (`$CC`, else `cc`), with the
@@ -33,8 +36,9 @@ from pathlib import Path
 
 import torch
 
-from . import native
+from . import native, pattern
 from .backends import refuse_double_backward
+from .heads import by_period
 from .settings import OpSettings
 from .torch import pi_attention_torch
 
@@ -46,11 +50,15 @@ _BASE_FLAGS = ("-O3", "-std=c99", "-fPIC", "-shared", "-fno-math-errno", "-ffp-c
 FLAG_SETS = (("-march=native", "-fopenmp"), ("-fopenmp",), ())
 VARIANT_CODES = {"union": 0, "fixed": 1, "adaptive": 2, "separate": 3}
 _SUFFIXES = {torch.float32: "f32", torch.float64: "f64"}
+# Why dropout is refused: the keep mask is drawn in the contract's slot order per period group
+# (`pi_attention`), which the kernels would have to read slot by slot, forward and backward; not done yet.
+NO_DROPOUT = "the kernels do not read a dropout keep mask yet"
 _FUNCTIONS = {(dtype, direction): f"pi_fused_{direction}_{suffix}"
               for dtype, suffix in _SUFFIXES.items() for direction in ("forward", "backward")}
 # fused_cpu.c's PI_ERR_* codes. The checks here come first, so these are reached only through a bug.
 _ERRORS = {1: "sizes (B >= 0, 1 <= H_kv <= H dividing H, T >= 1, D >= 1, B·H·T·D within int64)",
-           2: "settings (window >= 0, period >= 1, variant, clamp > 0, scale > 0, 0 <= eps < 0.5, prior in [0, 1])",
+           2: "settings (window >= 0, sinks >= 0, periods >= 1, variant, clamp > 0, scale > 0, 0 <= eps < 0.5, "
+              "prior in [0, 1], document bounds start <= i < end <= T)",
            3: "a buffer's length disagrees with the sizes, or a buffer the call needs is missing",
            4: "out of memory for the scratch rows"}
 
@@ -58,7 +66,7 @@ _ERRORS = {1: "sizes (B >= 0, 1 <= H_kv <= H dividing H, T >= 1, D >= 1, B·H·T
 class _Call(ctypes.Structure):
     """fused_cpu.c's pi_call, field by field."""
 
-    _fields_ = [(name, ctypes.c_int64) for name in ("B", "H", "H_kv", "T", "D", "window", "period", "causal",
+    _fields_ = [(name, ctypes.c_int64) for name in ("B", "H", "H_kv", "T", "D", "window", "sinks", "causal",
                                                     "variant", "has_clamp", "threads")] + \
                [(name, ctypes.c_double) for name in ("clamp", "prior", "eps", "scale")]
 
@@ -202,11 +210,30 @@ def _buffer(t: torch.Tensor | None) -> _Buffer:
     return _Buffer(None, 0) if t is None else _Buffer(t.data_ptr() or None, t.numel())
 
 
-def _run(direction: str, q: torch.Tensor, k: torch.Tensor, settings: OpSettings, tensors: list) -> None:
-    """Call the C kernel of `direction` on `tensors` (its buffers, in fused_cpu.c's order)."""
+def head_periods(period: int | tuple[int, ...], H: int) -> torch.Tensor:
+    """The period of each of the H query heads, int64 [H]: an int is H copies."""
+    periods = torch.tensor([period] * H if isinstance(period, int) else list(period), dtype=torch.int64)
+    if periods.shape != (H,):
+        raise ValueError(f"period must be an int or {H} ints (one per query head), got {period!r}")
+    return periods
+
+
+def document_bounds(document_ids: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(start, end) int64 [B, T] of each position's document (`pattern.document_bounds`), or (None, None)."""
+    if document_ids is None:
+        return None, None
+    start, end = pattern.document_bounds(document_ids.cpu())
+    return start.contiguous(), end.contiguous()
+
+
+def _run(direction: str, q: torch.Tensor, k: torch.Tensor, settings: OpSettings, tensors: list,
+         bounds: tuple = (None, None)) -> None:
+    """Call the C kernel of `direction` on `tensors` (its buffers, in fused_cpu.c's order, before the periods
+    and the document bounds, which this adds)."""
     B, H, T, D = q.shape
     clamp = settings.logit_clamp
-    call = _Call(B=B, H=H, H_kv=k.shape[1], T=T, D=D, window=settings.window, period=settings.period,
+    tensors = [*tensors, head_periods(settings.period, H), *bounds]
+    call = _Call(B=B, H=H, H_kv=k.shape[1], T=T, D=D, window=settings.window, sinks=settings.sinks,
                  causal=int(settings.causal), variant=VARIANT_CODES[settings.variant], has_clamp=int(clamp is not None),
                  threads=torch.get_num_threads(), clamp=0.0 if clamp is None else clamp, prior=settings.prior,
                  eps=settings.eps, scale=settings.scale)
@@ -235,26 +262,29 @@ def _outputs(out, layout: list[tuple[torch.Size, torch.dtype] | None], name: str
     return out
 
 
-def fused_forward(q, k, v, gate, settings: OpSettings, *, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_forward(q, k, v, gate, settings: OpSettings, *, bounds=(None, None),
+                  out=None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, H, T, D], k, v [B, H_kv, T, D], gate [B, H, T] or None, all contiguous CPU tensors of one dtype
     (fp32 or fp64) -> (y [B, H, T, D], stat [B, H, T, stats_per_row] fp64: the log-sum-exp in double, so that
-    the backward's exp(z − lse) does not lose |lse|·2^-24 in fp32). out: (y, stat) to write into instead of
-    fresh tensors (a benchmark's way to time the kernel without first touches of new memory)."""
+    the backward's exp(z − lse) does not lose |lse|·2^-24 in fp32). settings.period: an int or one per query
+    head; bounds: `document_bounds(document_ids)`. out: (y, stat) to write into instead of fresh tensors (a
+    benchmark's way to time the kernel without first touches of new memory)."""
     B, H, T, D = q.shape
     y, stat = _outputs(out, [(q.shape, q.dtype), (torch.Size((B, H, T, stats_per_row(settings.variant))),
                                                   torch.float64)], "fused_forward")
-    _run("forward", q, k, settings, [q, k, v, gate, y, stat])
+    _run("forward", q, k, settings, [q, k, v, gate, y, stat], bounds)
     return y, stat
 
 
-def fused_backward(dy, q, k, v, gate, stat, settings: OpSettings, *, want_dgate: bool, out=None):
+def fused_backward(dy, q, k, v, gate, stat, settings: OpSettings, *, want_dgate: bool, bounds=(None, None),
+                   out=None):
     """The gradients (dq, dk, dv, dgate or None) for the cotangent dy [B, H, T, D] of `fused_forward`'s
     output, from its inputs and its statistics (all contiguous, one dtype). out: (dq, dk, dv, dgate or None)
     to write into instead of fresh tensors."""
     layout = [(q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype),
               (gate.shape, gate.dtype) if want_dgate else None]
     dq, dk, dv, dgate = _outputs(out, layout, "fused_backward")
-    _run("backward", q, k, settings, [q, k, v, gate, dy.contiguous(), stat, dq, dk, dv, dgate])
+    _run("backward", q, k, settings, [q, k, v, gate, dy.contiguous(), stat, dq, dk, dv, dgate], bounds)
     return dq, dk, dv, dgate
 
 
@@ -262,18 +292,19 @@ class _FusedFunction(torch.autograd.Function):
     """Autograd around `fused_forward` and `fused_backward`; inputs contiguous, of one dtype."""
 
     @staticmethod
-    def forward(ctx, q, k, v, gate, settings: OpSettings):
-        y, stat = fused_forward(q, k, v, gate, settings)
-        ctx.save_for_backward(q, k, v, gate, stat)
+    def forward(ctx, q, k, v, gate, settings: OpSettings, start, end):
+        y, stat = fused_forward(q, k, v, gate, settings, bounds=(start, end))
+        ctx.save_for_backward(q, k, v, gate, stat, start, end)
         ctx.settings = settings
         return y
 
     @staticmethod
     def backward(ctx, dy):
         refuse_double_backward("fused")
-        q, k, v, gate, stat = ctx.saved_tensors
-        dq, dk, dv, dgate = fused_backward(dy, q, k, v, gate, stat, ctx.settings, want_dgate=ctx.needs_input_grad[3])
-        return dq, dk, dv, dgate, None
+        q, k, v, gate, stat, start, end = ctx.saved_tensors
+        dq, dk, dv, dgate = fused_backward(dy, q, k, v, gate, stat, ctx.settings, want_dgate=ctx.needs_input_grad[3],
+                                           bounds=(start, end))
+        return dq, dk, dv, dgate, None, None, None
 
 
 def _refusal(q: torch.Tensor, dropout_keep, dropout_p: float, sinks: int, document_ids) -> str | None:
@@ -282,12 +313,8 @@ def _refusal(q: torch.Tensor, dropout_keep, dropout_p: float, sinks: int, docume
         return f"runs on the CPU, not {q.device.type}"
     if q.dtype not in _SUFFIXES:
         return f"no {str(q.dtype).removeprefix('torch.')} (runs float32, float64)"
-    if sinks:
-        return "does not implement sinks yet"
-    if document_ids is not None:
-        return "does not implement documents yet"
     if dropout_p > 0 or dropout_keep is not None:
-        return f"no dropout (dropout_p={dropout_p})"
+        return f"no dropout (dropout_p={dropout_p}): {NO_DROPOUT}"
     return None
 
 
@@ -301,17 +328,26 @@ def pi_attention_fused(q, k, v, gate, *, window, period, causal, variant, prior,
         raise ValueError(f"backend 'fused' cannot run this call: {reason}")
     if _load() is None:
         _warn_fallback()
-        return pi_attention_torch(q, k, v, gate, window=window, period=period, causal=causal, variant=variant,
-                                  prior=prior, logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_keep=None,
-                                  dropout_p=0.0)
+        kw = dict(window=window, causal=causal, variant=variant, prior=prior, logit_clamp=logit_clamp, eps=eps,
+                  scale=scale, dropout_keep=None, dropout_p=0.0, sinks=sinks)
+
+        def run(p, q_g, gate_g, k_g, v_g, docs):
+            return pi_attention_torch(q_g, k_g, v_g, gate_g, period=p, document_ids=docs, **kw)
+
+        if isinstance(period, int):
+            return run(period, q, gate, k, v, document_ids)
+        return by_period(tuple(period), k.shape[1], lambda p, *parts: run(p, *parts, document_ids),
+                         [(q, 1), (gate, 1)], [(k, 1), (v, 1)])
+    if not isinstance(period, int):
+        period = tuple(int(p) for p in period)
     settings = OpSettings(window=window, period=period, causal=causal, variant=variant, prior=prior,
-                          logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=0.0, sinks=0)
+                          logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=0.0, sinks=sinks)
     # Cast and copied outside the Function, so that autograd takes the gradients back to the callers' layout
     # and dtype.
     q, k, v = (x.contiguous() for x in (q, k, v))
     if gate is not None:
         gate = gate.to(q.dtype).contiguous()
-    return _FusedFunction.apply(q, k, v, gate, settings)
+    return _FusedFunction.apply(q, k, v, gate, settings, *document_bounds(document_ids))
 
 
 def _warn_fallback() -> None:

@@ -14,8 +14,11 @@
  * skip). The backward recomputes the scores from q and k, the weights from stat, and takes Σ_m w_m·dp_m over
  * the row's own slots, so it reads neither y nor a saved weight tensor.
  *
- * Slots of query i (docs/design.md §3): local keys i − window … i (+ window when bidirectional), clipped to
- * [0, T); the skip keys i − period (and i + period when bidirectional) when period > window and inside [0, T).
+ * Slots of query i of head h (docs/design.md §3): local keys i − window … i (+ window when bidirectional),
+ * clipped to the query's document [start, end) ([0, T) without documents); the document's sink keys start + s,
+ * s < sinks, not already local or a skip (at or before i when causal); the skip keys i − π_h (and i + π_h when
+ * bidirectional) when π_h > window and inside the document. Each query head has its own period π_h (an int64
+ * buffer of H); local and sink slots form the local group (the local prior, the local branch of "separate").
  * Logits z = clamp(q·k·scale, ±clamp) + log-prior ("fixed": log max(prior, ε), log max(1 − prior, ε);
  * "adaptive": the same with α = gate); "separate" mixes two softmaxes with α and 1 − α (α = 1 without a skip).
  *
@@ -47,10 +50,11 @@ enum { PI_UNION = 0, PI_FIXED = 1, PI_ADAPTIVE = 2, PI_SEPARATE = 3 };
 /* Return codes; fused.py turns each into its error. */
 enum { PI_OK = 0, PI_ERR_SIZE = 1, PI_ERR_SETTING = 2, PI_ERR_BUFFER = 3, PI_ERR_MEMORY = 4 };
 
-/* One call's sizes and settings; fused.py's _Call mirrors it field by field. */
+/* One call's sizes and settings; fused.py's _Call mirrors it field by field. The periods (one per query
+ * head) and the document bounds are buffers. */
 typedef struct {
   int64_t B, H, H_kv, T, D;
-  int64_t window, period, causal, variant, has_clamp, threads;
+  int64_t window, sinks, causal, variant, has_clamp, threads;
   double clamp, prior, eps, scale;
 } pi_call;
 
@@ -60,29 +64,50 @@ typedef struct {
   int64_t numel;
 } pi_buffer;
 
-/* The slot offsets every query shares, before clipping to [0, T). */
+/* The slot offsets of one query head's queries, before clipping to their document (or [0, T)). */
 typedef struct {
   int64_t left, right;           /* local keys i − left … i + right (window clipped to T − 1) */
   int64_t skip_back, skip_ahead; /* whether i − period, i + period are slots of their own */
-  int64_t period;
+  int64_t period;                /* this head's π_h */
+  int64_t sinks, causal;
   int64_t reach; /* the largest forward offset: key j is first read by query j − reach */
   int64_t n_max; /* the most slots a query has */
   double fixed_local, fixed_skip; /* the log-priors of "fixed" (pattern.log_priors): once per call, in double */
 } pi_pattern;
 
-static pi_pattern pi_pattern_of(const pi_call *c) {
+static pi_pattern pi_pattern_of(const pi_call *c, int64_t period) {
   pi_pattern p;
   const int64_t window = c->window < c->T - 1 ? c->window : c->T - 1;
   p.left = window;
   p.right = c->causal ? 0 : window;
   /* A skip within the window (period <= window, the window as asked) is a local key already. */
-  p.skip_back = c->period > c->window;
+  p.skip_back = period > c->window;
   p.skip_ahead = p.skip_back && !c->causal;
-  p.period = c->period;
-  p.reach = p.skip_ahead && c->period > p.right ? c->period : p.right;
-  p.n_max = p.left + p.right + 1 + p.skip_back + p.skip_ahead;
+  p.period = period;
+  p.sinks = c->sinks;
+  p.causal = c->causal;
+  p.reach = p.skip_ahead && period > p.right ? period : p.right;
+  /* Bidirectional sinks: key start + s is read by every query of its document, the earliest s rows before it. */
+  if (!c->causal && c->sinks - 1 > p.reach) p.reach = c->sinks - 1;
+  /* sinks beyond T read nothing more: at most T keys in all */
+  p.n_max = p.left + p.right + 1 + p.skip_back + p.skip_ahead + (c->sinks < c->T ? c->sinks : c->T);
   p.fixed_local = log(c->prior < c->eps ? c->eps : c->prior);
   p.fixed_skip = log(1 - c->prior < c->eps ? c->eps : 1 - c->prior);
+  return p;
+}
+
+/* The patterns of the H query heads (periods[h], each checked >= 1 by pi_check_periods), with the largest
+ * reach and slot count among them in *reach and *n_max; NULL when out of memory. */
+static pi_pattern *pi_patterns(const pi_call *c, const int64_t *periods, int64_t *reach, int64_t *n_max) {
+  pi_pattern *p = malloc(sizeof(pi_pattern) * (size_t)c->H);
+  *reach = 0;
+  *n_max = 1;
+  if (!p) return NULL;
+  for (int64_t h = 0; h < c->H; h++) {
+    p[h] = pi_pattern_of(c, periods[h]);
+    if (p[h].reach > *reach) *reach = p[h].reach;
+    if (p[h].n_max > *n_max) *n_max = p[h].n_max;
+  }
   return p;
 }
 
@@ -98,7 +123,7 @@ static int pi_check_call(const pi_call *c) {
   const int64_t most = INT64_MAX / 4;
   if (c->T > most / c->D || c->H > most / (c->T * c->D) || (c->B && c->B > most / (c->H * c->T * c->D)))
     return PI_ERR_SIZE;
-  if (c->window < 0 || c->period < 1 || (c->causal != 0 && c->causal != 1) || c->variant < PI_UNION ||
+  if (c->window < 0 || c->sinks < 0 || (c->causal != 0 && c->causal != 1) || c->variant < PI_UNION ||
       c->variant > PI_SEPARATE || (c->has_clamp != 0 && c->has_clamp != 1) || c->threads < 1)
     return PI_ERR_SETTING;
   if ((c->has_clamp && !(c->clamp > 0)) || !(c->scale > 0) || !(c->eps >= 0 && c->eps < 0.5) ||
@@ -111,6 +136,26 @@ static int pi_check_call(const pi_call *c) {
 static int pi_check_buffer(const pi_buffer *b, int used, int64_t numel) {
   if (!used) return b->data == NULL && b->numel == 0 ? PI_OK : PI_ERR_BUFFER;
   return b->numel == numel && (b->data != NULL || numel == 0) ? PI_OK : PI_ERR_BUFFER;
+}
+
+/* The per-head periods (>= 1) and, when documents are given (start and end both non-empty, B·T each), bounds
+ * with start[b, i] <= i < end[b, i] <= T: every key a slot reads then lies in [0, T). */
+static int pi_check_layout(const pi_call *c, const pi_buffer *periods, const pi_buffer *start, const pi_buffer *end) {
+  if (periods->numel != c->H || !periods->data) return PI_ERR_BUFFER;
+  for (int64_t h = 0; h < c->H; h++)
+    if (((const int64_t *)periods->data)[h] < 1) return PI_ERR_SETTING;
+  const int docs = start->data != NULL || start->numel != 0;
+  int err;
+  if ((err = pi_check_buffer(start, docs, c->B * c->T)) || (err = pi_check_buffer(end, docs, c->B * c->T)))
+    return err;
+  if (!docs) return PI_OK;
+  const int64_t *s = start->data, *e = end->data;
+  for (int64_t b = 0; b < c->B; b++)
+    for (int64_t i = 0; i < c->T; i++) {
+      const int64_t at = b * c->T + i;
+      if (!(s[at] >= 0 && s[at] <= i && i < e[at] && e[at] <= c->T)) return PI_ERR_SETTING;
+    }
+  return PI_OK;
 }
 
 /* The rows of each (batch, key/value head) cut into `blocks` pieces for the forward: more work items than
@@ -271,17 +316,26 @@ static inline void FN(add2)(R *a, R s, const R *x, R *b, R t, const R *y, int64_
   }
 }
 
-/* Where query i's valid slots read: the element offsets key·D of their key rows in a [T, D] head, local
- * slots first (how many: *n_local), then skips. Returns how many. */
-static inline int64_t FN(slot_rows)(const pi_pattern *p, int64_t T, int64_t D, int64_t i, int64_t *row,
-                                    int64_t *n_local) {
-  const int64_t lo = i < p->left ? -i : -p->left;
-  const int64_t hi = T - 1 - i < p->right ? T - 1 - i : p->right;
+/* Where query i's valid slots read: the element offsets key·D of their key rows in a [T, D] head. Its
+ * document is [start, end) ([0, T) without documents). The local group first (how many: *n_local): the
+ * local keys, then the sinks start + s not already local or a skip (precedence local > skip > sink; at or
+ * before i when causal); then the skips. Returns how many. */
+static inline int64_t FN(slot_rows)(const pi_pattern *p, int64_t start, int64_t end, int64_t D, int64_t i,
+                                    int64_t *row, int64_t *n_local) {
+  const int64_t lo = start - i > -p->left ? start - i : -p->left;
+  const int64_t hi = end - 1 - i < p->right ? end - 1 - i : p->right;
   int64_t n = 0;
   for (int64_t o = lo; o <= hi; o++) row[n++] = (i + o) * D;
+  for (int64_t s = 0; s < p->sinks; s++) {
+    const int64_t key = start + s, o = key - i;
+    if (key >= end || (p->causal && key > i)) break;
+    if ((o >= -p->left && o <= p->right) || (p->skip_back && o == -p->period) || (p->skip_ahead && o == p->period))
+      continue;
+    row[n++] = key * D;
+  }
   *n_local = n;
-  if (p->skip_back && i - p->period >= 0) row[n++] = (i - p->period) * D;
-  if (p->skip_ahead && i + p->period < T) row[n++] = (i + p->period) * D;
+  if (p->skip_back && i - p->period >= start) row[n++] = (i - p->period) * D;
+  if (p->skip_ahead && i + p->period < end) row[n++] = (i + p->period) * D;
   return n;
 }
 
@@ -432,12 +486,13 @@ static FN(pi_scratch) FN(scratch)(int64_t n) {
 
 /* One query row: y_i and its statistics. qi [D], k, v [T, D] of its key/value head, a its gate value. */
 static inline __attribute__((always_inline)) void FN(forward_row_d)(const pi_call *c, const pi_pattern *p,
-                                                                   int64_t i, const R *qi, const R *k, const R *v,
+                                                                   int64_t i, int64_t start, int64_t end,
+                                                                   const R *qi, const R *k, const R *v,
                                                                    R a, R *yi, double *stat, FN(pi_scratch) * w,
                                                                    const int64_t D) {
   int64_t *row = w->row, nl;
   R *z = w->z;
-  const int64_t n = FN(slot_rows)(p, c->T, D, i, row, &nl);
+  const int64_t n = FN(slot_rows)(p, start, end, D, i, row, &nl);
   R lp_local, lp_skip;
   FN(log_priors)(c, p, a, &lp_local, &lp_skip);
   for (int64_t m = 0; m < n; m++) z[m] = FN(dot)(qi, k + row[m], D);
@@ -457,13 +512,14 @@ static inline __attribute__((always_inline)) void FN(forward_row_d)(const pi_cal
 
 /* One query row's gradients: dq_i, dgate_i (when dgate is not NULL), and its terms of dk, dv. */
 static inline __attribute__((always_inline)) void FN(backward_row_d)(const pi_call *c, const pi_pattern *p,
-                                                                    int64_t i, const R *qi, const R *dyi,
+                                                                    int64_t i, int64_t start, int64_t end,
+                                                                    const R *qi, const R *dyi,
                                                                     const R *k, const R *v, R a, const double *stat,
                                                                     R *dqi, R *dk, R *dv, R *dgate,
                                                                     FN(pi_scratch) * w, const int64_t D) {
   int64_t *row = w->row, nl;
   R *z = w->z, *dp = w->dp, *pass = w->pass;
-  const int64_t n = FN(slot_rows)(p, c->T, D, i, row, &nl);
+  const int64_t n = FN(slot_rows)(p, start, end, D, i, row, &nl);
   R lp_local, lp_skip;
   FN(log_priors)(c, p, a, &lp_local, &lp_skip);
   const R scale = (R)c->scale;
@@ -508,46 +564,50 @@ static inline __attribute__((always_inline)) void FN(backward_row_d)(const pi_ca
 
 /* The rows for any D, and for the common head dims as constants: then the compiler unrolls the loops over D
  * whole and keeps a row's q (and dy) in registers across its slots. */
-static void FN(forward_row)(const pi_call *c, const pi_pattern *p, int64_t i, const R *qi, const R *k,
-                            const R *v, R a, R *yi, double *stat, FN(pi_scratch) * w) {
+static void FN(forward_row)(const pi_call *c, const pi_pattern *p, int64_t i, int64_t start, int64_t end,
+                            const R *qi, const R *k, const R *v, R a, R *yi, double *stat, FN(pi_scratch) * w) {
   switch (c->D) {
-  case 64: FN(forward_row_d)(c, p, i, qi, k, v, a, yi, stat, w, 64); break;
-  case 128: FN(forward_row_d)(c, p, i, qi, k, v, a, yi, stat, w, 128); break;
-  default: FN(forward_row_d)(c, p, i, qi, k, v, a, yi, stat, w, c->D);
+  case 64: FN(forward_row_d)(c, p, i, start, end, qi, k, v, a, yi, stat, w, 64); break;
+  case 128: FN(forward_row_d)(c, p, i, start, end, qi, k, v, a, yi, stat, w, 128); break;
+  default: FN(forward_row_d)(c, p, i, start, end, qi, k, v, a, yi, stat, w, c->D);
   }
 }
 
-static void FN(backward_row)(const pi_call *c, const pi_pattern *p, int64_t i, const R *qi, const R *dyi,
-                             const R *k, const R *v, R a, const double *stat, R *dqi, R *dk, R *dv, R *dgate,
-                             FN(pi_scratch) * w) {
+static void FN(backward_row)(const pi_call *c, const pi_pattern *p, int64_t i, int64_t start, int64_t end,
+                             const R *qi, const R *dyi, const R *k, const R *v, R a, const double *stat, R *dqi,
+                             R *dk, R *dv, R *dgate, FN(pi_scratch) * w) {
   switch (c->D) {
-  case 64: FN(backward_row_d)(c, p, i, qi, dyi, k, v, a, stat, dqi, dk, dv, dgate, w, 64); break;
-  case 128: FN(backward_row_d)(c, p, i, qi, dyi, k, v, a, stat, dqi, dk, dv, dgate, w, 128); break;
-  default: FN(backward_row_d)(c, p, i, qi, dyi, k, v, a, stat, dqi, dk, dv, dgate, w, c->D);
+  case 64: FN(backward_row_d)(c, p, i, start, end, qi, dyi, k, v, a, stat, dqi, dk, dv, dgate, w, 64); break;
+  case 128: FN(backward_row_d)(c, p, i, start, end, qi, dyi, k, v, a, stat, dqi, dk, dv, dgate, w, 128); break;
+  default: FN(backward_row_d)(c, p, i, start, end, qi, dyi, k, v, a, stat, dqi, dk, dv, dgate, w, c->D);
   }
 }
 
 int FN(pi_fused_forward)(const pi_call *c, const pi_buffer *buf, int64_t n_buf) {
-  /* buf: q, k, v, gate, y, stat */
+  /* buf: q, k, v, gate, y, stat, periods [H] int64, doc_start, doc_end [B, T] int64 (both empty: none) */
   int err = pi_check_call(c);
   if (err) return err;
-  if (!buf || n_buf != 6) return PI_ERR_BUFFER;
+  if (!buf || n_buf != 9) return PI_ERR_BUFFER;
   const int64_t B = c->B, H = c->H, H_kv = c->H_kv, T = c->T, D = c->D, G = H / H_kv;
   const int64_t n_stat = pi_stats_per_row(c);
   const int64_t sizes[6] = {B * H * T * D, B * H_kv * T * D, B * H_kv * T * D, B * H * T, B * H * T * D,
                             B * H * T * n_stat};
   for (int j = 0; j < 6; j++)
     if ((err = pi_check_buffer(&buf[j], j != 3 || pi_gated(c), sizes[j]))) return err;
+  if ((err = pi_check_layout(c, &buf[6], &buf[7], &buf[8]))) return err;
   if (B == 0) return PI_OK;
   const R *q = buf[0].data, *k = buf[1].data, *v = buf[2].data, *gate = buf[3].data;
   R *y = buf[4].data;
   double *stat = buf[5].data;
-  const pi_pattern p = pi_pattern_of(c);
+  const int64_t *doc_start = buf[7].data, *doc_end = buf[8].data;
+  int64_t reach, n_max;
+  pi_pattern *p = pi_patterns(c, buf[6].data, &reach, &n_max);
+  if (!p) return PI_ERR_MEMORY;
   const int64_t blocks = pi_forward_blocks(c), items = B * H_kv * blocks, rows = (T + blocks - 1) / blocks;
   int failed = 0;
 #pragma omp parallel num_threads(c->threads) if (c->threads > 1 && items > 1)
   {
-    FN(pi_scratch) w = FN(scratch)(p.n_max);
+    FN(pi_scratch) w = FN(scratch)(n_max);
     if (!w.row) {
 #pragma omp atomic write
       failed = 1;
@@ -558,23 +618,27 @@ int FN(pi_fused_forward)(const pi_call *c, const pi_buffer *buf, int64_t n_buf) 
       const int64_t bn = item / blocks, t0 = item % blocks * rows, t1 = t0 + rows < T ? t0 + rows : T;
       const int64_t b = bn / H_kv, n = bn % H_kv;
       const R *kh = k + bn * T * D, *vh = v + bn * T * D;
-      for (int64_t i = t0; i < t1; i++)
+      for (int64_t i = t0; i < t1; i++) {
+        const int64_t start = doc_start ? doc_start[b * T + i] : 0, end = doc_start ? doc_end[b * T + i] : T;
         for (int64_t g = 0; g < G; g++) {
           const int64_t row = (b * H + n * G + g) * T + i;
-          FN(forward_row)(c, &p, i, q + row * D, kh, vh, gate ? gate[row] : 0, y + row * D, stat + row * n_stat,
-                          &w);
+          FN(forward_row)(c, &p[n * G + g], i, start, end, q + row * D, kh, vh, gate ? gate[row] : 0, y + row * D,
+                          stat + row * n_stat, &w);
         }
+      }
     }
     free(w.row);
   }
+  free(p);
   return failed ? PI_ERR_MEMORY : PI_OK;
 }
 
 int FN(pi_fused_backward)(const pi_call *c, const pi_buffer *buf, int64_t n_buf) {
-  /* buf: q, k, v, gate, dy, stat, dq, dk, dv, dgate (dgate empty: not wanted) */
+  /* buf: q, k, v, gate, dy, stat, dq, dk, dv, dgate (dgate empty: not wanted), periods [H] int64, doc_start,
+   * doc_end [B, T] int64 (both empty: no documents) */
   int err = pi_check_call(c);
   if (err) return err;
-  if (!buf || n_buf != 10) return PI_ERR_BUFFER;
+  if (!buf || n_buf != 13) return PI_ERR_BUFFER;
   const int64_t B = c->B, H = c->H, H_kv = c->H_kv, T = c->T, D = c->D, G = H / H_kv;
   const int64_t n_stat = pi_stats_per_row(c);
   const int64_t q_size = B * H * T * D, kv_size = B * H_kv * T * D, gate_size = B * H * T;
@@ -586,16 +650,20 @@ int FN(pi_fused_backward)(const pi_call *c, const pi_buffer *buf, int64_t n_buf)
     const int used = j == 3 ? pi_gated(c) : j == 9 ? want_dgate : 1;
     if ((err = pi_check_buffer(&buf[j], used, sizes[j]))) return err;
   }
+  if ((err = pi_check_layout(c, &buf[10], &buf[11], &buf[12]))) return err;
   if (B == 0) return PI_OK;
   const R *q = buf[0].data, *k = buf[1].data, *v = buf[2].data, *gate = buf[3].data, *dy = buf[4].data;
   const double *stat = buf[5].data;
   R *dq = buf[6].data, *dk = buf[7].data, *dv = buf[8].data, *dgate = buf[9].data;
-  const pi_pattern p = pi_pattern_of(c);
+  const int64_t *doc_start = buf[11].data, *doc_end = buf[12].data;
+  int64_t reach, n_max;
+  pi_pattern *p = pi_patterns(c, buf[10].data, &reach, &n_max);
+  if (!p) return PI_ERR_MEMORY;
   const int64_t items = B * H_kv;
   int failed = 0;
 #pragma omp parallel num_threads(c->threads) if (c->threads > 1 && items > 1)
   {
-    FN(pi_scratch) w = FN(scratch)(p.n_max);
+    FN(pi_scratch) w = FN(scratch)(n_max);
     if (!w.row) {
 #pragma omp atomic write
       failed = 1;
@@ -606,23 +674,25 @@ int FN(pi_fused_backward)(const pi_call *c, const pi_buffer *buf, int64_t n_buf)
       const int64_t b = bn / H_kv, n = bn % H_kv;
       const R *kh = k + bn * T * D, *vh = v + bn * T * D;
       R *dkh = dk + bn * T * D, *dvh = dv + bn * T * D;
-      const int64_t zeroed = p.reach < T ? p.reach : T;
+      const int64_t zeroed = reach < T ? reach : T;
       memset(dkh, 0, sizeof(R) * (size_t)(zeroed * D));
       memset(dvh, 0, sizeof(R) * (size_t)(zeroed * D));
       for (int64_t i = 0; i < T; i++) {
-        if (i + p.reach < T) { /* the first query that reads key i + reach: its rows start at zero */
-          memset(dkh + (i + p.reach) * D, 0, sizeof(R) * (size_t)D);
-          memset(dvh + (i + p.reach) * D, 0, sizeof(R) * (size_t)D);
+        if (i + reach < T) { /* the first query that reads key i + reach: its rows start at zero */
+          memset(dkh + (i + reach) * D, 0, sizeof(R) * (size_t)D);
+          memset(dvh + (i + reach) * D, 0, sizeof(R) * (size_t)D);
         }
+        const int64_t start = doc_start ? doc_start[b * T + i] : 0, end = doc_start ? doc_end[b * T + i] : T;
         for (int64_t g = 0; g < G; g++) {
           const int64_t row = (b * H + n * G + g) * T + i;
-          FN(backward_row)(c, &p, i, q + row * D, dy + row * D, kh, vh, gate ? gate[row] : 0, stat + row * n_stat,
-                           dq + row * D, dkh, dvh, dgate ? dgate + row : NULL, &w);
+          FN(backward_row)(c, &p[n * G + g], i, start, end, q + row * D, dy + row * D, kh, vh, gate ? gate[row] : 0,
+                           stat + row * n_stat, dq + row * D, dkh, dvh, dgate ? dgate + row : NULL, &w);
         }
       }
     }
     free(w.row);
   }
+  free(p);
   return failed ? PI_ERR_MEMORY : PI_OK;
 }
 
