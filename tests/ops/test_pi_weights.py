@@ -57,3 +57,57 @@ def test_bad_arguments_are_named():
         pi_attention_weights(q, k, None)
     with pytest.raises(ValueError, match="document_ids must have shape"):
         pi_attention_weights(q, k, gate, document_ids=torch.zeros(1, 9, dtype=torch.long))
+
+
+# Multi-scale π: 4 query heads on 2 key/value heads, window 3; π = 2 lies inside the window (no skip slot),
+# π = 8 splits both key/value groups (heads 1 and 2), π = 13 has head 3 alone.
+HEAD_PERIODS = (2, 8, 8, 13)
+
+
+@pytest.mark.parametrize("variant", ["union", "separate", "fixed", "adaptive"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
+def test_per_head_periods_give_the_dense_weights_of_the_reference(variant, causal):
+    """The dense [T, T] weights the reference operator applies (its output on one-hot values, D = T) are the
+    per-head slot weights put in their keys' columns; each head's skip slot reads i ∓ π_h."""
+    T = 24
+    q, _, _, gate = make_inputs(2, 4, T, T, variant=variant, requires_grad=False)
+    _, k, _, _ = make_inputs(2, 2, T, T, variant="union", seed=1, requires_grad=False)
+    ids = torch.tensor([[0] * 4 + [1] * 20, [3] * 24])  # a short document, long ones that the skips reach
+    settings = PiSettings(window=3, period=HEAD_PERIODS, variant=variant, prior=0.3, sinks=2)
+    w, key, valid = pi_attention_weights(q, k, gate, settings=settings, causal=causal, document_ids=ids)
+    n_local, n_skip = 3 * (1 if causal else 2) + 1, 1 if causal else 2
+    assert w.shape == key.shape == valid.shape == (2, 4, T, n_local + n_skip + 2)
+    torch.testing.assert_close(w.sum(-1), torch.ones(2, 4, T, dtype=torch.float64), atol=1e-12, rtol=0)
+    assert (w * ~valid).abs().max() == 0 and not valid[:, 0, :, n_local:n_local + n_skip].any()  # π = 2: folded
+    i = torch.arange(T)
+    for h, p in enumerate(HEAD_PERIODS[1:], 1):
+        back = valid[:, h, :, n_local]
+        assert back.any() and torch.equal(key[:, h, :, n_local][back], (i - p).expand(2, T)[back])
+    dense = w.new_zeros(2, 4, T, T).scatter_add_(-1, key, w)
+    eye = torch.eye(T, dtype=torch.float64).expand(2, 2, T, T)
+    expected = piattn.pi_attention(q, k, eye, gate, causal=causal, document_ids=ids, backend="reference",
+                                   **settings.as_kwargs())
+    torch.testing.assert_close(dense, expected, atol=1e-12, rtol=1e-12)
+
+
+def test_per_head_periods_agree_with_one_period_per_head():
+    """Each head's weights are those of a call with its period alone (its slots in the largest period's layout)."""
+    q, k, _, gate = make_inputs(1, 4, 20, 4, requires_grad=False)
+    w, key, valid = pi_attention_weights(q, k, gate, settings=PiSettings(window=3, period=HEAD_PERIODS))
+    for h, p in enumerate(HEAD_PERIODS):
+        head = slice(h, h + 1)
+        one = pi_attention_weights(q[:, head], k[:, head], gate[:, head], settings=PiSettings(window=3, period=p))
+        slots = list(range(one.weights.shape[-1]))
+        torch.testing.assert_close(w[:, h:h + 1, :, slots], one.weights, atol=0, rtol=0)
+        assert torch.equal(key[:, h, :, slots], one.key) and torch.equal(valid[:, h, :, slots], one.valid)
+
+
+def test_bad_per_head_periods_are_named():
+    q, k, _, gate = make_inputs(1, 4, 10, 4, requires_grad=False)
+    with pytest.raises(ValueError, match="period has 3 entries; per-head periods need one per query head, H=4"):
+        pi_attention_weights(q, k, gate, settings=PiSettings(period=(3, 5, 7)))
+    for bad, message in (((3, 0, 5, 5), r"period\[1\] must be an int >= 1, got 0"),
+                         ((3, 5.0, 5, 5), r"period\[1\] must be an int >= 1, got 5.0"),
+                         ((3, -2, 5, 5), r"period\[1\] must be an int >= 1, got -2")):
+        with pytest.raises(ValueError, match=message):
+            PiSettings(period=bad)

@@ -12,7 +12,8 @@ on padding tokens (the model's `pad_id`, read from its `embed` input) are left o
 Cached (incremental) forwards are ignored; a layer running sequence-parallel is refused.
 
 The skip prior by phase (the paper's gate figure (d)): for a gated π layer, 1 − α averaged over heads and
-queries by the query's position modulo π, its position counted from the start of its document.
+queries by the query's position modulo π, its position counted from the start of its document; with
+per-head periods, once per distinct period over the heads that have it.
 
 Token flow ("attention rollout", Abnar & Zuidema 2020): with A_l the layer-l probabilities averaged over
 heads and Ã_l = ½(A_l + I) (the residual path), the influence of position j on the query p after layer l
@@ -73,28 +74,39 @@ class _LayerSums:
         self.distance = torch.zeros(heads, dtype=torch.float64)
         self.alpha = torch.zeros(heads, dtype=torch.float64)
         self.alpha_sq = torch.zeros(heads, dtype=torch.float64)
-        # Gated layers: Σ (1 − α) and the number of (query, head) pairs summed, by position modulo π.
-        self.skip_prior: torch.Tensor | None = None
-        self.skip_prior_count: torch.Tensor | None = None
+        # Gated layers, per period (one, or each distinct one of per-head periods): Σ (1 − α) and the number of
+        # (query, head) pairs summed over that period's heads, by position modulo the period.
+        self.skip_prior: dict[int, torch.Tensor] | None = None
+        self.skip_prior_count: dict[int, torch.Tensor] = {}
+        self.skip_prior_heads: dict[int, list[int]] = {}
         self.tokens = 0.0
 
     @property
     def gated(self) -> bool:
         return self.skip_prior is not None
 
-    def add_gate(self, gate: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, period: int) -> None:
-        """gate α [B, H, T], mask [B, T] (0 for padding queries), positions [B or 1, T] (from the document start)."""
+    def add_gate(self, gate: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                 period: int | tuple[int, ...]) -> None:
+        """gate α [B, H, T], mask [B, T] (0 for padding queries), positions [B or 1, T] (from the document start),
+        period: the layer's (an int, or one per head)."""
         B, H, T = gate.shape
         if self.skip_prior is None:
-            self.skip_prior = torch.zeros(period, dtype=torch.float64)
-            self.skip_prior_count = torch.zeros(period, dtype=torch.float64)
+            self.skip_prior_heads = ({period: list(range(H))} if isinstance(period, int) else
+                                     {p: [h for h, ph in enumerate(period) if ph == p] for p in sorted(set(period))})
+            self.skip_prior = {p: torch.zeros(p, dtype=torch.float64) for p in self.skip_prior_heads}
+            self.skip_prior_count = {p: torch.zeros(p, dtype=torch.float64) for p in self.skip_prior_heads}
         g = gate.double() * mask[:, None, :]
         self.alpha += g.sum((0, 2)).cpu()
         self.alpha_sq += (g * gate.double()).sum((0, 2)).cpu()
-        phase = (positions % period).expand(B, T).flatten().cpu()
-        skip_prior = ((1 - gate.double()) * mask[:, None, :]).sum(1)  # [B, T]: summed over heads
-        self.skip_prior.index_add_(0, phase, skip_prior.flatten().cpu())
-        self.skip_prior_count.index_add_(0, phase, (mask.double() * H).flatten().cpu())
+        for p, heads in self.skip_prior_heads.items():
+            phase = (positions % p).expand(B, T).flatten().cpu()
+            skip_prior = ((1 - gate[:, heads].double()) * mask[:, None, :]).sum(1)  # [B, T]: summed over heads
+            self.skip_prior[p].index_add_(0, phase, skip_prior.flatten().cpu())
+            self.skip_prior_count[p].index_add_(0, phase, (mask.double() * len(heads)).flatten().cpu())
+
+    def skip_prior_by_phase(self, period: int) -> list[float | None]:
+        return [float(total / count) if count else None
+                for total, count in zip(self.skip_prior[period], self.skip_prior_count[period], strict=True)]
 
 
 class Inspector:
@@ -211,8 +223,10 @@ class Inspector:
         {"tokens", "layers": [{"layer", "kind", "heads", "mass": {class: share}, "mass_by_head": [{…}],
         "mean_distance", "mean_distance_by_head", and for gated layers "alpha_mean", "alpha_std",
         "alpha_by_head", "skip_prior_by_phase" [π]: mean 1 − α at positions ≡ 0 … π − 1 (mod π), None
-        for a phase no query had}], "flow": {"position", "window": [lo, hi], "causal", "offsets",
-        "influence" [L][W], "sequences", "rollout"} or None}
+        for a phase no query had, or with per-head periods "skip_prior_by_period": [{"period": π, "heads": [h
+        …], "by_phase": [π]} per distinct period, increasing], the same over that period's heads}],
+        "flow": {"position", "window": [lo, hi], "causal", "offsets", "influence" [L][W], "sequences",
+        "rollout"} or None}
         """
         layers = []
         for i, (layer, s) in enumerate(zip(self.layers, self.sums, strict=True)):
@@ -230,9 +244,12 @@ class Inspector:
                 n = per_head_tokens * layer.n_heads
                 mean = float(s.alpha.sum() / n)
                 entry |= {"alpha_mean": mean, "alpha_std": max(float(s.alpha_sq.sum() / n) - mean**2, 0.0) ** 0.5,
-                          "alpha_by_head": (s.alpha / per_head_tokens).tolist(),
-                          "skip_prior_by_phase": [float(total / count) if count else None for total, count
-                                                  in zip(s.skip_prior, s.skip_prior_count, strict=True)]}
+                          "alpha_by_head": (s.alpha / per_head_tokens).tolist()}
+                if len(s.skip_prior) == 1:
+                    entry["skip_prior_by_phase"] = s.skip_prior_by_phase(next(iter(s.skip_prior)))
+                else:  # per-head periods: the phases of each period, over its heads
+                    entry["skip_prior_by_period"] = [{"period": p, "heads": heads, "by_phase": s.skip_prior_by_phase(p)}
+                                                     for p, heads in s.skip_prior_heads.items()]
             layers.append(entry)
         flow = None
         if self.flow_sum is not None and self.flow_sequences > 0:

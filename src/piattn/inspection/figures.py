@@ -79,19 +79,18 @@ def plot_gate_dynamics(runs: list[tuple[str, list[dict]]], out: str | Path) -> P
 
 def plot_skip_prior_by_phase(runs: list[tuple[str, dict]], out: str | Path) -> Path | None:
     """The paper's gate figure (d): one panel per run with gated layers (`Inspector.result()` dicts), the
-    mean skip prior 1 − α against the query's position modulo π, a line per layer. None (nothing
-    written) if no run has a gated layer."""
-    panels = [(label, report, [e for e in report["layers"] if "skip_prior_by_phase" in e]) for label, report in runs]
+    mean skip prior 1 − α against the query's position modulo π, a line per layer (per layer and period
+    with per-head periods). None (nothing written) if no run has a gated layer."""
+    panels = [(label, report, [line for e in report["layers"] for line in _phase_lines(e)]) for label, report in runs]
     panels = [panel for panel in panels if panel[2]]
     if not panels:
         return None
     fig = _figure(figsize=(6.2 * len(panels), 4.2))
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     for ax, (label, report, layers) in zip(axes, panels, strict=True):
-        for entry in layers:
-            seen = [(phase, v) for phase, v in enumerate(entry["skip_prior_by_phase"]) if v is not None]
-            ax.plot([p for p, _ in seen], [v for _, v in seen], marker="o", ms=3, lw=1.4,
-                    label=f"layer {entry['layer']}")
+        for name, by_phase in layers:
+            seen = [(phase, v) for phase, v in enumerate(by_phase) if v is not None]
+            ax.plot([p for p, _ in seen], [v for _, v in seen], marker="o", ms=3, lw=1.4, label=name)
         ax.set_xlabel("query position mod π (position counted from its document's start)")
         ax.set_ylabel("skip prior 1 − α  (mean over heads and queries)")
         ax.set_title(f"{label}: {_describe(report)}\nskip prior by phase ({report['tokens']:,} tokens)", fontsize=10)
@@ -100,6 +99,24 @@ def plot_skip_prior_by_phase(runs: list[tuple[str, dict]], out: str | Path) -> P
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
     return out
+
+
+def _periods(period) -> set[int]:
+    """The distinct periods of a model config's `period` (an int, per-head ints or per-layer lists)."""
+    if isinstance(period, int):
+        return {period}
+    if isinstance(period, (list, tuple)):
+        return set().union(*(_periods(p) for p in period)) if period else set()
+    return set()
+
+
+def _phase_lines(entry: dict) -> list[tuple[str, list]]:
+    """(label, skip prior by phase) of one layer's entry: one line, one per period with per-head periods,
+    none for a layer without a gate."""
+    if "skip_prior_by_phase" in entry:
+        return [(f"layer {entry['layer']}", entry["skip_prior_by_phase"])]
+    return [(f"layer {entry['layer']}, π={g['period']} (heads {','.join(map(str, g['heads']))})", g["by_phase"])
+            for g in entry.get("skip_prior_by_period", ())]
 
 
 def _describe(report: dict) -> str:
@@ -137,13 +154,12 @@ def plot_token_flow(runs: list[tuple[str, dict]], out: str | Path) -> Path:
                               extent=(offsets[0] - 0.5, offsets[-1] + 0.5, -0.5, L - 0.5))
             ax.set_facecolor("#f2f2f2")
             ax.set_yticks(range(L))
-            period = report.get("model", {}).get("period")
-            if report.get("model", {}).get("attention") == "pi" and period:
-                for mult in range(1, L + 1):
-                    for sign in ((-1,) if flow["causal"] else (-1, 1)):
-                        d = sign * mult * period
-                        if offsets[0] <= d <= offsets[-1]:
-                            ax.axvline(d, color="white", lw=0.6, ls=":")
+            if report.get("model", {}).get("attention") == "pi":
+                marks = {sign * mult * period for period in _periods(report["model"].get("period"))
+                         for mult in range(1, L + 1) for sign in ((-1,) if flow["causal"] else (-1, 1))}
+                for d in sorted(marks):
+                    if offsets[0] <= d <= offsets[-1]:
+                        ax.axvline(d, color="white", lw=0.6, ls=":")
             cut = flow["window"][1] - flow["window"][0] < flow["sequence_length"] and not flow["causal"]
             ax.set_xlabel("offset j − p of input position j" + ("; paths leaving the window are cut" if cut else ""))
             ax.set_ylabel("output of layer")

@@ -58,7 +58,8 @@ def layer_gate(layer: AttentionLayer, x: torch.Tensor) -> torch.Tensor | None:
 def layer_weights(layer: WindowedAttention, q: torch.Tensor, k: torch.Tensor, gate: torch.Tensor | None,
                   document_ids: torch.Tensor | None = None) -> SlotWeights:
     """q [B, H, T, D], k [B, H_kv, T, D] of a layer that runs on `pi_attention`, gate [B, H, T] or None ->
-    the operator's weights [B, H, T, |U|] with the key [B, T, |U|] each slot reads (`SlotWeights`).
+    the operator's weights [B, H, T, |U|] with the key [B, T, |U|] each slot reads (`SlotWeights`;
+    [B, H, T, |U|] with per-head periods).
 
     Each row sums to 1, with 0 on slots that read no key. Dropout is not applied (eval mode).
     """
@@ -67,15 +68,22 @@ def layer_weights(layer: WindowedAttention, q: torch.Tensor, k: torch.Tensor, ga
 
 def slots_to_columns(slots: SlotWeights, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """The probabilities of queries `rows` on keys `cols`, [B, H, R, C], from the weights over slots."""
-    w, key, valid = slots
+    w, key, valid = by_head(slots)
     B, H, T, _ = w.shape
     C = len(cols)
     column = torch.full((T,), C, dtype=torch.long, device=w.device)  # C: a key outside `cols`, dropped below
     column[cols] = torch.arange(C, device=w.device)
-    index = torch.where(valid[:, rows], column[key[:, rows]], C)  # [B, R, |U|]
+    index = torch.where(valid[:, :, rows], column[key[:, :, rows]], C)  # [B, 1 or H, R, |U|]
     out = w.new_zeros(B, H, len(rows), C + 1)
-    out.scatter_add_(-1, index[:, None].expand(B, H, -1, -1), w[:, :, rows])
+    out.scatter_add_(-1, index.expand(B, H, -1, -1), w[:, :, rows])
     return out[..., :C]
+
+
+def by_head(slots: SlotWeights) -> SlotWeights:
+    """`slots` with key and valid [B, 1 or H, T, |U|]: one key per head with per-head periods, else one
+    shared by the heads (a broadcast dimension)."""
+    w, key, valid = slots
+    return slots if key.dim() == 4 else SlotWeights(w, key[:, None], valid[:, None])
 
 
 def dense_rows(layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, rows: torch.Tensor,
@@ -130,14 +138,14 @@ def masses(layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, x: torch.Ten
     pos = torch.arange(T, device=q.device)
     how = reader(layer)
     if how == "slots":
-        w, key, _ = layer_weights(layer, q, k, layer_gate(layer, x), document_ids)
+        w, key, _ = by_head(layer_weights(layer, q, k, layer_gate(layer, x), document_ids))
         weighted = w.double() * m[:, None, :, None]
         sums: dict[str, torch.Tensor] = {}
         for cls, column in zip(slot_classes(settings_pattern(layer.settings, layer.causal)), weighted.unbind(-1),
                                strict=True):
             sums[cls] = sums.get(cls, 0) + column.sum((0, 2))
-        distance = (pos[None, :, None] - key).abs().double()  # [B, T, |U|]; a slot without a key weighs 0
-        return sums, (weighted * distance[:, None]).sum((0, 2, 3))
+        distance = (pos[None, None, :, None] - key).abs().double()  # [B, 1 or H, T, |U|]; no key: weight 0
+        return sums, (weighted * distance).sum((0, 2, 3))
     total = q.new_zeros(H, dtype=torch.float64)
     distance = q.new_zeros(H, dtype=torch.float64)
     if how == "dense":

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 from ...config.pi import PI_DEFAULTS, PiSettings
+from .heads import period_groups
 from .pattern import Pattern, log_priors, slot_keys
 from .validate import check_arguments
 
@@ -22,7 +23,9 @@ class SlotWeights(NamedTuple):
 
     weights [B, H, T, |U|] in the accumulation dtype (fp64 for fp64 inputs, else fp32), each row summing to
     1 and 0 on invalid slots; key [B, T, |U|] int64, the key position slot m of query i reads (0 where
-    invalid); valid [B, T, |U|] bool, whether it reads one.
+    invalid); valid [B, T, |U|] bool, whether it reads one. With per-head periods the keys differ by head:
+    key and valid are [B, H, T, |U|] (slot m is still one key class for every head, see
+    `pi_attention_weights`).
     """
 
     weights: torch.Tensor
@@ -47,22 +50,56 @@ def pi_attention_weights(
     None: the arguments of `pi_attention`, checked the same way. The slots are those of the pattern asked
     for (`settings_pattern`), not clamped to T: a slot no query of this T can use is simply invalid
     everywhere, so slot m means the same key class at every T.
+
+    With per-head periods (`settings.period` a tuple of H ints, multi-scale π) each group of heads sharing a
+    period gets the weights of its own pattern (`heads.period_groups`, as `pi_attention` runs it), laid out
+    in the slots of the largest period: local, skip (i − π_h, then i + π_h), sinks; a head whose period lies
+    inside the window has no skip key, so its skip slots are invalid. key and valid are then [B, H, T, |U|].
     """
     if not isinstance(settings, PiSettings):
         raise ValueError(f"settings must be a piattn.config.PiSettings, got {type(settings).__name__}")
+    periods = settings.periods
     # v plays no part in the weights; k stands in for it, so that the operator's one check covers the call.
     check_arguments(q, k, k, gate, causal=causal, scale=scale, dropout_p=0.0, document_ids=document_ids,
-                    **settings.as_kwargs())
-    return slot_weights(
-        q, k, gate, settings_pattern(settings, causal), variant=settings.variant,
-        prior=settings.prior, logit_clamp=settings.logit_clamp, eps=settings.eps,
-        scale=q.shape[-1] ** -0.5 if scale is None else scale, document_ids=document_ids,
-    )
+                    **{**settings.as_kwargs(), "period": settings.period if periods is None else min(periods)})
+    if periods is not None and len(periods) != q.shape[1]:
+        raise ValueError(f"period has {len(periods)} entries; per-head periods need one per query head, "
+                         f"H={q.shape[1]}")
+    formulation = dict(variant=settings.variant, prior=settings.prior, logit_clamp=settings.logit_clamp,
+                       eps=settings.eps, scale=q.shape[-1] ** -0.5 if scale is None else scale,
+                       document_ids=document_ids)
+    layout = settings_pattern(settings, causal)
+    if periods is None:
+        return slot_weights(q, k, gate, layout, **formulation)
+    B, H, T, _ = q.shape
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    weights = q.new_zeros(B, H, T, layout.n_slots, dtype=acc)
+    key = torch.zeros(B, H, T, layout.n_slots, dtype=torch.long, device=q.device)
+    valid = torch.zeros(B, H, T, layout.n_slots, dtype=torch.bool, device=q.device)
+    for p, heads, kv_heads in period_groups(periods, k.shape[1]):
+        pattern = Pattern(settings.window, p, causal, settings.sinks)
+        part = slot_weights(q[:, heads], k[:, kv_heads], None if gate is None else gate[:, heads], pattern,
+                            **formulation)
+        heads_index = torch.tensor(heads, device=q.device)
+        gap = layout.n_skip - pattern.n_skip  # a period inside the window has no skip slot: left empty
+        weights[:, heads_index] = _widen(part.weights, pattern.n_local, gap)
+        key[:, heads_index] = _widen(part.key, pattern.n_local, gap)[:, None]
+        valid[:, heads_index] = _widen(part.valid, pattern.n_local, gap)[:, None]
+    return SlotWeights(weights, key, valid)
+
+
+def _widen(x: torch.Tensor, at: int, n: int) -> torch.Tensor:
+    """x [..., |U_p|] with n empty (zero, False) slots inserted before slot `at`."""
+    if not n:
+        return x
+    return torch.cat([x[..., :at], x.new_zeros(*x.shape[:-1], n), x[..., at:]], -1)
 
 
 def settings_pattern(settings: PiSettings, causal: bool) -> Pattern:
-    """The slots of U(i) under `settings`, in the order of `pi_attention_weights`' last dimension."""
-    return Pattern(settings.window, settings.period, causal, settings.sinks)
+    """The slots of U(i) under `settings`, in the order of `pi_attention_weights`' last dimension (with
+    per-head periods, the pattern of the largest: every head's slots have the same key classes)."""
+    period = settings.period if settings.periods is None else max(settings.periods)
+    return Pattern(settings.window, period, causal, settings.sinks)
 
 
 def slot_weights(
