@@ -16,27 +16,23 @@ declares that, so `pi_attention` never sends it such a call; `NO_DROPOUT` says w
 stays in the rows that read it.
 
 The library is compiled on first use with the system's C compiler (`$CC`, else `cc`), with the
-machine's vector instructions and OpenMP where the compiler takes them, and loaded through `native`'s
-checks (a private folder, a SHA-256 recorded at build time). Where it cannot be built or loaded (no
-compiler, `PIATTN_NATIVE=0`), each call runs the "torch" backend instead, the same function up to
-rounding, after one warning that says why.
+machine's vector instructions and OpenMP where the compiler takes them, and loaded through the checks of
+`cbuild.py` (the builder shared with the decoding step: a private folder, a SHA-256 recorded at build
+time). Where it cannot be built or loaded (no compiler, `PIATTN_NATIVE=0`), each call runs the "torch"
+backend instead, the same function up to rounding, after one warning that says why.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import subprocess
-import tempfile
 import threading
 import warnings
 from pathlib import Path
 
 import torch
 
-from . import native, pattern
+from . import cbuild, pattern
 from .backends import refuse_double_backward
 from .heads import by_period
 from .settings import OpSettings
@@ -81,54 +77,6 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
-class _BuildError(Exception):
-    """No flag set compiled."""
-
-
-def _cpu_identity() -> bytes:
-    """What -march=native compiles for: the CPU's model and flags (Linux), so that a library cache shared
-    between machines never hands one CPU's instructions to another."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor().encode()
-    return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))})).encode()
-
-
-def _library_path(compiler: str, flags: tuple[str, ...]) -> Path:
-    """Keyed by the source, the compiler, its flags and the machine."""
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), compiler.encode(), " ".join(_BASE_FLAGS + flags).encode(),
-                                     platform.machine().encode(), _cpu_identity()])).hexdigest()[:16]
-    return native.library_folder() / f"fused_cpu-{key}.so"
-
-
-def _build(path: Path, compiler: str, flags: tuple[str, ...]) -> None:
-    """Compile SOURCE into `path` and record its SHA-256 in `native`'s sidecar, each written under a
-    temporary name and renamed into place (as `native` does for its step, whose builder is tied to its own
-    source and flags)."""
-    made = []
-    try:
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-        os.close(fd)
-        made.append(tmp)
-        done = subprocess.run([compiler, *_BASE_FLAGS, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
-                              text=True, timeout=300)
-        if done.returncode:
-            raise _BuildError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "compiler failed")
-        fd, tmp_digest = tempfile.mkstemp(suffix=".sha256", dir=path.parent)
-        made.append(tmp_digest)
-        with os.fdopen(fd, "w") as f:
-            f.write(hashlib.sha256(Path(tmp).read_bytes()).hexdigest() + "\n")
-        os.replace(tmp, path)
-        os.replace(tmp_digest, native._digest_path(path))
-    except (OSError, subprocess.SubprocessError) as err:
-        raise _BuildError(str(err)) from err
-    finally:
-        for name in made:
-            if os.path.exists(name):
-                os.unlink(name)
-
-
 def _open(path: Path) -> dict[tuple[torch.dtype, str], ctypes._CFuncPtr]:
     library = ctypes.CDLL(str(path))
     functions = {}
@@ -138,30 +86,6 @@ def _open(path: Path) -> dict[tuple[torch.dtype, str], ctypes._CFuncPtr]:
         function.restype = ctypes.c_int
         functions[key] = function
     return functions
-
-
-def _build_and_open(compiler: str) -> tuple[dict, tuple[str, ...]]:
-    """The kernels and the flags they were built with: the first flag set that compiles and loads, reusing
-    a verified library from an earlier build."""
-    failures = []
-    for flags in FLAG_SETS:
-        path = _library_path(compiler, flags)
-        native._private_folder(path.parent)
-        if native._verified(path):
-            try:
-                return _open(path), flags
-            except (OSError, AttributeError):
-                pass  # built for something else after all: rebuild below
-        try:
-            _build(path, compiler, flags)
-        except _BuildError as err:
-            failures.append(f"{' '.join(flags) or 'no extra flags'}: {err}")
-            continue
-        try:
-            return _open(path), flags
-        except (OSError, AttributeError) as err:
-            failures.append(f"{' '.join(flags) or 'no extra flags'}: built but does not load ({err})")
-    raise _BuildError(f"could not build {SOURCE.name} with {compiler!r} ({'; '.join(failures)})")
 
 
 def _load() -> dict | None:
@@ -176,10 +100,11 @@ def _load() -> dict | None:
             _state["warned"] = True  # asked for: nothing to warn about
         else:
             try:
-                functions, _state["flags"] = _build_and_open(os.environ.get("CC") or "cc")
-            except _BuildError as err:
+                functions, _state["flags"] = cbuild.load(SOURCE, _open, compiler=os.environ.get("CC") or "cc",
+                                                         base_flags=_BASE_FLAGS, flag_sets=FLAG_SETS)
+            except (cbuild.BuildError, cbuild.LoadError) as err:
                 _state["reason"] = f"{err}; set CC to a C compiler"
-            except native._Unsafe as err:
+            except cbuild.Unsafe as err:
                 _state["reason"] = f"will not load compiled code from a folder others control: {err}"
             except OSError as err:  # the folder could not be made
                 _state["reason"] = f"{err}; check PIATTN_CACHE"

@@ -6,10 +6,11 @@ linear and sigmoid) is about a dozen of them, where dense attention is one fused
 does all of it in one C function, compiled once per machine with the system's C compiler (`$CC`, else
 `cc`) into `$PIATTN_CACHE/native` (default `~/.cache/piattn/native`) and loaded with ctypes.
 
-Loading a library runs its code, so what is loaded is checked first: the folder must be this user's
-alone (made with mode 0o700; one owned by another user or writable by group or others is refused, with a
-warning), and the library must match the SHA-256 recorded beside it when it was built. One that fails
-(cut short, from an older piattn, written by something else) or does not load is rebuilt.
+Loading a library runs its code, so what is loaded is checked first (`cbuild.py`, the builder shared with
+the fused CPU backend): the folder must be this user's alone (made with mode 0o700; one owned by another
+user or writable by group or others is refused, with a warning), and the library must match the SHA-256
+recorded beside it when it was built. One that fails (cut short, from an older piattn, written by
+something else) or does not load is rebuilt.
 
 It serves the variants of `PRIOR_MODES` ("union", "fixed", "adaptive"; `decode.decode_ring` hands it no
 other), fp32 and fp64 CPU tensors in inference (no gradient asked for), any batch, heads, grouped-query
@@ -21,17 +22,14 @@ which gives the same result up to rounding.
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import stat
-import subprocess
-import tempfile
 import threading
 import warnings
 from pathlib import Path
 
 import torch
+
+from . import cbuild
 
 SOURCE = Path(__file__).with_name("decode_step.c")
 # Prior modes of decode_step.c.
@@ -52,102 +50,15 @@ _ERRORS = {1: "the sizes given to the compiled step are inconsistent (B >= 0, H 
            3: "kind must hold 0 (local prior) or 1 (skip prior) only",
            4: "prior_mode must be one of PRIOR_NONE, PRIOR_CONST, PRIOR_ALPHA, PRIOR_HIDDEN, with its gate"}
 
+# No -ffast-math: NaN and inf must behave as IEEE says (they stay in the rows that read them).
+_FLAGS = ("-O3", "-std=c99", "-fPIC", "-shared", "-fno-math-errno")
+
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 _ARGTYPES = [_P, _I, _I, _P, _I, _I, _I, _I, _I, _P, _P, _P, _I, ctypes.c_int, _F, _F, _P, _I, _I, _P, _P,
              _F, _F, _F, _P]
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
-
-
-class _Unsafe(Exception):
-    """The library folder is not private to this user: nothing in it may be loaded."""
-
-
-class _BuildError(Exception):
-    """The compiler could not build the library."""
-
-
-class _LoadError(Exception):
-    """A library built here (and verified) still does not load."""
-
-
-def _compiler_flags() -> list[str]:
-    # No -ffast-math: NaN and inf must behave as IEEE says (they stay in the rows that read them).
-    return ["-O3", "-std=c99", "-fPIC", "-shared", "-fno-math-errno"]
-
-
-def library_folder() -> Path:
-    """`$PIATTN_CACHE/native`, default `~/.cache/piattn/native`."""
-    return Path(os.environ.get("PIATTN_CACHE") or Path.home() / ".cache" / "piattn") / "native"
-
-
-def _library_path(compiler: str) -> Path:
-    """Where the compiled step lives: keyed by the source, the compiler, its flags and the machine."""
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), compiler.encode(), " ".join(_compiler_flags()).encode(),
-                                     platform.machine().encode()])).hexdigest()[:16]
-    return library_folder() / f"decode_step-{key}.so"
-
-
-def _digest_path(path: Path) -> Path:
-    """The sidecar holding the SHA-256 of `path`'s bytes as built."""
-    return path.with_name(path.name + ".sha256")
-
-
-def _private_folder(folder: Path) -> None:
-    """Make `folder` (mode 0o700), or check that the existing one is this user's alone; raises _Unsafe if not.
-
-    Loading a library runs its code: a folder another user owns or can write to (a shared PIATTN_CACHE)
-    would let them run theirs in this process, whatever hash sits next to it.
-    """
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    folder.mkdir(mode=0o700, exist_ok=True)  # an existing folder keeps its mode: checked below
-    info = os.stat(folder)  # follows a link: what matters is the folder the library is read from
-    if not stat.S_ISDIR(info.st_mode):
-        raise _Unsafe(f"{folder} is not a folder")
-    if hasattr(os, "getuid") and info.st_uid != os.getuid():
-        raise _Unsafe(f"{folder} belongs to user id {info.st_uid}, not to this user ({os.getuid()})")
-    if info.st_mode & 0o022:
-        raise _Unsafe(f"{folder} can be written by group or others (mode {stat.S_IMODE(info.st_mode):o}); "
-                      f"make it private with chmod 700")
-
-
-def _verified(path: Path) -> bool:
-    """Whether `path` holds exactly the bytes whose hash its sidecar recorded when it was built: a library cut
-    short (a build killed half-way, a full disk) or written by anything but `_build` fails, and is never
-    handed to dlopen (a truncated one killed the process with SIGBUS there)."""
-    try:
-        recorded = _digest_path(path).read_text().strip()
-        data = path.read_bytes()
-    except OSError:
-        return False
-    return hashlib.sha256(data).hexdigest() == recorded
-
-
-def _build(path: Path, compiler: str) -> None:
-    """Compile SOURCE into `path` and record its hash beside it, each written to a temporary name and renamed
-    into place: concurrent processes each rename whole files, so no process reads a half-written one (a
-    library and a hash of two different builds fail `_verified`, and the reader rebuilds)."""
-    made = []
-    try:
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-        os.close(fd)
-        made.append(tmp)
-        done = subprocess.run([compiler, *_compiler_flags(), str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
-                              text=True, timeout=120)
-        if done.returncode:
-            raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "compiler failed")
-        digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
-        fd, tmp_digest = tempfile.mkstemp(suffix=".sha256", dir=path.parent)
-        made.append(tmp_digest)
-        with os.fdopen(fd, "w") as f:
-            f.write(digest + "\n")
-        os.replace(tmp, path)
-        os.replace(tmp_digest, _digest_path(path))
-    finally:
-        for name in made:
-            if os.path.exists(name):
-                os.unlink(name)
 
 
 def _open(path: Path) -> dict[torch.dtype, ctypes._CFuncPtr]:
@@ -159,35 +70,6 @@ def _open(path: Path) -> dict[torch.dtype, ctypes._CFuncPtr]:
         function.argtypes, function.restype = _ARGTYPES, ctypes.c_int
         functions[dtype] = function
     return functions
-
-
-def _build_and_open(compiler: str) -> dict[torch.dtype, ctypes._CFuncPtr]:
-    """Load the verified library, building it first if it is missing or fails verification, and once more if
-    a verified one still does not load (another machine's, a library from an older piattn); raises _Unsafe,
-    _BuildError or _LoadError."""
-    path = _library_path(compiler)
-    _private_folder(path.parent)
-    rebuilt = False
-    if not _verified(path):
-        _compile(path, compiler)
-        rebuilt = True
-    try:
-        return _open(path)
-    except (OSError, AttributeError) as err:
-        if rebuilt:
-            raise _LoadError(f"could not load {path}: {err}") from err
-    _compile(path, compiler)
-    try:
-        return _open(path)
-    except (OSError, AttributeError) as err:
-        raise _LoadError(f"could not load {path}, even rebuilt: {err}") from err
-
-
-def _compile(path: Path, compiler: str) -> None:
-    try:
-        _build(path, compiler)
-    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-        raise _BuildError(f"could not build {SOURCE.name} with {compiler!r}: {err}") from err
 
 
 def _load() -> dict[torch.dtype, ctypes._CFuncPtr] | None:
@@ -202,13 +84,13 @@ def _load() -> dict[torch.dtype, ctypes._CFuncPtr] | None:
         else:
             compiler = os.environ.get("CC") or "cc"
             try:
-                functions = _build_and_open(compiler)
-            except _BuildError as err:
+                functions, _ = cbuild.load(SOURCE, _open, compiler=compiler, base_flags=_FLAGS, timeout=120)
+            except cbuild.BuildError as err:
                 _warn(str(err), "set CC to a C compiler for the faster step")
-            except _Unsafe as err:
+            except cbuild.Unsafe as err:
                 _warn(f"will not load compiled code from a folder others control: {err}",
                       "set PIATTN_CACHE to a folder of your own for the faster step")
-            except (_LoadError, OSError) as err:  # OSError: the folder could not be made
+            except (cbuild.LoadError, OSError) as err:  # OSError: the folder could not be made
                 _warn(str(err), "check PIATTN_CACHE")
         _state["functions"] = functions
         return functions

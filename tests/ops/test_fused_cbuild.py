@@ -1,0 +1,74 @@
+"""`cbuild`, the one verified C builder of the fused CPU backend and the decoding step: a library is built
+into a private folder with its SHA-256 beside it, reused while it verifies, rebuilt when it does not (or when
+it does not load), never loaded from a folder others can write to; flag sets are tried in order. (The
+decoding step's own trust tests: tests/decoding/test_decode_trust.py.)"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+
+import pytest
+
+from piattn.ops.pi import cbuild, fused, native
+
+CC = os.environ.get("CC") or "cc"
+needs_cc = pytest.mark.skipif(shutil.which(CC) is None, reason="no C compiler")
+
+
+@pytest.fixture
+def source(tmp_path, monkeypatch):
+    monkeypatch.setenv("PIATTN_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "answer.c"
+    path.write_text("int answer(void) { return 42; }\n")
+    return path
+
+
+def _open(path):
+    return ctypes.CDLL(str(path)).answer()
+
+
+@needs_cc
+def test_build_verify_reuse_and_rebuild(source):
+    got, flags = cbuild.load(source, _open, compiler=CC, base_flags=("-O1", "-fPIC", "-shared"))
+    assert (got, flags) == (42, ())
+    (library,) = (cbuild.library_folder()).glob("answer-*.so")
+    assert oct(os.stat(library.parent).st_mode & 0o777) == "0o700" and cbuild.verified(library)
+    built = library.stat().st_mtime_ns
+    assert cbuild.load(source, _open, compiler=CC, base_flags=("-O1", "-fPIC", "-shared"))[0] == 42
+    assert library.stat().st_mtime_ns == built, "a verified library is reused"
+    data = library.read_bytes()[:100]
+    library.unlink()  # a new file, not the loaded one's pages written over
+    library.write_bytes(data)  # cut short: fails its hash, rebuilt
+    assert not cbuild.verified(library)
+    assert cbuild.load(source, _open, compiler=CC, base_flags=("-O1", "-fPIC", "-shared"))[0] == 42
+    assert cbuild.verified(library)
+
+
+@needs_cc
+def test_flag_sets_in_order_and_every_failure_said(source):
+    got, flags = cbuild.load(source, _open, compiler=CC, base_flags=("-fPIC", "-shared"),
+                             flag_sets=(("-fno-such-flag",), ("-O2",)))
+    assert (got, flags) == (42, ("-O2",))
+    with pytest.raises(cbuild.BuildError, match=r"could not build answer.c with .*-fno-such-flag: .*; no extra "
+                                                r"flags: "):
+        cbuild.load(source, _open, compiler=CC, base_flags=("-fPIC", "-shared", "-fno-other-flag"),
+                    flag_sets=(("-fno-such-flag",), ()))
+
+
+def test_a_folder_others_can_write_to_is_refused(source):
+    folder = cbuild.library_folder()
+    folder.mkdir(parents=True, mode=0o700)
+    os.chmod(folder, 0o777)
+    with pytest.raises(cbuild.Unsafe, match="can be written by group or others"):
+        cbuild.load(source, _open, compiler=CC, base_flags=())
+    assert not list(folder.iterdir())
+
+
+def test_both_libraries_use_it():
+    """fused.py and native.py keep no builder of their own."""
+    for module in (fused, native):
+        with open(module.__file__) as f:
+            text = f.read()
+        assert "cbuild.load(" in text and "subprocess" not in text and "hashlib" not in text
