@@ -107,11 +107,8 @@ class ModelConfig:
     def pi_settings(self, layer: int) -> PiSettings:
         """The π-Attention operator settings of layer `layer` (checked on construction): its period is an int,
         or a tuple of n_head per-head periods."""
-        period = self.period
-        if not is_int(period):
-            period = period[layer] if isinstance(period[0], list) else period
-        return PiSettings(window=self.window, period=period, variant=self.variant, prior=self.prior,
-                          logit_clamp=self.logit_clamp, eps=self.gate_eps, sinks=self.sinks)
+        return PiSettings(window=self.window, period=layer_period(self.period, layer), variant=self.variant,
+                          prior=self.prior, logit_clamp=self.logit_clamp, eps=self.gate_eps, sinks=self.sinks)
 
     @classmethod
     def from_name(cls, name: str, **overrides):
@@ -181,6 +178,14 @@ def resolve_periods(period, *, window: int, n_layer: int, n_head: int, block_siz
     if all(heads == layers[0] for heads in layers):
         return layers[0][0] if len(set(layers[0])) == 1 else layers[0]
     return layers
+
+
+def layer_period(period, layer: int) -> int | list:
+    """Layer `layer`'s period in a period stored as `resolve_periods` returns it: the int, the n_head ints,
+    or that layer's list of n_head ints."""
+    if is_int(period):
+        return period
+    return period[layer] if isinstance(period[0], (list, tuple)) else period
 
 
 @dataclass

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import nn
 from transformers import AttentionInterface, AttentionMaskInterface
 
+from ... import models as _models  # noqa: F401  (lends the period schedules to `resolve_periods`)
+from ...config.model import layer_period, resolve_periods
 from ...config.pi import PI_DEFAULTS, PiSettings
 from ...layers.gate import gate_values
 from ...ops.pi import BACKENDS, pi_attention
@@ -21,14 +25,38 @@ class HFPiSettings:
     """The settings of a converted model: the π settings and the backend that runs them.
 
     Stored flat in `config.pi_attention` as {window, period, variant, prior, logit_clamp, eps, sinks, backend}.
+    `period` takes every form `GPTConfig.period` does (an int, one per query head, one list of per-head
+    periods per layer, or a schedule name), resolved for the model's layers and heads by
+    `piattn.config.model.resolve_periods` and stored resolved. `pi` is layer 0's settings (the layers
+    differ in their periods only); `layer_periods` holds every layer's per-head periods where layers differ.
     """
 
     pi: PiSettings = PI_DEFAULTS
     backend: str = "auto"
+    layer_periods: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS} on this install, got {self.backend!r}")
+
+    @classmethod
+    def resolve(cls, config, *, backend: str = "auto", **pi) -> HFPiSettings:
+        """The settings of `PiSettings`' fields `pi` (missing ones take their defaults) and `backend` for a
+        transformers `config`: its num_hidden_layers and num_attention_heads size per-layer and per-head
+        periods, its max_position_embeddings is the block size of the "cover" schedule. ValueError naming the
+        setting for anything out of range."""
+        pi = {**PI_DEFAULTS.as_kwargs(), **pi}
+        period = pi.pop("period")
+        base = PiSettings(**pi)  # every setting but the period checked (with the default period)
+        n_layer, n_head = config.num_hidden_layers, config.num_attention_heads
+        resolved = resolve_periods(list(period) if isinstance(period, tuple) else period, window=base.window,
+                                   n_layer=n_layer, n_head=n_head,
+                                   block_size=getattr(config, "max_position_embeddings", None) or 1)
+        per_layer = not isinstance(resolved, int) and isinstance(resolved[0], list)
+        settings = cls(dataclasses.replace(base, period=layer_period(resolved, 0)), backend,
+                       tuple(tuple(heads) for heads in resolved) if per_layer else None)
+        settings.layers  # noqa: B018  (checks every layer's settings)
+        return settings
 
     @classmethod
     def of(cls, config) -> HFPiSettings:
@@ -41,19 +69,35 @@ class HFPiSettings:
         unknown = sorted(set(stored) - set(PI_DEFAULTS.as_kwargs()))
         if unknown:
             raise ValueError(f"config.pi_attention has unknown settings {unknown}")
-        return cls(PiSettings(**stored), backend)
+        return cls.resolve(config, backend=backend, **stored)
+
+    @cached_property
+    def layers(self) -> tuple[PiSettings, ...] | None:
+        """Every layer's settings where the layers' periods differ, else None (every layer has `pi`)."""
+        if self.layer_periods is None:
+            return None
+        return tuple(dataclasses.replace(self.pi, period=heads) for heads in self.layer_periods)
+
+    def layer(self, index: int | None) -> PiSettings:
+        """The settings of layer `index` (a module's `layer_idx`; None: layer 0)."""
+        return self.pi if self.layers is None or index is None else self.layers[index]
 
     def as_dict(self) -> dict:
-        """What `config.pi_attention` holds."""
-        return {**self.pi.as_kwargs(), "backend": self.backend}
+        """What `config.pi_attention` holds (the period as `resolve_periods` stores it)."""
+        period = self.pi.period
+        if self.layer_periods is not None:
+            period = [list(heads) for heads in self.layer_periods]
+        elif not isinstance(period, int):
+            period = list(period)
+        return {**self.pi.as_kwargs(), "period": period, "backend": self.backend}
 
     @property
     def reach(self) -> int:
-        """How far back a query looks: query i reads no key older than i − reach."""
-        return self.pi.reach
+        """How far back a query of any layer looks: no query reads a key older than i − reach."""
+        return max(s.reach for s in self.layers or (self.pi,))
 
-    def operator_kwargs(self) -> dict:
-        return dict(**self.pi.as_kwargs(), causal=True, backend=self.backend)
+    def operator_kwargs(self, layer: int | None = None) -> dict:
+        return dict(**self.layer(layer).as_kwargs(), causal=True, backend=self.backend)
 
 
 def pi_attention_forward(
@@ -76,20 +120,22 @@ def pi_attention_forward(
     if not getattr(module, "is_causal", True):
         raise ValueError("pi_attention in transformers supports causal attention only")
     settings = HFPiSettings.of(module.config)
+    layer = getattr(module, "layer_idx", None)
+    pi = settings.layer(layer)
     B, H, Tq, D = query.shape
-    gate = _gate_values(module, settings.pi)
+    gate = _gate_values(module, pi)
     cache_layer = getattr(module, "_pi_cache_layer", None)
     module._pi_cache_layer = None  # don't keep the cache alive past its one use
     bounds = None if attention_mask is None else text_bounds(attention_mask)
     p0 = _first_query_position(attention_mask, cache_layer, kwargs.get("position_ids"), key.shape[2], Tq)
     past = key.shape[2] - Tq
-    if past != p0 and past < settings.reach:
+    if past != p0 and past < pi.reach:
         raise ValueError(f"the cache gave {past} keys before position {p0}, but pi_attention reads the last "
-                         f"{settings.reach}: use PiCache or DynamicCache")
+                         f"{pi.reach}: use PiCache or DynamicCache")
     # Keys older than `reach` before the first query are never read, except the sinks: drop them, so that a
     # decoding step costs O(reach) however much the cache holds.
-    recent = min(past, settings.reach)
-    sinks = _old_sinks(settings.pi.sinks, bounds, p0 - recent, key, value, None if past == p0 else cache_layer)
+    recent = min(past, pi.reach)
+    sinks = _old_sinks(pi.sinks, bounds, p0 - recent, key, value, None if past == p0 else cache_layer)
     key, value = key[:, :, key.shape[2] - Tq - recent :], value[:, :, value.shape[2] - Tq - recent :]
     ids = None
     if sinks is not None or bounds is not None:
@@ -109,7 +155,7 @@ def pi_attention_forward(
         if gate is not None:
             gate = torch.cat([gate.new_full((B, H, ahead), 0.5), gate], 2)
     out = pi_attention(query, key, value, gate, scale=scaling, dropout_p=dropout, document_ids=ids,
-                       **settings.operator_kwargs())
+                       **settings.operator_kwargs(layer))
     return out[:, :, ahead:].transpose(1, 2), None
 
 

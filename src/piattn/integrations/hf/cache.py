@@ -1,5 +1,5 @@
 """The bounded decoding cache of a converted model: per layer, the last max(window, period) + 1 positions
-and each row's first `sinks` positions of text."""
+(the layer's largest period) and each row's first `sinks` positions of text."""
 
 from __future__ import annotations
 
@@ -108,34 +108,45 @@ class PiCacheLayer(DynamicLayer):
 
 
 class PiCache(Cache):
-    """Decoding cache of a converted model: per layer, max(window, period) + 1 positions and the `sinks`
-    first positions of each row's text, whatever the length.
+    """Decoding cache of a converted model: per layer, max(window, period) + 1 positions (that layer's
+    largest period, with per-head or per-layer periods) and the `sinks` first positions of each row's text,
+    whatever the length.
 
     Pass it to `model.generate(..., past_key_values=PiCache(model.config))` or to a forward call.
     """
 
     def __init__(self, config):
-        settings = HFPiSettings.of(config).pi
-        super().__init__(layers=[PiCacheLayer(settings.reach + 1, settings.sinks)
-                                 for _ in range(config.num_hidden_layers)])
-        # What it was made for: (layers, ring capacity, sinks).
-        self.made_for = (config.num_hidden_layers, settings.reach + 1, settings.sinks)
+        capacities, sinks = _needs(config)
+        super().__init__(layers=[PiCacheLayer(capacity, sinks) for capacity in capacities])
+        # What it was made for: (layers, ring capacity per layer, sinks).
+        self.made_for = (config.num_hidden_layers, capacities, sinks)
 
     def check(self, config) -> None:
         """Refuse (ValueError) a model this cache was not made for: another depth, a pattern reaching farther
         back than its ring, or another number of sinks (the attention would otherwise fail deep inside, or
         index past the sink copies)."""
-        settings = HFPiSettings.of(config).pi
-        need = (config.num_hidden_layers, settings.reach + 1, settings.sinks)
-        layers, capacity, sinks = self.made_for
-        if need[0] != layers or need[1] > capacity or need[2] != sinks:
-            raise ValueError(f"cache was made for {layers} layers, a ring of {capacity} positions and {sinks} sinks, "
-                             f"but this model has {need[0]} layers and needs {need[1]} positions and {need[2]} sinks: "
-                             "make it with PiCache(model.config)")
+        capacities, sinks = _needs(config)
+        layers, made, made_sinks = self.made_for
+        if config.num_hidden_layers != layers or any(n > m for n, m in zip(capacities, made, strict=False)) \
+                or sinks != made_sinks:
+            raise ValueError(f"cache was made for {layers} layers, rings of {_sizes(made)} positions and {made_sinks} "
+                             f"sinks, but this model has {config.num_hidden_layers} layers and needs "
+                             f"{_sizes(capacities)} positions and {sinks} sinks: make it with PiCache(model.config)")
 
     @property
     def nbytes(self) -> int:
         return cache_nbytes(self)
+
+
+def _needs(config) -> tuple[tuple[int, ...], int]:
+    """(ring capacity of each layer: its reach + 1, sinks) of a converted model's config."""
+    settings = HFPiSettings.of(config)
+    return tuple(settings.layer(i).reach + 1 for i in range(config.num_hidden_layers)), settings.pi.sinks
+
+
+def _sizes(capacities: tuple[int, ...]) -> str:
+    """"9" when every layer's ring holds 9 positions, else "(9, 17)"."""
+    return str(capacities[0]) if len(set(capacities)) == 1 else str(tuple(capacities))
 
 
 def cache_nbytes(cache: Cache) -> int:

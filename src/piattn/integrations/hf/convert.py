@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import warnings
+from collections.abc import Sequence
 
 import torch
 from safetensors import safe_open
@@ -13,7 +14,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
-from ...config.pi import PI_DEFAULTS, PiSettings
+from ...config.pi import PI_DEFAULTS
 from ...layers.gate import gate_mlp, start_gate_at
 from .attention import ATTENTION_NAME, HFPiSettings, register
 from .cache import PiCache
@@ -26,7 +27,7 @@ def convert_to_pi(
     model: PreTrainedModel,
     *,
     window: int = PI_DEFAULTS.window,
-    period: int = PI_DEFAULTS.period,
+    period: int | Sequence | str = PI_DEFAULTS.period,
     variant: str = PI_DEFAULTS.variant,
     prior: float = PI_DEFAULTS.prior,
     logit_clamp: float | None = PI_DEFAULTS.logit_clamp,
@@ -48,11 +49,17 @@ def convert_to_pi(
     later tokens, with the local prior; streaming LMs lean on their first tokens, and a window alone drops
     them. `PiCache` keeps a copy of them.
 
+    `period` takes every form `GPTConfig.period` does: an int, one per query head (num_attention_heads
+    ints), one list of per-head periods per layer (num_hidden_layers lists), or a schedule name
+    ("single[:N]", "geometric[:N]", "cover[:N]"; cover's default target is max_position_embeddings − 1),
+    resolved by `piattn.config.model.resolve_periods` and stored resolved; `PiCache` then holds each layer's
+    max(window, its largest period) + 1 positions.
+
     The other arguments are those of `piattn.pi_attention`; they are stored in `config.pi_attention`.
     Every argument is checked before the model is touched: a ValueError leaves it as it was.
     """
-    settings = HFPiSettings(PiSettings(window=window, period=period, variant=variant, prior=prior,
-                                       logit_clamp=logit_clamp, eps=eps, sinks=sinks), backend)
+    settings = HFPiSettings.resolve(model.config, backend=backend, window=window, period=period, variant=variant,
+                                    prior=prior, logit_clamp=logit_clamp, eps=eps, sinks=sinks)
     if not 0.0 < gate_init_alpha < 1.0:  # checked for ungated variants too, which build no gate
         raise ValueError(f"gate_init_alpha must lie in (0, 1), got {gate_init_alpha!r}")
     if any(hasattr(m, "pi_gate") for m in model.modules()):
