@@ -43,14 +43,15 @@ PI, LOCAL = "pi-k4-p16", "local-k5"
 PIATTN = [sys.executable, "-m", "piattn.cli"]
 
 
-def train_argv(args: argparse.Namespace, run: Path, kind: str, lr: float, steps: int, seed: int) -> list[str]:
+def train_argv(args: argparse.Namespace, run: Path, flags: list[str], lr: float, steps: int, seed: int) -> list[str]:
+    """`piattn train` arguments of one run of this study's budget, with the attention `flags` of its kind."""
     return ["train", "--data", f"books:{args.books}", "--tokenizer", "byte", "--config", args.config,
             "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--steps", str(steps),
             "--warmup", str(max(1, steps // 10)), "--lr", str(lr), "--min-lr", str(lr / 10),
             "--dropout", "0.0", "--seed", str(seed), "--eval-every", str(steps),
             "--eval-batches", str(args.eval_batches), "--save-every", "0", "--log-every", "25",
             "--device", "cpu", "--no-progress", "--cache-dir", str(args.runs / "cache"), "--out", str(run),
-            *KINDS[kind]["flags"]]
+            *flags]
 
 
 def records(run: Path) -> list[dict]:
@@ -87,7 +88,7 @@ def evaluate(output: Path, argv: list[str]) -> dict:
 def lr_check(args: argparse.Namespace, pool: ThreadPoolExecutor) -> dict:
     """{kind: {"lrs": {lr: validation bpb}, "chosen": lr}}, seed 0, --lr-steps steps per run."""
     jobs = {(kind, lr): pool.submit(train, args.runs / "lr" / f"{kind}-lr{lr:g}",
-                                    train_argv(args, args.runs / "lr" / f"{kind}-lr{lr:g}", kind, lr,
+                                    train_argv(args, args.runs / "lr" / f"{kind}-lr{lr:g}", KINDS[kind]["flags"], lr,
                                                args.lr_steps, 0), args.lr_steps)
             for kind in KINDS for lr in args.lrs}
     result = {}
@@ -101,7 +102,8 @@ def main_runs(args: argparse.Namespace, pool: ThreadPoolExecutor, lrs: dict) -> 
     """{(kind, seed): {"validation": record, "test": eval JSON with loss by position}}."""
     def one(kind: str, seed: int) -> dict:
         run = args.runs / f"{kind}-s{seed}"
-        validation = train(run, train_argv(args, run, kind, lrs[kind], args.steps, seed), args.steps)
+        validation = train(run, train_argv(args, run, KINDS[kind]["flags"], lrs[kind], args.steps, seed),
+                           args.steps)
         test = evaluate(run / "eval" / "test_positions.json",
                         ["--checkpoint", str(run), "--split", "test", "--position-bins", str(args.bins),
                          "--batches", str(args.test_batches), "--cache-dir", str(args.runs / "cache")])
