@@ -29,7 +29,7 @@ from pathlib import Path
 
 from runs import train_and_test
 
-from piattn.analysis import min_depth
+from piattn.analysis import min_depth, min_depth_multi, schedule
 
 # Per sequence length: the π pattern and the k × π sweep grid. 64 is the issue's setting (k = 4, π = 16; grid
 # k ∈ {2, 4, 8, 16} × π ∈ {8, 16, 32, 64}); 32 halves it with the sequence. The control (dense) learns both
@@ -43,7 +43,7 @@ class Setup:
     task: dict
     window: int
     period: int
-    kinds: dict[str, tuple]  # kind name -> (attention, window, period, variant)
+    kinds: dict[str, tuple]  # kind name -> (attention, window, period: int or "cover", variant)
     sweep_windows: tuple[int, ...]
     sweep_periods: tuple[int, ...]
 
@@ -56,7 +56,9 @@ def setup_for(seq_len: int) -> Setup:
     # local k + 1 has as many keys per query as π with k
     kinds = {"dense": ("dense", None, None, None), f"local k={window}": ("local", window, None, None),
              f"local k={window + 1}": ("local", window + 1, None, None),
-             "pi adaptive": ("pi", window, period, "adaptive"), "pi union": ("pi", window, period, "union")}
+             "pi adaptive": ("pi", window, period, "adaptive"), "pi union": ("pi", window, period, "union"),
+             # multi-scale π: the designer's per-layer head periods reaching every lag of the sequence
+             "pi cover": ("pi", window, "cover", "adaptive")}
     return Setup(task, window, period, kinds, *LENGTHS[seq_len]["sweep"])
 
 
@@ -88,12 +90,22 @@ def marker_lag(cfg: Setup, lag: int) -> int:
     return lag - 1 if cfg.task["order"] == "value-marker" else lag + 1
 
 
-def reachable(cfg: Setup, window: int | None, period: int | None, lag: int) -> bool:
+def min_depth_of(cfg: Setup, d: int, window: int, period: int | str | None) -> int | None:
+    """The layers lag d needs: `min_depth` for one period (or none), `min_depth_multi` for "cover", whose
+    periods are those `piattn train --period cover` gives the model (every lag up to seq_len − 1)."""
+    if period != "cover":
+        return min_depth(d, window, period)
+    task = cfg.task
+    periods = schedule("cover", window, task["layers"], task["heads"], target=task["seq_len"] - 1)
+    return min_depth_multi(d, window, periods)
+
+
+def reachable(cfg: Setup, window: int | None, period: int | str | None, lag: int) -> bool:
     """Whether the query can read both the value (lag back) and its marker through cfg.task["layers"] causal
-    layers of this pattern (`min_depth`; window None: dense, which reaches everything)."""
+    layers of this pattern (`min_depth_of`; window None: dense, which reaches everything)."""
     if window is None:
         return True
-    depths = [min_depth(d, window, period) for d in (lag, marker_lag(cfg, lag))]
+    depths = [min_depth_of(cfg, d, window, period) for d in (lag, marker_lag(cfg, lag))]
     return all(d is not None and d <= cfg.task["layers"] for d in depths)
 
 
@@ -186,7 +198,7 @@ def summary_tables(cfg: Setup, rows: list[dict]) -> str:
 
 def depth(cfg: Setup, window: int, period: int | None, lag: int) -> int | None:
     """The layers the query needs to read both the value and its marker (None: never)."""
-    depths = [min_depth(d, window, period) for d in (lag, marker_lag(cfg, lag))]
+    depths = [min_depth_of(cfg, d, window, period) for d in (lag, marker_lag(cfg, lag))]
     return None if None in depths else max(depths)
 
 
@@ -256,10 +268,16 @@ def plot(cfg: Setup, rows: list[dict], path: Path) -> None:
 
 def main_runs(cfg: Setup, args: argparse.Namespace) -> None:
     # most telling first
-    order = ["dense", "pi adaptive", f"local k={cfg.window + 1}", "pi union", f"local k={cfg.window}"]
+    order = ["dense", "pi adaptive", "pi cover", f"local k={cfg.window + 1}", "pi union", f"local k={cfg.window}"]
     jobs = [(cfg, kind, cfg.kinds[kind], seed, args.steps, args.runs) for seed in args.seeds for kind in order
             if kind in args.kinds]
     rows = run_all(jobs, args.jobs)
+    if args.include is not None:  # an earlier result's runs of the kinds not run now, at the same budget
+        earlier = json.loads(args.include.read_text())
+        if earlier["task"] != cfg.task:
+            raise SystemExit(f"--include: {args.include} is of another task setting: {earlier['task']}")
+        rows += [r for r in earlier["runs"] if r["kind"] not in args.kinds and r["steps"] == args.steps
+                 and r["seed"] in args.seeds]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(dict(task=cfg.task, runs=rows), indent=1) + "\n")
     tables = summary_tables(cfg, rows) + "\n\n" + depth_table(cfg, rows)
@@ -359,6 +377,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kinds", nargs="+", default=list(cfg.kinds), choices=list(cfg.kinds), metavar="KIND",
                         help=f"the kinds to run (default all: {', '.join(cfg.kinds)})")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (each one thread)")
+    parser.add_argument("--include", type=Path, help="an earlier result JSON whose runs of other kinds (same task, "
+                        "steps and seeds) join the tables and figure")
     parser.add_argument("--windows", type=int, nargs="+", default=list(cfg.sweep_windows), choices=cfg.sweep_windows,
                         help="--sweep: the rows of the grid to train (e.g. to split it over processes)")
     parser.add_argument("--report", action="store_true", help="--sweep: tables and figure of the finished runs only")
