@@ -93,7 +93,8 @@ def check_pi_settings(*, window, period, variant, prior, logit_clamp, eps, sinks
     if not is_int(period) or period < 1:
         if isinstance(period, Sequence) and not isinstance(period, (str, bytes)):
             raise ValueError(f"period must be one int >= 1 here, got per-head periods {period!r}: they run in "
-                             f"pi_attention, PiAttention and its cached decoding, which call this once per period")
+                             f"pi_attention, the layers and models (cached decoding and sequence parallelism "
+                             f"included), pi_attention_weights and convert_to_pi, which call this once per period")
         raise ValueError(f"period must be an int >= 1, got {period!r}")
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
