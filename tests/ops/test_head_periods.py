@@ -95,11 +95,12 @@ def grouped_inputs(B, H, H_kv, T, D, variant, dtype=torch.float64, seed=0):
 PERIODS = (2, 6, 40, 6)
 
 
-@pytest.mark.parametrize("backend", ["reference", "torch"])
+@pytest.mark.parametrize("backend", ["reference", "torch", "fused"])
 @pytest.mark.parametrize("causal", [True, False], ids=param_id)
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_dense_oracle(backend, variant, causal):
     """Forward and every gradient, fp64, against the dense definition; GQA, sinks and documents at once."""
+    require_backend(backend, torch.float64, 8, grad=True, features=("gqa", "sinks", "documents"))
     inputs = grouped_inputs(2, 4, 2, 23, 8, variant)
     docs = torch.tensor([[0] * 9 + [1] * 14, [3] * 23])
     kw = dict(KW, causal=causal, variant=variant, sinks=2, document_ids=docs)
@@ -190,11 +191,17 @@ def test_blocked_backends_forward(backend):
     torch.testing.assert_close(y.double(), exact, atol=2e-5, rtol=2e-5)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# The backends the fuzz draws from: those that run fp64 with gradients, GQA, sinks and documents here.
+FUZZED = [name for name in ("torch", "fused", "reference")
+          if REGISTRY[name].refusal(device="cpu", dtype=torch.float64, head_dim=4, needs_grad=True, dropout_p=0.0,
+                                    features=frozenset({"gqa", "sinks", "documents"})) is None]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_fuzz(data):
-    """Random H, H_kv, T, window and periods (equal across heads, <= window, >= T), both directions, against
-    the oracle, forward and gradients, fp64."""
+    """Random H, H_kv, T, window, periods (equal across heads, <= window, >= T), sinks, documents and backend
+    (each that runs them), both directions, against the oracle, forward and gradients, fp64."""
     H_kv = data.draw(st.integers(1, 3), "H_kv")
     H = H_kv * data.draw(st.integers(1, 3), "group")
     T = data.draw(st.integers(1, 24), "T")
@@ -203,9 +210,13 @@ def test_fuzz(data):
     variant = data.draw(st.sampled_from(VARIANTS), "variant")
     causal = data.draw(st.booleans(), "causal")
     sinks = data.draw(st.integers(0, 2), "sinks")
+    # documents: runs of equal ids, cut at random places
+    cuts = data.draw(st.lists(st.booleans(), min_size=T, max_size=T), "document starts")
+    docs = torch.tensor([0] + cuts[1:]).cumsum(0)[None]
+    backend = data.draw(st.sampled_from(FUZZED), "backend")
     inputs = grouped_inputs(1, H, H_kv, T, 4, variant, seed=data.draw(st.integers(0, 99), "seed"))
-    kw = dict(KW, window=window, causal=causal, variant=variant, sinks=sinks)
-    compare(oracle_backward(inputs, periods, **kw), forward_backward(*inputs, period=periods, backend="torch", **kw))
+    kw = dict(KW, window=window, causal=causal, variant=variant, sinks=sinks, document_ids=docs)
+    compare(oracle_backward(inputs, periods, **kw), forward_backward(*inputs, period=periods, backend=backend, **kw))
 
 
 @pytest.mark.parametrize("period, message", [
