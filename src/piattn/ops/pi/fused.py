@@ -102,8 +102,10 @@ def _load() -> dict | None:
             try:
                 functions, _state["flags"] = cbuild.load(SOURCE, _open, compiler=os.environ.get("CC") or "cc",
                                                          base_flags=_BASE_FLAGS, flag_sets=FLAG_SETS)
-            except (cbuild.BuildError, cbuild.LoadError) as err:
+            except cbuild.BuildError as err:
                 _state["reason"] = f"{err}; set CC to a C compiler"
+            except cbuild.LoadError as err:  # built, verified, and still not loadable
+                _state["reason"] = f"{err}; check PIATTN_CACHE"
             except cbuild.Unsafe as err:
                 _state["reason"] = f"will not load compiled code from a folder others control: {err}"
             except OSError as err:  # the folder could not be made
