@@ -247,17 +247,18 @@ def test_the_c_step_checks_every_size_itself(tmp_path):
         q, kv, y = torch.zeros(1, 2, 1, 4, dtype=torch.float64), torch.zeros(2, 1, 4, 3, 4, dtype=torch.float64), \\
             torch.zeros(1, 2, 1, 4, dtype=torch.float64)
         gate = torch.full((1, 2, 1), 0.5, dtype=torch.float64)
-        def call(H_kv=1, N=3, slot=(0, 1, 2), kind=(0, 0, 1), mode=0, B=1, gate_ptr=None, pointers=True):
+        def call(H_kv=1, N=3, slot=(0, 1, 2), kind=(0, 0, 1), mode=0, B=1, gate_ptr=None, pointers=True, Q=1):
             s, k = torch.tensor(slot), torch.tensor(kind)
-            return f(q.data_ptr() if pointers else None, 8, 4, kv.data_ptr() if pointers else None, B, 2, H_kv, N,
-                     4, s.data_ptr(), None, k.data_ptr(), len(slot), mode, 0.0, 0.0, gate_ptr, 2, 0, None, None,
-                     0.5, 4.0, 1e-3, y.data_ptr() if pointers else None)
+            return f(q.data_ptr() if pointers else None, 8, 4, 4, kv.data_ptr() if pointers else None, B, 2, H_kv,
+                     N, 4, Q, s.data_ptr(), None, k.data_ptr(), len(kind), mode, 0.0, 0.0, gate_ptr, 2, 1, 1, 0,
+                     None, None, 0.5, 4.0, 1e-3, y.data_ptr() if pointers else None)
         print(call(), call(H_kv=4), call(H_kv=0), call(N=0), call(slot=(0, 1, 3)), call(slot=(0, -1, 2)),
               call(kind=(0, 2, 1)), call(mode=9), call(mode=2), call(mode=2, gate_ptr=gate.data_ptr()),
-              call(B=-1), call(B=0, pointers=False))
+              call(B=-1), call(B=0, pointers=False), call(Q=0),
+              call(Q=2, slot=(0, 1, 2, 0, 1, 3), kind=(0, 0, 1)))  # the second query's slots are checked too
     """, tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["0", "1", "1", "1", "2", "2", "3", "4", "4", "0", "1", "0"]
+    assert done.stdout.split() == ["0", "1", "1", "1", "2", "2", "3", "4", "4", "0", "1", "0", "1", "2"]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -13,10 +13,11 @@ Grouped-query attention (k, v with H_kv heads dividing the H of q): the H / H_kv
 are scored against the one gathered copy of their key/value head; nothing is repeated.
 
 Two steps compute these rows, and each declares the variants it runs: the torch ops here
-(`TORCH_OPS_VARIANTS`, `decode_gathered`) and, for one query read from a ring cache, the compiled C step
-(`native.PRIOR_MODES`). `decode_ring` takes the compiled step for a variant it declares (where it applies),
-else the torch ops; a variant the torch ops do not declare is refused with the reason, never run as
-another.
+(`TORCH_OPS_VARIANTS`, `decode_gathered`) and the compiled C step (`native.PRIOR_MODES`), for one query read
+from a ring cache (`decode_ring`) or a few read from a block of rows (`decode_rows`, each query its own
+one-query step in the same call). Both take the compiled step for a variant it declares where it applies
+(`native.applies`), else the torch ops; a variant the torch ops do not declare is refused with the reason,
+never run as another.
 """
 
 from __future__ import annotations
@@ -135,15 +136,68 @@ def pi_decode(
 
 def decode_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, *, window: int,
                 period: int, variant: str, prior: float, logit_clamp: float | None, eps: float,
-                scale: float, sinks: int = 0) -> torch.Tensor:
+                scale: float, sinks: int = 0,
+                gate_head: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`pi_decode` without its argument checks, for callers whose inputs are right by construction (the
-    decoding layers: a step is a few dozen small ops, and the checks would be a third of them)."""
+    decoding layers: a step is a few dozen small ops, and the checks would be a third of them).
+
+    With gate_head = (weight [H, n_hidden], bias [H]) (variant "adaptive" only), gate is the gate MLP's hidden
+    pre-activation [B, t, n_hidden] and α = ε + (1 − 2ε)·σ(weight·GELU(gate) + bias), as in `decode_ring`.
+
+    One call of the compiled step (`native.rows_step_unchecked`: the t queries each their own one-query step)
+    where it applies (`compiled_rows`), else one gather for keys and values and `decode_gathered`.
+    """
     t = q.shape[2]
     idx, valid, kind, n_local, n_skip = _slots(window, period, sinks, t, k.shape[2], q.device)
+    y = _compiled_rows(q, k, v, gate, gate_head, idx, valid, kind, variant, prior, logit_clamp, eps, scale)
+    if y is not None:
+        return y
+    gate_is_sigmoid = gate_head is not None
+    if gate_is_sigmoid:
+        gate = gate_tail(gate, *gate_head).transpose(1, 2)
     kg = k.index_select(2, idx)
     vg = v.index_select(2, idx)
     return decode_gathered(q, kg, vg, valid, kind, n_local, n_skip, gate, variant=variant, prior=prior,
-                           logit_clamp=logit_clamp, eps=eps, scale=scale)
+                           logit_clamp=logit_clamp, eps=eps, scale=scale, gate_is_sigmoid=gate_is_sigmoid)
+
+
+def compiled_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, *, window: int,
+                  period: int, variant: str, prior: float, logit_clamp: float | None, eps: float, scale: float,
+                  sinks: int = 0, gate_head: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+    """`decode_rows` through the compiled step alone: its rows, or None where that step does not apply (a
+    variant outside `native.PRIOR_MODES`, or what `native.applies` refuses). For a caller that asked for
+    compiled code explicitly and must say so rather than run torch ops in its place."""
+    idx, valid, kind, _, _ = _slots(window, period, sinks, q.shape[2], k.shape[2], q.device)
+    return _compiled_rows(q, k, v, gate, gate_head, idx, valid, kind, variant, prior, logit_clamp, eps, scale)
+
+
+def _compiled_prior(variant: str, gate: torch.Tensor | None, gate_head, prior: float,
+                    eps: float) -> tuple[int, dict] | None:
+    """(prior mode, its arguments) of the compiled step for `variant`, or None for one it does not declare."""
+    mode = native.PRIOR_MODES.get(variant)
+    if mode is None:
+        return None
+    if gate_head is not None:
+        return native.PRIOR_HIDDEN, dict(gate=gate, gate_weight=gate_head[0], gate_bias=gate_head[1])
+    if mode == native.PRIOR_ALPHA:
+        return mode, dict(gate=gate)
+    if mode == native.PRIOR_CONST:
+        return mode, dict(log_priors=log_priors(variant, None, prior, eps))
+    return mode, {}
+
+
+def _compiled_rows(q, k, v, gate, gate_head, idx, valid, kind, variant, prior, logit_clamp, eps,
+                   scale) -> torch.Tensor | None:
+    compiled = _compiled_prior(variant, gate, gate_head, prior, eps)
+    if compiled is None:
+        return None
+    mode, extra = compiled
+    tensors = [x for x in extra.values() if isinstance(x, torch.Tensor)]
+    if not native.applies(q, k, v, *tensors, n_slots=kind.shape[0]):
+        return None  # decided before stacking keys and values, which only the compiled step reads
+    # The step reads keys and values from one contiguous [2, B, H_kv, N, D] block, as from a ring cache's storage.
+    return native.rows_step_unchecked(q, torch.stack([k, v]), idx, valid, kind, prior_mode=mode,
+                                      logit_clamp=logit_clamp, eps=eps, scale=scale, **extra)
 
 
 def gate_tail(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -241,16 +295,9 @@ def decode_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | No
     check_ring(q, kv_store, gate, capacity, position, window, period, variant, prior, logit_clamp, eps, scale, sinks,
                gate_head)
     slot, valid, kind, n_local, n_skip = ring_slots(window, period, sinks, capacity, position, q.device)
-    mode = native.PRIOR_MODES.get(variant)
-    if mode is not None:
-        if gate_head is not None:
-            mode, extra = native.PRIOR_HIDDEN, dict(gate=gate, gate_weight=gate_head[0], gate_bias=gate_head[1])
-        elif mode == native.PRIOR_ALPHA:
-            extra = dict(gate=gate)
-        elif mode == native.PRIOR_CONST:
-            extra = dict(log_priors=log_priors(variant, None, prior, eps))
-        else:
-            extra = {}
+    compiled = _compiled_prior(variant, gate, gate_head, prior, eps)
+    if compiled is not None:
+        mode, extra = compiled
         # Unchecked: check_ring covered what ring_step's own checks would, and the slots are ring_slots'.
         y = native.ring_step_unchecked(q, kv_store, slot, valid, kind, prior_mode=mode, logit_clamp=logit_clamp,
                                        eps=eps, scale=scale, **extra)

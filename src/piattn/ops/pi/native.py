@@ -12,11 +12,14 @@ user or writable by group or others is refused, with a warning), and the library
 recorded beside it when it was built. One that fails (cut short, from an older piattn, written by
 something else) or does not load is rebuilt.
 
-It serves the variants of `PRIOR_MODES` ("union", "fixed", "adaptive"; `decode.decode_ring` hands it no
-other), fp32 and fp64 CPU tensors in inference (no gradient asked for), any batch, heads, grouped-query
-attention and sinks. Anything else it is given (another device or dtype, autograd, no compiler,
-`PIATTN_NATIVE=0`) returns None and the caller runs the same step in torch ops (`decode.decode_gathered`),
-which gives the same result up to rounding.
+It serves the variants of `PRIOR_MODES` ("union", "fixed", "adaptive"; `decode.decode_ring` and
+`decode.decode_rows` hand it no other), fp32 and fp64 CPU tensors in inference (no gradient asked for), any
+batch, heads, grouped-query attention and sinks, and one or a few new queries per sequence: `ring_step` one
+query read from a ring cache, `rows_step_unchecked` t queries (a step of 2–4 tokens) in one call, each
+query its own one-query step over its own slots. Anything else it is given (another device or dtype,
+autograd, no compiler, `PIATTN_NATIVE=0`) returns None and the caller runs the same step in torch ops
+(`decode.decode_gathered`), which gives the same result up to rounding; `applies` says beforehand whether
+it would run (the one place that decides).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ MAX_SLOTS = 4096
 # decode_step.c's PI_ERR_* codes: what the C step refused (having read nothing). The shape checks of
 # `ring_step` come first, so these are reached only through the contents of slot and kind, or a bug.
 _ERRORS = {1: "the sizes given to the compiled step are inconsistent (B >= 0, H >= 1, 1 <= H_kv <= H dividing "
-              "H, N >= 1, D >= 1)",
+              "H, N >= 1, D >= 1, t >= 1 queries)",
            2: "slot must index rows 0 … N − 1 of kv_store",
            3: "kind must hold 0 (local prior) or 1 (skip prior) only",
            4: "prior_mode must be one of PRIOR_NONE, PRIOR_CONST, PRIOR_ALPHA, PRIOR_HIDDEN, with its gate"}
@@ -54,8 +57,10 @@ _ERRORS = {1: "the sizes given to the compiled step are inconsistent (B >= 0, H 
 _FLAGS = ("-O3", "-std=c99", "-fPIC", "-shared", "-fno-math-errno")
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
-_ARGTYPES = [_P, _I, _I, _P, _I, _I, _I, _I, _I, _P, _P, _P, _I, ctypes.c_int, _F, _F, _P, _I, _I, _P, _P,
-             _F, _F, _F, _P]
+# q, q_sb, q_sh, q_st, kv, B, H, H_kv, N, D, Q, slot, valid, kind, S, prior_mode, c_local, c_skip, gate, gate_sb,
+# gate_sh, gate_st, n_hidden, w, bias, scale, clamp, eps, y (decode_step.c).
+_ARGTYPES = [_P, _I, _I, _I, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _I, ctypes.c_int, _F, _F, _P, _I, _I, _I, _I,
+             _P, _P, _F, _F, _F, _P]
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -198,34 +203,73 @@ def ring_step_unchecked(q: torch.Tensor, kv_store: torch.Tensor, slot: torch.Ten
     """`ring_step` without `check_step`, for `decode.decode_ring`, whose own checks cover the same shapes (a
     step of generation is tens of microseconds; checking twice was a noticeable part of it). The C step
     still checks every size, slot and kind it is given before reading anything."""
+    return _step(q, kv_store, slot, valid, kind, prior_mode, log_priors, gate, gate_weight, gate_bias, logit_clamp,
+                 eps, scale)
+
+
+def rows_step_unchecked(q: torch.Tensor, kv_store: torch.Tensor, slot: torch.Tensor, valid: torch.Tensor | None,
+                        kind: torch.Tensor, *, prior_mode: int, log_priors: tuple[float, float] = (0.0, 0.0),
+                        gate: torch.Tensor | None = None, gate_weight: torch.Tensor | None = None,
+                        gate_bias: torch.Tensor | None = None, logit_clamp: float | None, eps: float,
+                        scale: float) -> torch.Tensor | None:
+    """t new queries per sequence (a step of a few tokens, `decode.decode_rows`) in one call: each query
+    its own one-query step over its own slots, so the rows are exactly those of t `ring_step`s. None where
+    the C step does not apply (`applies`).
+
+    q [B, H, t, D] (any strides but the last); kv_store [2, B, H_kv, N, D] contiguous, the keys then the
+    values of the rows the queries read; slot [t·S] int64 (query j's slots at j·S …), valid [t, S] bool or
+    None, kind [S] (`decode._slots`); gate α [B, H, t] for PRIOR_ALPHA, or for PRIOR_HIDDEN the hidden
+    pre-activation [B, t, n_hidden] with gate_weight [H, n_hidden], gate_bias [H]. Unchecked in Python (the
+    caller builds every shape); the C step checks every size, slot and kind before reading anything.
+    """
+    return _step(q, kv_store, slot, valid, kind, prior_mode, log_priors, gate, gate_weight, gate_bias, logit_clamp,
+                 eps, scale)
+
+
+def applies(q: torch.Tensor, *tensors: torch.Tensor | None, n_slots: int) -> bool:
+    """Whether the C step runs a call on q and `tensors` (keys, values, gate, …) with `n_slots` slots per query:
+    the library loaded (a compiler, not `PIATTN_NATIVE=0`), a CPU, one dtype of fp32/fp64 for all, no gradient
+    asked for, at most `MAX_SLOTS` slots. The one home of that decision: `_step` asks it too, so a caller that
+    prepares a call only when it applies (`decode.decode_rows` stacks keys and values) and the step agree."""
     functions = _state["functions"] if "functions" in _state else _load()
+    return _function(functions, q, [t for t in tensors if t is not None], n_slots) is not None
+
+
+def _function(functions, q: torch.Tensor, tensors: list[torch.Tensor], n_slots: int):
     if functions is None:
         return None
     function = functions.get(q.dtype)
-    tensors = [t for t in (q, kv_store, gate, gate_weight, gate_bias) if t is not None]
-    if (function is None or q.device.type != "cpu" or kind.shape[0] > MAX_SLOTS
+    if (function is None or q.device.type != "cpu" or n_slots > MAX_SLOTS
             or any(t.dtype != q.dtype or t.device != q.device for t in tensors)
-            or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))):
+            or (torch.is_grad_enabled() and (q.requires_grad or any(t.requires_grad for t in tensors)))):
         return None
-    B, H, _, D = q.shape
+    return function
+
+
+def _step(q, kv_store, slot, valid, kind, prior_mode, log_priors, gate, gate_weight, gate_bias, logit_clamp, eps,
+          scale) -> torch.Tensor | None:
+    functions = _state["functions"] if "functions" in _state else _load()
+    function = _function(functions, q, [t for t in (kv_store, gate, gate_weight, gate_bias) if t is not None],
+                         kind.shape[0])
+    if function is None:
+        return None
+    B, H, T, D = q.shape
     _, _, H_kv, N, _ = kv_store.shape
     if not kv_store.is_contiguous() or q.stride(3) != 1:
         return None
-    gate_ptr, gate_sb, n_hidden, w_ptr, b_ptr = None, 0, 0, None, None
-    if prior_mode == PRIOR_ALPHA:
-        if gate.stride(1) != 1:  # the C step reads α of (b, h) at b·stride(0) + h
-            return None
-        gate_ptr, gate_sb = gate.data_ptr(), gate.stride(0)
+    gate_ptr, gate_sb, gate_sh, gate_st, n_hidden, w_ptr, b_ptr = None, 0, 0, 0, 0, None, None
+    if prior_mode == PRIOR_ALPHA:  # α of (b, h, t) at b·stride(0) + h·stride(1) + t·stride(2)
+        gate_ptr, (gate_sb, gate_sh, gate_st) = gate.data_ptr(), gate.stride()
     elif prior_mode == PRIOR_HIDDEN:
         if gate.stride(-1) != 1 or not gate_weight.is_contiguous() or not gate_bias.is_contiguous():
             return None
-        gate_ptr, gate_sb, n_hidden = gate.data_ptr(), gate.stride(0), gate.shape[-1]
+        gate_ptr, gate_sb, gate_st, n_hidden = gate.data_ptr(), gate.stride(0), gate.stride(1), gate.shape[-1]
         w_ptr, b_ptr = gate_weight.data_ptr(), gate_bias.data_ptr()
-    y = torch.empty(B, H, 1, D, dtype=q.dtype)
-    code = function(q.data_ptr(), q.stride(0), q.stride(1), kv_store.data_ptr(), B, H, H_kv, N, D, slot.data_ptr(),
-                    None if valid is None else valid.data_ptr(), kind.data_ptr(), kind.shape[0], prior_mode,
-                    log_priors[0], log_priors[1], gate_ptr, gate_sb, n_hidden, w_ptr, b_ptr, scale,
-                    float("inf") if logit_clamp is None else logit_clamp, eps, y.data_ptr())
+    y = torch.empty(B, H, T, D, dtype=q.dtype)
+    code = function(q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), kv_store.data_ptr(), B, H, H_kv, N, D, T,
+                    slot.data_ptr(), None if valid is None else valid.data_ptr(), kind.data_ptr(), kind.shape[0],
+                    prior_mode, log_priors[0], log_priors[1], gate_ptr, gate_sb, gate_sh, gate_st, n_hidden, w_ptr,
+                    b_ptr, scale, float("inf") if logit_clamp is None else logit_clamp, eps, y.data_ptr())
     if code:
         if code == 5:
             raise MemoryError("the compiled decoding step could not allocate its scratch rows")
