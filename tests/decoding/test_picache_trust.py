@@ -26,7 +26,7 @@ def _llama(layers: int = 2, **pi):
 # ValueError telling to "use PiCache", an IndexError, and a RuntimeError from an index past the sink copies
 # (a device-side assert on a GPU).
 MISMATCHES = {
-    "smaller ring": ({}, dict(period=4), r"a ring of 5 positions and 0 sinks, but this model has 2 layers and "
+    "smaller ring": ({}, dict(period=4), r"rings of 5 positions and 0 sinks, but this model has 2 layers and "
                                         r"needs 9 positions and 0 sinks"),
     "fewer sinks": (dict(sinks=2), dict(sinks=1), r"and 1 sinks, but .* needs 9 positions and 2 sinks"),
     "fewer layers": ({}, dict(layers=1), r"^cache was made for 1 layers"),

@@ -64,9 +64,9 @@ class PiAttention(WindowedAttention):
         return None if self.gate is None else gate_values(self.gate, x, self.settings.eps)
 
     def ring_gate(self, x: torch.Tensor) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
-        """The gate arguments of `decode_ring` for one new token x [B, 1, d].
+        """The gate arguments of `decode_ring` (one new token) and `decode_rows` (a few) for x [B, t, d].
 
-        For "adaptive", the gate MLP's hidden pre-activation [B, 1, d_hidden] and its last layer (weight,
+        For "adaptive", the gate MLP's hidden pre-activation [B, t, d_hidden] and its last layer (weight,
         bias): the step finishes the gate itself (GELU, linear, σ, clip: in the compiled step, one call for
         all of it); a gate someone observes or hooks is computed whole here instead."""
         if self.settings.variant == "adaptive" and self._gate_observer is None and not gate_hooked(self.gate):

@@ -88,16 +88,24 @@ class WindowedAttention(AttentionLayer):
                            document_ids=document_ids, backend=self.backend, **self.settings.as_kwargs())
 
     def attend_recent(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The last t rows of `attend` (causal, eval) from the t new rows' q, x and all N rows' k, v."""
-        gate = self.observed_gate(x)
+        """The last t rows of `attend` (causal, eval) from the t new rows' q, x and all N rows' k, v: one call
+        of the compiled step where it applies (`decode_rows`), the gate's last layers included as in
+        `attend_ring`."""
+        gate, gate_head = self.ring_gate(x)
         if self.settings.periods is None:
-            return decode_rows(q, k, v, gate, **self._decode_kwargs)
+            return decode_rows(q, k, v, gate, gate_head=gate_head, **self._decode_kwargs)
 
-        def run(period: int, q_g: torch.Tensor, gate_g: torch.Tensor | None, k_g: torch.Tensor,
-                v_g: torch.Tensor) -> torch.Tensor:
-            return decode_rows(q_g, k_g, v_g, gate_g, **{**self._decode_kwargs, "period": period})
+        weight, bias = (None, None) if gate_head is None else gate_head
+        alpha = gate if gate_head is None else None
 
-        return by_period(self.settings.periods, k.shape[1], run, [(q, 1), (gate, 1)], [(k, 1), (v, 1)])
+        def run(period: int, q_g: torch.Tensor, alpha_g: torch.Tensor | None, weight_g: torch.Tensor | None,
+                bias_g: torch.Tensor | None, k_g: torch.Tensor, v_g: torch.Tensor) -> torch.Tensor:
+            head = None if gate_head is None else (weight_g, bias_g)
+            return decode_rows(q_g, k_g, v_g, gate if head is not None else alpha_g, gate_head=head,
+                               **{**self._decode_kwargs, "period": period})
+
+        return by_period(self.settings.periods, k.shape[1], run, [(q, 1), (alpha, 1), (weight, 0), (bias, 0)],
+                         [(k, 1), (v, 1)])
 
     def attend_ring(self, q: torch.Tensor, cache: RingCache, x: torch.Tensor) -> torch.Tensor:
         """One new query's output [B, H, 1, D] read from the ring `cache` that already holds its key."""
@@ -122,5 +130,6 @@ class WindowedAttention(AttentionLayer):
                          [(cache.kv, 2)])
 
     def ring_gate(self, x: torch.Tensor) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
-        """The gate arguments of `decode_ring` for one new token x [B, 1, d]: (α̃ [B, H, 1] or None, None)."""
+        """The gate arguments of `decode_ring` / `decode_rows` for new tokens x [B, t, d]: (α̃ [B, H, t] or None,
+        None)."""
         return self.observed_gate(x), None

@@ -13,8 +13,11 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from ... import models as _models  # noqa: F401  (lends the period schedules to `resolve_periods`)
 from ...config.model import layer_period, resolve_periods
 from ...config.pi import PI_DEFAULTS, PiSettings
+from ...layers.base import AttentionLayer
 from ...layers.gate import gate_values
 from ...ops.pi import BACKENDS, pi_attention
+from ...ops.pi.decode import compiled_rows, decode_rows
+from ...ops.pi.heads import by_period
 from .padding import EMPTY, TEXT, document_ids, text_bounds
 
 ATTENTION_NAME = "pi_attention"
@@ -148,6 +151,13 @@ def pi_attention_forward(
             ids = torch.cat([torch.where(sink_ok, TEXT, EMPTY), ids], 1)
         if bool((ids == ids[:, :1]).all()):
             ids = None  # one document: the operator's plain (faster) path
+    if (ids is None and not dropout and Tq <= AttentionLayer.fast_decode_max_tokens
+            and (past or cache_layer is not None) and settings.backend in DECODE_BACKENDS
+            and not torch.compiler.is_compiling()):
+        # A decoding step of one text per row: the block (sinks, then the recent positions) reads as one text.
+        y = _decode_step(settings.backend, pi, query, key, value, gate, D**-0.5 if scaling is None else scaling)
+        if y is not None:
+            return y.transpose(1, 2), None
     ahead = key.shape[2] - Tq
     if ahead:
         # Rows for the sinks and cached positions, so that relative offsets line up; their outputs are dropped.
@@ -157,6 +167,43 @@ def pi_attention_forward(
     out = pi_attention(query, key, value, gate, scale=scaling, dropout_p=dropout, document_ids=ids,
                        **settings.operator_kwargs(layer))
     return out[:, :, ahead:].transpose(1, 2), None
+
+
+# The backends under which a decoding step (a cached step of at most `fast_decode_max_tokens` tokens, no padding,
+# no dropout) runs as the model's does (`piattn.ops.pi.decode.decode_rows`: the compiled step where it applies,
+# else torch ops that read only the keys each query attends to), rather than through the full operator:
+# "auto", and "fused" (compiled code asked for by name) through the compiled step only, where it applies; where
+# it does not, "fused" runs the full operator, which runs or refuses with its reason. Any other backend named
+# runs the operator it names.
+DECODE_BACKENDS = ("auto", "fused")
+
+
+class _NotCompiled(Exception):
+    """A period group the compiled step does not take, under an explicit "fused"."""
+
+
+def _decode_step(backend: str, pi: PiSettings, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 gate: torch.Tensor | None, scale: float) -> torch.Tensor | None:
+    """The rows [B, H, Tq, D] of the Tq queries at the end of the block key/value [B, Hkv, N, D] (the sinks the
+    recent keys no longer hold, then the recent positions: as `RingCache.recent`, read as one text without
+    changing any row, since every local and skip key of a query lies in the recent positions and the sinks
+    lie farther back in both); None where `backend` is "fused" and the compiled step does not take the call."""
+    rows = decode_rows if backend == "auto" else compiled_rows
+    kw = dict(**pi.as_kwargs(), scale=scale)
+    if pi.periods is None:
+        return rows(query, key, value, gate, **kw)
+
+    def run(period: int, q_g: torch.Tensor, gate_g: torch.Tensor | None, k_g: torch.Tensor,
+            v_g: torch.Tensor) -> torch.Tensor:
+        y = rows(q_g, k_g, v_g, gate_g, **{**kw, "period": period})
+        if y is None:
+            raise _NotCompiled
+        return y
+
+    try:
+        return by_period(pi.periods, key.shape[1], run, [(query, 1), (gate, 1)], [(key, 1), (value, 1)])
+    except _NotCompiled:
+        return None
 
 
 def pi_attention_mask(*, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
