@@ -1,9 +1,9 @@
 """The fused CPU backend (`piattn.ops.pi.fused`, `fused_cpu.c`) against "reference": the forward and every
 gradient (dq, dk, dv, dgate) for all four variants, causal and bidirectional, grouped-query heads, edge
 shapes, the logit clamp, any head dim and random shapes; non-finite inputs kept in the rows that read them;
-what it refuses (dropout); the C entry points' own checks (sizes, buffers, periods, document bounds); per-head
-periods, sinks and documents: test_fused_periods.py; builds without -march=native or OpenMP, and the fallback
-without a compiler.
+what it refuses (other dtypes and devices); the C entry points' own checks (sizes, buffers, periods, document
+bounds, the dropout mask); per-head periods, sinks, documents and dropout: test_fused_periods.py; builds
+without -march=native or OpenMP, and the fallback without a compiler.
 
 fp64 runs at 1e-10 (utils.TOLERANCES). fp32 is compared with the fp64 reference on the same values: 2e-5
 for y, dq, dk, dv, and 1e-4 for dgate, which divides Σ dlogit by α or 1 − α (down to 0.02 in
@@ -262,19 +262,17 @@ def test_nonfinite_stays_local(which, variant, causal, value, dtype):
 # ---------------------------------------------------------------------------------------------------------
 # What it refuses, and the C entry points' own checks.
 
-@pytest.mark.parametrize("case", ("dropout", "bfloat16", "meta"))
+@pytest.mark.parametrize("case", ("bfloat16", "meta"))
 def test_refuses_what_it_does_not_implement(case):
-    """Declared in backends.py (dropout=False, fp32/fp64 on the CPU), and refused here too when called
-    directly: never silently wrong."""
+    """Declared in backends.py (fp32/fp64 on the CPU), and refused here too when called directly: never
+    silently wrong."""
     q, k, v, gate = make_inputs(1, 2, 20, 8, requires_grad=False)
     kw = _settings("adaptive")
-    if case == "dropout":
-        kw.update(dropout_p=0.1, dropout_keep=torch.ones(1, 2, 20, 6, dtype=torch.bool))
-    elif case == "bfloat16":
+    if case == "bfloat16":
         q, k, v, gate = (t.bfloat16() for t in (q, k, v, gate))
     else:
         q, k, v, gate = (t.to("meta") for t in (q, k, v, gate))
-    match = {"dropout": "dropout", "bfloat16": "bfloat16", "meta": "CPU"}[case]
+    match = {"bfloat16": "bfloat16", "meta": "CPU"}[case]
     with pytest.raises(ValueError, match=match):
         pi_attention_fused(q, k, v, gate, **kw)
 
@@ -289,13 +287,14 @@ def test_refuses_double_backward():
 PERIODS = torch.tensor([16, 16])
 
 
-def _raw_call(direction, tensors, periods=PERIODS, bounds=(None, None), **change):
-    """The C entry point itself, on these tensors (then the periods and the document bounds), with the sizes
-    of a [1, 2, 20, 8] call changed by `change`: its return code."""
+def _raw_call(direction, tensors, periods=PERIODS, bounds=(None, None), keep=None, **change):
+    """The C entry point itself, on these tensors (then the periods, the document bounds and the dropout keep
+    mask), with the sizes of a [1, 2, 20, 8] call changed by `change`: its return code."""
     call = dict(B=1, H=2, H_kv=2, T=20, D=8, window=4, sinks=0, causal=1, variant=fused.VARIANT_CODES["adaptive"],
-                has_clamp=1, threads=1, clamp=1.5, prior=0.3, eps=1e-6, scale=0.25)
+                has_clamp=1, threads=1, clamp=1.5, prior=0.3, eps=1e-6, scale=0.25,
+                keep_slots=0 if keep is None else keep.shape[-1], keep_scale=1.25)
     call.update(change)
-    tensors = [*tensors, periods, *bounds]
+    tensors = [*tensors, periods, *bounds, keep]
     buffers = (fused._Buffer * len(tensors))(*map(fused._buffer, tensors))
     function = fused._load()[torch.float64, direction]
     return function(ctypes.byref(fused._Call(**call)), buffers, len(tensors))
@@ -333,11 +332,17 @@ def test_c_entry_points_check_sizes_and_buffers():
         "a start after its query": (dict(bounds=(start + 1, end)), 2),
         "an end past T": (dict(bounds=(start, end + 1)), 2),
         "an end at its query": (dict(bounds=(start, end.clamp_max(torch.arange(20)))), 2),
+        "a keep mask narrower than the slots": (dict(keep=torch.ones(1, 2, 20, 5, dtype=torch.uint8)), 3),
+        "a keep mask of another length": (dict(keep=torch.ones(1, 2, 19, 6, dtype=torch.uint8)), 3),
+        "keep slots without a mask": (dict(keep_slots=6), 3),
+        "a dropout scale below 1": (dict(keep=torch.ones(1, 2, 20, 6, dtype=torch.uint8), keep_scale=0.5), 2),
     }
     for name, (change, code) in layouts.items():
         assert _raw_call("forward", ok, **change) == code, name
         assert torch.isnan(y).all(), f"{name}: written before refusing"
     assert _raw_call("forward", ok, bounds=(start, end)) == 0 and torch.isfinite(y).all()
+    y.fill_(float("nan"))
+    assert _raw_call("forward", ok, keep=torch.ones(1, 2, 20, 7, dtype=torch.uint8)) == 0 and torch.isfinite(y).all()
     y.fill_(float("nan"))
     dq, dk, dv, dgate = (torch.full_like(t, float("nan")) for t in (q, k, v, gate))
     backward = [q, k, v, gate, q, stat, dq, dk, dv, dgate]

@@ -2,7 +2,8 @@
 forward and every gradient (dq, dk, dv, dgate) against "reference" (run once per period group, as
 `heads.by_period` does) and against the dense oracle of tests/ops/test_head_periods.py, fp64 (1e-10) and
 fp32 (the fp64 reference of the same values, test_fused_cpu's tolerances). Outputs are NaN-poisoned, so an
-element the kernels do not write cannot pass. `pi_attention` sends per-head periods to "fused" in one call.
+element the kernels do not write cannot pass. `pi_attention` sends per-head periods to "fused" in one call;
+with dropout, the same seed gives the same masks, so "fused" equals "reference" there too.
 """
 
 from __future__ import annotations
@@ -166,3 +167,58 @@ def test_fuzz_fp64(data, nan_poison):
 @given(data=st.data())
 def test_fuzz_many(data, nan_poison):
     _fuzz(data, data.draw(st.sampled_from((torch.float64, torch.float32)), "dtype"))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Dropout: the kernels read the keep mask `pi_attention` draws, in the contract's slot layout of each head.
+
+def _seeded(backend, inputs, seed, **kw):
+    torch.manual_seed(seed)
+    y = piattn.pi_attention(*inputs, backend=backend, **kw)
+    used = [t for t in inputs if t is not None]
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=y.dtype)
+    return (y, *torch.autograd.grad(y, used, dy))
+
+
+@pytest.mark.parametrize("causal", (True, False), ids=param_id)
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("periods", ((2, 6, 11, 40), 9), ids=("per-head", "one"))
+def test_dropout_same_mask_as_reference(variant, causal, periods, nan_poison):
+    """Equal seeds, equal masks: "fused" (per-head periods in one call, their masks drawn per period group as
+    `by_period` draws them) equals "reference" (run per group), forward and every gradient, with sinks and
+    documents; the mask changes the result."""
+    inputs = grouped_inputs(2, 4, 2, 29, 8, variant)
+    kw = dict(window=3, prior=0.3, logit_clamp=2.5, eps=1e-6, causal=causal, variant=variant, sinks=2,
+              document_ids=DOCS, period=periods, dropout_p=0.3)
+    want = _seeded("reference", inputs, 7, **kw)
+    got = _seeded("fused", inputs, 7, **kw)
+    assert len(want) == len(got)
+    for name, e, a in zip(NAMES, want, got, strict=False):  # no dgate without a gate
+        assert_close(name, e, a)
+    with torch.no_grad():
+        plain = piattn.pi_attention(*inputs, backend="fused", **{**kw, "dropout_p": 0.0})
+    assert (got[0] - plain).abs().max() > 1e-3, "dropout must change the output"
+
+
+def test_dropout_of_a_window_and_period_beyond_t(nan_poison):
+    """The mask is drawn for the pattern asked for and laid out for the usable one (window clamped to T − 1,
+    a period >= T no skip) per head, as for every backend."""
+    inputs = grouped_inputs(1, 3, 3, 9, 4, "separate")
+    kw = dict(window=12, prior=0.3, logit_clamp=None, eps=1e-6, causal=False, variant="separate", sinks=1,
+              period=(3, 20, 9), dropout_p=0.5)
+    for name, e, a in zip(NAMES, _seeded("reference", inputs, 3, **kw), _seeded("fused", inputs, 3, **kw),
+                          strict=True):
+        assert_close(name, e, a)
+
+
+def test_without_the_kernels_it_runs_torch_the_same(monkeypatch):
+    """No compiled kernels: "torch" in their place, per period group, with the same dropout masks."""
+    from piattn.ops.pi import fused
+
+    monkeypatch.setattr(fused, "_state", {"functions": None, "reason": "switched off by the test", "warned": True})
+    inputs = grouped_inputs(2, 4, 2, 29, 8, "adaptive")
+    kw = dict(window=3, prior=0.3, logit_clamp=2.5, eps=1e-6, causal=True, variant="adaptive", sinks=2,
+              document_ids=DOCS, period=(2, 6, 11, 40), dropout_p=0.3)
+    for name, e, a in zip(NAMES, _seeded("reference", inputs, 4, **kw), _seeded("fused", inputs, 4, **kw),
+                          strict=True):
+        assert_close(name, e, a)

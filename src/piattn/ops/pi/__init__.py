@@ -14,7 +14,7 @@ import torch as _torch
 from ...config.pi import PI_DEFAULTS
 from .backends import AUTO_ORDER, REGISTRY, select
 from .compiled import is_symbolic, pi_attention_torch_op
-from .heads import by_period
+from .heads import by_period, period_groups
 from .pattern import Pattern
 from .reference import pi_attention_reference
 from .validate import all_finite, check_arguments, check_qkv_tensors, head_periods
@@ -97,7 +97,7 @@ def pi_attention(
                     scale=scale, dropout_p=dropout_p, sinks=sinks, document_ids=document_ids, backend=backend)
     if isinstance(periods, int):
         return _pi_attention(q, k, v, gate, period=periods, **settings)
-    if dropout_p == 0 and REGISTRY[_chosen(q, k, v, gate, **settings)].per_head_periods:
+    if REGISTRY[_chosen(q, k, v, gate, **settings)].per_head_periods:
         # One call with every head's period (the backend declares it takes them).
         return _pi_attention(q, k, v, gate, period=periods, **settings)
 
@@ -132,17 +132,18 @@ def _pi_attention(q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor, gate: _t
                   period: int | tuple[int, ...], causal: bool, variant: str, prior: float, logit_clamp: float | None,
                   eps: float, scale: float | None, dropout_p: float, sinks: int, document_ids: _torch.Tensor | None,
                   backend: str) -> _torch.Tensor:
-    """`pi_attention` on checked arguments and one period (or, for a backend with `per_head_periods` and no
-    dropout, one per query head): the backend's choice, the dropout mask, the call."""
+    """`pi_attention` on checked arguments and one period (or, for a backend with `per_head_periods`, one per
+    query head): the backend's choice, the dropout mask, the call."""
     B, H, T, D = q.shape
     chosen = _chosen(q, k, v, gate, causal=causal, variant=variant, dropout_p=dropout_p, sinks=sinks,
                      document_ids=document_ids, backend=backend)
     if not isinstance(period, int):  # each head's pattern made usable as one period's is
         used = [usable_pattern(Pattern(window, p, causal, sinks), T) for p in period]
+        keep = None if dropout_p == 0 else _head_masks(period, k.shape[1], q, window, causal, sinks, dropout_p)
         return _backend_function(chosen, q)(
             q, k, v, gate, window=used[0].window, period=tuple(u.period for u in used), causal=causal,
             variant=variant, prior=prior, logit_clamp=logit_clamp, eps=eps, scale=D**-0.5 if scale is None else scale,
-            dropout_keep=None, dropout_p=0.0, sinks=used[0].sinks, document_ids=document_ids)
+            dropout_keep=keep, dropout_p=dropout_p, sinks=used[0].sinks, document_ids=document_ids)
     asked = Pattern(window, period, causal, sinks)
     used = usable_pattern(asked, T)
     keep = None
@@ -217,6 +218,25 @@ def usable_pattern(pattern: Pattern, T: int) -> Pattern:
         period = 1 if window >= 1 else int(T)
     sinks = pattern.sinks if pattern.sinks <= T else int(T)
     return Pattern(window, period, pattern.causal, sinks)
+
+
+def _head_masks(periods: tuple[int, ...], n_kv_heads: int, q: _torch.Tensor, window: int, causal: bool, sinks: int,
+                dropout_p: float) -> _torch.Tensor:
+    """The dropout keep masks of per-head periods, drawn as `by_period` draws them (one per period group, in
+    increasing period, laid out for the group's usable pattern), so that a seed gives every backend the same
+    masks; in one tensor [B, H, T, S]: head h's mask in the first slots of its row (S the most any head has,
+    the rest kept)."""
+    B, H, T, _ = q.shape
+    groups = [(p, heads, usable_pattern(Pattern(window, p, causal, sinks), T)) for p, heads, _ in
+              period_groups(periods, n_kv_heads)]
+    keep = _torch.ones(B, H, T, max(used.n_slots for _, _, used in groups), dtype=_torch.bool, device=q.device)
+    for p, heads, used in groups:
+        asked = Pattern(window, p, causal, sinks)
+        mask = _torch.rand(B, len(heads), T, asked.n_slots, device=q.device) >= dropout_p
+        if used != asked:
+            mask = _slots_of(mask, asked, used)
+        keep[:, heads, :, :used.n_slots] = mask
+    return keep
 
 
 def _slots_of(keep: _torch.Tensor, asked: Pattern, used: Pattern) -> _torch.Tensor:

@@ -147,10 +147,10 @@ REGISTRY: dict[str, Backend] = {
             contains_nonfinite=True,  # the forward kernel itself; the backward falls back to "torch" then
         ),
         # Fused C kernels for the CPU (fused_cpu.c, compiled on first use; without a C compiler it says so once
-        # and runs "torch" in their place): fp32 and fp64, per-head periods in one call; no dropout yet. Not in
-        # "auto" yet: it cannot run inside torch.compile, and it has not run in the models' tests.
+        # and runs "torch" in their place): fp32 and fp64, per-head periods in one call. Not in "auto" yet: it
+        # cannot run inside torch.compile, and it has not run in the models' tests.
         Backend("fused", "fused", "pi_attention_fused", variants=PAPER_VARIANTS,
-                dtypes=(torch.float32, torch.float64), devices=("cpu",), dropout=False,
+                dtypes=(torch.float32, torch.float64), devices=("cpu",),
                 features=ALL_FEATURES, contains_nonfinite=True, per_head_periods=True),
         # torch's FlexAttention: no fp64 kernels, no CPU backward, no per-slot dropout mask.
         Backend(

@@ -11,9 +11,10 @@ bidirectional, grouped-query attention, the logit clamp, any head dim, sinks, pa
 (`document_ids`, passed to the kernels as each position's document bounds), and per-head periods in one
 call (`period` a tuple of one π_h per query head; `backends.py` declares `per_head_periods`, so
 `pi_attention` sends such a call here whole instead of once per period group); OpenMP threads over (batch,
-key/value head), as many as `torch.get_num_threads()`. Not (yet): dropout, which it refuses (`backends.py`
-declares that, so `pi_attention` never sends it such a call; `NO_DROPOUT` says why). A NaN or ±inf input
-stays in the rows that read it.
+key/value head), as many as `torch.get_num_threads()`; dropout, reading the keep mask `pi_attention` draws
+(the contract's slot layout, per head: local keys, skips, sinks), so that a seed gives the same result as
+on every other backend (with per-head periods `pi_attention` draws it per period group, as for the others,
+and hands the heads' masks over in one tensor). A NaN or ±inf input stays in the rows that read it.
 
 The library is compiled on first use with the system's C compiler (`$CC`, else `cc`), with the
 machine's vector instructions and OpenMP where the compiler takes them, and loaded through the checks of
@@ -35,6 +36,7 @@ import torch
 from . import cbuild, pattern
 from .backends import refuse_double_backward
 from .heads import by_period
+from .pattern import Pattern
 from .settings import OpSettings
 from .torch import pi_attention_torch
 
@@ -46,16 +48,14 @@ _BASE_FLAGS = ("-O3", "-std=c99", "-fPIC", "-shared", "-fno-math-errno", "-ffp-c
 FLAG_SETS = (("-march=native", "-fopenmp"), ("-fopenmp",), ())
 VARIANT_CODES = {"union": 0, "fixed": 1, "adaptive": 2, "separate": 3}
 _SUFFIXES = {torch.float32: "f32", torch.float64: "f64"}
-# Why dropout is refused: the keep mask is drawn in the contract's slot order per period group
-# (`pi_attention`), which the kernels would have to read slot by slot, forward and backward; not done yet.
-NO_DROPOUT = "the kernels do not read a dropout keep mask yet"
 _FUNCTIONS = {(dtype, direction): f"pi_fused_{direction}_{suffix}"
               for dtype, suffix in _SUFFIXES.items() for direction in ("forward", "backward")}
 # fused_cpu.c's PI_ERR_* codes. The checks here come first, so these are reached only through a bug.
 _ERRORS = {1: "sizes (B >= 0, 1 <= H_kv <= H dividing H, T >= 1, D >= 1, B·H·T·D within int64)",
            2: "settings (window >= 0, sinks >= 0, periods >= 1, variant, clamp > 0, scale > 0, 0 <= eps < 0.5, "
-              "prior in [0, 1], document bounds start <= i < end <= T)",
-           3: "a buffer's length disagrees with the sizes, or a buffer the call needs is missing",
+              "prior in [0, 1], document bounds start <= i < end <= T, dropout scale in [1, inf))",
+           3: "a buffer's length disagrees with the sizes, or a buffer the call needs is missing (or a head's "
+              "slots do not fit in the dropout mask)",
            4: "out of memory for the scratch rows"}
 
 
@@ -63,8 +63,8 @@ class _Call(ctypes.Structure):
     """fused_cpu.c's pi_call, field by field."""
 
     _fields_ = [(name, ctypes.c_int64) for name in ("B", "H", "H_kv", "T", "D", "window", "sinks", "causal",
-                                                    "variant", "has_clamp", "threads")] + \
-               [(name, ctypes.c_double) for name in ("clamp", "prior", "eps", "scale")]
+                                                    "variant", "has_clamp", "threads", "keep_slots")] + \
+               [(name, ctypes.c_double) for name in ("clamp", "prior", "eps", "scale", "keep_scale")]
 
 
 class _Buffer(ctypes.Structure):
@@ -154,16 +154,17 @@ def document_bounds(document_ids: torch.Tensor | None) -> tuple[torch.Tensor | N
 
 
 def _run(direction: str, q: torch.Tensor, k: torch.Tensor, settings: OpSettings, tensors: list,
-         bounds: tuple = (None, None)) -> None:
-    """Call the C kernel of `direction` on `tensors` (its buffers, in fused_cpu.c's order, before the periods
-    and the document bounds, which this adds)."""
+         bounds: tuple = (None, None), keep: torch.Tensor | None = None) -> None:
+    """Call the C kernel of `direction` on `tensors` (its buffers, in fused_cpu.c's order, before the periods,
+    the document bounds and the dropout keep mask, which this adds)."""
     B, H, T, D = q.shape
     clamp = settings.logit_clamp
-    tensors = [*tensors, head_periods(settings.period, H), *bounds]
+    tensors = [*tensors, head_periods(settings.period, H), *bounds, keep]
     call = _Call(B=B, H=H, H_kv=k.shape[1], T=T, D=D, window=settings.window, sinks=settings.sinks,
                  causal=int(settings.causal), variant=VARIANT_CODES[settings.variant], has_clamp=int(clamp is not None),
                  threads=torch.get_num_threads(), clamp=0.0 if clamp is None else clamp, prior=settings.prior,
-                 eps=settings.eps, scale=settings.scale)
+                 eps=settings.eps, scale=settings.scale, keep_slots=0 if keep is None else keep.shape[-1],
+                 keep_scale=1 / (1 - settings.dropout_p))
     buffers = (_Buffer * len(tensors))(*map(_buffer, tensors))
     code = _load()[q.dtype, direction](ctypes.byref(call), buffers, len(tensors))
     if code:
@@ -189,29 +190,38 @@ def _outputs(out, layout: list[tuple[torch.Size, torch.dtype] | None], name: str
     return out
 
 
-def fused_forward(q, k, v, gate, settings: OpSettings, *, bounds=(None, None),
+def keep_bytes(dropout_keep: torch.Tensor | None) -> torch.Tensor | None:
+    """The dropout keep mask [B, H, T, slots] as the kernels read it: contiguous uint8 (a bool mask's bytes)."""
+    if dropout_keep is None:
+        return None
+    return dropout_keep.contiguous().view(torch.uint8) if dropout_keep.dtype == torch.bool else \
+        dropout_keep.to(torch.uint8).contiguous()
+
+
+def fused_forward(q, k, v, gate, settings: OpSettings, *, bounds=(None, None), keep=None,
                   out=None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, H, T, D], k, v [B, H_kv, T, D], gate [B, H, T] or None, all contiguous CPU tensors of one dtype
     (fp32 or fp64) -> (y [B, H, T, D], stat [B, H, T, stats_per_row] fp64: the log-sum-exp in double, so that
     the backward's exp(z − lse) does not lose |lse|·2^-24 in fp32). settings.period: an int or one per query
-    head; bounds: `document_bounds(document_ids)`. out: (y, stat) to write into instead of fresh tensors (a
+    head; bounds: `document_bounds(document_ids)`; keep: `keep_bytes(dropout_keep)` or None (the weights are
+    multiplied by keep / (1 − settings.dropout_p)). out: (y, stat) to write into instead of fresh tensors (a
     benchmark's way to time the kernel without first touches of new memory)."""
     B, H, T, D = q.shape
     y, stat = _outputs(out, [(q.shape, q.dtype), (torch.Size((B, H, T, stats_per_row(settings.variant))),
                                                   torch.float64)], "fused_forward")
-    _run("forward", q, k, settings, [q, k, v, gate, y, stat], bounds)
+    _run("forward", q, k, settings, [q, k, v, gate, y, stat], bounds, keep)
     return y, stat
 
 
 def fused_backward(dy, q, k, v, gate, stat, settings: OpSettings, *, want_dgate: bool, bounds=(None, None),
-                   out=None):
+                   keep=None, out=None):
     """The gradients (dq, dk, dv, dgate or None) for the cotangent dy [B, H, T, D] of `fused_forward`'s
     output, from its inputs and its statistics (all contiguous, one dtype). out: (dq, dk, dv, dgate or None)
     to write into instead of fresh tensors."""
     layout = [(q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype),
               (gate.shape, gate.dtype) if want_dgate else None]
     dq, dk, dv, dgate = _outputs(out, layout, "fused_backward")
-    _run("backward", q, k, settings, [q, k, v, gate, dy.contiguous(), stat, dq, dk, dv, dgate], bounds)
+    _run("backward", q, k, settings, [q, k, v, gate, dy.contiguous(), stat, dq, dk, dv, dgate], bounds, keep)
     return dq, dk, dv, dgate
 
 
@@ -219,62 +229,66 @@ class _FusedFunction(torch.autograd.Function):
     """Autograd around `fused_forward` and `fused_backward`; inputs contiguous, of one dtype."""
 
     @staticmethod
-    def forward(ctx, q, k, v, gate, settings: OpSettings, start, end):
-        y, stat = fused_forward(q, k, v, gate, settings, bounds=(start, end))
-        ctx.save_for_backward(q, k, v, gate, stat, start, end)
+    def forward(ctx, q, k, v, gate, settings: OpSettings, start, end, keep):
+        y, stat = fused_forward(q, k, v, gate, settings, bounds=(start, end), keep=keep)
+        ctx.save_for_backward(q, k, v, gate, stat, start, end, keep)
         ctx.settings = settings
         return y
 
     @staticmethod
     def backward(ctx, dy):
         refuse_double_backward("fused")
-        q, k, v, gate, stat, start, end = ctx.saved_tensors
+        q, k, v, gate, stat, start, end, keep = ctx.saved_tensors
         dq, dk, dv, dgate = fused_backward(dy, q, k, v, gate, stat, ctx.settings, want_dgate=ctx.needs_input_grad[3],
-                                           bounds=(start, end))
-        return dq, dk, dv, dgate, None, None, None
+                                           bounds=(start, end), keep=keep)
+        return dq, dk, dv, dgate, None, None, None, None
 
 
-def _refusal(q: torch.Tensor, dropout_keep, dropout_p: float, sinks: int, document_ids) -> str | None:
+def _refusal(q: torch.Tensor) -> str | None:
     """Why this backend cannot run a call (what `backends.py` declares for it), or None."""
     if q.device.type != "cpu":
         return f"runs on the CPU, not {q.device.type}"
     if q.dtype not in _SUFFIXES:
         return f"no {str(q.dtype).removeprefix('torch.')} (runs float32, float64)"
-    if dropout_p > 0 or dropout_keep is not None:
-        return f"no dropout (dropout_p={dropout_p}): {NO_DROPOUT}"
     return None
 
 
 def pi_attention_fused(q, k, v, gate, *, window, period, causal, variant, prior, logit_clamp, eps, scale,
                        dropout_keep=None, dropout_p=0.0, sinks=0, document_ids=None):
     """Same contract as `pi_attention_reference`: q [B, H, T, D], k, v [B, H_kv, T, D], gate [B, H, T] or None
-    -> [B, H, T, D] in q's dtype. Refuses (ValueError) what it does not implement; runs "torch" when the
+    -> [B, H, T, D] in q's dtype. period: an int, or one per query head; then dropout_keep (when given) is
+    [B, H, T, S] with head h's mask, in the layout of its own pattern (`Pattern(window, π_h, causal,
+    sinks)`), in its first slots. Refuses (ValueError) what it does not implement; runs "torch" when the
     compiled kernels are unavailable."""
-    reason = _refusal(q, dropout_keep, dropout_p, sinks, document_ids)
+    reason = _refusal(q)
     if reason is not None:
         raise ValueError(f"backend 'fused' cannot run this call: {reason}")
+    if dropout_keep is None:
+        dropout_p = 0.0  # as in the reference: no mask, no dropout
     if _load() is None:
         _warn_fallback()
         kw = dict(window=window, causal=causal, variant=variant, prior=prior, logit_clamp=logit_clamp, eps=eps,
-                  scale=scale, dropout_keep=None, dropout_p=0.0, sinks=sinks)
-
-        def run(p, q_g, gate_g, k_g, v_g, docs):
-            return pi_attention_torch(q_g, k_g, v_g, gate_g, period=p, document_ids=docs, **kw)
-
+                  scale=scale, dropout_p=dropout_p, sinks=sinks, document_ids=document_ids)
         if isinstance(period, int):
-            return run(period, q, gate, k, v, document_ids)
-        return by_period(tuple(period), k.shape[1], lambda p, *parts: run(p, *parts, document_ids),
-                         [(q, 1), (gate, 1)], [(k, 1), (v, 1)])
+            return pi_attention_torch(q, k, v, gate, period=period, dropout_keep=dropout_keep, **kw)
+
+        def run(p, q_g, gate_g, keep_g, k_g, v_g):
+            if keep_g is not None:  # the group's own layout: the first slots of each head's row
+                keep_g = keep_g[..., :Pattern(window, p, causal, sinks).n_slots]
+            return pi_attention_torch(q_g, k_g, v_g, gate_g, period=p, dropout_keep=keep_g, **kw)
+
+        return by_period(tuple(period), k.shape[1], run, [(q, 1), (gate, 1), (dropout_keep, 1)],
+                         [(k, 1), (v, 1)])
     if not isinstance(period, int):
         period = tuple(int(p) for p in period)
     settings = OpSettings(window=window, period=period, causal=causal, variant=variant, prior=prior,
-                          logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=0.0, sinks=sinks)
+                          logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p, sinks=sinks)
     # Cast and copied outside the Function, so that autograd takes the gradients back to the callers' layout
     # and dtype.
     q, k, v = (x.contiguous() for x in (q, k, v))
     if gate is not None:
         gate = gate.to(q.dtype).contiguous()
-    return _FusedFunction.apply(q, k, v, gate, settings, *document_bounds(document_ids))
+    return _FusedFunction.apply(q, k, v, gate, settings, *document_bounds(document_ids), keep_bytes(dropout_keep))
 
 
 def _warn_fallback() -> None:

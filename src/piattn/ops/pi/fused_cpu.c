@@ -19,6 +19,9 @@
  * s < sinks, not already local or a skip (at or before i when causal); the skip keys i − π_h (and i + π_h when
  * bidirectional) when π_h > window and inside the document. Each query head has its own period π_h (an int64
  * buffer of H); local and sink slots form the local group (the local prior, the local branch of "separate").
+ * Dropout: a uint8 keep mask [B, H, T, keep_slots], each head's row in the contract's slot order of its own
+ * pattern (pattern.Pattern: local keys i − window …, i − π_h, i + π_h, sinks); a weight is multiplied by
+ * keep_scale = 1 / (1 − p) where kept, by 0 where dropped (after mixing, for "separate").
  * Logits z = clamp(q·k·scale, ±clamp) + log-prior ("fixed": log max(prior, ε), log max(1 − prior, ε);
  * "adaptive": the same with α = gate); "separate" mixes two softmaxes with α and 1 − α (α = 1 without a skip).
  *
@@ -55,7 +58,9 @@ enum { PI_OK = 0, PI_ERR_SIZE = 1, PI_ERR_SETTING = 2, PI_ERR_BUFFER = 3, PI_ERR
 typedef struct {
   int64_t B, H, H_kv, T, D;
   int64_t window, sinks, causal, variant, has_clamp, threads;
+  int64_t keep_slots; /* the last dimension of the dropout keep mask (0 without dropout) */
   double clamp, prior, eps, scale;
+  double keep_scale; /* 1 / (1 − p): the factor of a kept weight */
 } pi_call;
 
 /* A tensor's data and its number of elements (checked against the sizes before anything is read). */
@@ -70,6 +75,8 @@ typedef struct {
   int64_t skip_back, skip_ahead; /* whether i − period, i + period are slots of their own */
   int64_t period;                /* this head's π_h */
   int64_t sinks, causal;
+  int64_t n_rel_local; /* the contract's local slots (pattern.Pattern, window as given): 2·window + 1 or window + 1 */
+  int64_t slots;       /* the contract's slots of this head: local, skips, sinks (the dropout mask's layout) */
   int64_t reach; /* the largest forward offset: key j is first read by query j − reach */
   int64_t n_max; /* the most slots a query has */
   double fixed_local, fixed_skip; /* the log-priors of "fixed" (pattern.log_priors): once per call, in double */
@@ -86,6 +93,8 @@ static pi_pattern pi_pattern_of(const pi_call *c, int64_t period) {
   p.period = period;
   p.sinks = c->sinks;
   p.causal = c->causal;
+  p.n_rel_local = c->window + (c->causal ? 0 : c->window) + 1;
+  p.slots = p.n_rel_local + p.skip_back + p.skip_ahead + c->sinks;
   p.reach = p.skip_ahead && period > p.right ? period : p.right;
   /* Bidirectional sinks: key start + s is read by every query of its document, the earliest s rows before it. */
   if (!c->causal && c->sinks - 1 > p.reach) p.reach = c->sinks - 1;
@@ -96,18 +105,26 @@ static pi_pattern pi_pattern_of(const pi_call *c, int64_t period) {
   return p;
 }
 
-/* The patterns of the H query heads (periods[h], each checked >= 1 by pi_check_periods), with the largest
- * reach and slot count among them in *reach and *n_max; NULL when out of memory. */
-static pi_pattern *pi_patterns(const pi_call *c, const int64_t *periods, int64_t *reach, int64_t *n_max) {
+/* The patterns of the H query heads (periods[h], each checked >= 1 by pi_check_layout), with the largest
+ * reach and slot count among them in *reach and *n_max; NULL with *err set when out of memory, or when a
+ * head's slots do not fit in a dropout mask of keep_slots. */
+static pi_pattern *pi_patterns(const pi_call *c, const int64_t *periods, int64_t *reach, int64_t *n_max, int *err) {
   pi_pattern *p = malloc(sizeof(pi_pattern) * (size_t)c->H);
   *reach = 0;
   *n_max = 1;
+  *err = PI_ERR_MEMORY;
   if (!p) return NULL;
   for (int64_t h = 0; h < c->H; h++) {
     p[h] = pi_pattern_of(c, periods[h]);
     if (p[h].reach > *reach) *reach = p[h].reach;
     if (p[h].n_max > *n_max) *n_max = p[h].n_max;
+    if (c->keep_slots && p[h].slots > c->keep_slots) {
+      free(p);
+      *err = PI_ERR_BUFFER;
+      return NULL;
+    }
   }
+  *err = PI_OK;
   return p;
 }
 
@@ -124,8 +141,9 @@ static int pi_check_call(const pi_call *c) {
   if (c->T > most / c->D || c->H > most / (c->T * c->D) || (c->B && c->B > most / (c->H * c->T * c->D)))
     return PI_ERR_SIZE;
   if (c->window < 0 || c->sinks < 0 || (c->causal != 0 && c->causal != 1) || c->variant < PI_UNION ||
-      c->variant > PI_SEPARATE || (c->has_clamp != 0 && c->has_clamp != 1) || c->threads < 1)
+      c->variant > PI_SEPARATE || (c->has_clamp != 0 && c->has_clamp != 1) || c->threads < 1 || c->keep_slots < 0)
     return PI_ERR_SETTING;
+  if (c->keep_slots && !(c->keep_scale >= 1 && c->keep_scale < INFINITY)) return PI_ERR_SETTING;
   if ((c->has_clamp && !(c->clamp > 0)) || !(c->scale > 0) || !(c->eps >= 0 && c->eps < 0.5) ||
       !(c->prior >= 0 && c->prior <= 1))
     return PI_ERR_SETTING;
@@ -140,12 +158,16 @@ static int pi_check_buffer(const pi_buffer *b, int used, int64_t numel) {
 
 /* The per-head periods (>= 1) and, when documents are given (start and end both non-empty, B·T each), bounds
  * with start[b, i] <= i < end[b, i] <= T: every key a slot reads then lies in [0, T). */
-static int pi_check_layout(const pi_call *c, const pi_buffer *periods, const pi_buffer *start, const pi_buffer *end) {
+static int pi_check_layout(const pi_call *c, const pi_buffer *periods, const pi_buffer *start, const pi_buffer *end,
+                           const pi_buffer *keep) {
   if (periods->numel != c->H || !periods->data) return PI_ERR_BUFFER;
+  /* the keep mask [B, H, T, keep_slots] (bytes) when keep_slots > 0, else empty; every head's slots fit in it */
+  if (c->keep_slots > INT64_MAX / 4 / (c->B * c->H * c->T + 1)) return PI_ERR_SIZE;
+  int err = pi_check_buffer(keep, c->keep_slots > 0, c->B * c->H * c->T * c->keep_slots);
+  if (err) return err;
   for (int64_t h = 0; h < c->H; h++)
     if (((const int64_t *)periods->data)[h] < 1) return PI_ERR_SETTING;
   const int docs = start->data != NULL || start->numel != 0;
-  int err;
   if ((err = pi_check_buffer(start, docs, c->B * c->T)) || (err = pi_check_buffer(end, docs, c->B * c->T)))
     return err;
   if (!docs) return PI_OK;
@@ -339,6 +361,24 @@ static inline int64_t FN(slot_rows)(const pi_pattern *p, int64_t start, int64_t 
   return n;
 }
 
+/* The dropout multiplier of each of query i's slots (in slot_rows' order, from their key rows): keep_scale
+ * where the contract's keep mask keeps its slot, else 0 (a multiplier, not a skip: the reference multiplies a
+ * dropped weight by 0 as well). keep: the query's row of the mask [slots of the contract's layout: local
+ * keys i − window …, then i − π, i + π, then sink s]. */
+static inline void FN(dropout_row)(const pi_call *c, const pi_pattern *p, int64_t start, int64_t i, int64_t D,
+                                   const int64_t *row, int64_t n, int64_t n_local, const uint8_t *keep, R *mult) {
+  const R scale = (R)c->keep_scale;
+  const int64_t n_rel = p->n_rel_local + p->skip_back + p->skip_ahead;
+  for (int64_t m = 0; m < n; m++) {
+    const int64_t key = row[m] / D, o = key - i;
+    int64_t slot;
+    if (m >= n_local) slot = p->n_rel_local + (o > 0 && p->skip_back); /* skips: i − π first */
+    else if (o >= -p->left && o <= p->right) slot = o + c->window;      /* local */
+    else slot = n_rel + (key - start);                                  /* sink key start + s */
+    mult[m] = keep[slot] ? scale : 0;
+  }
+}
+
 /* The log-priors of a query's local and skip slots (0 for "union" and "separate", whose α mixes after
  * normalising); `a` is its gate value. */
 static inline void FN(log_priors)(const pi_call *c, const pi_pattern *p, R a, R *local, R *skip) {
@@ -465,21 +505,23 @@ static inline double FN(normalise)(R *z, int64_t from, int64_t to) {
 }
 
 /* Scratch of one thread, p->n_max each: key row offsets, logits (then weights), dL/dweights (then dL/dlogits),
- * clamp mask. */
+ * clamp mask, dropout multipliers. */
 typedef struct {
   int64_t *row;
-  R *z, *dp, *pass;
+  R *z, *dp, *pass, *mult;
 } FN(pi_scratch);
 
 /* The scratch rows in one allocation (free(w->row) releases them); NULL members when out of memory. */
 static FN(pi_scratch) FN(scratch)(int64_t n) {
   /* z is padded by a vector (exp_shifted may read a whole last vector) and zeroed, so that what it reads past
    * the row's slots is a number */
-  FN(pi_scratch) w = {calloc(1, sizeof(int64_t) * (size_t)n + sizeof(R) * (size_t)(3 * n + LANES)), NULL, NULL, NULL};
+  FN(pi_scratch) w = {calloc(1, sizeof(int64_t) * (size_t)n + sizeof(R) * (size_t)(4 * n + LANES)), NULL, NULL, NULL,
+                      NULL};
   if (w.row) {
     w.z = (R *)(w.row + n);
     w.dp = w.z + n + LANES;
     w.pass = w.dp + n;
+    w.mult = w.pass + n;
   }
   return w;
 }
@@ -488,8 +530,8 @@ static FN(pi_scratch) FN(scratch)(int64_t n) {
 static inline __attribute__((always_inline)) void FN(forward_row_d)(const pi_call *c, const pi_pattern *p,
                                                                    int64_t i, int64_t start, int64_t end,
                                                                    const R *qi, const R *k, const R *v,
-                                                                   R a, R *yi, double *stat, FN(pi_scratch) * w,
-                                                                   const int64_t D) {
+                                                                   R a, R *yi, double *stat, const uint8_t *keep,
+                                                                   FN(pi_scratch) * w, const int64_t D) {
   int64_t *row = w->row, nl;
   R *z = w->z;
   const int64_t n = FN(slot_rows)(p, start, end, D, i, row, &nl);
@@ -507,6 +549,10 @@ static inline __attribute__((always_inline)) void FN(forward_row_d)(const pi_cal
       for (int64_t m = nl; m < n; m++) z[m] *= 1 - a;
     }
   }
+  if (keep) { /* dropout on the weights (after mixing, for "separate") */
+    FN(dropout_row)(c, p, start, i, D, row, n, nl, keep, w->mult);
+    for (int64_t m = 0; m < n; m++) z[m] *= w->mult[m];
+  }
   FN(weighted_sum)(yi, z, v, row, n, D);
 }
 
@@ -516,7 +562,8 @@ static inline __attribute__((always_inline)) void FN(backward_row_d)(const pi_ca
                                                                     const R *qi, const R *dyi,
                                                                     const R *k, const R *v, R a, const double *stat,
                                                                     R *dqi, R *dk, R *dv, R *dgate,
-                                                                    FN(pi_scratch) * w, const int64_t D) {
+                                                                    const uint8_t *keep, FN(pi_scratch) * w,
+                                                                    const int64_t D) {
   int64_t *row = w->row, nl;
   R *z = w->z, *dp = w->dp, *pass = w->pass;
   const int64_t n = FN(slot_rows)(p, start, end, D, i, row, &nl);
@@ -525,6 +572,10 @@ static inline __attribute__((always_inline)) void FN(backward_row_d)(const pi_ca
   const R scale = (R)c->scale;
   for (int64_t m = 0; m < n; m++) FN(dot2)(qi, k + row[m], dyi, v + row[m], D, &z[m], &dp[m]);
   FN(logits)(c, z, pass, n, nl, lp_local, lp_skip);
+  if (keep) { /* dL/dweight before dropout: the kept ones scaled, the dropped ones 0 */
+    FN(dropout_row)(c, p, start, i, D, row, n, nl, keep, w->mult);
+    for (int64_t m = 0; m < n; m++) dp[m] *= w->mult[m];
+  }
   /* z becomes the weights, dp the gradient of the logits (before the clamp mask). */
   if (c->variant != PI_SEPARATE) {
     FN(exp_shifted)(z, 0, n, stat[0]);
@@ -556,6 +607,8 @@ static inline __attribute__((always_inline)) void FN(backward_row_d)(const pi_ca
     }
     if (dgate) *dgate = n > nl ? sum_local - sum_skip : 0;
   }
+  if (keep) /* the weights dv reads are those after dropout */
+    for (int64_t m = 0; m < n; m++) z[m] *= w->mult[m];
   /* dq_i = Σ_m dz_m·k_m; dk_m += dz_m·q_i and dv_m += w_m·dy_i, one pass over D per slot. */
   for (int64_t m = 0; m < n; m++) dp[m] *= pass[m] * scale;
   FN(weighted_sum)(dqi, dp, k, row, n, D);
@@ -565,44 +618,49 @@ static inline __attribute__((always_inline)) void FN(backward_row_d)(const pi_ca
 /* The rows for any D, and for the common head dims as constants: then the compiler unrolls the loops over D
  * whole and keeps a row's q (and dy) in registers across its slots. */
 static void FN(forward_row)(const pi_call *c, const pi_pattern *p, int64_t i, int64_t start, int64_t end,
-                            const R *qi, const R *k, const R *v, R a, R *yi, double *stat, FN(pi_scratch) * w) {
+                            const R *qi, const R *k, const R *v, R a, R *yi, double *stat, const uint8_t *keep,
+                            FN(pi_scratch) * w) {
   switch (c->D) {
-  case 64: FN(forward_row_d)(c, p, i, start, end, qi, k, v, a, yi, stat, w, 64); break;
-  case 128: FN(forward_row_d)(c, p, i, start, end, qi, k, v, a, yi, stat, w, 128); break;
-  default: FN(forward_row_d)(c, p, i, start, end, qi, k, v, a, yi, stat, w, c->D);
+  case 64: FN(forward_row_d)(c, p, i, start, end, qi, k, v, a, yi, stat, keep, w, 64); break;
+  case 128: FN(forward_row_d)(c, p, i, start, end, qi, k, v, a, yi, stat, keep, w, 128); break;
+  default: FN(forward_row_d)(c, p, i, start, end, qi, k, v, a, yi, stat, keep, w, c->D);
   }
 }
 
 static void FN(backward_row)(const pi_call *c, const pi_pattern *p, int64_t i, int64_t start, int64_t end,
                              const R *qi, const R *dyi, const R *k, const R *v, R a, const double *stat, R *dqi,
-                             R *dk, R *dv, R *dgate, FN(pi_scratch) * w) {
+                             R *dk, R *dv, R *dgate, const uint8_t *keep, FN(pi_scratch) * w) {
   switch (c->D) {
-  case 64: FN(backward_row_d)(c, p, i, start, end, qi, dyi, k, v, a, stat, dqi, dk, dv, dgate, w, 64); break;
-  case 128: FN(backward_row_d)(c, p, i, start, end, qi, dyi, k, v, a, stat, dqi, dk, dv, dgate, w, 128); break;
-  default: FN(backward_row_d)(c, p, i, start, end, qi, dyi, k, v, a, stat, dqi, dk, dv, dgate, w, c->D);
+  case 64: FN(backward_row_d)(c, p, i, start, end, qi, dyi, k, v, a, stat, dqi, dk, dv, dgate, keep, w, 64); break;
+  case 128:
+    FN(backward_row_d)(c, p, i, start, end, qi, dyi, k, v, a, stat, dqi, dk, dv, dgate, keep, w, 128);
+    break;
+  default: FN(backward_row_d)(c, p, i, start, end, qi, dyi, k, v, a, stat, dqi, dk, dv, dgate, keep, w, c->D);
   }
 }
 
 int FN(pi_fused_forward)(const pi_call *c, const pi_buffer *buf, int64_t n_buf) {
-  /* buf: q, k, v, gate, y, stat, periods [H] int64, doc_start, doc_end [B, T] int64 (both empty: none) */
+  /* buf: q, k, v, gate, y, stat, periods [H] int64, doc_start, doc_end [B, T] int64 (both empty: none), keep
+   * [B, H, T, keep_slots] uint8 (empty without dropout) */
   int err = pi_check_call(c);
   if (err) return err;
-  if (!buf || n_buf != 9) return PI_ERR_BUFFER;
+  if (!buf || n_buf != 10) return PI_ERR_BUFFER;
   const int64_t B = c->B, H = c->H, H_kv = c->H_kv, T = c->T, D = c->D, G = H / H_kv;
   const int64_t n_stat = pi_stats_per_row(c);
   const int64_t sizes[6] = {B * H * T * D, B * H_kv * T * D, B * H_kv * T * D, B * H * T, B * H * T * D,
                             B * H * T * n_stat};
   for (int j = 0; j < 6; j++)
     if ((err = pi_check_buffer(&buf[j], j != 3 || pi_gated(c), sizes[j]))) return err;
-  if ((err = pi_check_layout(c, &buf[6], &buf[7], &buf[8]))) return err;
+  if ((err = pi_check_layout(c, &buf[6], &buf[7], &buf[8], &buf[9]))) return err;
   if (B == 0) return PI_OK;
   const R *q = buf[0].data, *k = buf[1].data, *v = buf[2].data, *gate = buf[3].data;
   R *y = buf[4].data;
   double *stat = buf[5].data;
   const int64_t *doc_start = buf[7].data, *doc_end = buf[8].data;
+  const uint8_t *keep = buf[9].data;
   int64_t reach, n_max;
-  pi_pattern *p = pi_patterns(c, buf[6].data, &reach, &n_max);
-  if (!p) return PI_ERR_MEMORY;
+  pi_pattern *p = pi_patterns(c, buf[6].data, &reach, &n_max, &err);
+  if (!p) return err;
   const int64_t blocks = pi_forward_blocks(c), items = B * H_kv * blocks, rows = (T + blocks - 1) / blocks;
   int failed = 0;
 #pragma omp parallel num_threads(c->threads) if (c->threads > 1 && items > 1)
@@ -623,7 +681,7 @@ int FN(pi_fused_forward)(const pi_call *c, const pi_buffer *buf, int64_t n_buf) 
         for (int64_t g = 0; g < G; g++) {
           const int64_t row = (b * H + n * G + g) * T + i;
           FN(forward_row)(c, &p[n * G + g], i, start, end, q + row * D, kh, vh, gate ? gate[row] : 0, y + row * D,
-                          stat + row * n_stat, &w);
+                          stat + row * n_stat, keep ? keep + row * c->keep_slots : NULL, &w);
         }
       }
     }
@@ -635,10 +693,10 @@ int FN(pi_fused_forward)(const pi_call *c, const pi_buffer *buf, int64_t n_buf) 
 
 int FN(pi_fused_backward)(const pi_call *c, const pi_buffer *buf, int64_t n_buf) {
   /* buf: q, k, v, gate, dy, stat, dq, dk, dv, dgate (dgate empty: not wanted), periods [H] int64, doc_start,
-   * doc_end [B, T] int64 (both empty: no documents) */
+   * doc_end [B, T] int64 (both empty: no documents), keep [B, H, T, keep_slots] uint8 (empty without dropout) */
   int err = pi_check_call(c);
   if (err) return err;
-  if (!buf || n_buf != 13) return PI_ERR_BUFFER;
+  if (!buf || n_buf != 14) return PI_ERR_BUFFER;
   const int64_t B = c->B, H = c->H, H_kv = c->H_kv, T = c->T, D = c->D, G = H / H_kv;
   const int64_t n_stat = pi_stats_per_row(c);
   const int64_t q_size = B * H * T * D, kv_size = B * H_kv * T * D, gate_size = B * H * T;
@@ -650,15 +708,16 @@ int FN(pi_fused_backward)(const pi_call *c, const pi_buffer *buf, int64_t n_buf)
     const int used = j == 3 ? pi_gated(c) : j == 9 ? want_dgate : 1;
     if ((err = pi_check_buffer(&buf[j], used, sizes[j]))) return err;
   }
-  if ((err = pi_check_layout(c, &buf[10], &buf[11], &buf[12]))) return err;
+  if ((err = pi_check_layout(c, &buf[10], &buf[11], &buf[12], &buf[13]))) return err;
   if (B == 0) return PI_OK;
   const R *q = buf[0].data, *k = buf[1].data, *v = buf[2].data, *gate = buf[3].data, *dy = buf[4].data;
   const double *stat = buf[5].data;
   R *dq = buf[6].data, *dk = buf[7].data, *dv = buf[8].data, *dgate = buf[9].data;
   const int64_t *doc_start = buf[11].data, *doc_end = buf[12].data;
+  const uint8_t *keep = buf[13].data;
   int64_t reach, n_max;
-  pi_pattern *p = pi_patterns(c, buf[10].data, &reach, &n_max);
-  if (!p) return PI_ERR_MEMORY;
+  pi_pattern *p = pi_patterns(c, buf[10].data, &reach, &n_max, &err);
+  if (!p) return err;
   const int64_t items = B * H_kv;
   int failed = 0;
 #pragma omp parallel num_threads(c->threads) if (c->threads > 1 && items > 1)
@@ -686,7 +745,8 @@ int FN(pi_fused_backward)(const pi_call *c, const pi_buffer *buf, int64_t n_buf)
         for (int64_t g = 0; g < G; g++) {
           const int64_t row = (b * H + n * G + g) * T + i;
           FN(backward_row)(c, &p[n * G + g], i, start, end, q + row * D, dy + row * D, kh, vh, gate ? gate[row] : 0,
-                           stat + row * n_stat, dq + row * D, dkh, dvh, dgate ? dgate + row : NULL, &w);
+                           stat + row * n_stat, dq + row * D, dkh, dvh, dgate ? dgate + row : NULL,
+                           keep ? keep + row * c->keep_slots : NULL, &w);
         }
       }
     }
