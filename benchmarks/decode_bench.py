@@ -15,11 +15,22 @@ the steps are timed in blocks of 16 and a point's time per token is the median b
     python benchmarks/decode_bench.py --out benchmarks/results --threads 1 --repeats 5 \
         --positions 128 256 512 1024 2048 4096 8192                    # the medians of the decoding issue
     python benchmarks/plot_decode.py benchmarks/results/decode_bench.json
+
+With `--interleaved` every kind runs in one process instead, π beside local (and dense, and "pi-torchops":
+π with the compiled step switched off) at each point: one model and a freshly filled cache per kind, and
+in each repeat the kinds take turns (the order rotated from one repeat to the next), so that neighbouring
+measurements share the machine's state; the table gives, per point and per tokens-per-step (`--tokens`:
+1, and steps of 2–4 tokens), each kind's median tokens/s with the range over repeats, and the ratios
+π / local and π / dense computed within each repeat (median and range):
+
+    python benchmarks/decode_bench.py --out benchmarks/results --name decode_interleaved --interleaved \
+        --threads 1 --repeats 7 --positions 512 4096 32768 --tokens 1 3 --kinds pi local dense pi-torchops
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -30,24 +41,50 @@ from pathlib import Path
 
 import torch
 
+import piattn.ops.pi.native as native
 from piattn.benchmarking import command_line, fill_cache, machine_info, rss_kib, save_results
 from piattn.models import GPT, GPTConfig
 
-# Kind name -> GPTConfig overrides; "pi-union" is π without the gate MLP (what the gate costs a step).
+# Kind name -> GPTConfig overrides; "pi-union" is π without the gate MLP (what the gate costs a step);
+# "pi-torchops" is π with the compiled decoding step switched off (`torch_ops_only`).
 KIND_CONFIG = {"pi": dict(attention="pi"), "pi-union": dict(attention="pi", variant="union"),
-               "local": dict(attention="local"), "dense": dict(attention="dense")}
+               "local": dict(attention="local"), "dense": dict(attention="dense"),
+               "pi-torchops": dict(attention="pi"),
+               # Hugging Face kinds (--interleaved only): a small converted Llama with PiCache (`_hf_model`).
+               **dict.fromkeys(("hf-pi", "hf-pi-torchops", "hf-pi-operator", "hf-dense"), {})}
 KINDS = ("pi", "local", "dense")  # the default; pi and dense are always measured (their ratio is the table's)
 POSITIONS = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 
-def run_case(kind: str, position: int, steps: int, config: str) -> dict:
+@contextlib.contextmanager
+def torch_ops_only(kind: str):
+    """For "pi-torchops": the compiled decoding step switched off for the duration (as `PIATTN_NATIVE=0`
+    does for a process), so that the torch-ops step can be timed beside the compiled one in one process."""
+    if kind not in ("pi-torchops", "hf-pi-torchops"):
+        yield
+        return
+    saved = dict(native._state)
+    native._state.clear()
+    native._state.update(functions=None, reason="switched off by decode_bench")
+    try:
+        yield
+    finally:
+        native._state.clear()
+        native._state.update(saved)
+
+
+def _model(kind: str, config: str) -> GPT:
     torch.manual_seed(0)
-    model = GPT(GPTConfig.from_name(config, **KIND_CONFIG[kind], vocab_size=256, dropout=0.0)).eval()
+    return GPT(GPTConfig.from_name(config, **KIND_CONFIG[kind], vocab_size=256, dropout=0.0)).eval()
+
+
+def run_case(kind: str, position: int, steps: int, config: str) -> dict:
+    model = _model(kind, config)
     cache = model.init_cache(1)
     fill_cache(cache, position, torch.Generator().manual_seed(0))
     token = torch.zeros(1, 1, dtype=torch.long)
     blocks = []
-    with torch.no_grad():
+    with torch.no_grad(), torch_ops_only(kind):
         for _ in range(3):  # warm-up: first calls allocate and pick kernels (and build the compiled step)
             token = model(token, cache)[:, -1].argmax(-1, keepdim=True)
         for size in block_sizes(steps):
@@ -125,6 +162,127 @@ def markdown(result: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def time_steps(model: GPT, position: int, steps: int, tokens: int) -> float:
+    """Seconds per token of `steps` decoding steps of `tokens` tokens each from a fresh cache at `position`
+    (median of blocks of 16 steps, after 3 steps of warm-up)."""
+    cache = model.init_cache(1)
+    fill_cache(cache, position, torch.Generator().manual_seed(0))
+    idx = torch.zeros(1, tokens, dtype=torch.long)
+    blocks = []
+    with torch.no_grad():
+        for _ in range(3):
+            model(idx, cache)
+        for size in block_sizes(steps):
+            start = time.perf_counter()
+            for _ in range(size):
+                idx = model(idx, cache)[:, -tokens:].argmax(-1)
+            blocks.append((time.perf_counter() - start) / (size * tokens))
+    return statistics.median(blocks)
+
+
+def run_interleaved(kinds: list[str], positions: list[int], steps: int, repeats: int, config: str,
+                    token_counts: list[int]) -> list[dict]:
+    """Every kind in this process, taking turns within each repeat (order rotated per repeat); one row per
+    (tokens per step, position, kind) with every repeat's tokens/s."""
+    models = {kind: _hf_model(kind) if kind in HF_KINDS else _model(kind, config) for kind in kinds}
+    runs: dict[tuple[int, int, str], list[float]] = {}
+    for repeat in range(repeats):
+        for tokens in token_counts:
+            for position in positions:
+                turn = kinds[repeat % len(kinds):] + kinds[:repeat % len(kinds)]
+                for kind in turn:
+                    with torch_ops_only(kind):
+                        if kind in HF_KINDS:
+                            per_token = time_hf_steps(kind, models[kind], position, steps, tokens)
+                        else:
+                            per_token = time_steps(models[kind], position, steps, tokens)
+                    runs.setdefault((tokens, position, kind), []).append(1 / per_token)
+                    print(f"[{repeat + 1}/{repeats}] {tokens} tok/step {kind:12s} position {position:>7,}: "
+                          f"{1 / per_token:8.1f} tok/s", flush=True)
+    return [dict(tokens_per_step=t, position=p, kind=k, tokens_per_s=statistics.median(r), repeats_tokens_per_s=r)
+            for (t, p, k), r in runs.items()]
+
+
+def _spread(values: list[float], digits: int) -> str:
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+
+
+def interleaved_markdown(result: dict) -> str:
+    m = result["machine"]
+    kinds = result["kinds"]
+    by = {(r["tokens_per_step"], r["position"], r["kind"]): r["repeats_tokens_per_s"] for r in result["rows"]}
+    pairs = (("pi", "local"), ("pi", "dense"), ("pi", "pi-torchops"), ("hf-pi", "hf-pi-torchops"),
+             ("hf-pi", "hf-pi-operator"), ("hf-pi", "hf-dense"))
+    ratios = [(a, b) for a, b in pairs if a in kinds and b in kinds]
+    out = [f"# Decoding, kinds interleaved in one process ({m['processor']}, {m['cpu_count']} thread(s), "
+           f"torch {m['torch']}, Python {m['python']})", "",
+           f"`{result['command']}`; GPT `{result['config']}` config, vocab 256, batch 1, fp32, window 4, period 16; "
+           f"{result['steps']} timed steps per measurement (blocks of 16, a measurement: its median block), "
+           f"{result['repeats']} repeats in which the kinds take turns (order rotated each repeat). Cells: median "
+           "tokens/s (range over repeats); ratios computed within each repeat, median (range). `pi-torchops`: π "
+           f"with the compiled decoding step switched off{HF_NOTE if set(kinds) & set(HF_KINDS) else ''}. Steps of "
+           "t > 1 tokens: t new tokens per call (`decode_rows`, through the compiled step). The machine was shared with training jobs while this "
+           "ran: absolute tokens/s move with its load, the ratios side by side are what to trust.", "",
+           "| tokens / step | position | " + " | ".join(f"{k} tok/s" for k in kinds) + " | "
+           + " | ".join(f"{a} / {b}" for a, b in ratios) + " |",
+           "|" + "---|" * (2 + len(kinds) + len(ratios))]
+    for t in result["tokens"]:
+        for p in result["positions"]:
+            cells = [_spread(by[(t, p, k)], 0) for k in kinds]
+            rel = [_spread([x / y for x, y in zip(by[(t, p, a)], by[(t, p, b)], strict=True)], 2) + "×"
+                   for a, b in ratios]
+            out.append(f"| {t} | {p:,} | " + " | ".join(cells) + " | " + " | ".join(rel) + " |")
+    return "\n".join(out) + "\n"
+
+
+HF_KINDS = ("hf-pi", "hf-pi-torchops", "hf-pi-operator", "hf-dense")
+HF_NOTE = ("; `hf-*`: a Llama of 4 layers, width 256, 8 query heads on 4 key/value heads, converted to π (window 4, "
+           "period 16) with `PiCache` (`hf-pi`: compiled step, `hf-pi-torchops`: torch-ops step, `hf-pi-operator`: "
+           "backend \"torch\", every step the full operator on the cached block, as every step ran before the PiCache "
+           "steps took the decoding path; `hf-dense`: the plain model, sdpa, DynamicCache; position = prompt length)")
+
+
+def _hf_model(kind: str):
+    """A small Llama (4 layers, width 256, 8 query heads on 4 key/value heads, fp32), converted to π (window 4,
+    period 16) for the hf-pi kinds: "hf-pi" decodes through the compiled step, "hf-pi-torchops" with it
+    switched off (`torch_ops_only`), "hf-pi-operator" with backend "torch" (each step the full operator on the
+    cached block, as every step ran before the PiCache steps took the decoding path); "hf-dense" is the
+    plain model with its DynamicCache (sdpa)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from piattn.integrations.hf import convert_to_pi
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                      num_key_value_heads=4, vocab_size=256, max_position_embeddings=8192, bos_token_id=None,
+                      eos_token_id=None, pad_token_id=None, attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg).eval()
+    if kind != "hf-dense":
+        model = convert_to_pi(model, window=4, period=16, backend="torch" if kind == "hf-pi-operator" else "auto")
+    return model
+
+
+def time_hf_steps(kind: str, model, position: int, steps: int, tokens: int) -> float:
+    """Seconds per token of `steps` steps of `tokens` tokens after a prompt of `position` tokens."""
+    from transformers import DynamicCache
+
+    from piattn.integrations.hf import PiCache
+
+    cache = DynamicCache() if kind == "hf-dense" else PiCache(model.config)
+    idx = torch.zeros(1, tokens, dtype=torch.long)
+    blocks = []
+    with torch.no_grad():
+        model(torch.zeros(1, position, dtype=torch.long), past_key_values=cache)
+        for _ in range(3):
+            model(idx, past_key_values=cache)
+        for size in block_sizes(steps):
+            start = time.perf_counter()
+            for _ in range(size):
+                idx = model(idx, past_key_values=cache).logits[:, -tokens:].argmax(-1)
+            blocks.append((time.perf_counter() - start) / (size * tokens))
+    return statistics.median(blocks)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="directory for decode_bench.{json,md}")
@@ -138,10 +296,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline", help="src folder of another piattn to measure alongside (before / after)")
     parser.add_argument("--threads", type=int, help="intra-op threads (default: torch's); 1 is steadier on a "
                         "shared machine, where two threads wait on each other")
+    parser.add_argument("--interleaved", action="store_true", help="every kind in this one process, taking turns "
+                        "within each repeat (π / local and π / dense per repeat)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1], help="with --interleaved: tokens per "
+                        "decoding step (1, or a few: 2–4 take the few-token path)")
     parser.add_argument("--case", nargs=2, metavar=("KIND", "POSITION"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.interleaved:
+        kinds = list(dict.fromkeys(args.kinds))
+        rows = run_interleaved(kinds, args.positions, args.steps, args.repeats, args.config, args.tokens)
+        result = dict(machine=machine_info(), command=command_line("benchmarks/decode_bench.py", argv),
+                      config=args.config, steps=args.steps, repeats=args.repeats, kinds=kinds,
+                      positions=args.positions, tokens=args.tokens, compiled_step=native.unavailable() or "built",
+                      note="shared machine (training jobs running): trust the ratios side by side", rows=rows)
+        table = interleaved_markdown(result)
+        if args.out:
+            save_results(args.out, args.name, result, table)
+        print(table)
+        return
     if args.case:  # child process: one measurement, printed as JSON
         print(json.dumps(run_case(args.case[0], int(args.case[1]), args.steps, args.config)))
         return

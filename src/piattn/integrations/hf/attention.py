@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from functools import cached_property
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -67,7 +69,18 @@ class HFPiSettings:
         stored = getattr(config, "pi_attention", None)
         if stored is None:
             raise ValueError("config has no pi_attention settings: convert the model with convert_to_pi first")
-        stored = dict(stored)
+        # Read by every attention layer on every decoding step: resolved once per distinct content (the
+        # stored dict and the sizes that resolve it), a third of a small model's step otherwise.
+        shape = (config.num_hidden_layers, config.num_attention_heads, getattr(config, "max_position_embeddings", None))
+        try:
+            key = (_frozen(dict(stored)), shape)
+            hash(key)
+        except TypeError:  # something unhashable stored: resolve it (and refuse it) every time
+            return cls._of(dict(stored), config)
+        return _settings_of(cls, key)
+
+    @classmethod
+    def _of(cls, stored: dict, config) -> HFPiSettings:
         backend = stored.pop("backend", cls.backend)
         unknown = sorted(set(stored) - set(PI_DEFAULTS.as_kwargs()))
         if unknown:
@@ -101,6 +114,27 @@ class HFPiSettings:
 
     def operator_kwargs(self, layer: int | None = None) -> dict:
         return dict(**self.layer(layer).as_kwargs(), causal=True, backend=self.backend)
+
+
+def _frozen(x):
+    """A hashable copy of stored settings: lists and tuples as tuples, dicts as sorted item tuples."""
+    if isinstance(x, dict):
+        return tuple(sorted((k, _frozen(v)) for k, v in x.items()))
+    if isinstance(x, (list, tuple)):
+        return tuple(_frozen(v) for v in x)
+    return x
+
+
+@functools.lru_cache(maxsize=64)
+def _settings_of(cls, key) -> HFPiSettings:
+    stored, (n_layer, n_head, block_size) = key
+    config = SimpleNamespace(num_hidden_layers=n_layer, num_attention_heads=n_head, max_position_embeddings=block_size)
+    return cls._of({k: _thawed(v) for k, v in stored}, config)
+
+
+def _thawed(x):
+    """`_frozen`'s tuples back to the lists a config stores."""
+    return [_thawed(v) for v in x] if isinstance(x, tuple) else x
 
 
 def pi_attention_forward(
