@@ -222,7 +222,8 @@ def interleaved_markdown(result: dict) -> str:
            "tokens/s (range over repeats); ratios computed within each repeat, median (range). `pi-torchops`: π "
            f"with the compiled decoding step switched off{HF_NOTE if set(kinds) & set(HF_KINDS) else ''}. Steps of "
            "t > 1 tokens: t new tokens per call (`decode_rows`, through the compiled step). The machine was "
-           "shared with training jobs while this ran: absolute tokens/s move with its load, the ratios side by side are what to trust.", "",
+           "shared with training jobs while this ran: absolute tokens/s move with its load, the ratios side by "
+           "side are what to trust.", "",
            "| tokens / step | position | " + " | ".join(f"{k} tok/s" for k in kinds) + " | "
            + " | ".join(f"{a} / {b}" for a, b in ratios) + " |",
            "|" + "---|" * (2 + len(kinds) + len(ratios))]
