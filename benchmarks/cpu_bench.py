@@ -12,7 +12,7 @@ a busy machine slows them alike; the tables give medians. Threads: every case at
 `--threaded-cases` at each other count of `--threads` too, against the copy bandwidth at that count. The
 backend functions are called directly (`pi_attention`'s argument checks are the same for all of them and
 not timed). A backend whose forward or gradients differ from the reference is reported as failed and not
-timed; "fused" without its compiled kernels is reported as unavailable (it would run "torch").
+timed; "fused" without its compiled kernels is reported as unavailable (it refuses every call).
 
     OMP_WAIT_POLICY=passive python benchmarks/cpu_bench.py --out benchmarks/results   # T = 1K … 16K, ~2 min
     python benchmarks/cpu_bench.py --lengths 1024 2048 --repeats 3 --out /tmp/b    # quick

@@ -100,7 +100,7 @@ def peak_isolated(case: str, device: str, backend: str, threads: int) -> float:
 
 
 def available_backends(device: str) -> tuple[str, ...]:
-    """The backends timed: "fused" only on a CPU with its compiled kernels (else it would run "torch")."""
+    """The backends timed: "fused" only on a CPU with its compiled kernels (else it refuses every call)."""
     if device != "cpu":
         return ("torch",)
     from piattn.ops.pi import fused

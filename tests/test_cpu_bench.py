@@ -61,7 +61,7 @@ def test_small_run_writes_json_and_markdown(tmp_path):
 
 
 def test_fused_without_its_kernels_is_not_timed(tmp_path, monkeypatch):
-    """Without its compiled kernels "fused" would run "torch": reported as unavailable, not timed as itself."""
+    """Without its compiled kernels "fused" refuses every call: reported as unavailable, not timed."""
     bench = _load()
     monkeypatch.setattr(bench.fused, "unavailable", lambda: "no C compiler")
     assert bench.main(["--lengths", "64", "--threads", "1", "--cases", "torch", "fused", "--repeats", "1",

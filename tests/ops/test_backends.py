@@ -148,6 +148,53 @@ def test_explicit_backend_without_its_dependency():
         select("triton", device="cuda", **CALL, registry=registry)
 
 
+@pytest.fixture
+def fused_unbuildable(monkeypatch):
+    """"fused" as on a machine without a C compiler: its probe (`fused.unavailable`) says why; returns the list
+    of times its library was asked for."""
+    from piattn.ops.pi import fused
+
+    reason = "its C kernels do not build: no compiler. Install a C compiler or set CC to one, or pick backend='torch'"
+    monkeypatch.setattr(fused, "_state", {"functions": None, "reason": reason})
+    asked = []
+    load = fused._load
+    monkeypatch.setattr(fused, "_load", lambda: asked.append(1) or load())
+    return asked
+
+
+def test_a_backend_whose_probe_refuses_is_skipped_by_auto_and_refused_by_name(fused_unbuildable):
+    """A backend's probe (`Backend.probe`: "fused"'s library that cannot be built) is a refusal like any other:
+    "auto" takes the next backend and lists the reason when none can; naming the backend raises it."""
+    order = {"cpu": ("fused", "torch", "reference")}
+    assert REGISTRY["fused"].probe == "unavailable"
+    assert select("auto", device="cpu", **CALL, auto_order=order).name == "torch"
+    with pytest.raises(ValueError, match=r"^backend 'fused' cannot run this call \(cpu, float32, .*\): its C kernels "
+                                         r"do not build: no compiler\. Install a C compiler or set CC to one, or pick "
+                                         r"backend='torch'\. Backends that can: 'reference', 'torch'"):
+        select("fused", device="cpu", **CALL)
+    registry = {"fused": REGISTRY["fused"], "torch": dataclasses.replace(REGISTRY["torch"], devices=("cuda",))}
+    with pytest.raises(ValueError, match=r"fused: its C kernels do not build: no compiler.*torch: runs on cuda"):
+        select("auto", device="cpu", **CALL, registry=registry, auto_order=order)
+    q, k, v, gate = make_inputs(1, 2, 20, 8)
+    with pytest.raises(ValueError, match="backend 'fused' cannot run this call .*its C kernels do not build"):
+        piattn.pi_attention(q, k, v, gate, backend="fused")
+    with pytest.raises(ValueError, match="backend 'fused' cannot run this call: its C kernels do not build"):
+        REGISTRY["fused"].load()(q, k, v, gate, window=4, period=8, causal=True, variant="adaptive", prior=0.5,
+                                 logit_clamp=20.0, eps=1e-4, scale=0.3)
+
+
+def test_a_probe_is_asked_last_and_only_when_needed(fused_unbuildable):
+    """The probe may build a library: it is not asked for a call naming another backend, nor where the
+    declaration already refuses (another device or dtype)."""
+    select("torch", device="cpu", **CALL)
+    select("auto", device="cpu", **CALL, auto_order={"cpu": ("torch", "fused")})
+    assert REGISTRY["fused"].refusal(device="cuda", **CALL).startswith("runs on cpu")
+    assert REGISTRY["fused"].refusal(device="cpu", **{**CALL, "dtype": torch.float16}).startswith("no float16")
+    assert fused_unbuildable == []
+    assert REGISTRY["fused"].refusal(device="cpu", **CALL).startswith("its C kernels do not build")
+    assert fused_unbuildable == [1]
+
+
 def test_unknown_backend():
     with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'reference', 'torch'"):
         select("cuda-magic", device="cpu", **CALL)

@@ -435,12 +435,3 @@ def test_builds_without_native_instructions_or_openmp(tmp_path, flags):
     out, _ = _check_in(tmp_path, setup=f"fused.FLAG_SETS = ({flags!r},)")
     assert out == dict(reason=None, flags=list(flags), worst=out["worst"]) and out["worst"] < 1e-10, out
     assert len(list((tmp_path / "native").glob("fused_cpu-*.so"))) == 1
-
-
-def test_without_a_compiler_it_warns_once_and_runs_torch(tmp_path):
-    out, err = _check_in(tmp_path, CC="/nonexistent/cc")
-    assert out["reason"].startswith("could not build fused_cpu.c with '/nonexistent/cc'"), out
-    assert out["flags"] is None and out["worst"] < 1e-10
-    assert err.count("RuntimeWarning") == 1 and "runs the 'torch' backend" in err
-    out, err = _check_in(tmp_path, PIATTN_NATIVE="0")
-    assert out["reason"] == "disabled by PIATTN_NATIVE=0" and "Warning" not in err

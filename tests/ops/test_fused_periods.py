@@ -211,14 +211,17 @@ def test_dropout_of_a_window_and_period_beyond_t(nan_poison):
         assert_close(name, e, a)
 
 
-def test_without_the_kernels_it_runs_torch_the_same(monkeypatch):
-    """No compiled kernels: "torch" in their place, per period group, with the same dropout masks."""
+def test_without_the_kernels_it_refuses_and_auto_runs_the_groups(monkeypatch):
+    """No compiled kernels: "fused" refuses the call with the reason (it never runs "torch" in its place), and
+    "auto" runs the next backend of its order once per period group, with the same dropout masks."""
     from piattn.ops.pi import fused
 
-    monkeypatch.setattr(fused, "_state", {"functions": None, "reason": "switched off by the test", "warned": True})
+    monkeypatch.setattr(fused, "_state", {"functions": None, "reason": "switched off by the test"})
     inputs = grouped_inputs(2, 4, 2, 29, 8, "adaptive")
     kw = dict(window=3, prior=0.3, logit_clamp=2.5, eps=1e-6, causal=True, variant="adaptive", sinks=2,
               document_ids=DOCS, period=(2, 6, 11, 40), dropout_p=0.3)
-    for name, e, a in zip(NAMES, _seeded("reference", inputs, 4, **kw), _seeded("fused", inputs, 4, **kw),
+    with pytest.raises(ValueError, match="backend 'fused' cannot run this call .*: switched off by the test"):
+        _seeded("fused", inputs, 4, **kw)
+    for name, e, a in zip(NAMES, _seeded("reference", inputs, 4, **kw), _seeded("auto", inputs, 4, **kw),
                           strict=True):
         assert_close(name, e, a)

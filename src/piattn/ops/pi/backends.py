@@ -78,6 +78,10 @@ class Backend:
     # with per-head periods straight to such a backend; to any other, once per distinct period (`heads.py`).
     per_head_periods: bool = False
     note: str = ""  # appended to a device refusal: how to get a supported device
+    # A function of its module, asked last (only for a call it could otherwise run) and cached there: None when
+    # this install can run the backend, else why not and what to do, e.g. "fused"'s C library that cannot be
+    # built here. Its refusal, like any other: "auto" takes the next backend, a call naming it raises.
+    probe: str | None = None
 
     def available(self) -> bool:
         """Whether this install can run it at all: its modules exist and one of its devices is present."""
@@ -110,6 +114,8 @@ class Backend:
         missing = sorted(features - self.features)
         if missing:
             return f"does not implement {', '.join(missing)} yet"
+        if self.probe is not None:
+            return _probe(self.module, self.probe)
         return None
 
     def load(self) -> Callable:
@@ -120,6 +126,13 @@ class Backend:
 @functools.cache
 def _load(module: str, function: str) -> Callable:
     return getattr(importlib.import_module(f"{__package__}.{module}"), function)
+
+
+@torch.compiler.assume_constant_result
+def _probe(module: str, function: str) -> str | None:
+    """A backend's probe (`Backend.probe`). Under torch.compile dynamo does not trace it (the import, a
+    compiler run, ctypes): it calls it while tracing and keeps the answer as a constant of the graph."""
+    return _load(module, function)()
 
 
 _LOW_AND_FP32 = (torch.float32, torch.bfloat16, torch.float16)
@@ -146,12 +159,12 @@ REGISTRY: dict[str, Backend] = {
                                              "interpreter)", features=ALL_FEATURES,
             contains_nonfinite=True,  # the forward kernel itself; the backward falls back to "torch" then
         ),
-        # Fused C kernels for the CPU (fused_cpu.c, compiled on first use; without a C compiler it says so once
-        # and runs "torch" in their place): fp32 and fp64, per-head periods in one call. Not in "auto" yet: it
-        # cannot run inside torch.compile, and it has not run in the models' tests.
+        # Fused C kernels for the CPU (fused_cpu.c, compiled on first use): fp32 and fp64, per-head periods in one
+        # call. Where the library cannot be built or loaded (no C compiler, PIATTN_NATIVE=0) its probe refuses
+        # every call with the reason.
         Backend("fused", "fused", "pi_attention_fused", variants=PAPER_VARIANTS,
                 dtypes=(torch.float32, torch.float64), devices=("cpu",),
-                features=ALL_FEATURES, contains_nonfinite=True, per_head_periods=True),
+                features=ALL_FEATURES, contains_nonfinite=True, per_head_periods=True, probe="unavailable"),
         # torch's FlexAttention: no fp64 kernels, no CPU backward, no per-slot dropout mask.
         Backend(
             "flex", "flex", "pi_attention_flex", variants=PAPER_VARIANTS, dtypes=_LOW_AND_FP32,
@@ -197,22 +210,25 @@ def select(
     device = torch.device(device).type
     call = dict(device=device, dtype=dtype, head_dim=head_dim, needs_grad=needs_grad, dropout_p=dropout_p,
                 features=features, variant=variant)
-    reasons = {name: b.refusal(**call) for name, b in registry.items()}
-    able = [name for name, reason in reasons.items() if reason is None]
+    # A backend's refusal is asked only when needed (a probe may build a library): the backends before the
+    # one chosen, and all of them for an error message.
     if requested == "auto":
         order = auto_order.get(device, AUTO_DEFAULT)
         for name in order:
-            if reasons.get(name, "not declared") is None:
+            if name in registry and registry[name].refusal(**call) is None:
                 return registry[name]
+    elif requested not in registry:
+        names = ("auto", *(name for name, b in registry.items() if b.available()))
+        raise ValueError(f"backend must be one of {names} on this install, got {requested!r}")
+    elif registry[requested].refusal(**call) is None:
+        return registry[requested]
+    reasons = {name: b.refusal(**call) for name, b in registry.items()}
+    able = [name for name, reason in reasons.items() if reason is None]
+    if requested == "auto":
         refused = {**{name: "not declared" for name in order}, **reasons}
         listing = "; ".join(f"{name}: {reason}" for name, reason in refused.items() if reason is not None)
         unused = f". Not tried by 'auto', but can run it: {', '.join(map(repr, able))}" if able else ""
         raise ValueError(f"backend 'auto' found no backend for this call ({_describe(**call)}): {listing}{unused}")
-    if requested not in registry:
-        names = ("auto", *(name for name, b in registry.items() if b.available()))
-        raise ValueError(f"backend must be one of {names} on this install, got {requested!r}")
-    if reasons[requested] is None:
-        return registry[requested]
     alternatives = ", ".join(repr(name) for name in able) if able else "none"
     raise ValueError(
         f"backend {requested!r} cannot run this call ({_describe(**call)}): {reasons[requested]}. "

@@ -19,8 +19,10 @@ and hands the heads' masks over in one tensor). A NaN or ±inf input stays in th
 The library is compiled on first use with the system's C compiler (`$CC`, else `cc`), with the
 machine's vector instructions and OpenMP where the compiler takes them, and loaded through the checks of
 `cbuild.py` (the builder shared with the decoding step: a private folder, a SHA-256 recorded at build
-time). Where it cannot be built or loaded (no compiler, `PIATTN_NATIVE=0`), each call runs the "torch"
-backend instead, the same function up to rounding, after one warning that says why.
+time). Where it cannot be built or loaded (no compiler, `PIATTN_NATIVE=0`) the backend refuses every call
+with the reason and what to do (`unavailable`, the probe `backends.py` declares for it): a call naming
+"fused" raises a ValueError, and "auto" runs the next backend of its order ("torch"). It never runs another
+backend in its place.
 """
 
 from __future__ import annotations
@@ -28,17 +30,13 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-import warnings
 from pathlib import Path
 
 import torch
 
 from . import cbuild, pattern
 from .backends import refuse_double_backward
-from .heads import by_period
-from .pattern import Pattern
 from .settings import OpSettings
-from .torch import pi_attention_torch
 
 SOURCE = Path(__file__).with_name("fused_cpu.c")
 # No -ffast-math: NaN and inf must behave as IEEE says (they stay in the rows that read them).
@@ -95,27 +93,29 @@ def _load() -> dict | None:
         if "functions" in _state:
             return _state["functions"]
         functions = None
+        other = "or pick backend='torch'"
         if os.environ.get("PIATTN_NATIVE", "1") == "0":
-            _state["reason"] = "disabled by PIATTN_NATIVE=0"
-            _state["warned"] = True  # asked for: nothing to warn about
+            _state["reason"] = f"its C kernels are switched off by PIATTN_NATIVE=0: unset it to build them, {other}"
         else:
             try:
                 functions, _state["flags"] = cbuild.load(SOURCE, _open, compiler=os.environ.get("CC") or "cc",
                                                          base_flags=_BASE_FLAGS, flag_sets=FLAG_SETS)
             except cbuild.BuildError as err:
-                _state["reason"] = f"{err}; set CC to a C compiler"
+                _state["reason"] = f"its C kernels do not build: {err}. Install a C compiler or set CC to one, {other}"
             except cbuild.LoadError as err:  # built, verified, and still not loadable
-                _state["reason"] = f"{err}; check PIATTN_CACHE"
+                _state["reason"] = f"its C kernels do not load: {err}. Check PIATTN_CACHE, {other}"
             except cbuild.Unsafe as err:
-                _state["reason"] = f"will not load compiled code from a folder others control: {err}"
+                _state["reason"] = (f"will not load its C kernels from a folder others control: {err}. Set "
+                                    f"PIATTN_CACHE to a private folder, {other}")
             except OSError as err:  # the folder could not be made
-                _state["reason"] = f"{err}; check PIATTN_CACHE"
+                _state["reason"] = f"its C kernels' folder cannot be made: {err}. Check PIATTN_CACHE, {other}"
         _state["functions"] = functions
         return functions
 
 
 def unavailable() -> str | None:
-    """Why the compiled kernels cannot run here (None when they can); builds them if not tried yet."""
+    """Why the compiled kernels cannot run here and what to do, in one line (None when they can); builds them
+    if not tried yet. The backend's probe (`Backend.probe`): its refusal of every call where it is not None."""
     _load()
     return _state.get("reason")
 
@@ -258,27 +258,13 @@ def pi_attention_fused(q, k, v, gate, *, window, period, causal, variant, prior,
     """Same contract as `pi_attention_reference`: q [B, H, T, D], k, v [B, H_kv, T, D], gate [B, H, T] or None
     -> [B, H, T, D] in q's dtype. period: an int, or one per query head; then dropout_keep (when given) is
     [B, H, T, S] with head h's mask, in the layout of its own pattern (`Pattern(window, π_h, causal,
-    sinks)`), in its first slots. Refuses (ValueError) what it does not implement; runs "torch" when the
-    compiled kernels are unavailable."""
-    reason = _refusal(q)
+    sinks)`), in its first slots. Refuses (ValueError) what it does not implement, and every call where the
+    compiled kernels are unavailable (`unavailable`)."""
+    reason = _refusal(q) or unavailable()
     if reason is not None:
         raise ValueError(f"backend 'fused' cannot run this call: {reason}")
     if dropout_keep is None:
         dropout_p = 0.0  # as in the reference: no mask, no dropout
-    if _load() is None:
-        _warn_fallback()
-        kw = dict(window=window, causal=causal, variant=variant, prior=prior, logit_clamp=logit_clamp, eps=eps,
-                  scale=scale, dropout_p=dropout_p, sinks=sinks, document_ids=document_ids)
-        if isinstance(period, int):
-            return pi_attention_torch(q, k, v, gate, period=period, dropout_keep=dropout_keep, **kw)
-
-        def run(p, q_g, gate_g, keep_g, k_g, v_g):
-            if keep_g is not None:  # the group's own layout: the first slots of each head's row
-                keep_g = keep_g[..., :Pattern(window, p, causal, sinks).n_slots]
-            return pi_attention_torch(q_g, k_g, v_g, gate_g, period=p, dropout_keep=keep_g, **kw)
-
-        return by_period(tuple(period), k.shape[1], run, [(q, 1), (gate, 1), (dropout_keep, 1)],
-                         [(k, 1), (v, 1)])
     if not isinstance(period, int):
         period = tuple(int(p) for p in period)
     settings = OpSettings(window=window, period=period, causal=causal, variant=variant, prior=prior,
@@ -290,11 +276,3 @@ def pi_attention_fused(q, k, v, gate, *, window, period, causal, variant, prior,
         gate = gate.to(q.dtype).contiguous()
     return _FusedFunction.apply(q, k, v, gate, settings, *document_bounds(document_ids), keep_bytes(dropout_keep))
 
-
-def _warn_fallback() -> None:
-    with _lock:
-        if _state.get("warned"):
-            return
-        _state["warned"] = True
-    warnings.warn(f"piattn: backend 'fused' runs the 'torch' backend ({_state['reason']}); PIATTN_NATIVE=0 "
-                  "silences this", RuntimeWarning, stacklevel=3)
