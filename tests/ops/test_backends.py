@@ -32,9 +32,14 @@ def test_every_backend_loads_its_function():
         assert callable(fn) and fn.__name__ == f"pi_attention_{name}"
 
 
-def test_auto_on_cpu_is_torch_and_correct():
+def test_auto_on_cpu_is_fused_then_torch_and_correct():
+    """fp32 and fp64 run "fused" where its C kernels build (else "torch", `test_fused_unavailable.py`); bf16 and
+    fp16, which it does not declare, "torch"."""
     q, k, v, gate = make_inputs(1, 2, 33, 8, requires_grad=False)
-    assert select("auto", device="cpu", **CALL).name == "torch"
+    fused = "fused" if REGISTRY["fused"].refusal(device="cpu", **CALL) is None else "torch"
+    assert select("auto", device="cpu", **CALL).name == fused
+    assert select("auto", device="cpu", **{**CALL, "dtype": torch.float64}).name == fused
+    assert select("auto", device="cpu", **{**CALL, "dtype": torch.bfloat16}).name == "torch"
     assert_close("auto", piattn.pi_attention(q, k, v, gate, backend="reference"), piattn.pi_attention(q, k, v, gate))
 
 
@@ -208,22 +213,27 @@ def test_every_variant_has_a_backend_and_every_backend_declares_its_variants():
 
 
 def test_a_backend_without_the_variant_is_refused_and_auto_picks_the_next():
-    registry = {**REGISTRY, "torch": dataclasses.replace(REGISTRY["torch"], variants=frozenset({"union", "fixed"}))}
+    """The fast CPU backends ("fused", "torch") declaring only two variants: "auto" runs the others on "reference"."""
+    registry = {**REGISTRY, **{name: dataclasses.replace(REGISTRY[name], variants=frozenset({"union", "fixed"}))
+                               for name in ("fused", "torch")}}
     assert registry["torch"].refusal(device="cpu", **CALL, variant="separate") == (
         "does not implement variant 'separate' (runs fixed, union)")
     assert registry["torch"].refusal(device="cpu", **CALL, variant="union") is None
     assert select("auto", device="cpu", **CALL, variant="separate", registry=registry).name == "reference"
-    assert select("auto", device="cpu", **CALL, variant="union", registry=registry).name == "torch"
+    fast = select("auto", device="cpu", **CALL).name  # "fused", or "torch" where its kernels do not build
+    assert select("auto", device="cpu", **CALL, variant="union", registry=registry).name == fast
     with pytest.raises(ValueError, match=r"backend 'torch' cannot run this call \(cpu, .*variant 'separate'\): "
                                          r"does not implement variant 'separate'.*Backends that can: 'reference'"):
         select("torch", device="cpu", **CALL, variant="separate", registry=registry)
 
 
 def test_pi_attention_runs_a_variant_on_a_backend_that_declares_it(monkeypatch):
-    """With "torch" declaring no "separate", "auto" runs it on "reference" and naming "torch" is refused."""
+    """With "fused" and "torch" declaring no "separate", "auto" runs it on "reference" and naming "torch" is
+    refused."""
     from piattn.ops.pi import torch as torch_backend
 
-    monkeypatch.setitem(REGISTRY, "torch", dataclasses.replace(REGISTRY["torch"], variants=frozenset({"adaptive"})))
+    for name in ("fused", "torch"):
+        monkeypatch.setitem(REGISTRY, name, dataclasses.replace(REGISTRY[name], variants=frozenset({"adaptive"})))
     ran_torch = []
     monkeypatch.setattr(torch_backend.PiAttentionFunction, "apply", lambda *args: ran_torch.append(args))
     q, k, v, gate = make_inputs(1, 2, 33, 8, variant="separate", requires_grad=False)
@@ -240,6 +250,6 @@ def test_a_variant_no_backend_declares_is_refused_not_run_as_another(monkeypatch
     reason (before the declarations, "torch" ran it silently as "union")."""
     monkeypatch.setattr(piattn.config.pi, "VARIANTS", (*VARIANTS, "novel"))
     q, k, v = make_inputs(1, 2, 16, 8, variant="union", requires_grad=False)[:3]
-    with pytest.raises(ValueError, match=r"backend 'auto' found no backend .*variant 'novel'\): "
-                                         r"torch: does not implement variant 'novel'"):
+    with pytest.raises(ValueError, match=r"backend 'auto' found no backend .*variant 'novel'\): fused: does not "
+                                         r"implement variant 'novel'.*; torch: does not implement variant 'novel'"):
         piattn.pi_attention(q, k, v, variant="novel", window=2, period=4)

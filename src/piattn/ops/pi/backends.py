@@ -174,10 +174,12 @@ REGISTRY: dict[str, Backend] = {
     )
 }
 
-# What "auto" tries, in order, per device type; devices not listed try AUTO_DEFAULT.
+# What "auto" tries, in order, per device type; devices not listed try AUTO_DEFAULT. On a CPU "fused" (3-4x
+# "torch", benchmarks/results/cpu_bench.md) for fp32 and fp64 where its C kernels build, else "torch".
 # The reference comes last: slow, but it implements every feature, so a call the fast backends cannot run
 # yet still runs.
-AUTO_ORDER: dict[str, tuple[str, ...]] = {"cuda": ("triton", "torch", "reference"), "cpu": ("torch", "reference")}
+AUTO_ORDER: dict[str, tuple[str, ...]] = {"cuda": ("triton", "torch", "reference"),
+                                          "cpu": ("fused", "torch", "reference")}
 AUTO_DEFAULT: tuple[str, ...] = ("torch", "reference")
 
 
