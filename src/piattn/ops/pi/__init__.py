@@ -14,6 +14,7 @@ import torch as _torch
 from ...config.pi import PI_DEFAULTS
 from .backends import AUTO_ORDER, REGISTRY, select
 from .compiled import is_symbolic, pi_attention_torch_op
+from .fused import pi_attention_fused_op
 from .heads import by_period, period_groups
 from .pattern import Pattern
 from .reference import pi_attention_reference
@@ -160,12 +161,13 @@ def _pi_attention(q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor, gate: _t
     )
 
 
-# What runs inside torch.compile, and where q has no values (meta and fake tensors): "torch" and "triton" as
-# custom operators (`compiled.py`, the end of `triton.py`), "reference" traced as is; imported here, since
-# dynamo cannot trace the import in `Backend.load` ("triton" only where it can run, so that no other
-# install pays for importing triton). "flex" builds its block mask with data-dependent shapes: under
-# torch.compile "auto" picks from these only.
-_SYMBOLIC = {"torch": pi_attention_torch_op, "reference": pi_attention_reference}
+# What runs inside torch.compile, and where q has no values (meta and fake tensors): "torch", "fused" and
+# "triton" as custom operators (`compiled.py`, the ends of `fused.py` and `triton.py`), "reference" traced as
+# is; imported here, since dynamo cannot trace the import in `Backend.load` ("triton" only where it can run,
+# so that no other install pays for importing triton). "fused"'s probe (its C library) is asked while
+# tracing, its answer a constant of the graph (`backends._probe`). "flex" builds its block mask with
+# data-dependent shapes: under torch.compile "auto" picks from these only.
+_SYMBOLIC = {"torch": pi_attention_torch_op, "fused": pi_attention_fused_op, "reference": pi_attention_reference}
 if REGISTRY["triton"].available():
     from .triton import pi_attention_triton_op
 

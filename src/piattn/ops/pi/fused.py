@@ -166,7 +166,10 @@ def _run(direction: str, q: torch.Tensor, k: torch.Tensor, settings: OpSettings,
                  eps=settings.eps, scale=settings.scale, keep_slots=0 if keep is None else keep.shape[-1],
                  keep_scale=1 / (1 - settings.dropout_p))
     buffers = (_Buffer * len(tensors))(*map(_buffer, tensors))
-    code = _load()[q.dtype, direction](ctypes.byref(call), buffers, len(tensors))
+    functions = _load()
+    if functions is None:
+        raise ValueError(f"backend 'fused' cannot run this call: {unavailable()}")
+    code = functions[q.dtype, direction](ctypes.byref(call), buffers, len(tensors))
     if code:
         raise RuntimeError(f"fused_cpu.c refused the {direction} call: {_ERRORS.get(code, f'error {code}')}")
 
@@ -276,3 +279,96 @@ def pi_attention_fused(q, k, v, gate, *, window, period, causal, variant, prior,
         gate = gate.to(q.dtype).contiguous()
     return _FusedFunction.apply(q, k, v, gate, settings, *document_bounds(document_ids), keep_bytes(dropout_keep))
 
+
+# ---------------------------------------------------------------------------------------------------------
+# torch.compile: the same kernels as the custom operators piattn::pi_fused_fwd / piattn::pi_fused_bwd (modelled on
+# `compiled.py`), one opaque node each way; the forward's per-row statistics leave it as an output, so that
+# AOTAutograd keeps them for the backward graph. A ctypes call cannot be traced: without the operators dynamo
+# would break the graph there.
+#
+#   piattn::pi_fused_fwd (q, k, v, gate, dropout_keep, document_ids, periods, settings…) -> (y, stat)
+#   piattn::pi_fused_bwd (dy, q, k, v, gate, dropout_keep, document_ids, stat, want_gate, periods, settings…)
+#                        -> [dq, dk, dv] or [dq, dk, dv, dgate]
+#
+# periods: one per query head, or empty for `settings.period` in every head (an OpSettings field is one int).
+
+_FWD_SCHEMA = (f"(Tensor q, Tensor k, Tensor v, Tensor? gate, Tensor? dropout_keep, Tensor? document_ids, "
+               f"int[] periods, {OpSettings.schema()}) -> (Tensor, Tensor)")
+_BWD_SCHEMA = (f"(Tensor dy, Tensor q, Tensor k, Tensor v, Tensor? gate, Tensor? dropout_keep, Tensor? document_ids, "
+               f"Tensor stat, bool want_gate, int[] periods, {OpSettings.schema()}) -> Tensor[]")
+
+
+def _op_settings(periods, settings) -> OpSettings:
+    settings = OpSettings(*settings)
+    return settings._replace(period=tuple(periods)) if len(periods) else settings
+
+
+def _contiguous(*tensors):
+    return [None if t is None else t.contiguous() for t in tensors]
+
+
+@torch.library.custom_op("piattn::pi_fused_fwd", mutates_args=(), schema=_FWD_SCHEMA)
+def pi_fused_fwd(q, k, v, gate, dropout_keep, document_ids, periods, *settings) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y [B, H, T, D] in q's dtype, stat [B, H, T, stats_per_row] fp64): `fused_forward`."""
+    q, k, v, gate = _contiguous(q, k, v, gate)
+    return fused_forward(q, k, v, gate, _op_settings(periods, settings), bounds=document_bounds(document_ids),
+                         keep=keep_bytes(dropout_keep))
+
+
+@pi_fused_fwd.register_fake
+def _(q, k, v, gate, dropout_keep, document_ids, periods, *settings):
+    B, H, T, _ = q.shape
+    rows = stats_per_row(OpSettings(*settings).variant)
+    return q.new_empty(q.shape), q.new_empty((B, H, T, rows), dtype=torch.float64)
+
+
+@torch.library.custom_op("piattn::pi_fused_bwd", mutates_args=(), schema=_BWD_SCHEMA)
+def pi_fused_bwd(dy, q, k, v, gate, dropout_keep, document_ids, stat, want_gate, periods,
+                 *settings) -> list[torch.Tensor]:
+    """[dq, dk, dv], and dgate when `want_gate`, of `pi_fused_fwd` for the cotangent dy of its y."""
+    dy, q, k, v, gate, stat = _contiguous(dy, q, k, v, gate, stat)
+    grads = fused_backward(dy, q, k, v, gate, stat, _op_settings(periods, settings), want_dgate=want_gate,
+                           bounds=document_bounds(document_ids), keep=keep_bytes(dropout_keep))
+    return list(grads) if want_gate else list(grads[:3])
+
+
+@pi_fused_bwd.register_fake
+def _(dy, q, k, v, gate, dropout_keep, document_ids, stat, want_gate, periods, *settings):
+    grads = [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)]
+    return grads + [gate.new_empty(gate.shape)] if want_gate else grads
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, gate, keep, docs, periods, *settings = inputs
+    ctx.periods, ctx.settings = periods, settings
+    ctx.save_for_backward(q, k, v, gate, keep, docs, output[1])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx, dy, _stat_grad):
+    refuse_double_backward("fused")
+    q, k, v, gate, keep, docs, stat = ctx.saved_tensors
+    want_gate = gate is not None and ctx.needs_input_grad[3]
+    grads = pi_fused_bwd(dy, q, k, v, gate, keep, docs, stat, want_gate, ctx.periods, *ctx.settings)
+    # One gradient per input of pi_fused_fwd: q, k, v, gate, then dropout_keep, document_ids, periods, settings.
+    return (*grads[:3], grads[3] if want_gate else None) + (None,) * (3 + len(ctx.settings))
+
+
+pi_fused_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def pi_attention_fused_op(q, k, v, gate, *, window, period, causal, variant, prior, logit_clamp, eps, scale,
+                          dropout_keep=None, dropout_p=0.0, sinks=0, document_ids=None):
+    """`pi_attention_fused` through the operator `piattn::pi_fused_fwd`: what torch.compile captures (and what
+    runs on fake tensors). The call was checked by `backends.select`, the kernels' availability included."""
+    if dropout_keep is None:
+        dropout_p = 0.0
+    periods = [] if isinstance(period, int) else [int(p) for p in period]
+    settings = OpSettings(window=window, period=period if isinstance(period, int) else periods[0], causal=causal,
+                          variant=variant, prior=prior, logit_clamp=logit_clamp, eps=eps, scale=scale,
+                          dropout_p=dropout_p, sinks=sinks)
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    if gate is not None:
+        gate = gate.to(q.dtype).contiguous()
+    y, _ = pi_fused_fwd(q, k, v, gate, dropout_keep, document_ids, periods, *settings)
+    return y
