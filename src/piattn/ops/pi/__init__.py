@@ -79,7 +79,8 @@ def pi_attention(
             changes; every document gets exactly what it would alone (no key crosses a boundary).
         backend: one of `piattn.BACKENDS`. "auto" picks the first backend that can run the call (variant,
             device, dtype, head dim, gradients, dropout, sinks, documents, grouped heads; `backends.py`): on
-            CUDA "triton", then "torch"; elsewhere "torch". A backend that cannot run the call raises a
+            CUDA "triton", then "torch"; on a CPU "fused" (fp32, fp64; where its C kernels build), then
+            "torch"; elsewhere "torch"; "reference" last. A backend that cannot run the call raises a
             ValueError saying why. A call with a NaN or ±inf in q, k or v reaches only the outputs (and
             gradients) that read it, on every backend: "flex", whose kernels would carry it further, hands
             such a call to "torch", and "triton" computes such a call's gradients with "torch".

@@ -23,6 +23,11 @@ time). Where it cannot be built or loaded (no compiler, `PIATTN_NATIVE=0`) the b
 with the reason and what to do (`unavailable`, the probe `backends.py` declares for it): a call naming
 "fused" raises a ValueError, and "auto" runs the next backend of its order ("torch"). It never runs another
 backend in its place.
+
+"auto" picks it first on a CPU (`backends.AUTO_ORDER`: "fused", "torch", "reference"), for fp32 and fp64.
+Under torch.compile (and for fake tensors) it runs as the custom operators `piattn::pi_fused_fwd` /
+`piattn::pi_fused_bwd` at the end of this file, which call the same `fused_forward` / `fused_backward` as the
+eager autograd Function, so that a compiled CPU model runs these kernels too.
 """
 
 from __future__ import annotations
