@@ -276,7 +276,9 @@ def main_runs(cfg: Setup, args: argparse.Namespace) -> None:
         earlier = json.loads(args.include.read_text())
         if earlier["task"] != cfg.task:
             raise SystemExit(f"--include: {args.include} is of another task setting: {earlier['task']}")
-        rows += [r for r in earlier["runs"] if r["kind"] not in args.kinds and r["steps"] == args.steps
+        rows += [{**r, **{key: {int(lag): v for lag, v in r[key].items()}  # JSON keys are strings
+                          for key in ("accuracy_by_lag", "examples_by_lag")}}
+                 for r in earlier["runs"] if r["kind"] not in args.kinds and r["steps"] == args.steps
                  and r["seed"] in args.seeds]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(dict(task=cfg.task, runs=rows), indent=1) + "\n")
