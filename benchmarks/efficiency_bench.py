@@ -29,6 +29,19 @@ no GPU figure has been measured by this script yet. On a CPU MFU is not reported
 On a shared machine single timings move a lot between minutes; `--rounds N` runs the whole plan N times,
 rows interleaved, and reports medians, each ratio as the median [range] of the rounds' ratios (each round's
 pair measured minutes apart). `--threads 1` keeps a busy machine's other work from stalling intra-op threads.
+
+`--interleaved` measures the kinds side by side instead (the committed table, efficiency_bench.{json,md}):
+per plan group (config, T) one process builds a model of every kind (dropout `--interleaved-dropout`, default
+0), gives each one warm-up training step and prefill, then runs `--repeats` rounds; in each round every kind
+takes one training step, then every kind one prefill, the order of the kinds rotated each round. Each ratio
+(π / local, π / dense, ...) is computed within a round, from steps seconds apart, and reported as the median
+[range] over the rounds. Peak memory is not taken from that process (its three models share one heap): each
+kind gets two short fresh processes, one for a warm-up + one training step, one for two prefills, each
+reporting the growth of its resident set over the process after the model is built. Decode is not measured
+in this mode (benchmarks/decode_bench.py has its own interleaved table).
+
+    python benchmarks/efficiency_bench.py --interleaved --threads 1 --plan tiny:1024:0:15 tiny:4096:0:11 \
+        tiny:8192:0:7 --out benchmarks/results
 """
 
 from __future__ import annotations
@@ -161,6 +174,198 @@ def run_case(case: dict) -> dict:
         row["decode_position"] = T
         row["cache_mib"] = cache.nbytes / 2**20
     return row
+
+
+def measure_memory(case: dict) -> dict:
+    """Peak resident-set growth of one kind in this (fresh) process: case["what"] = "train" (warm-up + one
+    training step) or "prefill" (two eval forwards over the T-token prompt); CUDA: allocated bytes."""
+    device = torch.device(case["device"])
+    if case.get("threads"):
+        torch.set_num_threads(case["threads"])
+    torch.manual_seed(0)
+    T = case["context"]
+    cfg = GPTConfig.from_name(case["config"], attention=case["kind"], vocab_size=case["vocab_size"],
+                              block_size=T, dropout=case["dropout"])
+    model = GPT(cfg).to(device)
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, cfg.vocab_size, (case["batch"], T + 1), generator=gen).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4) if case["what"] == "train" else None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    else:
+        base = rss_kib("VmRSS") if reset_peak_rss() else None
+    for _ in range(2):
+        if optimizer is None:
+            model.eval()
+            with torch.no_grad():
+                model(idx[:1, :T])
+        else:
+            model.train()
+            logits = model(idx[:, :-1])
+            torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten()).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    sync(device)
+    if device.type == "cuda":
+        peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    else:
+        peak = None if base is None else (rss_kib("VmHWM") - base) / 1024
+    return {"kind": case["kind"], "what": case["what"], "peak_mib": peak}
+
+
+def run_group(group: dict) -> dict:
+    """--interleaved: every kind of one (config, T) in this process, training steps and prefills timed in
+    rounds with the kinds' order rotated each round."""
+    device = torch.device(group["device"])
+    if group.get("threads"):
+        torch.set_num_threads(group["threads"])
+    amp = DTYPES[group["dtype"]]
+    T, batch, kinds = group["context"], group["batch"], group["kinds"]
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, group["vocab_size"], (batch, T + 1), generator=gen).to(device)
+    models, optimizers, params = {}, {}, {}
+    for kind in kinds:
+        torch.manual_seed(0)
+        cfg = GPTConfig.from_name(group["config"], attention=kind, vocab_size=group["vocab_size"], block_size=T,
+                                  dropout=group["dropout"])
+        models[kind] = GPT(cfg).to(device)
+        params[kind] = models[kind].num_params()
+        optimizers[kind] = torch.optim.AdamW(models[kind].parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+
+    def autocast():
+        return torch.autocast(device.type, dtype=amp, enabled=amp is not None)
+
+    def train_step(kind: str) -> float:
+        model, optimizer = models[kind], optimizers[kind]
+        model.train()
+        sync(device)
+        start = time.perf_counter()
+        with autocast():
+            logits = model(idx[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sync(device)
+        return time.perf_counter() - start
+
+    def prefill(kind: str) -> float:
+        model = models[kind]
+        model.eval()
+        with torch.no_grad(), autocast():
+            sync(device)
+            start = time.perf_counter()
+            model(idx[:1, :T])
+            sync(device)
+        return time.perf_counter() - start
+
+    for kind in kinds:  # warm-up
+        train_step(kind)
+        prefill(kind)
+    train = {k: [] for k in kinds}
+    pre = {k: [] for k in kinds}
+    for r in range(group["repeats"]):
+        order = kinds[r % len(kinds):] + kinds[:r % len(kinds)]
+        for kind in order:
+            train[kind].append(train_step(kind))
+        for kind in order:
+            pre[kind].append(prefill(kind))
+        print(f"{group['config']} T={T} round {r + 1}/{group['repeats']} ({' '.join(order)}): "
+              + ", ".join(f"{k} {train[k][-1]:.3f} s / {1000 * pre[k][-1]:.1f} ms" for k in kinds),
+              file=sys.stderr, flush=True)
+    return dict(config=group["config"], context=T, batch=batch, dropout=group["dropout"], kinds=kinds,
+                params=params, threads=torch.get_num_threads(), repeats=group["repeats"], train_step_s=train,
+                prefill_s=pre)
+
+
+def spread(values: list[float], digits: str = ".3f") -> str:
+    values = sorted(values)
+    return f"{format(statistics.median(values), digits)} [{format(values[0], digits)}–{format(values[-1], digits)}]"
+
+
+def interleaved_markdown(result: dict) -> str:
+    m = result["machine"]
+    groups = result["groups"]
+    threads = sorted({g["threads"] for g in groups}) or [m["cpu_count"]]
+    out = [f"# Efficiency table, kinds interleaved ({m['processor']}, {m['cpu_count']} cores, "
+           f"{'/'.join(map(str, threads))} intra-op thread(s), torch {m['torch']}, {result['device']}, "
+           f"{result['dtype']})", "", f"`{result['command']}`", "",
+           f"Python {m.get('python', '?')}, {m.get('platform', '')}. "
+           + (f"Shared load during the run: {result['load']}. " if result.get("load") else "")
+           + f"Total {result['seconds'] / 60:.1f} min.", "",
+           f"GPT configs {', '.join(sorted({g['config'] for g in groups}))}, vocabulary {result['vocab_size']}, "
+           f"batch {result['batch']} sequence(s) of T tokens (prefill: 1), window 4, period 16 (π adaptive), dropout "
+           f"{result['dropout']:g}. Per (config, T) one process holds a model of every kind; after one warm-up "
+           "each, every round times one training step of each kind (forward + backward + clip + AdamW), then one "
+           "prefill of each (eval forward over the T-token prompt, no gradients), the kinds' order rotated each "
+           "round. Times: median [range] over the rounds. Ratios (× local, × dense): computed within each round, "
+           "median [range]; < 1 is faster. Peak MiB: growth of the resident set of a separate fresh process per "
+           "kind (warm-up + one training step; two prefills), over the process after the model is built.", "",
+           "| config | T | kind | rounds | train step (s) | tokens/s | step × local | step × dense | train peak MiB "
+           "| peak × local | prefill (ms) | prefill × local | prefill × dense | prefill peak MiB |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def ratio(g, key, kind, base):
+        if base not in g["kinds"]:
+            return "–"
+        if kind == base:
+            return "1.00"
+        return spread([a / b for a, b in zip(g[key][kind], g[key][base], strict=True)], ".2f")
+
+    for g in groups:
+        mem = g.get("memory", {})
+        for kind in g["kinds"]:
+            step = statistics.median(g["train_step_s"][kind])
+            tp, pp = mem.get(kind, {}).get("train"), mem.get(kind, {}).get("prefill")
+            tl = mem.get("local", {}).get("train")
+            out.append(
+                f"| {g['config']} | {g['context']:,} | {kind} | {g['repeats']} | {spread(g['train_step_s'][kind])} | "
+                f"{g['batch'] * g['context'] / step:,.0f} | {ratio(g, 'train_step_s', kind, 'local')} | "
+                f"{ratio(g, 'train_step_s', kind, 'dense')} | {fmt(tp, ',.0f')} | "
+                f"{fmt(tp and tl and tp / tl, '.2f')} | "
+                f"{spread([1000 * x for x in g['prefill_s'][kind]], ',.1f')} | "
+                f"{ratio(g, 'prefill_s', kind, 'local')} | {ratio(g, 'prefill_s', kind, 'dense')} | "
+                f"{fmt(pp, ',.0f')} |")
+    return "\n".join(out) + "\n"
+
+
+def run_child(flag: str, payload: dict) -> dict:
+    proc = subprocess.run([sys.executable, __file__, flag, json.dumps(payload)], stdout=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{flag} {payload} failed with exit {proc.returncode}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def interleaved(args: argparse.Namespace, argv: list[str] | None) -> dict:
+    started, groups = time.perf_counter(), []
+    result = dict(machine=machine_info(), command=command_line("benchmarks/efficiency_bench.py", argv),
+                  mode="interleaved", device=args.device, dtype=args.dtype, vocab_size=args.vocab_size,
+                  batch=args.batch, dropout=args.interleaved_dropout, load=args.load, groups=groups)
+    for item in args.plan:
+        parts = item.split(":")
+        config, context = parts[0], int(parts[1])
+        repeats = int(parts[3]) if len(parts) > 3 else args.repeats
+        group = dict(config=config, context=context, kinds=list(args.kinds), dropout=args.interleaved_dropout,
+                     batch=args.batch, repeats=repeats, vocab_size=args.vocab_size, device=args.device,
+                     dtype=args.dtype, threads=args.threads)
+        measured = run_child("--group", group)
+        measured["memory"] = {}
+        for kind in args.kinds:
+            for what in ("train", "prefill"):
+                case = {**group, "kind": kind, "what": what}
+                measured["memory"].setdefault(kind, {})[what] = run_child("--memory", case)["peak_mib"]
+        groups.append(measured)
+        result["seconds"] = time.perf_counter() - started
+        print(f"{config} T={context}: " + ", ".join(
+            f"{k} step {statistics.median(measured['train_step_s'][k]):.3f} s, "
+            f"prefill {1000 * statistics.median(measured['prefill_s'][k]):.1f} ms, "
+            f"peak {fmt(measured['memory'][k]['train'], '.0f')} MiB" for k in args.kinds), flush=True)
+        if args.out:  # after every group, so that a run cut short keeps what it measured
+            save_results(args.out, args.name, result, interleaved_markdown(result))
+    return result
 
 
 def label(row: dict) -> str:
@@ -311,15 +516,32 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the whole plan this many times, rows interleaved; medians and ratio ranges")
     parser.add_argument("--dropout-kinds", nargs="+", default=["dense", "pi"], choices=KINDS,
                         help="kinds measured at every --dropouts rate; the others at dropout 0 only")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="kinds side by side in one process per (config, T), order rotated each round")
+    parser.add_argument("--interleaved-dropout", type=float, default=0.0, help="dropout of --interleaved's models")
+    parser.add_argument("--load", help="a note on the machine's shared load, copied into the results")
+    parser.add_argument("--name", default="efficiency_bench", help="file name of the results (NAME.{json,md})")
     parser.add_argument("--case", help=argparse.SUPPRESS)
-    parser.add_argument("--render", type=Path, metavar="DIR", help="rewrite DIR/efficiency_bench.md from its .json")
+    parser.add_argument("--group", help=argparse.SUPPRESS)
+    parser.add_argument("--memory", help=argparse.SUPPRESS)
+    parser.add_argument("--render", type=Path, metavar="DIR", help="rewrite DIR/NAME.md from its .json")
     args = parser.parse_args(argv)
     if args.render:
-        result = json.loads((args.render / "efficiency_bench.json").read_text())
-        save_results(args.render, "efficiency_bench", result, markdown(result))
+        result = json.loads((args.render / f"{args.name}.json").read_text())
+        render = interleaved_markdown if result.get("mode") == "interleaved" else markdown
+        save_results(args.render, args.name, result, render(result))
         return 0
     if args.case:  # child process: one row, printed as JSON
         print(json.dumps(run_case(json.loads(args.case))))
+        return 0
+    if args.group:  # child process of --interleaved: one (config, T), printed as JSON
+        print(json.dumps(run_group(json.loads(args.group))))
+        return 0
+    if args.memory:  # child process of --interleaved: one kind's peak memory
+        print(json.dumps(measure_memory(json.loads(args.memory))))
+        return 0
+    if args.interleaved:
+        print(interleaved_markdown(interleaved(args, argv)))
         return 0
     cases, started = plan(args), time.perf_counter()
     measured: list[list[dict]] = [[] for _ in cases]
@@ -345,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
                   rounds=args.rounds, seconds=time.perf_counter() - started, rows=rows)
     table = markdown(result)
     if args.out:
-        save_results(args.out, "efficiency_bench", result, table)
+        save_results(args.out, args.name, result, table)
     print(table)
     return 0
 
