@@ -49,3 +49,34 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def native_step_built():
+    """Skip without a C compiler; fail where one exists but the compiled decoding step does not build."""
+    import shutil
+
+    import piattn.ops.pi.native as native
+
+    if shutil.which(os.environ.get("CC") or "cc") is None:
+        pytest.skip("no C compiler ($CC or cc) to build the compiled decoding step")
+    if native.unavailable() is not None:
+        pytest.fail(f"the compiled step must build where a compiler exists: {native.unavailable()}")
+
+
+@pytest.fixture
+def compiled_calls(monkeypatch) -> list:
+    """Whether each call of the compiled step for a few rows (`native.rows_step_unchecked`, the route of
+    `decode_rows` and of the HF cached steps) ran (True) or declined (False)."""
+    import piattn.ops.pi.native as native
+
+    taken = []
+    real = native.rows_step_unchecked
+
+    def spy(*args, **kwargs):
+        y = real(*args, **kwargs)
+        taken.append(y is not None)
+        return y
+
+    monkeypatch.setattr(native, "rows_step_unchecked", spy)
+    return taken

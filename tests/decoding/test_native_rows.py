@@ -6,9 +6,6 @@ per-head periods included; what it does not take runs in torch ops, exactly."""
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 import torch
 
@@ -21,27 +18,7 @@ TOL = {torch.float32: dict(rtol=2e-5, atol=2e-6), torch.float64: dict(rtol=1e-12
 EPS = 1e-3
 
 
-@pytest.fixture(autouse=True)
-def compiled_step():
-    if shutil.which(os.environ.get("CC") or "cc") is None:
-        pytest.skip("no C compiler ($CC or cc) to build the compiled decoding step")
-    if native.unavailable() is not None:
-        pytest.fail(f"the compiled step must build where a compiler exists: {native.unavailable()}")
-
-
-@pytest.fixture
-def compiled_calls(monkeypatch) -> list:
-    """Whether each call of the few-rows compiled step ran (True) or declined (False)."""
-    taken = []
-    real = native.rows_step_unchecked
-
-    def spy(*args, **kwargs):
-        y = real(*args, **kwargs)
-        taken.append(y is not None)
-        return y
-
-    monkeypatch.setattr(native, "rows_step_unchecked", spy)
-    return taken
+pytestmark = pytest.mark.usefixtures("native_step_built")
 
 
 def _torch_ops(monkeypatch):

@@ -8,7 +8,6 @@ everything still runs, and gives the same logits."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -37,27 +36,7 @@ CASES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def compiled_step():
-    if shutil.which(os.environ.get("CC") or "cc") is None:
-        pytest.skip("no C compiler ($CC or cc) to build the compiled decoding step")
-    if native.unavailable() is not None:
-        pytest.fail(f"the compiled step must build where a compiler exists: {native.unavailable()}")
-
-
-@pytest.fixture
-def compiled_calls(monkeypatch) -> list:
-    """Whether each call of the compiled step for a few rows (`decode_rows`' route) ran (True) or declined."""
-    taken = []
-    real = native.rows_step_unchecked
-
-    def spy(*args, **kwargs):
-        y = real(*args, **kwargs)
-        taken.append(y is not None)
-        return y
-
-    monkeypatch.setattr(native, "rows_step_unchecked", spy)
-    return taken
+pytestmark = pytest.mark.usefixtures("native_step_built")
 
 
 def _model(dtype: torch.dtype, **pi):

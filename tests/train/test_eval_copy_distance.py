@@ -7,11 +7,11 @@ positions, and each kind's reachable lags by summing one hop per layer.
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
 import torch
+from test_eval_positions import SEQ, TINY, evaluate  # the same tiny runs and eval call
 from torch.nn import functional as F
 
 from piattn.cli import main
@@ -19,10 +19,7 @@ from piattn.models import GPT, GPTConfig
 from piattn.train.checkpoint import load_weights, read_config, read_latest
 from utils import write_word_corpus
 
-SEQ = 32
 N = 4  # the copy context (COPY_N)
-TINY = ["--n-layer", "2", "--d-model", "32", "--n-head", "2", "--batch-size", "2", "--steps", "2", "--warmup", "1",
-        "--eval-every", "0", "--save-every", "0", "--log-every", "1", "--device", "cpu", "--no-progress"]
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +38,6 @@ def runs(tmp_path_factory):
         assert main(["train", "--out", str(out[name]), *argv]) == 0
     out["corpus"] = corpus
     return out
-
-
-def evaluate(capsys, tmp_path, *argv) -> dict:
-    assert main(["eval", "--split", "test", "--device", "cpu", "--output", str(tmp_path / "e.json"),
-                 "--overwrite", "--use-stored-data", *argv]) == 0
-    return json.loads(capsys.readouterr().out)
 
 
 def oracle(run, corpus) -> tuple[torch.Tensor, list[list[int]]]:
