@@ -497,3 +497,16 @@ def test_documents_at_several_lengths(kind):
         assert got[1].keys() == expected[1].keys()
         for name in expected[1]:
             torch.testing.assert_close(got[1][name], expected[1][name], rtol=1e-10, atol=1e-10, msg=name)
+
+
+def test_no_recompile_after_the_first_call():
+    """A fresh model compiled before any eager call: the rotary table is computed in the graph, not stored
+    (storing it changed the guarded dict and recompiled the whole model on the second call)."""
+    model = tiny_gpt("local")
+    assert any(hasattr(m, "_tables") for m in model.modules())
+    graphs = {}
+    forward = torch.compile(model, backend=recording_backend(graphs), fullgraph=True)
+    idx = torch.randint(0, 32, (2, T + 1), generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        loss_and_grads(model, forward, idx)
+    assert len(graphs["forward"]) == len(graphs["backward"]) == 1

@@ -35,7 +35,11 @@ class Rotary(nn.Module):
             size = max(n, 2 * table[0].shape[0] if table is not None else 256)
             angles = torch.arange(size, device=device, dtype=torch.float32)[:, None] * self.inv_freq.to(device)
             cos, sin = angles.cos()[:, None], angles.sin()[:, None]
-            table = self._tables[device] = (torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1))
+            table = (torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1))
+            # Under torch.compile the table is computed in the graph, not stored: storing it would change what
+            # dynamo guarded on (the dict's keys), and the next call would recompile the whole model.
+            if not torch.compiler.is_compiling():
+                self._tables[device] = table
         return table
 
     def cos_sin(self, T: int, offset: int = 0, positions: torch.Tensor | None = None,
