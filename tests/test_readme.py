@@ -57,11 +57,18 @@ def inline_piattn() -> list[list[str]]:
 
 PIATTN = [args for words in command_lines() if (args := piattn_arguments(words)) is not None]
 MENTIONED = [words[1:] for words in inline_piattn()]
+def without_environment(words: list[str]) -> list[str]:
+    """A command's words after its leading environment assignments (PYTHONPATH=src, OMP_WAIT_POLICY=…)."""
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
+        words = words[1:]
+    return words
+
+
 def script_lines() -> list[list[str]]:
     """`python SCRIPT.py …` lines: in bash blocks, and in inline code spans of the prose (which may wrap)."""
     spans = re.findall(r"`((?:PYTHONPATH=src )?python [^`]+)`", DOCS)
     inline = [shlex.split(span.replace("\n", " ")) for span in spans]
-    lines = [words[1:] if words[0].startswith("PYTHONPATH=") else words for words in command_lines() + inline]
+    lines = [without_environment(words) for words in command_lines() + inline]
     return [words[1:] for words in lines
             if Path(words[0]).name.startswith("python") and len(words) > 1 and words[1].endswith(".py")]
 
