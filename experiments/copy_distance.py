@@ -267,14 +267,16 @@ def markdown(s: dict) -> str:
             cells = []
             for row in sc["arms"].values():
                 k = row["classes"][c]
-                per_seed = "; ".join(f"{d:+.4f} [{lo:+.4f}, {h:+.4f}]"
-                                     for d, lo, h in zip(k["diff_bits"], k["low_bits"], k["high_bits"], strict=True))
+                per_seed = "; ".join(f"s{seed} {d:+.4f} [{lo:+.4f}, {h:+.4f}]"
+                                     for seed, d, lo, h in zip(row["seeds"], k["diff_bits"], k["low_bits"],
+                                                               k["high_bits"], strict=True))
                 cells.append(per_seed or "—")
             lags = sc["classes"][c]["lags"] or "—"
             lags = lags if len(lags) <= 40 else lags[:39] + "…"
             out.append(f"| {c} | {lags} | {sc['classes'][c]['bytes']:,} | " + " | ".join(cells) + " |")
         out.append("| test bpb | | | " + " | ".join(
-            " / ".join(f"{v:.4f}" for v in row["test_bpb"]) for row in sc["arms"].values()) + " |")
+            "; ".join(f"s{seed} {v:.4f}" for seed, v in zip(row["seeds"], row["test_bpb"], strict=True))
+            for row in sc["arms"].values()) + " |")
     out += ["", "| arm | verdict | why |", "|---|---|---|"]
     for arm, v in s["verdicts"].items():
         if v["verdict"] == "not yet":
