@@ -17,3 +17,16 @@ def test_demo_runs_and_reports(tmp_path, capsys):
     assert "check torch vs reference" in out and "[ok]" in out
     rows = [line for line in out.splitlines() if line.startswith("| torch | 256 |")]
     assert len(rows) == 1 and "error" not in rows[0]
+
+
+def test_a_backend_that_cannot_run_here_is_said_not_timed(tmp_path, capsys, monkeypatch):
+    """"fused" refused (as on a machine without a C compiler): the demo says why and times the others."""
+    from piattn.ops.pi import backends
+
+    monkeypatch.setattr(backends, "_probe", lambda module, function: "its C kernels do not build: no compiler (test)")
+    assert main(["demo", "--lengths", "128", "--backends", "torch", "fused", "--out", str(tmp_path),
+                 "--lags", "3", "--reach-steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "fused: not run here: its C kernels do not build: no compiler (test)" in out
+    assert not [line for line in out.splitlines() if line.startswith("| fused |")]
+    assert [line for line in out.splitlines() if line.startswith("| torch | 128 |")]

@@ -15,11 +15,14 @@ import shutil
 import time
 from pathlib import Path
 
+import torch
+
 from ..analysis.report import format_summary, plot_receptive_field, reach_summary
 from ..benchmarking import CHECK_TOLERANCE, error_vs_reference, machine_info, measure_isolated
 from ..config.training import DataFlags, ModelFlags, OptimFlags, RunFlags, TaskFlags, TrainConfig
 from ..data.reach import reachable
 from ..ops.pi import BACKENDS
+from ..ops.pi.backends import REGISTRY
 from ..tasks.reach_setting import REACH
 from .common import child_threads, torch_threads
 from .train import train_config
@@ -30,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lags", type=int, nargs="+", default=[3, 4, 5, 8], help="reach-task lags to train at")
     p.add_argument("--reach-steps", type=int, default=300, help="training steps per reach-task run")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096], help="sequence lengths to time")
-    p.add_argument("--backends", nargs="+", default=["reference", "torch", "sdpa"],
+    p.add_argument("--backends", nargs="+", default=["reference", "torch", "fused", "sdpa"],
                    choices=[b for b in BACKENDS if b != "auto"] + ["sdpa"],
                    help="cases to time (pi_attention backends, or sdpa = dense causal attention)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
@@ -61,6 +64,11 @@ def run(args: argparse.Namespace) -> int:
     for case in args.backends:
         if case in ("reference", "sdpa"):
             cases.append(case)
+            continue
+        refused = REGISTRY[case].refusal(device="cpu", dtype=torch.float64, head_dim=32, needs_grad=True,
+                                         dropout_p=0.0)
+        if refused is not None:  # e.g. "fused" on a machine without a C compiler: said, not timed
+            print(f"{case}: not run here: {refused}")
             continue
         err = error_vs_reference(case)
         status = "ok" if err <= CHECK_TOLERANCE else "FAILED: not timed"
