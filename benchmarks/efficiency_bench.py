@@ -72,6 +72,22 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def timed_train_step(model, optimizer, idx: torch.Tensor, device: torch.device, amp) -> float:
+    """Seconds of one training step on idx [B, T + 1]: forward (under autocast to `amp`, None: off), loss,
+    backward, gradient clipping, optimizer step."""
+    sync(device)
+    start = time.perf_counter()
+    with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+        logits = model(idx[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten())
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    sync(device)
+    return time.perf_counter() - start
+
+
 def keys_per_query(cfg: GPTConfig, T: int) -> float:
     """Keys a query scores, averaged over the T positions of a causal sequence."""
     if cfg.attention == "dense":
@@ -114,17 +130,7 @@ def run_case(case: dict) -> dict:
         return torch.autocast(device.type, dtype=amp, enabled=amp is not None)
 
     def train_step() -> float:
-        sync(device)
-        start = time.perf_counter()
-        with autocast():
-            logits = model(idx[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        sync(device)
-        return time.perf_counter() - start
+        return timed_train_step(model, optimizer, idx, device, amp)
 
     row = dict(config=case["config"], context=T, kind=case["kind"], dropout=case["dropout"], batch=batch,
                params=params, d_model=cfg.d_model, n_layer=cfg.n_layer, n_head=cfg.n_head,
@@ -238,19 +244,8 @@ def run_group(group: dict) -> dict:
         return torch.autocast(device.type, dtype=amp, enabled=amp is not None)
 
     def train_step(kind: str) -> float:
-        model, optimizer = models[kind], optimizers[kind]
-        model.train()
-        sync(device)
-        start = time.perf_counter()
-        with autocast():
-            logits = model(idx[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        sync(device)
-        return time.perf_counter() - start
+        models[kind].train()
+        return timed_train_step(models[kind], optimizers[kind], idx, device, amp)
 
     def prefill(kind: str) -> float:
         model = models[kind]

@@ -46,6 +46,19 @@ from piattn.layers import ATTENTION
 from piattn.models import GPT, GPTConfig
 
 
+def timed_step(model, forward, optimizer, idx: torch.Tensor) -> float:
+    """Seconds of one training step on idx [B, T + 1] through `forward` (the model, or it compiled): loss,
+    backward, gradient clipping and AdamW on `model`'s parameters."""
+    start = time.perf_counter()
+    logits = forward(idx[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx[:, 1:].flatten())
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
 def run_case(kind: str, context: int, tokens: int, repeats: int, config: str, compiled: bool = False,
              threads: int | None = None) -> dict:
     if threads:
@@ -58,14 +71,7 @@ def run_case(kind: str, context: int, tokens: int, repeats: int, config: str, co
     idx = torch.randint(0, 256, (batch, context + 1), generator=torch.Generator().manual_seed(0))
 
     def step() -> float:
-        start = time.perf_counter()
-        logits = forward(idx[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx[:, 1:].flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return time.perf_counter() - start
+        return timed_step(model, forward, optimizer, idx)
 
     first = step()
     times = [step() for _ in range(repeats)]
@@ -111,14 +117,7 @@ def run_interleaved(kinds: list[str], context: int, tokens: int, repeats: int, c
             optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
 
             def step(model=model, forward=forward, optimizer=optimizer) -> float:
-                start = time.perf_counter()
-                logits = forward(idx[:, :-1])
-                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx[:, 1:].flatten())
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                return time.perf_counter() - start
+                return timed_step(model, forward, optimizer, idx)
 
             name = f"{kind} (compiled)" if compiled else kind
             names.append(name)
