@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from piattn.allocator import keep_freed_pages
 from piattn.benchmarking import CHECK_TOLERANCE, machine_info, save_results
 from piattn.config import PI_DEFAULTS
 from piattn.ops.pi import fused
@@ -290,7 +291,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--copy-mib", type=int, default=256, help="size of the copy that measures the bandwidth")
     p.add_argument("--no-outputs", action="store_true", help=f"skip the {OUTPUTS!r} row (fresh output memory)")
     p.add_argument("--no-kernel", action="store_true", help=f"skip the {KERNEL!r} row (outputs reused)")
+    p.add_argument("--keep-freed-pages", action="store_true",
+                   help="glibc keeps freed memory for the next call (piattn.allocator.keep_freed_pages): fresh "
+                        "outputs then reuse mapped pages instead of faulting in new ones")
     args = p.parse_args(argv)
+    if args.keep_freed_pages:
+        keep_freed_pages()
 
     not_timed = {}
     if "fused" in args.cases and fused.unavailable() is not None:
@@ -308,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     result = dict(machine=machine_info(), cpu=_cpu_model(), compiler=_compiler(), fused_flags=flags,
                   shape=SHAPE, settings=SETTINGS, lengths=args.lengths, cases=cases, threads=threads,
                   repeats=args.repeats, copy_mib=args.copy_mib, copy_gb_s=bandwidth,
+                  keep_freed_pages=args.keep_freed_pages,
                   copy_ms={n: ms for n, ms in copy_ms.items()}, checks=checks, not_timed=not_timed, rows=rows,
                   command=" ".join([*(f"{name}={os.environ[name]}" for name in ENVIRONMENT if name in os.environ),
                                     "python", sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),

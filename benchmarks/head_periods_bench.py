@@ -34,6 +34,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # before torch and the fuse
 import torch  # noqa: E402
 
 import piattn  # noqa: E402
+from piattn.allocator import keep_freed_pages  # noqa: E402
 from piattn.benchmarking import command_line, machine_info, reset_peak_rss, rss_kib, save_results  # noqa: E402
 
 SHAPE = dict(B=1, H=8, T=8192, D=64)
@@ -149,8 +150,9 @@ def markdown(result: dict) -> str:
              "× one period: the ratio to the one-period call on the same backend and pass, measured side by side. "
              "\"fused\" runs per-head periods in one call; \"torch\" once per distinct period. The minimum is the "
              "run least disturbed by the machine's other work. Each step allocates its outputs and gradients anew; "
-             "unless --fresh-pages, glibc keeps freed memory for the next step (MALLOC_* above), since how many "
-             "pages of fresh mappings fault varies from step to step (4,000 to 16,000 minor faults per \"fused\" "
+             "unless --fresh-pages, glibc keeps freed memory for the next step "
+             "(`piattn.allocator.keep_freed_pages`), since how many pages of fresh mappings fault varies from "
+             "step to step (4,000 to 16,000 minor faults per \"fused\" "
              "fwd+bwd step when checked without) and would dominate the spread.", ""]
     for backend in result["backends"]:
         for mode in MODES:
@@ -185,19 +187,18 @@ def main() -> None:
     if args.peak:
         print(peak_mib(*json.loads(args.peak)))
         return
-    if not args.fresh_pages and os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
-        # Run again with glibc keeping freed tensors (16 MiB each here) in its heap for the next step, instead of
-        # mapping them afresh: a varying number of first-touch page faults per step otherwise dominates the
-        # spread of the fused steps. The same for every case; the peak-memory children set their own.
-        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
-        os.execve(sys.executable, [sys.executable, __file__, *sys.argv[1:]], env)
+    if not args.fresh_pages:
+        # glibc keeps freed tensors (16 MiB each here) in its heap for the next step instead of mapping them
+        # afresh: a varying number of first-touch page faults per step otherwise dominates the spread of the
+        # fused steps. The same for every case; the peak-memory children set their own.
+        keep_freed_pages()
     load_before = [round(x, 1) for x in os.getloadavg()]
     backends = available_backends(args.device)
     rows = run(args.repeats, args.device, backends, not args.no_peak)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     result = dict(machine=machine_info(), device=args.device, device_name=name, threads=torch.get_num_threads(),
                   omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
-                  malloc={k: os.environ.get(k) for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")},
+                  malloc={"keep_freed_pages": not args.fresh_pages},
                   command=f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']} "
                           + command_line("benchmarks/head_periods_bench.py", None, from_source=True),
                   repeats=args.repeats, load_before=load_before, note=args.note, backends=list(backends),
