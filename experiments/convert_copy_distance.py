@@ -134,41 +134,50 @@ def loss_path(args, stage: str, arm: str) -> Path:
     return args.runs / f"{stage}-{arm}.pt"
 
 
-def settings_of(args) -> dict:
-    """What the kept losses depend on (everything but where files go and how many threads)."""
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
-            if k not in ("runs", "out", "summary_only", "threads", "books")}
+FINE_TUNING = ("steps", "batch", "lr_gates", "lr_attn", "train_chars", "seed")
+"""The settings only the fine-tuned stage depends on."""
 
 
-def check_settings(args) -> None:
-    """Refuse to mix the kept losses of other settings with these (or to summarize them as these)."""
-    meta_file = args.runs / "meta.pt"
-    if meta_file.is_file():
-        kept = torch.load(meta_file)["settings"]
-        if kept != settings_of(args):
-            diff = {k: (kept.get(k), v) for k, v in settings_of(args).items() if kept.get(k) != v}
-            raise SystemExit(f"{args.runs} holds losses of other settings (kept, given): {diff}; pass the same "
-                             "settings or another --runs")
+def settings_of(args, stage: str = "fine-tuned") -> dict:
+    """What a stage's losses depend on (not where files go, nor how many threads; the zero-shot stage not on
+    the fine-tuning's settings)."""
+    skip = ("runs", "out", "summary_only", "threads", "books", *(FINE_TUNING if stage == "zero-shot" else ()))
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in skip}
+
+
+def load_record(args, stage: str, arm: str) -> dict | None:
+    """The kept losses of a stage and arm (None if not run yet); refuses those of other settings, so that
+    results of two settings are never mixed or summarized as these."""
+    path = loss_path(args, stage, arm)
+    if not path.is_file():
+        return None
+    record = torch.load(path)
+    kept = record.get("settings") or torch.load(args.runs / "meta.pt")["settings"]  # older files: the run's
+    wanted = settings_of(args, stage)
+    diff = {k: (kept.get(k), v) for k, v in wanted.items() if kept.get(k) != v}
+    if diff:
+        raise SystemExit(f"{path} holds losses of other settings (kept, given): {diff}; pass the same settings, "
+                         "another --runs, or remove the file to run it again")
+    return record
 
 
 def run_stages(args) -> None:
     """Score every arm zero-shot, then fine-tune and score each converted arm; each result is kept as soon as
     it exists."""
     args.runs.mkdir(parents=True, exist_ok=True)
-    check_settings(args)
     todo = [("zero-shot", a) for a in ("dense", *ARMS)] + ([("fine-tuned", a) for a in ARMS] if args.steps else [])
-    todo = [(s, a) for s, a in todo if not loss_path(args, s, a).is_file()]
+    todo = [(s, a) for s, a in todo if load_record(args, s, a) is None]
     if not todo:
         return
     dense, tokenizer = load_gguf_model(args.model)
     windows = evaluation_windows(f"books:{args.books}", "test", tokenizer, args.context, args.eval_tokens)
     n_layer, n_head = dense.config.num_hidden_layers, dense.config.num_attention_heads
-    torch.save(dict(windows=windows, n_layer=n_layer, n_head=n_head, settings=settings_of(args)),
+    torch.save(dict(windows=windows, n_layer=n_layer, n_head=n_head, settings=settings_of(args, "zero-shot")),
                args.runs / "meta.pt")
     stream = None
     for stage, arm in todo:
         start = time.perf_counter()
-        record = {}
+        record = {"settings": settings_of(args, stage)}
         if arm == "dense":
             model = dense
         else:
@@ -217,11 +226,9 @@ def summarize(args) -> dict | None:
     meta_file = args.runs / "meta.pt"
     if not meta_file.is_file():
         return None
-    check_settings(args)
     meta = torch.load(meta_file)
     windows, n_head = meta["windows"], meta["n_head"]
-    records = {(s, a): torch.load(loss_path(args, s, a)) for s in STAGES for a in ("dense", *ARMS)
-               if loss_path(args, s, a).is_file()}
+    records = {(s, a): r for s in STAGES for a in ("dense", *ARMS) if (r := load_record(args, s, a)) is not None}
     lags = copy_lags(windows, args.copy_n)
     max_lag = lags.shape[1] - 1
     local = local_reach(args.window, args.hops, max_lag)
