@@ -29,9 +29,7 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from convert_finetune import train_stream, trainable
-from tqdm import tqdm
+from convert_finetune import fine_tune, train_stream
 
 from piattn.analysis.copy_distance import (
     CLASSES,
@@ -106,30 +104,6 @@ def arm_reach(arm: str, args, n_head: int, max_lag: int):
                            n_layer=args.hops, n_head=n_head, max_lag=max_lag)
 
 
-def fine_tune(model, stream: torch.Tensor, args) -> list[float]:
-    """`args.steps` AdamW steps on windows of the stream drawn by a generator of `args.seed` (the same windows,
-    in the same order, for every arm): the gates at lr_gates, the attention projections at lr_attn."""
-    groups = trainable(model, "gates+attn")
-    opt = torch.optim.AdamW([{"params": g, "lr": lr} for g, lr in zip(groups, (args.lr_gates, args.lr_attn),
-                                                                      strict=True)], weight_decay=0.0)
-    gen = torch.Generator().manual_seed(args.seed)
-    model.train()
-    losses = []
-    bar = tqdm(range(args.steps), desc="fine-tune", unit="step", dynamic_ncols=True)
-    for _ in bar:
-        starts = torch.randint(0, len(stream) - args.context - 1, (args.batch,), generator=gen)
-        ids = torch.stack([stream[s : s + args.context] for s in starts])
-        logits = model(ids, use_cache=False).logits[:, :-1]
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
-    model.eval()
-    return losses
-
-
 def loss_path(args, stage: str, arm: str) -> Path:
     return args.runs / f"{stage}-{arm}.pt"
 
@@ -187,7 +161,7 @@ def run_stages(args) -> None:
         if stage == "fine-tuned":
             if stream is None:
                 stream = train_stream(args.books, tokenizer, args.train_chars, args.seed)
-            record["train_losses"] = fine_tune(model, stream, args)
+            record["train_losses"] = fine_tune(model, stream, args, "gates+attn", args.seed)
         model.eval()
         record["losses"] = token_losses(model, windows, 1, label=f"{stage} {arm}")
         record["seconds"] = time.perf_counter() - start

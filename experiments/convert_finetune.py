@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 from piattn.data.text import book_files, strip_gutenberg_boilerplate
 from piattn.data.windows import evaluation_windows
@@ -103,14 +104,16 @@ def trainable(model, what: str) -> list[torch.nn.Parameter]:
 
 
 def fine_tune(model, stream: torch.Tensor, args, what: str, seed: int) -> list[float]:
-    """`args.steps` AdamW steps on random windows of the stream; returns the training losses."""
+    """`args.steps` AdamW steps on windows of the stream drawn by a generator of `seed` (the same windows, in
+    the same order, for every model given the same seed); returns the training losses."""
     groups = trainable(model, what)
     lrs = [args.lr_gates, args.lr_attn]
     opt = torch.optim.AdamW([{"params": g, "lr": lr} for g, lr in zip(groups, lrs, strict=False)], weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
     model.train()
     losses = []
-    for step in range(args.steps):
+    bar = tqdm(range(args.steps), desc=f"fine-tune {what}", unit="step", dynamic_ncols=True)
+    for _ in bar:
         starts = torch.randint(0, len(stream) - args.context - 1, (args.batch,), generator=gen)
         ids = torch.stack([stream[s : s + args.context] for s in starts])
         logits = model(ids, use_cache=False).logits[:, :-1]
@@ -119,8 +122,7 @@ def fine_tune(model, stream: torch.Tensor, args, what: str, seed: int) -> list[f
         loss.backward()
         opt.step()
         losses.append(loss.item())
-        if step % 20 == 0 or step == args.steps - 1:
-            print(f"  step {step}: loss {losses[-1]:.3f}", flush=True)
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
     model.eval()
     return losses
 
