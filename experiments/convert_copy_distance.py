@@ -240,7 +240,10 @@ def interval(row: dict) -> str:
 
 def markdown(s: dict) -> str:
     a = s["settings"]
-    lines = [f"SmolLM2-135M, context {a['context']}, window {a['window']}, {a['sinks']} sinks, gates from α = "
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in a.items() if k != "model" and v is not None)
+    lines = [f"`python experiments/convert_copy_distance.py --books BOOKS {flags}` (resumable; "
+             "`--summary-only` with the same settings rewrites this from the kept losses).", "",
+             f"SmolLM2-135M, context {a['context']}, window {a['window']}, {a['sinks']} sinks, gates from α = "
              f"{a['gate_alpha']}, no logit clamp; π = {a['period']}; multi-scale periods per layer (alternating) "
              f"{s['multiscale_periods']}. Test: {s['windows']} windows of the test books ({s['tokens']:,} predicted "
              f"tokens). Classes: copy distance with n = {a['copy_n']} tokens, reach within {a['hops']} hops. "
