@@ -1,6 +1,8 @@
 """The fused CPU backend (`piattn.ops.pi.fused`, `fused_cpu.c`) against "reference": the forward and every
 gradient (dq, dk, dv, dgate) for all four variants, causal and bidirectional, grouped-query heads, edge
 shapes, the logit clamp, any head dim and random shapes; non-finite inputs kept in the rows that read them;
+the fp32 forward's rows in vector lanes (blocks of rows and single rows within a head, a NaN inside a block,
+the same bits whatever the thread count, the streaming stores of a large y);
 what it refuses (other dtypes and devices); the C entry points' own checks (sizes, buffers, periods, document
 bounds, the dropout mask); per-head periods, sinks, documents and dropout: test_fused_periods.py; builds
 without -march=native or OpenMP, and the fallback without a compiler.
@@ -26,6 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_conformance import SHAPES  # id: (T, window, period), the shapes every backend is checked on
 
+import piattn
 from piattn.config.pi import GATED_VARIANTS, VARIANTS
 from piattn.ops.pi import fused
 from piattn.ops.pi.fused import pi_attention_fused
@@ -257,6 +260,122 @@ def test_nonfinite_stays_local(which, variant, causal, value, dtype):
             keep = [i for i in range(T) if i not in allowed]
             assert_close(f"{where} (head 0, other rows)", reference[name][0, 0, keep], got[name][0, 0, keep])
             assert_close(f"{where} (head 1)", reference[name][0, 1], got[name][0, 1])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# fp32 forward: blocks of consecutive rows (8 with AVX, 4 with SSE) of a head at once where their slots have
+# the same structure, every other row alone (the sequence's and documents' edges, sinks that fold into a
+# row's window or skip, "separate", the last rows of a work item); a row's outputs are the same bits either
+# way.
+
+def _documents(T, cuts):
+    """Document ids [2, T]: batch 0 cut at `cuts`, batch 1 one document."""
+    ids = torch.zeros(2, T, dtype=torch.long)
+    for cut in cuts:
+        ids[0, cut:] += 1
+    return ids
+
+
+# id: (T, window, period, D, sinks, document cuts). Window 2 and period 5: rows 0 … 4 have no skip, and
+# bidirectional rows from T − 5 on none ahead, so the first and last blocks take the rows one by one.
+BLOCK_CASES = {
+    **{f"T{T}": (T, 2, 5, 64, 0, ()) for T in (7, 8, 9, 15, 16, 17, 33)},
+    "D12": (33, 2, 5, 12, 0, ()),  # D not a multiple of the vector: the block's dots one by one
+    "D16": (33, 3, 7, 16, 0, ()),
+    "documents": (50, 2, 5, 64, 0, (5, 12, 21)),  # cuts inside blocks; the last document spans whole blocks
+    "documents-window0": (41, 0, 7, 64, 0, (3, 13, 19, 30)),  # one slot or two: blocks across documents
+    "sinks": (33, 2, 5, 64, 1, ()),  # sink key 0 folds into row 5's skip
+    "sinks+documents": (50, 2, 5, 64, 2, (5, 12, 21)),
+    # rows 8 … 15 all have two slots, row 15 (sink 5 = its skip) one of them local, the others two
+    "sink-is-skip": (33, 0, 10, 64, 1, (5,)),
+}
+
+
+@pytest.mark.parametrize("case", BLOCK_CASES)
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("causal", (True, False), ids=param_id)
+def test_row_blocks_fp32(case, variant, causal, nan_poison):
+    """Forward and every gradient against the fp64 reference, on shapes whose rows switch between blocks and
+    single rows within a head: T around multiples of the block, documents cut inside blocks, sinks; two query
+    heads per key/value head, batch 2."""
+    T, window, period, D, sinks, cuts = BLOCK_CASES[case]
+    q, _, _, gate = make_inputs(2, 4, T, D, variant=variant, dtype=torch.float32, seed=T)
+    _, k, v, _ = make_inputs(2, 2, T, D, variant=variant, dtype=torch.float32, seed=T + 1)
+    kw = _settings(variant, window=window, period=period, causal=causal, scale=D**-0.5, sinks=sinks,
+                   document_ids=_documents(T, cuts) if cuts else None)
+    _compare((q, k, v, gate), kw)
+
+
+@pytest.mark.parametrize("causal", (True, False), ids=param_id)
+def test_row_blocks_per_head_periods_and_dropout_fp32(causal, nan_poison):
+    """Per-head periods (each head its own blocks and single rows) and dropout (each row's multipliers after
+    normalising), with sinks and documents: "fused" in fp32 against "reference" in fp64 with the same masks."""
+    inputs = make_inputs(2, 4, 37, 64, dtype=torch.float32, seed=16)
+    kw = dict(window=3, prior=0.3, logit_clamp=2.5, eps=1e-6, causal=causal, variant="adaptive", sinks=2,
+              document_ids=_documents(37, (6, 17)), period=(2, 6, 11, 40), dropout_p=0.3)
+    dy = torch.randn(inputs[0].shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    results = []
+    for backend, dtype in (("reference", torch.float64), ("fused", torch.float32)):
+        used = [t.detach().to(dtype).requires_grad_() for t in inputs]
+        torch.manual_seed(7)
+        y = piattn.pi_attention(*used, backend=backend, **kw)
+        results.append((y, *torch.autograd.grad(y, used, dy.to(dtype))))
+    for name, e, a in zip(NAMES, *results, strict=True):
+        assert a.dtype == torch.float32, name
+        assert_close(name, e, a, tol=FP32_DGATE if name == "dgate" else FP32)
+
+
+@pytest.mark.parametrize("variant", ("union", "adaptive"))
+@pytest.mark.parametrize("causal", (True, False), ids=param_id)
+def test_row_blocks_keep_a_nan_in_its_rows_fp32(variant, causal, nan_poison):
+    """A NaN in one row's q, or in one key, inside a block and in the last rows: y is NaN in exactly the rows
+    that read it, and every other row (of every head) is the fp64 reference's."""
+    T, window, period = 33, 2, 5
+    kw = _settings(variant, window=window, period=period, causal=causal, scale=0.125)
+    keys = _keys_of(T, window, period, causal)
+    clean = make_inputs(1, 2, T, 64, variant=variant, dtype=torch.float32, seed=17, requires_grad=False)
+    for which, p in (("q", 19), ("q", 32), ("k", 13), ("k", 24)):
+        inputs = list(clean)
+        inputs["qk".index(which)] = poisoned_input(clean["qk".index(which)], p, "nan").detach()
+        with torch.no_grad():
+            got = pi_attention_fused(*inputs, **kw)
+            expected = pi_attention_reference(*[None if t is None else t.double() for t in inputs], **kw)
+        readers = {p} if which == "q" else {i for i in range(T) if p in keys[i]}
+        assert _bad_rows(got) == readers, f"{which}[{p}]: non-finite rows {sorted(_bad_rows(got))}"
+        assert torch.isnan(got[0, 0, sorted(readers)]).all(), f"{which}[{p}]: a reader's y is not all NaN"
+        rest = [i for i in range(T) if i not in readers]
+        assert_close(f"{which}[{p}] (head 0, other rows)", expected[0, 0, rest], got[0, 0, rest], tol=FP32)
+        assert_close(f"{which}[{p}] (head 1)", expected[0, 1], got[0, 1], tol=FP32)
+
+
+def test_row_blocks_same_bits_whatever_the_threads_fp32(nan_poison):
+    """Three threads split a head's rows at other places than one thread does (so a row may be in a block in one
+    run and alone in the other): the same bits, forward and gradients."""
+    threads = torch.get_num_threads()
+    results = []
+    inputs = make_inputs(1, 2, 300, 64, variant="adaptive", dtype=torch.float32, seed=18)
+    _, k, v, _ = make_inputs(1, 1, 300, 64, dtype=torch.float32, seed=19)
+    dy = torch.randn(1, 2, 300, 64, generator=torch.Generator().manual_seed(20))
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            results.append(_run(pi_attention_fused, (inputs[0], k, v, inputs[3]), dy,
+                                _settings("adaptive", scale=0.125)))
+    finally:
+        torch.set_num_threads(threads)
+    for name, a, b in zip(NAMES, *results, strict=True):
+        assert torch.equal(a, b), f"{name} differs between 1 and 3 threads"
+
+
+def test_a_forward_larger_than_the_cache_fp32(nan_poison):
+    """A call that moves more than 32 MiB writes y by streaming stores (fused_cpu.c: pi_streaming): every element
+    written, the reference's values."""
+    q, k, v, gate = make_inputs(1, 1, 33_000, 64, dtype=torch.float32, seed=21, requires_grad=False)
+    kw = _settings("adaptive", scale=0.125)
+    with torch.no_grad():
+        got = pi_attention_fused(q, k, v, gate, **kw)
+        expected = pi_attention_reference(q.double(), k.double(), v.double(), gate.double(), **kw)
+    assert_close("y", expected, got, tol=FP32)
 
 
 # ---------------------------------------------------------------------------------------------------------

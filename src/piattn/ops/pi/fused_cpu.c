@@ -31,6 +31,11 @@
  * j − reach), in cache, instead of by a separate pass over memory. The forward, which writes only its own
  * rows, also splits the rows of a head into blocks when there are fewer heads than threads.
  *
+ * Rows in vector lanes (the fp32 forward): LANES consecutive rows of a query head whose slots have the same
+ * structure run at once, the softmax with the rows in the lanes of a vector (forward_block_d); each row gets
+ * the bits it would get alone. Where the call outgrows the cache, y is written by streaming stores
+ * (pi_streaming).
+ *
  * Non-finite inputs stay in the rows that read them: only valid slots are visited (an invalid slot is
  * skipped, never weighted by 0, since 0·NaN = NaN), and every comparison lets a NaN through as torch's clamp
  * and clamp_min do.
@@ -196,6 +201,34 @@ static int64_t pi_forward_blocks(const pi_call *c) {
 #define PI_VECTOR_BYTES 16
 #endif
 
+/* A streaming store of an fp32 vector (x86: movntps; elsewhere none) and the fence that orders such stores. */
+#if defined(__AVX__) || defined(__SSE2__)
+#include <immintrin.h>
+#define PI_FENCE() _mm_sfence()
+#ifdef __AVX__
+#define PI_STREAM_F32(p, x) _mm256_stream_ps((p), (__m256)(x))
+#else
+#define PI_STREAM_F32(p, x) _mm_stream_ps((p), (__m128)(x))
+#endif
+#endif
+
+/* Whether the fp32 forward writes y by streaming stores (its rows in vector lanes: forward_block_d). A plain
+ * store to a line not in cache first reads the line from memory: a quarter more traffic where H = H_kv (q, k,
+ * v, y read, y written). When the call moves more bytes than a last-level cache holds (PI_STREAM_BYTES),
+ * y's first lines are gone from the cache before anyone reads them anyway; a smaller y stays in cache for the
+ * next operation. Every row must start on a vector boundary. */
+#define PI_STREAM_BYTES ((int64_t)32 << 20)
+static int pi_streaming(const pi_call *c, const float *y) {
+#ifdef PI_STREAM_F32
+  const int64_t kv = c->B * c->H_kv * c->T * c->D, qy = c->B * c->H * c->T * c->D; /* each <= INT64_MAX / 4 */
+  return (uintptr_t)y % PI_VECTOR_BYTES == 0 && c->D * (int64_t)sizeof(float) % PI_VECTOR_BYTES == 0 &&
+         kv + qy > PI_STREAM_BYTES / 2 / (int64_t)sizeof(float);
+#else
+  (void)c, (void)y;
+  return 0;
+#endif
+}
+
 #define PI_CAT2(a, b) a##_##b
 #define PI_CAT(a, b) PI_CAT2(a, b)
 
@@ -205,7 +238,11 @@ static int64_t pi_forward_blocks(const pi_call *c) {
 #define PI_EXP expf
 #define PI_LOG logf
 #define PI_VECTOR_EXP 1 /* exp by a vector polynomial (fp32 only: fp64 keeps libm's) */
+#ifdef PI_STREAM_F32
+#define PI_STREAM PI_STREAM_F32
+#endif
 #include __FILE__
+#undef PI_STREAM
 #undef PI_VECTOR_EXP
 #undef PI_REAL
 #undef PI_LANES
@@ -235,7 +272,23 @@ typedef R FN(uvec) __attribute__((vector_size(PI_VECTOR_BYTES), aligned(sizeof(R
 
 static inline FN(vec) FN(load)(const R *p) { return *(const FN(uvec) *)p; }
 static inline void FN(store)(R *p, FN(vec) x) { *(FN(uvec) *)p = x; }
-static inline FN(vec) FN(splat)(R x) { return (FN(vec)){0} + x; }
+/* x in every lane: x − 0 is x for every x (−0 included), so the compiler drops the subtraction (0 + x, which
+ * turns −0 into +0, costs an addition). */
+static inline FN(vec) FN(splat)(R x) { return x - (FN(vec)){0}; }
+
+/* A store of an output the caller will not read soon: streaming (non-temporal: written to memory without
+ * first reading its cache line, which a plain store of a line not in cache does) where `streaming` and the
+ * target has streaming stores; p then lies on a vector boundary (pi_streaming). */
+static inline void FN(put)(R *p, FN(vec) x, int streaming) {
+#ifdef PI_STREAM
+  if (streaming) {
+    PI_STREAM(p, x);
+    return;
+  }
+#endif
+  (void)streaming;
+  FN(store)(p, x);
+}
 
 /* The sum of a vector's lanes, as a tree: the two halves added as vectors first (one extract and one add
  * on AVX), then the remaining lanes. */
@@ -291,33 +344,35 @@ static inline void FN(dot2)(const R *a, const R *b, const R *c, const R *e, int6
   *ce = y;
 }
 
-/* out[d] = Σ_m w[m]·x[row[m] + d] for m < n (row: element offsets of rows of x). Four vectors of out at a
- * time, summed over the slots in registers, then written once. */
-static inline void FN(weighted_sum)(R *out, const R *w, const R *x, const int64_t *row, int64_t n, int64_t D) {
+/* out[d] = Σ_m w[m·stride]·x[row[m] + d] for m < n (row: element offsets of rows of x; stride: 1, or LANES
+ * for a row of a block's slot-major weights). Four vectors of out at a time, summed over the slots in
+ * registers, then written once. */
+static inline void FN(weighted_sum)(R *out, const R *w, int64_t stride, const R *x, const int64_t *row, int64_t n,
+                                    int64_t D, int streaming) {
   int64_t d = 0;
   for (; d + 4 * LANES <= D; d += 4 * LANES) {
     FN(vec) a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     for (int64_t m = 0; m < n; m++) {
-      const FN(vec) wm = FN(splat)(w[m]);
+      const FN(vec) wm = FN(splat)(w[m * stride]);
       const R *r = x + row[m] + d;
       a0 += wm * FN(load)(r);
       a1 += wm * FN(load)(r + LANES);
       a2 += wm * FN(load)(r + 2 * LANES);
       a3 += wm * FN(load)(r + 3 * LANES);
     }
-    FN(store)(out + d, a0);
-    FN(store)(out + d + LANES, a1);
-    FN(store)(out + d + 2 * LANES, a2);
-    FN(store)(out + d + 3 * LANES, a3);
+    FN(put)(out + d, a0, streaming);
+    FN(put)(out + d + LANES, a1, streaming);
+    FN(put)(out + d + 2 * LANES, a2, streaming);
+    FN(put)(out + d + 3 * LANES, a3, streaming);
   }
   for (; d + LANES <= D; d += LANES) {
     FN(vec) acc = {0};
-    for (int64_t m = 0; m < n; m++) acc += FN(splat)(w[m]) * FN(load)(x + row[m] + d);
-    FN(store)(out + d, acc);
+    for (int64_t m = 0; m < n; m++) acc += FN(splat)(w[m * stride]) * FN(load)(x + row[m] + d);
+    FN(put)(out + d, acc, streaming);
   }
   for (; d < D; d++) {
     R acc = 0;
-    for (int64_t m = 0; m < n; m++) acc += w[m] * x[row[m] + d];
+    for (int64_t m = 0; m < n; m++) acc += w[m * stride] * x[row[m] + d];
     out[d] = acc;
   }
 }
@@ -379,6 +434,75 @@ static inline void FN(dropout_row)(const pi_call *c, const pi_pattern *p, int64_
   }
 }
 
+#if PI_VECTOR_EXP
+typedef int32_t FN(ivec) __attribute__((vector_size(PI_VECTOR_BYTES)));
+typedef uint32_t FN(uivec) __attribute__((vector_size(PI_VECTOR_BYTES)));
+
+/* Whether any lane of a mask is set. */
+static inline int FN(any)(FN(ivec) mask) {
+  int32_t lanes[LANES];
+  memcpy(lanes, &mask, sizeof lanes);
+  int32_t seen = 0;
+  for (int64_t j = 0; j < LANES; j++) seen |= lanes[j];
+  return seen != 0;
+}
+
+/* log of each lane, for the normal lanes in [FLT_MIN, FLT_MAX] (Cephes' logf: x = m·2^e with m in [√½, √2),
+ * a degree-9 polynomial in m − 1; within 1 ulp of the exact log, every such float checked). Lanes outside (0,
+ * negatives, subnormals, inf, NaN) are left to libm by the caller: *inside says which lanes this computed. */
+static inline FN(vec) FN(log_lanes)(FN(vec) x, FN(ivec) * inside) {
+  *inside = (x >= FN(splat)(1.17549435e-38f)) & (x <= FN(splat)(3.40282347e+38f));
+  const FN(ivec) bits = (FN(ivec))x & *inside; /* lanes outside: 0, so nothing below overflows */
+  FN(ivec) e = (bits >> 23) - 126;
+  FN(vec) m = (FN(vec))((bits & 0x007fffff) | 0x3f000000); /* x = m·2^e, m in [0.5, 1) */
+  const FN(ivec) small = m < FN(splat)(0.707106781186547524f);
+  e += small;                                  /* e − 1 where m < √½ ... */
+  m = m + (FN(vec))((FN(ivec))m & small) - 1; /* ... and 2m − 1 there, else m − 1 */
+  const FN(vec) z = m * m;
+  FN(vec) y = FN(splat)(7.0376836292e-2f);
+  y = y * m - 1.1514610310e-1f;
+  y = y * m + 1.1676998740e-1f;
+  y = y * m - 1.2420140846e-1f;
+  y = y * m + 1.4249322787e-1f;
+  y = y * m - 1.6668057665e-1f;
+  y = y * m + 2.0000714765e-1f;
+  y = y * m - 2.4999993993e-1f;
+  y = y * m + 3.3333331174e-1f;
+  y = y * m * z;
+  const FN(vec) fe = (FN(vec))(e + 0x4b400000) - 12582912.0f; /* e as a float: 1.5·2^23 + e, less 1.5·2^23 */
+  y += fe * -2.12194440e-4f; /* ln 2 as 0.693359375 − 2.12194440e-4: the first part exact times e */
+  y += z * -0.5f;
+  return (m + y) + fe * 0.693359375f;
+}
+#endif
+
+/* log of each lane: log_lanes, libm for the lanes outside its range (fp64: libm). A row alone takes the same
+ * lanes as a block of rows (forward_block_d), so that its logs are the same bits either way. */
+static inline FN(vec) FN(logs)(FN(vec) x) {
+#if PI_VECTOR_EXP
+  FN(ivec) inside;
+  FN(vec) y = FN(log_lanes)(x, &inside);
+  if (FN(any)(~inside))
+    for (int64_t j = 0; j < LANES; j++)
+      if (!inside[j]) y[j] = PI_LOG(x[j]);
+  return y;
+#else
+  for (int64_t j = 0; j < LANES; j++) x[j] = PI_LOG(x[j]);
+  return x;
+#endif
+}
+
+/* log of one value, as logs takes it (the other lanes 1: never outside). */
+static inline R FN(log1)(R x) {
+#if PI_VECTOR_EXP
+  FN(vec) v = FN(splat)(1);
+  v[0] = x;
+  return FN(logs)(v)[0];
+#else
+  return PI_LOG(x);
+#endif
+}
+
 /* The log-priors of a query's local and skip slots (0 for "union" and "separate", whose α mixes after
  * normalising); `a` is its gate value. */
 static inline void FN(log_priors)(const pi_call *c, const pi_pattern *p, R a, R *local, R *skip) {
@@ -388,8 +512,17 @@ static inline void FN(log_priors)(const pi_call *c, const pi_pattern *p, R a, R 
     *skip = (R)p->fixed_skip;
   } else if (c->variant == PI_ADAPTIVE) {
     const R rest = 1 - a;
+#if PI_VECTOR_EXP
+    FN(vec) both = FN(splat)(1); /* the two logs in lanes 0 and 1, as a block's rows take them */
+    both[0] = a < eps ? eps : a; /* max(·, ε) that keeps a NaN */
+    both[1] = rest < eps ? eps : rest;
+    both = FN(logs)(both);
+    *local = both[0];
+    *skip = both[1];
+#else
     *local = PI_LOG(a < eps ? eps : a); /* max(·, ε) that keeps a NaN */
     *skip = PI_LOG(rest < eps ? eps : rest);
+#endif
   } else {
     *local = 0;
     *skip = 0;
@@ -423,8 +556,6 @@ static inline void FN(logits)(const pi_call *c, R *z, R *pass, int64_t n, int64_
 /* exp of each lane, for lanes in [-87, 88] (Cephes' expf: x = n·ln 2 + r, a degree-6 polynomial in r, 2^n from
  * the exponent bits; within about 2 ulp of libm). Lanes outside, NaN included, are left to libm by the
  * caller: *inside says which lanes this computed. */
-typedef int32_t FN(ivec) __attribute__((vector_size(PI_VECTOR_BYTES)));
-typedef uint32_t FN(uivec) __attribute__((vector_size(PI_VECTOR_BYTES)));
 static inline FN(vec) FN(exp_lanes)(FN(vec) x, FN(ivec) * inside) {
   const FN(vec) magic = FN(splat)(12582912.0f); /* 1.5·2^23: adding it rounds to an integer */
   *inside = (x >= FN(splat)(-87.0f)) & (x <= FN(splat)(88.0f));
@@ -441,15 +572,6 @@ static inline FN(vec) FN(exp_lanes)(FN(vec) x, FN(ivec) * inside) {
   p = p * r * r + r + 1.0f;
   const FN(uivec) bits = (FN(uivec))((FN(ivec))t - (FN(ivec))magic + 127) << 23; /* 2^n, n in [-126, 127] */
   return p * (FN(vec))bits;
-}
-
-/* Whether any lane of a mask is set. */
-static inline int FN(any)(FN(ivec) mask) {
-  int32_t lanes[LANES];
-  memcpy(lanes, &mask, sizeof lanes);
-  int32_t seen = 0;
-  for (int64_t j = 0; j < LANES; j++) seen |= lanes[j];
-  return seen != 0;
 }
 
 static const int32_t pi_lane_index[8] = {0, 1, 2, 3, 4, 5, 6, 7};
@@ -501,27 +623,37 @@ static inline double FN(normalise)(R *z, int64_t from, int64_t to) {
   const R inverse = 1 / total;
   for (int64_t m = from; m < to; m++) z[m] *= inverse;
   /* total lies in [1, to − from]: its log in R is accurate to an ulp of a small number; top is added in double */
-  return (double)top + (double)PI_LOG(total);
+  return (double)top + (double)FN(log1)(total);
 }
 
-/* Scratch of one thread, p->n_max each: key row offsets, logits (then weights), dL/dweights (then dL/dlogits),
- * clamp mask, dropout multipliers. */
+/* Scratch of one thread, p->n_max (n) each: key row offsets, logits (then weights), dL/dweights (then
+ * dL/dlogits), clamp mask, dropout multipliers; for the forward's blocks of LANES rows (forward_block_d) the
+ * key row offsets of each row [LANES][n], the logits slot by slot [n][LANES] and the dots before their last
+ * sum [n][LANES][LANES], vector-aligned. */
 typedef struct {
   int64_t *row;
   R *z, *dp, *pass, *mult;
+  int64_t *rows;
+  R *zt, *lanes;
+  int64_t n;
 } FN(pi_scratch);
 
 /* The scratch rows in one allocation (free(w->row) releases them); NULL members when out of memory. */
 static FN(pi_scratch) FN(scratch)(int64_t n) {
   /* z is padded by a vector (exp_shifted may read a whole last vector) and zeroed, so that what it reads past
-   * the row's slots is a number */
-  FN(pi_scratch) w = {calloc(1, sizeof(int64_t) * (size_t)n + sizeof(R) * (size_t)(4 * n + LANES)), NULL, NULL, NULL,
-                      NULL};
+   * the row's slots is a number; zt and lanes start at a vector boundary (at most a vector of padding each) */
+  const size_t head = sizeof(int64_t) * (size_t)(n + LANES * n) + sizeof(R) * (size_t)(4 * n + LANES);
+  const size_t bytes = head + sizeof(R) * (size_t)(LANES * n + LANES * LANES * n) + 2 * PI_VECTOR_BYTES;
+  FN(pi_scratch) w = {calloc(1, bytes), NULL, NULL, NULL, NULL, NULL, NULL, NULL, n};
   if (w.row) {
-    w.z = (R *)(w.row + n);
+    w.rows = w.row + n;
+    w.z = (R *)(w.rows + LANES * n);
     w.dp = w.z + n + LANES;
     w.pass = w.dp + n;
     w.mult = w.pass + n;
+    const uintptr_t align = PI_VECTOR_BYTES, after = (uintptr_t)(w.mult + n);
+    w.zt = (R *)((after + align - 1) / align * align);
+    w.lanes = (R *)(((uintptr_t)(w.zt + LANES * n) + align - 1) / align * align);
   }
   return w;
 }
@@ -553,8 +685,184 @@ static inline __attribute__((always_inline)) void FN(forward_row_d)(const pi_cal
     FN(dropout_row)(c, p, start, i, D, row, n, nl, keep, w->mult);
     for (int64_t m = 0; m < n; m++) z[m] *= w->mult[m];
   }
-  FN(weighted_sum)(yi, z, v, row, n, D);
+  FN(weighted_sum)(yi, z, 1, v, row, n, D, 0);
 }
+
+#if PI_VECTOR_EXP
+/* The sum of each lane's LANES values s[0 … LANES): the lanes of a row's sum vector in exp_shifted, added as
+ * sum_lanes adds them (the same bits). */
+static inline FN(vec) FN(sum_lanes_rows)(const FN(vec) *s) {
+#if PI_LANES == 8
+  return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+#elif PI_LANES == 4
+  return (s[0] + s[2]) + (s[1] + s[3]);
+#else
+  return s[0] + s[1];
+#endif
+}
+
+/* Lanes of two vectors, picked by index (0 … LANES − 1: a's, LANES …: b's): GCC's and Clang's spellings. */
+#ifdef __clang__
+#define PI_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define PI_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (FN(ivec)){__VA_ARGS__})
+#endif
+
+/* a·b over D as a vector whose lanes sum_lanes adds up (D a multiple of LANES; a as vectors): dot without its
+ * last step. */
+static inline FN(vec) FN(dot_lanes)(const FN(vec) *a, const R *b, int64_t D) {
+  FN(vec) s0 = {0}, s1 = {0};
+  int64_t d = 0;
+  for (; d + 2 * LANES <= D; d += 2 * LANES) {
+    s0 += a[d / LANES] * FN(load)(b + d);
+    s1 += a[d / LANES + 1] * FN(load)(b + d + LANES);
+  }
+  for (; d + LANES <= D; d += LANES) s0 += a[d / LANES] * FN(load)(b + d);
+  return s0 + s1;
+}
+
+#if PI_LANES == 8 || PI_LANES == 4
+/* The vector of sum_lanes(x[r]) for r < LANES, the lanes of each added in sum_lanes' order (the same bits as
+ * LANES calls), by shuffles that transpose as they add: a few vector instructions instead of LANES
+ * horizontal sums and LANES stores. */
+static inline FN(vec) FN(sum_lanes_of)(const FN(vec) *x) {
+#if PI_LANES == 8
+  /* u_r = low half + high half of x[r]; p[r] = [u_r | u_r+4] */
+  FN(vec) p[4];
+  for (int j = 0; j < 4; j++)
+    p[j] = PI_SHUFFLE(x[j], x[j + 4], 0, 1, 2, 3, 8, 9, 10, 11) +
+           PI_SHUFFLE(x[j], x[j + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+  /* in each half: [u_a0 + u_a2, u_b0 + u_b2, u_a1 + u_a3, u_b1 + u_b3] for the pairs (a, b) = (0, 1), (2, 3) */
+  const FN(vec) s01 =
+      PI_SHUFFLE(p[0], p[1], 0, 8, 1, 9, 4, 12, 5, 13) + PI_SHUFFLE(p[0], p[1], 2, 10, 3, 11, 6, 14, 7, 15);
+  const FN(vec) s23 =
+      PI_SHUFFLE(p[2], p[3], 0, 8, 1, 9, 4, 12, 5, 13) + PI_SHUFFLE(p[2], p[3], 2, 10, 3, 11, 6, 14, 7, 15);
+  /* (u0 + u2) + (u1 + u3) of rows 0 … 3 in the low half, 4 … 7 in the high half */
+  return PI_SHUFFLE(s01, s23, 0, 1, 8, 9, 4, 5, 12, 13) + PI_SHUFFLE(s01, s23, 2, 3, 10, 11, 6, 7, 14, 15);
+#else
+  /* [u_a0, u_b0, u_a1, u_b1] with u_r = [x_r0 + x_r2, x_r1 + x_r3], for (a, b) = (0, 1), (2, 3) */
+  const FN(vec) t01 = PI_SHUFFLE(x[0], x[1], 0, 4, 1, 5) + PI_SHUFFLE(x[0], x[1], 2, 6, 3, 7);
+  const FN(vec) t23 = PI_SHUFFLE(x[2], x[3], 0, 4, 1, 5) + PI_SHUFFLE(x[2], x[3], 2, 6, 3, 7);
+  return PI_SHUFFLE(t01, t23, 0, 1, 4, 5) + PI_SHUFFLE(t01, t23, 2, 3, 6, 7);
+#endif
+}
+#endif
+
+/* a where mask is set, else b, lane by lane. */
+static inline FN(vec) FN(select)(FN(ivec) mask, FN(vec) a, FN(vec) b) {
+  return (FN(vec))(((FN(ivec))a & mask) | ((FN(ivec))b & ~mask));
+}
+
+/* LANES consecutive query rows i0 … i0 + LANES − 1 of one head at once (fp32 without "separate"), when their
+ * slots have the same structure: as many slots and as many local ones, each row with its own keys (every row
+ * but those near the sequence's or a document's edges). Why: a row alone is a short chain of dependent steps
+ * (dots, max, exp, sum, divide, log) that the CPU barely overlaps with the next row's; here the dots of all the
+ * rows are issued back to back, and the softmax runs with the rows in the lanes of a vector: z[m·LANES + r] is
+ * slot m of row i0 + r. Each lane-wise step is the per-row one in the same order (the max as `if (z > top)`,
+ * so a NaN is skipped; exp_lanes with libm for the lanes outside its range; the sum's lanes added as
+ * sum_lanes adds them), so a row's outputs are the same bits whichever path it takes, whatever block the
+ * thread count puts it in. start, end: the rows' document bounds (NULL: none); q, gate, y, stat, keep: at row
+ * i0 of the head. Returns 0, having written nothing, when the rows' slots differ: they take forward_row_d. */
+static inline __attribute__((always_inline)) int FN(forward_block_d)(const pi_call *c, const pi_pattern *p,
+                                                                    int64_t i0, const int64_t *start,
+                                                                    const int64_t *end, const R *q, const R *k,
+                                                                    const R *v, const R *gate, R *y,
+                                                                    double *stat, const uint8_t *keep, int streaming,
+                                                                    FN(pi_scratch) * w, const int64_t D) {
+  const int64_t stride = w->n; /* rows[r·stride + m]: key row offset of slot m of row i0 + r */
+  int64_t *rows = w->rows, n = 0, nl = 0, last = (LANES - 1) * stride;
+  int same = !p->sinks; /* no sinks, and the rows in one document: */
+  for (int64_t r = 1; r < LANES && same && start; r++) same = start[r] == start[0] && end[r] == end[0];
+  if (same) {
+    /* Each part of a row's slots (the local keys clipped to the document, each skip) is there from some row
+     * on, or up to some row: where the first and last rows agree, so do all between, with the keys shifted. */
+    int64_t nl_last;
+    n = FN(slot_rows)(p, start ? start[0] : 0, start ? end[0] : c->T, D, i0, rows, &nl);
+    if (FN(slot_rows)(p, start ? start[0] : 0, start ? end[0] : c->T, D, i0 + LANES - 1, rows + last, &nl_last) != n ||
+        nl_last != nl)
+      return 0;
+    for (int64_t m = 0; m < n; m++)
+      if (rows[last + m] != rows[m] + (LANES - 1) * D) return 0;
+    for (int64_t r = 1; r < LANES - 1; r++)
+      for (int64_t m = 0; m < n; m++) rows[r * stride + m] = rows[m] + r * D;
+  } else {
+    for (int64_t r = 0; r < LANES; r++) {
+      int64_t nl_r;
+      const int64_t n_r = FN(slot_rows)(p, start ? start[r] : 0, start ? end[r] : c->T, D, i0 + r,
+                                        rows + r * stride, &nl_r);
+      if (r == 0) n = n_r, nl = nl_r;
+      else if (n_r != n || nl_r != nl) return 0;
+    }
+  }
+  R *z = w->zt;
+  /* The dots, all independent (their latencies overlap), row by row (each row's q read once, the keys read in
+   * order: a stream the prefetchers follow); then, slot by slot, the vector of the block's rows. */
+#if PI_LANES == 8 || PI_LANES == 4
+  if (D % LANES == 0 && D <= 16 * LANES) {
+    FN(vec) *x = (FN(vec) *)(void *)w->lanes; /* x[m·LANES + r]: slot m of row r, its lanes not yet summed */
+    for (int64_t r = 0; r < LANES; r++) {
+      FN(vec) qr[16]; /* the row's q, in registers for all its slots */
+      for (int64_t d = 0; d < D; d += LANES) qr[d / LANES] = FN(load)(q + r * D + d);
+      for (int64_t m = 0; m < n; m++) x[m * LANES + r] = FN(dot_lanes)(qr, k + rows[r * stride + m], D);
+    }
+    for (int64_t m = 0; m < n; m++) FN(store)(z + m * LANES, FN(sum_lanes_of)(x + m * LANES));
+  } else
+#endif
+    for (int64_t r = 0; r < LANES; r++)
+      for (int64_t m = 0; m < n; m++) z[m * LANES + r] = FN(dot)(q + r * D, k + rows[r * stride + m], D);
+  /* the log-priors (as log_priors, lane by lane) */
+  FN(vec) local = FN(splat)(0), skip = FN(splat)(0);
+  if (c->variant == PI_FIXED) {
+    local = FN(splat)((R)p->fixed_local);
+    skip = FN(splat)((R)p->fixed_skip);
+  } else if (c->variant == PI_ADAPTIVE) {
+    const FN(vec) a = FN(load)(gate), rest = 1 - a, eps = FN(splat)((R)c->eps);
+    local = FN(logs)(FN(select)(a < eps, eps, a));
+    skip = FN(logs)(FN(select)(rest < eps, eps, rest));
+  }
+  /* the logits (as FN(logits)) and their max */
+  const FN(vec) scale = FN(splat)((R)c->scale), limit = FN(splat)((R)c->clamp);
+  FN(vec) top = FN(splat)(-INFINITY);
+  for (int64_t m = 0; m < n; m++) {
+    FN(vec) score = FN(load)(z + m * LANES) * scale;
+    if (c->has_clamp) {
+      score = FN(select)(score > limit, limit, score);
+      score = FN(select)(score < -limit, -limit, score);
+    }
+    score += m < nl ? local : skip;
+    FN(store)(z + m * LANES, score);
+    top = FN(select)(score > top, score, top);
+  }
+  /* exp(z − top) as exp_shifted: the shift as the pair hi = top, lo = top − top (0, or NaN where top is
+   * infinite: what (R)(shift − (double)hi) is there) */
+  const FN(vec) hi = top, lo = top - top;
+  FN(vec) sum[LANES];
+  for (int64_t j = 0; j < LANES; j++) sum[j] = FN(splat)(0);
+  for (int64_t m = 0; m < n; m++) {
+    const FN(vec) x = (FN(load)(z + m * LANES) - hi) - lo;
+    FN(ivec) inside;
+    FN(vec) e = FN(exp_lanes)(x, &inside);
+    if (FN(any)(~inside))
+      for (int64_t j = 0; j < LANES; j++)
+        if (!inside[j]) e[j] = PI_EXP(x[j]);
+    sum[m % LANES] += e;
+    FN(store)(z + m * LANES, e);
+  }
+  const FN(vec) total = FN(sum_lanes_rows)(sum), inverse = FN(splat)(1) / total;
+  for (int64_t m = 0; m < n; m++) FN(store)(z + m * LANES, FN(load)(z + m * LANES) * inverse);
+  const FN(vec) log_total = FN(logs)(total);
+  for (int64_t r = 0; r < LANES; r++) stat[r] = (double)top[r] + (double)log_total[r];
+  if (keep) /* dropout on the weights */
+    for (int64_t r = 0; r < LANES; r++) {
+      FN(dropout_row)(c, p, start ? start[r] : 0, i0 + r, D, rows + r * stride, n, nl, keep + r * c->keep_slots,
+                      w->mult);
+      for (int64_t m = 0; m < n; m++) z[m * LANES + r] *= w->mult[m];
+    }
+  for (int64_t r = 0; r < LANES; r++)
+    FN(weighted_sum)(y + r * D, z + r, LANES, v, rows + r * stride, n, D, streaming);
+  return 1;
+}
+#endif
 
 /* One query row's gradients: dq_i, dgate_i (when dgate is not NULL), and its terms of dk, dv. */
 static inline __attribute__((always_inline)) void FN(backward_row_d)(const pi_call *c, const pi_pattern *p,
@@ -611,7 +919,7 @@ static inline __attribute__((always_inline)) void FN(backward_row_d)(const pi_ca
     for (int64_t m = 0; m < n; m++) z[m] *= w->mult[m];
   /* dq_i = Σ_m dz_m·k_m; dk_m += dz_m·q_i and dv_m += w_m·dy_i, one pass over D per slot. */
   for (int64_t m = 0; m < n; m++) dp[m] *= pass[m] * scale;
-  FN(weighted_sum)(dqi, dp, k, row, n, D);
+  FN(weighted_sum)(dqi, dp, 1, k, row, n, D, 0);
   for (int64_t m = 0; m < n; m++) FN(add2)(dk + row[m], dp[m], qi, dv + row[m], z[m], dyi, D);
 }
 
@@ -626,6 +934,18 @@ static void FN(forward_row)(const pi_call *c, const pi_pattern *p, int64_t i, in
   default: FN(forward_row_d)(c, p, i, start, end, qi, k, v, a, yi, stat, keep, w, c->D);
   }
 }
+
+#if PI_VECTOR_EXP
+static int FN(forward_block)(const pi_call *c, const pi_pattern *p, int64_t i0, const int64_t *start,
+                             const int64_t *end, const R *q, const R *k, const R *v, const R *gate, R *y, double *stat,
+                             const uint8_t *keep, int streaming, FN(pi_scratch) * w) {
+  switch (c->D) {
+  case 64: return FN(forward_block_d)(c, p, i0, start, end, q, k, v, gate, y, stat, keep, streaming, w, 64);
+  case 128: return FN(forward_block_d)(c, p, i0, start, end, q, k, v, gate, y, stat, keep, streaming, w, 128);
+  default: return FN(forward_block_d)(c, p, i0, start, end, q, k, v, gate, y, stat, keep, streaming, w, c->D);
+  }
+}
+#endif
 
 static void FN(backward_row)(const pi_call *c, const pi_pattern *p, int64_t i, int64_t start, int64_t end,
                              const R *qi, const R *dyi, const R *k, const R *v, R a, const double *stat, R *dqi,
@@ -662,6 +982,9 @@ int FN(pi_fused_forward)(const pi_call *c, const pi_buffer *buf, int64_t n_buf) 
   pi_pattern *p = pi_patterns(c, buf[6].data, &reach, &n_max, &err);
   if (!p) return err;
   const int64_t blocks = pi_forward_blocks(c), items = B * H_kv * blocks, rows = (T + blocks - 1) / blocks;
+#if PI_VECTOR_EXP
+  const int streaming = pi_streaming(c, y);
+#endif
   int failed = 0;
 #pragma omp parallel num_threads(c->threads) if (c->threads > 1 && items > 1)
   {
@@ -676,15 +999,32 @@ int FN(pi_fused_forward)(const pi_call *c, const pi_buffer *buf, int64_t n_buf) 
       const int64_t bn = item / blocks, t0 = item % blocks * rows, t1 = t0 + rows < T ? t0 + rows : T;
       const int64_t b = bn / H_kv, n = bn % H_kv;
       const R *kh = k + bn * T * D, *vh = v + bn * T * D;
-      for (int64_t i = t0; i < t1; i++) {
-        const int64_t start = doc_start ? doc_start[b * T + i] : 0, end = doc_start ? doc_end[b * T + i] : T;
+      for (int64_t i = t0; i < t1;) {
+        /* LANES rows at once (forward_block) where the item has as many left, else (or where their slots
+         * differ) row by row */
+        const int64_t count = PI_VECTOR_EXP && c->variant != PI_SEPARATE && t1 - i >= LANES ? LANES : 1;
         for (int64_t g = 0; g < G; g++) {
           const int64_t row = (b * H + n * G + g) * T + i;
-          FN(forward_row)(c, &p[n * G + g], i, start, end, q + row * D, kh, vh, gate ? gate[row] : 0, y + row * D,
-                          stat + row * n_stat, keep ? keep + row * c->keep_slots : NULL, &w);
+#if PI_VECTOR_EXP
+          if (count > 1 && FN(forward_block)(c, &p[n * G + g], i, doc_start ? doc_start + b * T + i : NULL,
+                                             doc_start ? doc_end + b * T + i : NULL, q + row * D, kh, vh,
+                                             gate ? gate + row : NULL, y + row * D, stat + row * n_stat,
+                                             keep ? keep + row * c->keep_slots : NULL, streaming, &w))
+            continue;
+#endif
+          for (int64_t r = 0; r < count; r++) {
+            const int64_t at = b * T + i + r, start = doc_start ? doc_start[at] : 0, end = doc_start ? doc_end[at] : T;
+            FN(forward_row)(c, &p[n * G + g], i + r, start, end, q + (row + r) * D, kh, vh, gate ? gate[row + r] : 0,
+                            y + (row + r) * D, stat + (row + r) * n_stat,
+                            keep ? keep + (row + r) * c->keep_slots : NULL, &w);
+          }
         }
+        i += count;
       }
     }
+#if PI_VECTOR_EXP && defined(PI_STREAM)
+    if (streaming) PI_FENCE(); /* the streaming stores are ordered before what follows (the threads' join) */
+#endif
     free(w.row);
   }
   free(p);
