@@ -16,6 +16,8 @@ timed; "fused" without its compiled kernels is reported as unavailable (it refus
 
     OMP_WAIT_POLICY=passive python benchmarks/cpu_bench.py --out benchmarks/results   # T = 1K … 16K, ~2 min
     python benchmarks/cpu_bench.py --lengths 1024 2048 --repeats 3 --out /tmp/b    # quick
+
+Results go to NAME.{json,md} in --out: cpu_bench, or cpu_bench_kept_pages with --keep-freed-pages.
 """
 
 from __future__ import annotations
@@ -320,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
                                     "python", sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
                   slopes=[dict(case=c, mode=m, time=slope(rows, c, m, "ms")) for c in cases for m in MODES])
     table = markdown(result)
-    save_results(args.out, "cpu_bench", result, table)
+    save_results(args.out, "cpu_bench_kept_pages" if args.keep_freed_pages else "cpu_bench", result, table)
     print(table)
     return 0
 
