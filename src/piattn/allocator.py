@@ -1,12 +1,18 @@
-"""Opt-in: let glibc keep freed memory in the process, so that a call's fresh outputs reuse mapped pages.
+"""Opt-in: let glibc serve large tensors from its heap and keep freed memory mapped, instead of mapping every
+call's outputs afresh.
 
 Why. Each π-Attention call on the CPU returns new tensors of megabytes (y, and in training dq, dk, dv): 16
-MiB each for B 1, H 8, T 8192, D 64, fp32. glibc serves an allocation that large with a fresh mmap and
-unmaps it when freed (or trims the top of its heap), so every call's first write to each 4 KiB page of its
-outputs takes a page fault in which the kernel zeroes the page. Measured at that shape on this project's
-CPU (`benchmarks/results/cpu_bench.md`, the `outputs` row), those first touches cost 0.33–0.41 × the
-operator's memory floor: as much as a third of the fused kernels' own time. With freed memory kept
-(`benchmarks/results/cpu_bench_kept_pages.md`) the fused fwd+bwd goes from 2.8× to 1.95× its floor.
+MiB each for B 1, H 8, T 8192, D 64, fp32, 32 MiB at T 16384. By default glibc serves a block that large
+with a fresh mmap and unmaps it when freed (its dynamic threshold never exceeds 32 MiB, so 32 MiB blocks
+are mapped afresh every time), and every first write to each 4 KiB page of a fresh mapping is a page fault
+in which the kernel zeroes the page. Measured on this project's CPU (`benchmarks/results/cpu_bench.md`, the
+`outputs` row) those first touches cost 1.0× the operator's whole memory floor at T 8192 fwd+bwd and 3.6×
+at T 16384; with this setting (`benchmarks/results/cpu_bench_kept_pages.md`) the fused fwd+bwd goes from
+2.5× to 1.7× its floor at 8192 and from 5.0× to 1.7× at 16384. What it does not promise: that a given call
+lands on pages touched before. glibc cannot always fit an aligned block into a freed block of the same
+size, and the heap may then grow by another block (measured with mallinfo2: a 16 MiB tensor allocated
+and freed in a loop grows the heap by 16 MiB a round until freed blocks coalesce). The gain is measured,
+not guaranteed.
 
 What it changes, and why it is opt-in. `keep_freed_pages` calls glibc's `mallopt` for the whole process:
 blocks up to `mmap_threshold` come from the heap instead of their own mapping, and the heap is trimmed
