@@ -294,8 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-outputs", action="store_true", help=f"skip the {OUTPUTS!r} row (fresh output memory)")
     p.add_argument("--no-kernel", action="store_true", help=f"skip the {KERNEL!r} row (outputs reused)")
     p.add_argument("--keep-freed-pages", action="store_true",
-                   help="glibc keeps freed memory for the next call (piattn.allocator.keep_freed_pages): fresh "
-                        "outputs then reuse mapped pages instead of faulting in new ones")
+                   help="glibc serves large tensors from its heap and keeps freed memory mapped "
+                        "(piattn.allocator.keep_freed_pages), instead of mapping each call's outputs afresh")
     args = p.parse_args(argv)
     if args.keep_freed_pages:
         keep_freed_pages()

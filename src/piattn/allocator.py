@@ -45,13 +45,6 @@ def _glibc() -> ctypes.CDLL:
     return libc
 
 
-def glibc_version() -> str:
-    """The version of glibc this process runs on (RuntimeError where it is not glibc)."""
-    libc = _glibc()
-    libc.gnu_get_libc_version.restype = ctypes.c_char_p
-    return libc.gnu_get_libc_version().decode()
-
-
 def keep_freed_pages(mmap_threshold: int = MMAP_THRESHOLD_MAX, trim_threshold: int = 1 << 30) -> None:
     """Make glibc serve blocks up to `mmap_threshold` bytes from its heap and keep up to `trim_threshold` bytes
     of freed heap mapped, for the rest of the process (module docstring: why, and the memory it costs).
