@@ -48,8 +48,8 @@ def documents_of(ids: list[int]) -> list[int]:
     return out
 
 
-def classes(T, window, period, causal, sinks, ids) -> torch.Tensor:
-    """long [T, T]: the class of key j for query i, by the contract's words."""
+def classes(T, window, period, causal, sinks, ids, device) -> torch.Tensor:
+    """long [T, T] on `device`: the class of key j for query i, by the contract's words."""
     doc = documents_of(ids)
     first = {}
     for t, d in enumerate(doc):
@@ -65,7 +65,7 @@ def classes(T, window, period, causal, sinks, ids) -> torch.Tensor:
                 c[i, j] = SKIP
             elif j - first[doc[j]] < sinks:
                 c[i, j] = SINK
-    return c
+    return c.to(device)
 
 
 def oracle(q, k, v, gate, *, window, period, causal, variant, prior, eps, sinks, ids, logit_clamp=None):
@@ -74,7 +74,7 @@ def oracle(q, k, v, gate, *, window, period, causal, variant, prior, eps, sinks,
     group = H // k.shape[1]
     out = torch.empty_like(q)
     for b in range(B):
-        c = classes(T, window, period, causal, sinks, ids[b])
+        c = classes(T, window, period, causal, sinks, ids[b], q.device)
         for h in range(H):
             kk, vv = k[b, h // group], v[b, h // group]
             z = q[b, h] @ kk.T * D**-0.5

@@ -179,16 +179,17 @@ def test_dropout_same_across_backends():
 
 @pytest.mark.parametrize("backend", ["flex", "triton"])
 def test_blocked_backends_forward(backend):
-    """The blocked backends (flex: forward only on a CPU; triton: its interpreter) against the oracle, fp32."""
+    """The blocked backends (flex: forward only on a CPU; triton: its interpreter there) against the oracle,
+    fp32, on DEVICE (the oracle runs on the CPU)."""
     if not REGISTRY[backend].available():
         pytest.skip(f"{backend} is not available in this install")
     require_backend(backend, torch.float32, 16, grad=False, features=("gqa", "sinks"))
     inputs = grouped_inputs(1, 4, 2, 40, 16, "adaptive", dtype=torch.float32)
     kw = dict(KW, causal=True, variant="adaptive", sinks=1)
     with torch.no_grad():
-        y = piattn.pi_attention(*inputs, period=PERIODS, backend=backend, **kw)
+        y = piattn.pi_attention(*(t.to(DEVICE) for t in inputs), period=PERIODS, backend=backend, **kw)
     exact = dense_oracle(*inputs, periods=PERIODS, **kw)
-    torch.testing.assert_close(y.double(), exact, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(y.double().cpu(), exact, atol=2e-5, rtol=2e-5)
 
 
 # The backends the fuzz draws from: those that run fp64 with gradients, GQA, sinks and documents here.

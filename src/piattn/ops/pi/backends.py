@@ -38,8 +38,15 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-@functools.cache
+@torch.compiler.assume_constant_result
 def _installed(module: str) -> bool:
+    """Whether `module` can be imported. Under torch.compile dynamo calls it rather than tracing it (torch
+    2.11's dynamo refuses to trace importlib's find_spec) and keeps the answer as a constant of the graph."""
+    return _find_module(module)
+
+
+@functools.cache
+def _find_module(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 

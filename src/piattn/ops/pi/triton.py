@@ -34,15 +34,20 @@ from .triton_kernels import (
 from .validate import all_finite
 
 
-def _tiles(D: int, halo: int, elem_size: int) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_K, num_warps) for head dim D (a power of two), band halo and input element size.
+def _tiles(D: int, halo: int, elem_size: int) -> tuple[int, int, int, int]:
+    """(BLOCK_T, BLOCK_K, num_warps, num_stages) for head dim D (a power of two), band halo and input element
+    size.
 
     BLOCK_T = 64 rows is one Hopper warpgroup MMA tall. BLOCK_K = 32 wastes few columns on the usual small
     windows; wide bands take 64 where the chunks are short rows (D·elem_size <= 128 bytes), since longer
-    ones spill registers in the backward kernels (ptxas for sm_90a, TRITON.md).
+    ones spill registers in the backward kernels (ptxas for sm_90a, TRITON.md). Rows of 1 KiB (fp32, D =
+    256) take 32-row tiles and no pipelining: the dQ kernel asked for 384 KiB of shared memory with 64 rows
+    and two stages on an H200, which has 227 KiB (first GPU run, benchmarks/results/gpu_first_tests.md).
     """
     block_k = 64 if halo >= 64 and D * elem_size <= 128 else 32
-    return 64, block_k, 4 if D <= 64 else 8
+    if D * elem_size >= 1024:
+        return 32, block_k, 8, 1
+    return 64, block_k, 4 if D <= 64 else 8, 2
 
 
 @dataclass(frozen=True)
@@ -74,7 +79,7 @@ def plan(q: torch.Tensor, *, window, period, causal, variant, prior, logit_clamp
     B, H, T, D = q.shape
     kv_heads = H if kv_heads is None else kv_heads
     pat = Pattern(window, period, causal, sinks)
-    block_t, block_k, num_warps = _tiles(D, pat.n_local - 1, q.element_size())
+    block_t, block_k, num_warps, num_stages = _tiles(D, pat.n_local - 1, q.element_size())
     # Constant priors only; the kernels take "adaptive"'s from the gate and "separate" has none.
     log_local, log_skip = log_priors("fixed", None, prior, eps) if variant == "fixed" else (0.0, 0.0)
     mode = {"separate": MODE_SEPARATE, "adaptive": MODE_ADAPTIVE}.get(variant, MODE_CONSTANT).value
@@ -86,7 +91,7 @@ def plan(q: torch.Tensor, *, window, period, causal, variant, prior, logit_clamp
         CAUSAL=causal, N_SKIP=pat.n_skip, SINKS=sinks, N_SLOTS=pat.n_slots,
         HAS_CLAMP=logit_clamp is not None, HAS_DROPOUT=dropout, HAS_DOCS=documents, D=D, BLOCK_T=block_t,
         BLOCK_K=block_k, DOT_PREC=prec, UPCAST=upcast,
-        num_warps=num_warps, num_stages=2,
+        num_warps=num_warps, num_stages=num_stages,
     )
     n_tiles = triton.cdiv(T, block_t)
     return Launch(

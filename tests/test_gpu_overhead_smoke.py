@@ -1,0 +1,40 @@
+"""benchmarks/gpu_overhead.py end to end in its CPU smoke mode (Triton interpreter, one tiny shape): it runs
+through, writes its JSON and markdown, and restores the checks it switches off for measuring."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_overhead_smoke(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_overhead.py", "--smoke", "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu_overhead.json").read_text())
+    assert [r["mode"] for r in result["rows"]] == ["fwd", "fwd+bwd"]
+    for row in result["rows"]:
+        for label in ("eager", "no_gate_check", "no_finite_check", "no_checks"):
+            assert row[f"{label}_ms"] > 0 and row[f"{label}_host_us"] > 0
+    assert "| B | H | T | D | mode |" in (tmp_path / "gpu_overhead.md").read_text()
+
+
+def test_checks_off_restores_both_checks():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_overhead
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    from piattn.ops.pi import triton as triton_backend
+    from piattn.ops.pi import validate
+
+    before = validate._check_gate, triton_backend.all_finite
+    with gpu_overhead.checks_off(gate=True, finite=True):
+        assert validate._check_gate is not before[0] and triton_backend.all_finite is not before[1]
+    assert (validate._check_gate, triton_backend.all_finite) == before
