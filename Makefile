@@ -11,7 +11,7 @@ BASE := $(VENV)/.installed-base
 DEMO_STAMP := $(VENV)/.installed-demo
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: demo test test-slow lint bench-cpu bench-gpu clean
+.PHONY: demo test test-slow lint bench-cpu bench-gpu gpu clean
 
 $(BASE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,10 @@ bench-cpu: $(DEMO_STAMP)
 
 bench-gpu:
 	PYTHONPATH=src $(PYTHON) benchmarks/gpu_bench.py --out benchmarks/results
+
+# The prepared GPU session (docs/gpu.md): env, CUDA tests, kernels, model, about 7 minutes.
+gpu:
+	PYTHONPATH=src $(PYTHON) benchmarks/gpu_run.py --out benchmarks/results
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

@@ -145,10 +145,10 @@ def copy_bandwidth(setup: Setup) -> float:
     return 2 * n / (ms / 1e3)
 
 
-def floor_bytes(B: int, H: int, T: int, D: int, mode: str) -> int:
-    """Bytes that any π kernel must move (module docstring), bf16 tensors and fp32 statistics."""
-    fwd = 2 * (3 * T * D + T) + 2 * T * D + 4 * T
-    bwd = 2 * (5 * T * D + T) + 4 * T + 2 * (3 * T * D + T)
+def floor_bytes(B: int, H: int, T: int, D: int, mode: str, elem: int = 2) -> int:
+    """Bytes that any π kernel must move (module docstring): tensors of `elem` bytes (2: bf16), fp32 statistics."""
+    fwd = elem * (3 * T * D + T) + elem * T * D + 4 * T
+    bwd = elem * (5 * T * D + T) + 4 * T + elem * (3 * T * D + T)
     return B * H * (fwd + (bwd if mode == "fwd+bwd" else 0))
 
 
@@ -178,12 +178,12 @@ def sdpa_op(backend: SDPBackend):
     return op
 
 
-def make_inputs(B, H, T, D, device, *, grad: bool, q_scale: float = 1.0, seed: int = 0):
-    """q, k, v [B, H, T, D] bf16 ~ N(0, 1) (q times q_scale), gate [B, H, T] in (0.05, 0.95), dy."""
+def make_inputs(B, H, T, D, device, *, grad: bool, q_scale: float = 1.0, seed: int = 0, dtype=DTYPE):
+    """q, k, v [B, H, T, D] of dtype ~ N(0, 1) (q times q_scale), gate [B, H, T] in (0.05, 0.95), dy."""
     g = torch.Generator(device=device).manual_seed(seed)
-    q, k, v, dy = (torch.randn(B, H, T, D, generator=g, device=device).to(DTYPE) for _ in range(4))
+    q, k, v, dy = (torch.randn(B, H, T, D, generator=g, device=device).to(dtype) for _ in range(4))
     q = q * q_scale
-    gate = (0.05 + 0.9 * torch.rand(B, H, T, generator=g, device=device)).to(DTYPE)
+    gate = (0.05 + 0.9 * torch.rand(B, H, T, generator=g, device=device)).to(dtype)
     for t in (q, k, v, gate):
         t.requires_grad_(grad)
     return q, k, v, gate, dy
@@ -199,14 +199,14 @@ def run_op(op, inputs, *, backward: bool, uses_gate: bool = True):
     return (y, *torch.autograd.grad(y, wrt, dy))
 
 
-def compare(expected, actual) -> tuple[bool, dict]:
-    """allclose with the bf16 tolerance, per tensor; max abs errors for the record."""
+def compare(expected, actual, tol: dict = TOL) -> tuple[bool, dict]:
+    """allclose with tolerance `tol` (default bf16's), per tensor; max abs errors for the record."""
     errors, ok = {}, True
     for name, e, a in zip(NAMES, expected, actual, strict=False):
         e, a = e.float(), a.float()
         finite = bool(torch.isfinite(a).all())
         errors[name] = (a - e).abs().max().item() if finite else None
-        ok = ok and finite and torch.allclose(a, e, **TOL)
+        ok = ok and finite and torch.allclose(a, e, **tol)
     return ok, errors
 
 
@@ -297,7 +297,10 @@ def time_grid(setup: Setup, ops: dict, sdpa_label: str, bandwidth: float) -> lis
 
 
 def _time_case(setup: Setup, op, inputs, backward: bool, uses_gate: bool) -> dict:
+    """{status, ms}; an op with a `prepare(inputs)` method gets its inputs laid out its way first (untimed)."""
     try:
+        if hasattr(op, "prepare"):
+            inputs = op.prepare(inputs)
         ms = setup.time_ms(lambda: run_op(op, inputs, backward=backward, uses_gate=uses_gate))
         return dict(status="ok", ms=ms)
     except torch.OutOfMemoryError:

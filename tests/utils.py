@@ -111,6 +111,85 @@ def assert_close(name: str, expected: torch.Tensor, actual: torch.Tensor, dtype:
 OUTPUT_NAMES = ("y", "dq", "dk", "dv", "dgate")
 
 
+# The reference-error rule (`compare_to_exact`): a backend's largest error against the exact result may be
+# REFERENCE_ERROR_FACTOR times the reference's own, plus FLOOR_ULPS units in the last place of the tensor's
+# largest element or of 1 (the test inputs are of unit size, and a gradient that is exactly 0 is a sum of
+# terms that are not): a reference that happens to be exact leaves no room for another summation order, and
+# a sum of n unit-size terms in another order can differ by about n/2 ulps (n = 32: the tests' head dims).
+REFERENCE_ERROR_FACTOR = 8
+FLOOR_ULPS = 16
+
+
+def exact_run(inputs, *, seed: int = 0, grad: bool, **kwargs) -> tuple:
+    """The reference backend on `inputs` (q, k, v, gate) converted to fp64 after their rounding to their own
+    dtype: what every backend approximates, as `forward_backward` (grad) or the output alone. Same torch
+    seed as the runs it judges, hence the same dropout mask."""
+    exact_inputs = [None if t is None else t.detach().double().requires_grad_(grad) for t in inputs]
+    torch.manual_seed(seed)
+    if grad:
+        return forward_backward(*exact_inputs, **{**kwargs, "backend": "reference"})
+    with torch.no_grad():
+        return (piattn.pi_attention(*exact_inputs, **{**kwargs, "backend": "reference"}),)
+
+
+def compare_to_exact(reference: tuple, actual: tuple, exact: tuple) -> None:
+    """Each tensor of `actual` (a backend's run) within the reference-error rule of the exact result: largest
+    |actual - exact| <= REFERENCE_ERROR_FACTOR · largest |reference - exact| + FLOOR_ULPS ulps of
+    max(largest |exact|, 1), in the dtype of `reference`.
+
+    The bound follows the dtype and the values rather than a fixed atol: it is what the reference itself
+    misses by in that dtype on these inputs, so a machine whose vector units sum in another order (AVX-512
+    rather than AVX2, tensor cores rather than FMA loops) moves both errors together. fp32, bf16, fp16.
+    """
+    assert len(reference) == len(actual) == len(exact)
+    for name, r, a, e in zip(OUTPUT_NAMES, reference, actual, exact, strict=False):
+        assert (r is None) == (a is None), f"{name}: expected {'no ' if r is None else ''}gradient"
+        if r is None:
+            continue
+        assert a.dtype == r.dtype, f"{name}: dtype {a.dtype} != {r.dtype}"
+        assert a.shape == r.shape, f"{name}: shape {tuple(a.shape)} != {tuple(r.shape)}"
+        assert torch.isfinite(a).all(), f"{name}: non-finite values"
+        e = e.detach().double().to(a.device)
+        reference_error = (r.double() - e).abs().max().item()
+        error = (a.double() - e).abs()
+        scale = max(e.abs().max().item(), 1.0)
+        floor = FLOOR_ULPS * torch.finfo(r.dtype).eps * scale
+        bound = REFERENCE_ERROR_FACTOR * reference_error + floor
+        worst = error.max().item()
+        assert worst <= bound, (
+            f"{name}: largest error {worst:.3g} at {tuple(divmod_index(error.argmax().item(), error.shape))} > "
+            f"{bound:.3g} = {REFERENCE_ERROR_FACTOR} x the reference's own {reference_error:.3g} + "
+            f"{FLOOR_ULPS} ulps of {scale:.3g} ({r.dtype})")
+
+
+def against_reference(backend: str, inputs, *, grad: bool, seed: int = 0, **kwargs) -> list[tuple]:
+    """Run "reference" and `backend` on `inputs` (q, k, v, gate; same torch seed, so the same dropout mask) and
+    compare the output, and with grad every gradient: fp64 within TOLERANCES, other dtypes by the
+    reference-error rule (`compare_to_exact`). Returns [reference's run, backend's run]."""
+    results = []
+    for b in ("reference", backend):
+        torch.manual_seed(seed)
+        if grad:
+            results.append(forward_backward(*inputs, backend=b, **kwargs))
+        else:
+            with torch.no_grad():  # inputs may require grad: flex on CPU takes them under no_grad
+                results.append((piattn.pi_attention(*inputs, backend=b, **kwargs),))
+    if inputs[0].dtype == torch.float64:
+        compare(*results, torch.float64)
+    else:
+        compare_to_exact(*results, exact_run(inputs, seed=seed, grad=grad, **kwargs))
+    return results
+
+
+def divmod_index(flat: int, shape) -> list[int]:
+    """The multi-index of a flat index into `shape`."""
+    index = []
+    for size in reversed(shape):
+        flat, i = divmod(flat, size)
+        index.append(i)
+    return index[::-1]
+
+
 def compare(expected: tuple, actual: tuple, dtype: torch.dtype | None = None, tol: dict | None = None) -> None:
     """Compare the tuples of two forward_backward runs (or their first elements) with `assert_close`:
     equal dtypes, finite values, TOLERANCES[dtype] or `tol`; a missing gradient (None) must be missing in

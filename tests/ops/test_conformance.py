@@ -24,6 +24,7 @@ from piattn.ops.pi.backends import REGISTRY
 from utils import (
     DEVICE,
     LOOSER,
+    against_reference,
     assert_close,
     backend_matrix,
     compare,
@@ -65,20 +66,10 @@ SHAPES = {
 
 
 def check(backend: str, inputs, *, grad: bool, seed: int = 0, **kwargs):
-    """Run "reference" and `backend` on the same inputs (same torch seed, so the same dropout mask) and
-    compare y, and with grad every gradient, at utils.TOLERANCES of their dtype (or LOOSER's)."""
+    """`utils.against_reference` for a backend that can run the call on DEVICE (else the test skips)."""
     q = inputs[0]
     require_backend(backend, q.dtype, q.shape[-1], grad=grad, dropout_p=kwargs.get("dropout_p", 0.0))
-    results = []
-    for b in ("reference", backend):
-        torch.manual_seed(seed)
-        if grad:
-            results.append(forward_backward(*inputs, backend=b, **kwargs))
-        else:
-            with torch.no_grad():  # inputs may require grad: flex on CPU takes them under no_grad
-                results.append((piattn.pi_attention(*inputs, backend=b, **kwargs),))
-    compare(*results, q.dtype, LOOSER.get((backend, q.dtype)))
-    return results
+    return against_reference(backend, inputs, grad=grad, seed=seed, **kwargs)
 
 
 def _shape_core(backend, shape, variant, causal, pass_):

@@ -21,10 +21,9 @@ from piattn.config.pi import GATED_VARIANTS, VARIANTS
 from piattn.ops.pi.backends import REGISTRY
 from utils import (
     DEVICE,
-    LOOSER,
+    against_reference,
     assert_close,
     backend_matrix,
-    compare,
     forward_backward,
     most_exact_dtype,
     require_backend,
@@ -166,8 +165,7 @@ def test_backend_matches_reference(backend, variant, causal, case, docs, heads):
     q, k, v, gate = inputs(2, H, Hk, T, 8, variant, dtype)
     ids = torch.tensor(IDS[docs](2, T), device=DEVICE) if docs != "one" else None
     kw = dict(window=window, period=period, causal=causal, variant=variant, sinks=sinks, document_ids=ids)
-    compare(forward_backward(q, k, v, gate, **kw, backend="reference"),
-            forward_backward(q, k, v, gate, **kw, backend=backend), dtype, LOOSER.get((backend, dtype)))
+    against_reference(backend, (q, k, v, gate), grad=True, **kw)
 
 
 @pytest.mark.parametrize(*backend_matrix(("reference", *BACKENDS), lambda b, variant, causal: False,
@@ -259,23 +257,15 @@ def _low_precision_core(backend, dtype, variant, pass_):
                                  variant=VARIANTS, pass_=("forward", "backward")))
 def test_low_precision_all_features(backend, dtype, variant, pass_, nan_poison):
     """bf16 and fp16 with sinks + documents + grouped-query attention, against the reference run on the same
-    rounded inputs (it accumulates in fp32 too): utils.TOLERANCES, 2e-2 for bf16 and 3e-3 for fp16 (the
-    rounding of the inputs of the tensor-core products and of the results). Scores ≈ 4·N(0, 1), so a few
-    cross the clamp of 5. Outputs NaN-poisoned; results in the input dtype."""
+    rounded inputs (it accumulates in fp32 too), by the reference-error rule (`utils.compare_to_exact`).
+    Scores ≈ 4·N(0, 1), so a few cross the clamp of 5. Outputs NaN-poisoned; results in the input dtype."""
     grad = pass_ == "backward"
     require_backend(backend, dtype, 32, grad=grad, features={"sinks", "documents", "gqa"})
     q, k, v, gate = inputs(2, 6, 2, 50, 32, variant, dtype, seed=4)
     q = (q.detach() * 4).requires_grad_()
     kw = dict(window=4, period=9, causal=True, variant=variant, sinks=2, logit_clamp=5.0,
               document_ids=_mixed_documents(50))
-    if grad:
-        expected = forward_backward(q, k, v, gate, **kw, backend="reference")
-        actual = forward_backward(q, k, v, gate, **kw, backend=backend)
-    else:
-        with torch.no_grad():
-            expected = (piattn.pi_attention(q, k, v, gate, **kw, backend="reference"),)
-            actual = (piattn.pi_attention(q, k, v, gate, **kw, backend=backend),)
-    compare(expected, actual, dtype)
+    _, actual = against_reference(backend, (q, k, v, gate), grad=grad, **kw)
     assert all(t.dtype == dtype for t in actual if t is not None)
 
 
@@ -290,11 +280,7 @@ def test_dropout_all_features(backend, causal, nan_poison):
         pytest.skip(f"{backend}: {reason}")
     q, k, v, gate = inputs(2, 4, 2, 40, 16, "adaptive", dtype, seed=5)
     kw = dict(window=3, period=8, causal=causal, sinks=3, dropout_p=0.3, document_ids=_mixed_documents(40))
-    results = []
-    for b in ("reference", backend):
-        torch.manual_seed(7)
-        results.append(forward_backward(q, k, v, gate, **kw, backend=b))
-    compare(*results, dtype, LOOSER.get((backend, dtype)))
+    against_reference(backend, (q, k, v, gate), grad=True, seed=7, **kw)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,0 +1,53 @@
+"""benchmarks/gpu_run.py end to end in its CPU smoke mode: every step runs and writes what the GPU run will.
+
+The real run needs a GPU and gets one try; this checks that each step runs through on a CPU (tiny shapes,
+a small pytest selection, the tiny GPT) and that the JSON has every key the report and the plot read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_run_smoke(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_run.py", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert len(files) <= 8 and {"gpu_run.json", "gpu_run.md", "gpu_tests_tail.log", "gpu_run.png"} <= set(files)
+    result = json.loads((tmp_path / "gpu_run.json").read_text())
+    steps = result["steps"]
+    assert list(steps) == ["env", "tests", "kernels", "model"]
+    assert all(s["status"] == "ok" for s in steps.values()), {k: s.get("error") for k, s in steps.items()}
+    assert result["environment"]["copy_bandwidth_GBps"] > 0
+
+    tests = steps["tests"]
+    cases = list(ET.parse(tmp_path / "gpu_tests.xml").getroot().iter("testcase"))
+    assert tests["passed"] > 0 and tests["passed"] + tests["skipped"] + tests["failed"] + tests["errors"] == len(cases)
+
+    kernels = steps["kernels"]
+    timed = {r["backend"] for r in kernels["rows"] if r.get("ms")}
+    assert {"pi", "pi-heads", "pi-union", "local", "sdpa", "sdpa-fp32", "fsa-mask", "flex-16"} <= timed
+    for row in kernels["rows"]:
+        if row.get("ms"):
+            assert row["ms"] > 0 and row["ratio_to_floor"] > 0 and "vs_pi" in row
+    assert kernels["checks"]["fsa-mask/float32"]["status"] == "ok"  # the adapter's window_sizes are π's union
+    assert all(r["status"] == "ok" for r in kernels["nan_check"]["results"].values())
+
+    model = steps["model"]["rows"]
+    assert {r["kind"] for r in model} == {"dense", "local", "pi"}
+    for row in model:
+        assert row["status"] == "ok", row
+        assert row["train_ms"] > 0 and row["prefill_ms"] > 0 and row["decode_ms_per_token"] > 0
+        assert {"train_peak_mib", "prefill_peak_mib", "decode_peak_mib"} <= row.keys()
+
+    text = (tmp_path / "gpu_run.md").read_text()
+    assert "| step | status |" in text and "## Kernels" in text and "## Model" in text
