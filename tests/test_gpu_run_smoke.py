@@ -51,3 +51,24 @@ def test_gpu_run_smoke(tmp_path):
 
     text = (tmp_path / "gpu_run.md").read_text()
     assert "| step | status |" in text and "## Kernels" in text and "## Model" in text
+
+
+def test_outcomes_from_a_killed_runs_log():
+    """A run killed at its budget writes no junit file: the verbose log's lines still give the counts and
+    the failing tests' ids (xdist's and plain pytest's line forms)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_run
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    lines = ["[gw3] [  1%] PASSED tests/ops/test_a.py::test_x[1] ",
+             "[gw1] [  2%] FAILED tests/ops/test_a.py::test_y[flex-16] ",
+             "tests/ops/test_b.py::test_z SKIPPED (needs CUDA)",
+             "tests/ops/test_b.py::test_w PASSED",
+             "tests/ops/test_b.py::test_e ERROR",
+             "collected 5 items"]
+    result = gpu_run.outcomes_from_log(lines)
+    assert {k: result[k] for k in ("passed", "failed", "errors", "skipped")} == dict(
+        passed=2, failed=1, errors=1, skipped=1)
+    assert [f["id"] for f in result["failures"]] == ["tests/ops/test_a.py::test_y[flex-16]",
+                                                     "tests/ops/test_b.py::test_e"]

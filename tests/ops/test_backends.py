@@ -15,7 +15,7 @@ import piattn
 from piattn.config.pi import VARIANTS
 from piattn.ops.pi.backends import AUTO_ORDER, REGISTRY, Backend, select
 from piattn.ops.pi.validate import SUPPORTED_DTYPES
-from utils import assert_close, make_inputs
+from utils import DEVICE, assert_close, make_inputs
 
 CALL = dict(dtype=torch.float32, head_dim=64, needs_grad=True, dropout_p=0.0)
 
@@ -124,12 +124,15 @@ def test_explicit_backend_that_cannot_run_the_call(backend, dtype, D, kwargs, re
     if backend not in piattn.BACKENDS:
         pytest.skip(f"backend {backend!r} is not runnable on this install")
     grad = kwargs.pop("grad", False)
-    q, k, v, gate = make_inputs(1, 1, 6, D, dtype=dtype, requires_grad=grad)
+    # On the backend's own device, so that the refusal is the one under test, not "runs on cuda, not cpu"
+    # (triton on a GPU machine, where its CPU interpreter is off).
+    device = "cpu" if "cpu" in (REGISTRY[backend].devices or ("cpu",)) else DEVICE
+    q, k, v, gate = make_inputs(1, 1, 6, D, dtype=dtype, device=device, requires_grad=grad)
     can = [name for name in REGISTRY if name != backend and name in piattn.BACKENDS
-           and REGISTRY[name].refusal(device="cpu", dtype=dtype, head_dim=D, needs_grad=grad,
+           and REGISTRY[name].refusal(device=device, dtype=dtype, head_dim=D, needs_grad=grad,
                                       dropout_p=kwargs.get("dropout_p", 0.0)) is None]
     assert "reference" in can and "torch" in can
-    pattern = rf"backend '{backend}' cannot run this call \(cpu, .*\): {reason}.*Backends that can: " + ", ".join(
+    pattern = rf"backend '{backend}' cannot run this call \({device}, .*\): {reason}.*Backends that can: " + ", ".join(
         f"'{name}'" for name in can)
     with pytest.raises(ValueError, match=pattern):
         piattn.pi_attention(q, k, v, gate, backend=backend, **kwargs)
