@@ -45,7 +45,7 @@ class PiSettings:
 
     def check(self) -> None:
         """ValueError naming the setting and what it allows, for the first one out of range."""
-        fields = dataclasses.asdict(self)
+        fields = self.as_kwargs()
         periods = head_periods(fields.pop("period"))
         check_pi_settings(period=periods if is_int(periods) else min(periods), **fields)
 
@@ -66,7 +66,10 @@ class PiSettings:
         return max(self.window, self.period if is_int(self.period) else max(self.period))
 
     def as_kwargs(self) -> dict:
-        return dataclasses.asdict(self)
+        # A shallow dict, not dataclasses.asdict: asdict deep-copies each value, which torch 2.11's dynamo
+        # refuses to trace on Python 3.11 (a layer's forward calls this under torch.compile). The fields
+        # are ints, floats, strings and tuples of ints, so nothing is shared that could be mutated.
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
 def head_periods(period) -> int | tuple[int, ...]:
