@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -30,7 +31,7 @@ from test_conformance import SHAPES  # id: (T, window, period), the shapes every
 
 import piattn
 from piattn.config.pi import GATED_VARIANTS, VARIANTS
-from piattn.ops.pi import fused
+from piattn.ops.pi import cbuild, fused
 from piattn.ops.pi.fused import pi_attention_fused
 from piattn.ops.pi.pattern import Pattern, slot_keys
 from piattn.ops.pi.reference import pi_attention_reference
@@ -519,7 +520,7 @@ def test_empty_batch():
 CHECK = """
 import json, warnings, torch
 warnings.simplefilter("always")
-from piattn.ops.pi import fused
+from piattn.ops.pi import cbuild, fused
 {setup}
 from piattn.ops.pi.reference import pi_attention_reference
 torch.manual_seed(0)
@@ -554,3 +555,69 @@ def test_builds_without_native_instructions_or_openmp(tmp_path, flags):
     out, _ = _check_in(tmp_path, setup=f"fused.FLAG_SETS = ({flags!r},)")
     assert out == dict(reason=None, flags=list(flags), worst=out["worst"]) and out["worst"] < 1e-10, out
     assert len(list((tmp_path / "native").glob("fused_cpu-*.so"))) == 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# PIATTN_MARCH: the kernels built and tested for a named x86-64 level, refused where this CPU cannot run it.
+
+def _runnable(level: str) -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64") and not cbuild.missing_features(
+        level, cbuild.cpu_features())
+
+
+@pytest.mark.parametrize("level", [
+    "x86-64-v2",  # every x86-64 CI machine of the last decade runs it: the default suite builds one level
+    pytest.param("x86-64-v3", marks=pytest.mark.slow),  # AVX2
+    pytest.param("x86-64-v4", marks=pytest.mark.slow),  # AVX-512
+])
+def test_pinned_instruction_set_builds_and_computes_the_same(tmp_path, level):
+    """PIATTN_MARCH=level builds that instruction set alone (its own library in the cache) and matches the
+    reference, output and gradients, in fp64."""
+    if not _runnable(level):
+        pytest.skip(f"this CPU cannot run {level}")
+    out, _ = _check_in(tmp_path, PIATTN_MARCH=level)
+    assert out["reason"] is None and out["flags"] == [f"-march={level}", "-fopenmp"], out
+    assert out["worst"] < 1e-10, out
+
+
+def test_march_values_refused_with_the_reason(monkeypatch):
+    monkeypatch.setenv("PIATTN_MARCH", "x86-64-v9")
+    with pytest.raises(ValueError, match=r"PIATTN_MARCH must be one of native, x86-64, x86-64-v2, x86-64-v3, "
+                                         r"x86-64-v4; got 'x86-64-v9'"):
+        cbuild.march()
+    monkeypatch.setenv("PIATTN_MARCH", "x86-64-v3")
+    monkeypatch.setattr(cbuild.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cbuild, "cpu_features", lambda: frozenset(cbuild.X86_64_LEVELS["x86-64-v2"]))
+    with pytest.raises(ValueError, match=r"PIATTN_MARCH=x86-64-v3 needs CPU features this CPU lacks \(abm, avx, "
+                                         r"avx2, .*SIGILL"):
+        cbuild.march()
+    monkeypatch.setattr(cbuild.platform, "machine", lambda: "aarch64")
+    with pytest.raises(ValueError, match="x86-64 level; this machine is aarch64"):
+        cbuild.march()
+    monkeypatch.setenv("PIATTN_MARCH", "native")
+    assert cbuild.march() == "native"
+    monkeypatch.delenv("PIATTN_MARCH")
+    assert cbuild.march() is None and fused.flag_sets() == fused.FLAG_SETS
+
+
+def test_missing_features_accumulate_the_levels_below():
+    v2 = frozenset(cbuild.X86_64_LEVELS["x86-64-v2"])
+    assert cbuild.missing_features("x86-64", frozenset()) == []
+    assert cbuild.missing_features("x86-64-v2", v2) == []
+    assert cbuild.missing_features("x86-64-v4", v2 | {"avx512f"}) == sorted(
+        set(cbuild.X86_64_LEVELS["x86-64-v3"]) | set(cbuild.X86_64_LEVELS["x86-64-v4"]) - {"avx512f"})
+
+
+def test_a_level_this_cpu_lacks_is_the_backends_refusal(tmp_path):
+    """Pinned to a level the CPU cannot run, the backend refuses every call with the reason (no build, no
+    fallback to another instruction set) and "auto" runs "torch"."""
+    setup = ("from piattn.ops.pi import cbuild; cbuild.cpu_features = lambda: frozenset(); "
+             "cbuild.platform.machine = lambda: 'x86_64'")
+    done = subprocess.run(
+        [sys.executable, "-c", f"{setup}\nfrom piattn.ops.pi import fused\nprint(fused.unavailable())\n"
+                               "print(fused.build_flags())"],
+        capture_output=True, text=True, check=True,
+        env={**os.environ, "PIATTN_CACHE": str(tmp_path), "PIATTN_MARCH": "x86-64-v2"})
+    reason, flags = done.stdout.strip().splitlines()[-2:]
+    assert "PIATTN_MARCH=x86-64-v2 needs CPU features this CPU lacks" in reason and "backend='torch'" in reason
+    assert flags == "None" and not list(tmp_path.glob("native/*.so"))

@@ -93,6 +93,60 @@ def cpu_identity() -> bytes:
     return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))})).encode()
 
 
+# The x86-64 micro-architecture levels (the psABI's) that PIATTN_MARCH may name, each with the CPU features
+# (as /proc/cpuinfo spells them) it adds to the level before it: code built for a level the CPU lacks stops
+# with SIGILL, so such a level is refused up front.
+X86_64_LEVELS = {
+    "x86-64": (),
+    "x86-64-v2": ("cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"),
+    "x86-64-v3": ("abm", "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave"),
+    "x86-64-v4": ("avx512bw", "avx512cd", "avx512dq", "avx512f", "avx512vl"),
+}
+
+
+def cpu_features() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return frozenset()
+    return frozenset(word for line in lines if line.startswith("flags") for word in line.split(":", 1)[1].split())
+
+
+def missing_features(level: str, features: frozenset[str]) -> list[str]:
+    """The features of x86-64 `level` (and the levels below it) that `features` lacks."""
+    needed = []
+    for name, adds in X86_64_LEVELS.items():
+        needed += adds
+        if name == level:
+            break
+    return sorted(set(needed) - features)
+
+
+def march() -> str | None:
+    """The instruction set that PIATTN_MARCH pins native builds to: None when unset (each builder then tries
+    this CPU's own, -march=native, first), "native", or an x86-64 level. A pinned build is how the kernels
+    are built and tested for another CPU's instruction set on this one (e.g. x86-64-v4's AVX-512 code
+    paths on an AVX-512 machine, x86-64-v3 for AVX2). ValueError naming PIATTN_MARCH for a value that is
+    not a level, a level on another architecture, or a level this CPU cannot run."""
+    value = os.environ.get("PIATTN_MARCH", "").strip()
+    if not value:
+        return None
+    if value == "native":
+        return value
+    allowed = ", ".join(("native", *X86_64_LEVELS))
+    if value not in X86_64_LEVELS:
+        raise ValueError(f"PIATTN_MARCH must be one of {allowed}; got {value!r}")
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise ValueError(f"PIATTN_MARCH={value} is an x86-64 level; this machine is {platform.machine()}: "
+                         f"use native or unset it")
+    missing = missing_features(value, cpu_features())
+    if missing:
+        raise ValueError(f"PIATTN_MARCH={value} needs CPU features this CPU lacks ({', '.join(missing)}), so its "
+                         f"code would stop with SIGILL here: pick a lower level or native")
+    return value
+
+
 def library_path(source: Path, compiler: str, flags: Sequence[str]) -> Path:
     """Where `source` built by `compiler` with `flags` lives: `<stem>-<key>.so` in `library_folder()`."""
     key = hashlib.sha256(b"\0".join([source.read_bytes(), compiler.encode(), " ".join(flags).encode(),

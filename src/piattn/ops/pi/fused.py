@@ -49,6 +49,15 @@ _BASE_FLAGS = ("-O3", "-std=c99", "-fPIC", "-shared", "-fno-math-errno", "-ffp-c
 # Tried in order until the compiler takes one: this machine's vector instructions (AVX where it has them) and
 # OpenMP threads, then without what it refuses (SSE vectors; one thread: the pragmas are ignored).
 FLAG_SETS = (("-march=native", "-fopenmp"), ("-fopenmp",), ())
+
+
+def flag_sets() -> tuple[tuple[str, ...], ...]:
+    """The flag sets to try: FLAG_SETS, or with PIATTN_MARCH set (`cbuild.march`) that instruction set alone,
+    with and without OpenMP: a pinned build never falls back to another instruction set."""
+    pinned = cbuild.march()
+    if pinned is None:
+        return FLAG_SETS
+    return ((f"-march={pinned}", "-fopenmp"), (f"-march={pinned}",))
 VARIANT_CODES = {"union": 0, "fixed": 1, "adaptive": 2, "separate": 3}
 _SUFFIXES = {torch.float32: "f32", torch.float64: "f64"}
 _FUNCTIONS = {(dtype, direction): f"pi_fused_{direction}_{suffix}"
@@ -104,7 +113,9 @@ def _load() -> dict | None:
         else:
             try:
                 functions, _state["flags"] = cbuild.load(SOURCE, _open, compiler=os.environ.get("CC") or "cc",
-                                                         base_flags=_BASE_FLAGS, flag_sets=FLAG_SETS)
+                                                         base_flags=_BASE_FLAGS, flag_sets=flag_sets())
+            except ValueError as err:  # PIATTN_MARCH names no instruction set this CPU runs
+                _state["reason"] = f"its C kernels are not built: {err}, {other}"
             except cbuild.BuildError as err:
                 _state["reason"] = f"its C kernels do not build: {err}. Install a C compiler or set CC to one, {other}"
             except cbuild.LoadError as err:  # built, verified, and still not loadable
