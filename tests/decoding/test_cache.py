@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from piattn.decoding import RingCache
+from piattn.models import GPT, GPTConfig
 from utils import tiny_model
 
 VARIANTS = ("union", "separate", "fixed", "adaptive")
@@ -64,3 +65,42 @@ def test_kinds_without_decoding_say_which_have_it():
     layer = PiAttention(16, 2, causal=False)
     with pytest.raises(ValueError, match="causal"):
         layer.init_cache(1)
+
+
+def _pi_model(period: int, sinks: int = 0) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig.from_name("tiny", attention="pi", vocab_size=50, n_layer=2, d_model=32, n_head=2, window=3,
+                                   period=period, sinks=sinks, dropout=0.0, block_size=64)).eval()
+
+
+@pytest.mark.parametrize("period, sinks", [(10**9, 0), (40, 2), (8, 0)])
+def test_max_positions_caps_the_ring_and_decodes_the_same(period, sinks):
+    """A ring capped at the positions it will hold (prompt + new tokens) decodes what the uncapped model
+    computes in one forward, token by token; a period of 10^9 costs a ring of that many positions, not 10^9
+    (before, `generate` died allocating 256 GB)."""
+    model = _pi_model(period, sinks)
+    idx = torch.randint(0, 50, (2, 30), generator=torch.Generator().manual_seed(1))
+    full = model(idx)
+    cache = model.init_cache(2, max_positions=30)
+    steps = [model(idx[:, :12], cache)] + [model(idx[:, t:t + 1], cache) for t in range(12, 30)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+    assert all(layer.capacity == min(30, max(3, period) + 1) for layer in cache.layers)
+    with pytest.raises(ValueError, match="at most 30 positions"):
+        model(idx[:, :1], cache)
+
+
+def test_generate_sizes_the_ring_by_the_text():
+    model = _pi_model(10**9)
+    out = model.generate(torch.zeros(1, 5, dtype=torch.long), 7, seed=0)
+    assert out.shape == (1, 12)
+
+
+def test_a_capped_ring_is_refused_where_it_could_overwrite():
+    """A ring shorter than the layer's reach serves it only when it holds every position it will get."""
+    cache = RingCache(1, 1, 4, 10, max_positions=10)
+    cache.check(batch_size=1, n_heads=1, head_dim=4, capacity=100, sinks=0)
+    short = RingCache(1, 1, 4, 10, max_positions=11)
+    with pytest.raises(ValueError, match="needs at least 100 positions"):
+        short.check(batch_size=1, n_heads=1, head_dim=4, capacity=100, sinks=0)
+    with pytest.raises(ValueError, match="max_positions must be an int >= 1"):
+        RingCache(1, 1, 4, 10, max_positions=0)

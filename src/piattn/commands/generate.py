@@ -55,7 +55,7 @@ def generate(args: argparse.Namespace) -> int:
     sys.stdout.write(args.prompt)
     produced: list[int] = []
     shown = ""
-    cache = model.init_cache(1)
+    cache = model.init_cache(1, max_positions=prompt.shape[1] + args.max_new_tokens)
     start = time.perf_counter()
     for token in model.stream(prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                               top_p=args.top_p, seed=args.seed, cache=cache):

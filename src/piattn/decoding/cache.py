@@ -58,9 +58,16 @@ class RingCache:
     """
 
     def __init__(self, batch_size: int, n_heads: int, head_dim: int, capacity: int, *, sinks: int = 0,
-                 device: torch.device | str | None = None, dtype: torch.dtype = torch.float32):
+                 max_positions: int | None = None, device: torch.device | str | None = None,
+                 dtype: torch.dtype = torch.float32):
+        """max_positions: the most positions this cache will be given (None: no limit). A ring that holds
+        them all never overwrites one, so it serves a layer that asks for a longer ring (a period longer
+        than the text: `init_cache(..., max_positions=)`); storing more than max_positions is refused."""
         _check_sizes(batch_size=(batch_size, 0), n_heads=(n_heads, 1), head_dim=(head_dim, 1), capacity=(capacity, 1),
                      sinks=(sinks, 0))
+        if max_positions is not None:
+            _check_sizes(max_positions=(max_positions, 1))
+        self.max_positions = max_positions
         self.batch_size, self.n_heads, self.head_dim = batch_size, n_heads, head_dim
         self.kv = torch.zeros((2, batch_size, n_heads, sinks + capacity, head_dim), device=device, dtype=dtype)
         self.k, self.v = self.kv[0], self.kv[1]
@@ -80,7 +87,8 @@ class RingCache:
         if capacity is None:
             raise ValueError(f"cache is a ring of {self.capacity} positions, but this layer reads every position: "
                              "it needs a GrowingCache, from the model's init_cache")
-        if self.capacity < capacity or self.sinks != sinks:
+        holds_every_position = self.max_positions is not None and self.capacity >= self.max_positions
+        if (self.capacity < capacity and not holds_every_position) or self.sinks != sinks:
             raise ValueError(f"cache was made for a ring of {self.capacity} positions and {self.sinks} sinks, but "
                              f"this layer needs at least {capacity} positions and {sinks} sinks: make the cache "
                              f"with the model's init_cache")
@@ -116,6 +124,10 @@ class RingCache:
         _check_rows(self, k, v)
         k, v = k.detach(), v.detach()
         t = k.shape[2]
+        if self.max_positions is not None and self.seen + t > self.max_positions:
+            raise ValueError(f"cache was made for at most {self.max_positions} positions (init_cache's "
+                             f"max_positions) and holds {self.seen}; {t} more do not fit: make it with a larger "
+                             f"max_positions, or None")
         if t == 1 and self.seen >= self.sinks:  # the decoding step: one slot, no index tensor
             slot = self.sinks + self.seen % self.capacity
             self.k[:, :, slot:slot + 1] = k

@@ -54,10 +54,12 @@ class GPT(nn.Module):
             x = block(x, None if cache is None else cache.layers[i], document_ids)
         return self.head(self.ln_f(x))
 
-    def init_cache(self, batch_size: int) -> Cache:
-        """An empty decoding cache: constant size for `pi` and `local`, growing for `dense`."""
+    def init_cache(self, batch_size: int, max_positions: int | None = None) -> Cache:
+        """An empty decoding cache: constant size for `pi` and `local`, growing for `dense`. max_positions:
+        the most positions it will hold (prompt + new tokens; None: no limit), which caps each ring."""
         p = self.embed.weight
-        return Cache([b.attn.init_cache(batch_size, device=p.device, dtype=p.dtype) for b in self.blocks])
+        return Cache([b.attn.init_cache(batch_size, max_positions=max_positions, device=p.device, dtype=p.dtype)
+                      for b in self.blocks])
 
     @torch.no_grad()
     def stream(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
@@ -75,7 +77,8 @@ class GPT(nn.Module):
         generator = None
         if seed is not None:
             generator = torch.Generator(idx.device).manual_seed(seed)
-        cache = self.init_cache(idx.shape[0]) if cache is None else cache
+        if cache is None:
+            cache = self.init_cache(idx.shape[0], max_positions=idx.shape[1] + max_new_tokens)
         logits = self(idx, cache)[:, -1]
         for step in range(max_new_tokens):
             token = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)

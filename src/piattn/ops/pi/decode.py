@@ -234,11 +234,14 @@ def check_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | Non
     _settings_checked(window, period, variant, prior, logit_clamp, eps, sinks)
     if not isinstance(scale, (int, float)) or not scale > 0:
         raise ValueError(f"scale must be a number > 0, got {scale!r}")
-    if not is_int(capacity) or capacity <= window or capacity <= period:
-        raise ValueError(f"capacity must be an int >= max(window, period) + 1 = {max(window, period) + 1} "
-                         f"(the ring must reach back as far as the pattern reads), got {capacity!r}")
     if not is_int(position) or position < 0:
         raise ValueError(f"position must be an int >= 0 (the new query's position), got {position!r}")
+    # A ring shorter than the pattern's reach is right while it still holds every position (a ring capped
+    # by init_cache's max_positions): nothing has been overwritten, and what lies farther back does not exist.
+    if not is_int(capacity) or capacity < 1 or (capacity <= max(window, period) and position >= capacity):
+        raise ValueError(f"capacity must be an int >= max(window, period) + 1 = {max(window, period) + 1} "
+                         f"(the ring must reach back as far as the pattern reads), or > position = {position} "
+                         f"(a ring that still holds every position), got {capacity!r}")
     qs = q.shape if isinstance(q, torch.Tensor) else ()
     if len(qs) != 4 or qs[2] != 1 or qs[1] < 1 or qs[3] < 1:
         raise ValueError(f"q must be a tensor [B, H, 1, D] with H, D >= 1, got {_shape(q)}")
