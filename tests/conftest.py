@@ -66,17 +66,17 @@ def native_step_built():
 
 @pytest.fixture
 def compiled_calls(monkeypatch) -> list:
-    """Whether each call of the compiled step for a few rows (`native.rows_step_unchecked`, the route of
-    `decode_rows` and of the HF cached steps) ran (True) or declined (False)."""
+    """Whether each call of the compiled step for a few rows (`native._rows_step_unchecked`, the route of
+    `_decode_rows` and of the HF cached steps) ran (True) or declined (False)."""
     import piattn.ops.pi.native as native
 
     taken = []
-    real = native.rows_step_unchecked
+    real = native._rows_step_unchecked
 
     def spy(*args, **kwargs):
         y = real(*args, **kwargs)
         taken.append(y is not None)
         return y
 
-    monkeypatch.setattr(native, "rows_step_unchecked", spy)
+    monkeypatch.setattr(native, "_rows_step_unchecked", spy)
     return taken

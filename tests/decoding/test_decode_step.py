@@ -110,10 +110,10 @@ def test_steps_of_one_to_four_tokens_equal_the_full_forward(variant, window, per
 
 
 def _spy(monkeypatch, module):
-    """Records the rows of each call to the decoding paths: `decode_rows` (a few tokens against the
+    """Records the rows of each call to the decoding paths: `_decode_rows` (a few tokens against the
     gathered cache) and `decode_ring` (one token, read straight from the ring)."""
     calls = []
-    for name in ("decode_rows", "decode_ring"):
+    for name in ("_decode_rows", "decode_ring"):
         real = getattr(module, name)
 
         def spy(*args, real=real, **kwargs):

@@ -496,3 +496,17 @@ def test_the_torch_ops_step_reads_a_cache_of_another_dtype(torch_ops):
     assert y.dtype == torch.float32
     torch.testing.assert_close(y, ref, rtol=0, atol=0)
 
+
+
+def test_the_unchecked_steps_are_not_public():
+    """The decoding steps that skip their argument checks (for callers whose inputs are right by
+    construction) are private: a public name of these modules checks what it is given, since the C step
+    reads its buffers by the sizes it is told (inconsistent calls read past them; one ended in SIGSEGV)."""
+    from piattn.ops.pi import decode, native
+
+    for module, names in ((decode, ("decode_rows", "compiled_rows")),
+                          (native, ("rows_step_unchecked", "ring_step_unchecked"))):
+        public = {name for name in dir(module) if not name.startswith("_")}
+        assert not public & set(names), module.__name__
+        assert not any("unchecked" in name for name in public), module.__name__
+        assert all(hasattr(module, "_" + name) for name in names)

@@ -37,19 +37,19 @@ def _model(variant: str) -> GPT:
 def handed_to_the_compiled_step(monkeypatch) -> list:
     """The prior mode of each call `decode_ring` makes of the compiled step (whether or not it applies)."""
     modes = []
-    real = native.ring_step_unchecked
+    real = native._ring_step_unchecked
 
     def spy(q, kv_store, slot, valid, kind, *, prior_mode, **kwargs):
         modes.append(prior_mode)
         return real(q, kv_store, slot, valid, kind, prior_mode=prior_mode, **kwargs)
 
-    monkeypatch.setattr(native, "ring_step_unchecked", spy)
+    monkeypatch.setattr(native, "_ring_step_unchecked", spy)
     return modes
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_every_variant_decodes_exactly_on_a_step_that_declares_it(variant, handed_to_the_compiled_step):
-    """Token by token (the ring step) and in steps of 3 (`decode_rows`), equal to the full forward; the
+    """Token by token (the ring step) and in steps of 3 (`_decode_rows`), equal to the full forward; the
     compiled step sees the variants it declares, and no other."""
     model = _model(variant)
     idx = torch.randint(0, 50, (2, 24), generator=torch.Generator().manual_seed(1))

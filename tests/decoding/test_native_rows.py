@@ -1,4 +1,4 @@
-"""Steps of 2–4 tokens through the compiled step (`decode.decode_rows` -> `native.rows_step_unchecked`): each new
+"""Steps of 2–4 tokens through the compiled step (`decode._decode_rows` -> `native._rows_step_unchecked`): each new
 query its own one-query step in one C call, equal to the full operator and to the torch-ops step (fp64 to
 1e-12, fp32 stated below) for every form it takes (α, the gate MLP's hidden layer, fixed, union), with sinks,
 grouped-query attention and short texts; the models' few-token steps go through it (a spy counts the calls),
@@ -12,7 +12,7 @@ import torch
 import piattn.ops.pi.native as native
 from piattn.models import GPT, GPTConfig
 from piattn.ops.pi import pi_attention
-from piattn.ops.pi.decode import compiled_rows, decode_rows, gate_tail
+from piattn.ops.pi.decode import _compiled_rows, _decode_rows, gate_tail
 
 TOL = {torch.float32: dict(rtol=2e-5, atol=2e-6), torch.float64: dict(rtol=1e-12, atol=1e-12)}
 EPS = 1e-3
@@ -58,14 +58,14 @@ def test_compiled_rows_equal_the_full_operator_and_the_torch_ops(case, form, dty
               scale=D**-0.5)
     step_gate = None if variant != "adaptive" else hidden if form == "hidden" else gate[:, :, -t:]
     gate_head = head if form == "hidden" else None
-    compiled = compiled_rows(q[:, :, -t:], k, v, step_gate, gate_head=gate_head, **kw)
+    compiled = _compiled_rows(q[:, :, -t:], k, v, step_gate, gate_head=gate_head, **kw)
     assert compiled is not None and compiled.shape == (B, H, t, D)
-    assert decode_rows(q[:, :, -t:], k, v, step_gate, gate_head=gate_head, **kw).equal(compiled)
+    assert _decode_rows(q[:, :, -t:], k, v, step_gate, gate_head=gate_head, **kw).equal(compiled)
     assert compiled_calls == [True, True]
     full = pi_attention(q, k, v, gate if variant == "adaptive" else None, causal=True, **kw)[:, :, -t:]
     torch.testing.assert_close(compiled, full, **TOL[dtype])
     _torch_ops(monkeypatch)
-    torch_ops = decode_rows(q[:, :, -t:], k, v, step_gate, gate_head=gate_head, **kw)
+    torch_ops = _decode_rows(q[:, :, -t:], k, v, step_gate, gate_head=gate_head, **kw)
     torch.testing.assert_close(compiled, torch_ops, **TOL[dtype])
 
 
@@ -77,8 +77,8 @@ def test_what_the_compiled_step_does_not_take_runs_in_torch_ops(why, compiled_ca
         q.requires_grad_(True)
     variant = "separate" if why == "separate" else "adaptive"
     kw = dict(window=3, period=8, variant=variant, prior=0.3, logit_clamp=4.0, eps=EPS, sinks=1, scale=8**-0.5)
-    assert compiled_rows(q[:, :, -3:], k, v, gate[:, :, -3:], **kw) is None
-    y = decode_rows(q[:, :, -3:], k, v, gate[:, :, -3:], **kw)
+    assert _compiled_rows(q[:, :, -3:], k, v, gate[:, :, -3:], **kw) is None
+    y = _decode_rows(q[:, :, -3:], k, v, gate[:, :, -3:], **kw)
     assert compiled_calls == []
     full = pi_attention(q.detach().float(), k.float(), v.float(), gate.float(), causal=True, **kw)[:, :, -3:]
     torch.testing.assert_close(y.detach().float(), full, **({} if dtype == torch.float32 else

@@ -159,13 +159,13 @@ def test_non_finite_values_reach_only_the_rows_that_read_them(where, bad, monkey
 @pytest.mark.parametrize("why", ["bf16", "autograd", "separate"])
 def test_what_the_compiled_step_does_not_take_runs_in_torch_ops(why, monkeypatch):
     calls = []
-    real = native.ring_step_unchecked  # what decode_ring calls (its own checks come first)
+    real = native._ring_step_unchecked  # what decode_ring calls (its own checks come first)
 
     def spy(*args, **kwargs):
         calls.append(real(*args, **kwargs))
         return calls[-1]
 
-    monkeypatch.setattr(native, "ring_step_unchecked", spy)
+    monkeypatch.setattr(native, "_ring_step_unchecked", spy)
     dtype = torch.bfloat16 if why == "bf16" else torch.float32
     q, k, v, cache, gate, _ = _case(1, 2, 2, 8, 20, 3, 8, 0, dtype, seed=5)
     variant = "separate" if why == "separate" else "adaptive"
@@ -199,14 +199,14 @@ def _model(attention, **extra):
 def test_model_steps_go_through_the_compiled_step_and_match_the_full_forward(attention, extra, monkeypatch):
     model = _model(attention, **extra)
     taken = []
-    real = native.ring_step_unchecked  # what decode_ring calls (its own checks come first)
+    real = native._ring_step_unchecked  # what decode_ring calls (its own checks come first)
 
     def spy(*args, **kwargs):
         y = real(*args, **kwargs)
         taken.append(y is not None)
         return y
 
-    monkeypatch.setattr(native, "ring_step_unchecked", spy)
+    monkeypatch.setattr(native, "_ring_step_unchecked", spy)
     idx = torch.randint(0, 50, (2, 24), generator=torch.Generator().manual_seed(1))
     cache = model.init_cache(2)
     with torch.no_grad():

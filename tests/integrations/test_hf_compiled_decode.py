@@ -152,7 +152,7 @@ def test_an_explicit_fused_backend_decodes_in_compiled_code_only(compiled_calls,
     assert len(compiled_calls) == (16 - PROMPT) * model.config.num_hidden_layers and all(compiled_calls)
 
     torch_ops = []
-    monkeypatch.setattr(hf_attention, "decode_rows", lambda *a, **k: torch_ops.append(1))
+    monkeypatch.setattr(hf_attention, "_decode_rows", lambda *a, **k: torch_ops.append(1))
     monkeypatch.setattr(native, "_state", {"functions": None, "reason": "switched off by the test"})
     operator_backends.clear()
     torch.testing.assert_close(_steps(model, ids, 1), full, **TOL[torch.float64])

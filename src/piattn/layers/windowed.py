@@ -9,7 +9,7 @@ from torch import nn
 
 from ..config import PiSettings
 from ..decoding.cache import RingCache
-from ..ops.pi.decode import decode_ring, decode_rows
+from ..ops.pi.decode import _decode_rows, decode_ring
 from ..ops.pi.heads import by_period
 from .base import AttentionLayer
 from .sharding import pi_operator
@@ -89,11 +89,11 @@ class WindowedAttention(AttentionLayer):
 
     def attend_recent(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The last t rows of `attend` (causal, eval) from the t new rows' q, x and all N rows' k, v: one call
-        of the compiled step where it applies (`decode_rows`), the gate's last layers included as in
+        of the compiled step where it applies (`_decode_rows`), the gate's last layers included as in
         `attend_ring`."""
         gate, gate_head = self.ring_gate(x)
         if self.settings.periods is None:
-            return decode_rows(q, k, v, gate, gate_head=gate_head, **self._decode_kwargs)
+            return _decode_rows(q, k, v, gate, gate_head=gate_head, **self._decode_kwargs)
 
         weight, bias = (None, None) if gate_head is None else gate_head
         alpha = gate if gate_head is None else None
@@ -101,7 +101,7 @@ class WindowedAttention(AttentionLayer):
         def run(period: int, q_g: torch.Tensor, alpha_g: torch.Tensor | None, weight_g: torch.Tensor | None,
                 bias_g: torch.Tensor | None, k_g: torch.Tensor, v_g: torch.Tensor) -> torch.Tensor:
             head = None if gate_head is None else (weight_g, bias_g)
-            return decode_rows(q_g, k_g, v_g, gate if head is not None else alpha_g, gate_head=head,
+            return _decode_rows(q_g, k_g, v_g, gate if head is not None else alpha_g, gate_head=head,
                                **{**self._decode_kwargs, "period": period})
 
         return by_period(self.settings.periods, k.shape[1], run, [(q, 1), (alpha, 1), (weight, 0), (bias, 0)],
@@ -130,6 +130,6 @@ class WindowedAttention(AttentionLayer):
                          [(cache.kv, 2)])
 
     def ring_gate(self, x: torch.Tensor) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
-        """The gate arguments of `decode_ring` / `decode_rows` for new tokens x [B, t, d]: (α̃ [B, H, t] or None,
+        """The gate arguments of `decode_ring` / `_decode_rows` for new tokens x [B, t, d]: (α̃ [B, H, t] or None,
         None)."""
         return self.observed_gate(x), None

@@ -18,7 +18,7 @@ from ...config.pi import PI_DEFAULTS, PiSettings
 from ...layers.base import AttentionLayer
 from ...layers.gate import gate_values
 from ...ops.pi import BACKENDS, pi_attention
-from ...ops.pi.decode import compiled_rows, decode_rows
+from ...ops.pi.decode import _compiled_rows, _decode_rows
 from ...ops.pi.heads import by_period
 from .padding import EMPTY, TEXT, document_ids, text_bounds
 
@@ -204,7 +204,7 @@ def pi_attention_forward(
 
 
 # The backends under which a decoding step (a cached step of at most `fast_decode_max_tokens` tokens, no padding,
-# no dropout) runs as the model's does (`piattn.ops.pi.decode.decode_rows`: the compiled step where it applies,
+# no dropout) runs as the model's does (`piattn.ops.pi.decode._decode_rows`: the compiled step where it applies,
 # else torch ops that read only the keys each query attends to), rather than through the full operator:
 # "auto", and "fused" (compiled code asked for by name) through the compiled step only, where it applies; where
 # it does not, "fused" runs the full operator, which runs or refuses with its reason. Any other backend named
@@ -222,7 +222,7 @@ def _decode_step(backend: str, pi: PiSettings, query: torch.Tensor, key: torch.T
     recent keys no longer hold, then the recent positions: as `RingCache.recent`, read as one text without
     changing any row, since every local and skip key of a query lies in the recent positions and the sinks
     lie farther back in both); None where `backend` is "fused" and the compiled step does not take the call."""
-    rows = decode_rows if backend == "auto" else compiled_rows
+    rows = _decode_rows if backend == "auto" else _compiled_rows
     kw = dict(**pi.as_kwargs(), scale=scale)
     if pi.periods is None:
         return rows(query, key, value, gate, **kw)

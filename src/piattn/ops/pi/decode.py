@@ -14,7 +14,7 @@ are scored against the one gathered copy of their key/value head; nothing is rep
 
 Two steps compute these rows, and each declares the variants it runs: the torch ops here
 (`TORCH_OPS_VARIANTS`, `decode_gathered`) and the compiled C step (`native.PRIOR_MODES`), for one query read
-from a ring cache (`decode_ring`) or a few read from a block of rows (`decode_rows`, each query its own
+from a ring cache (`decode_ring`) or a few read from a block of rows (`_decode_rows`, each query its own
 one-query step in the same call). Both take the compiled step for a variant it declares where it applies
 (`native.applies`), else the torch ops; a variant the torch ops do not declare is refused with the reason,
 never run as another.
@@ -129,27 +129,27 @@ def pi_decode(
     if scale is not None and not scale > 0:
         raise ValueError(f"scale must be > 0 or None (None means 1/sqrt(D)), got {scale!r}")
     _check_gate(q, gate, variant)
-    return decode_rows(q, k, v, gate, window=window, period=period, variant=variant, prior=prior,
+    return _decode_rows(q, k, v, gate, window=window, period=period, variant=variant, prior=prior,
                        logit_clamp=logit_clamp, eps=eps, sinks=sinks,
                        scale=q.shape[3]**-0.5 if scale is None else scale)
 
 
-def decode_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, *, window: int,
-                period: int, variant: str, prior: float, logit_clamp: float | None, eps: float,
-                scale: float, sinks: int = 0,
-                gate_head: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def _decode_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, *, window: int,
+                 period: int, variant: str, prior: float, logit_clamp: float | None, eps: float,
+                 scale: float, sinks: int = 0,
+                 gate_head: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`pi_decode` without its argument checks, for callers whose inputs are right by construction (the
     decoding layers: a step is a few dozen small ops, and the checks would be a third of them).
 
     With gate_head = (weight [H, n_hidden], bias [H]) (variant "adaptive" only), gate is the gate MLP's hidden
     pre-activation [B, t, n_hidden] and α = ε + (1 − 2ε)·σ(weight·GELU(gate) + bias), as in `decode_ring`.
 
-    One call of the compiled step (`native.rows_step_unchecked`: the t queries each their own one-query step)
-    where it applies (`compiled_rows`), else one gather for keys and values and `decode_gathered`.
+    One call of the compiled step (`native._rows_step_unchecked`: the t queries each their own one-query step)
+    where it applies (`_compiled_slot_rows`), else one gather for keys and values and `decode_gathered`.
     """
     t = q.shape[2]
     idx, valid, kind, n_local, n_skip = _slots(window, period, sinks, t, k.shape[2], q.device)
-    y = _compiled_rows(q, k, v, gate, gate_head, idx, valid, kind, variant, prior, logit_clamp, eps, scale)
+    y = _compiled_slot_rows(q, k, v, gate, gate_head, idx, valid, kind, variant, prior, logit_clamp, eps, scale)
     if y is not None:
         return y
     gate_is_sigmoid = gate_head is not None
@@ -161,14 +161,14 @@ def decode_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.T
                            logit_clamp=logit_clamp, eps=eps, scale=scale, gate_is_sigmoid=gate_is_sigmoid)
 
 
-def compiled_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, *, window: int,
-                  period: int, variant: str, prior: float, logit_clamp: float | None, eps: float, scale: float,
-                  sinks: int = 0, gate_head: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
-    """`decode_rows` through the compiled step alone: its rows, or None where that step does not apply (a
+def _compiled_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, *, window: int,
+                   period: int, variant: str, prior: float, logit_clamp: float | None, eps: float, scale: float,
+                   sinks: int = 0, gate_head: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+    """`_decode_rows` through the compiled step alone: its rows, or None where that step does not apply (a
     variant outside `native.PRIOR_MODES`, or what `native.applies` refuses). For a caller that asked for
     compiled code explicitly and must say so rather than run torch ops in its place."""
     idx, valid, kind, _, _ = _slots(window, period, sinks, q.shape[2], k.shape[2], q.device)
-    return _compiled_rows(q, k, v, gate, gate_head, idx, valid, kind, variant, prior, logit_clamp, eps, scale)
+    return _compiled_slot_rows(q, k, v, gate, gate_head, idx, valid, kind, variant, prior, logit_clamp, eps, scale)
 
 
 def _compiled_prior(variant: str, gate: torch.Tensor | None, gate_head, prior: float,
@@ -186,8 +186,8 @@ def _compiled_prior(variant: str, gate: torch.Tensor | None, gate_head, prior: f
     return mode, {}
 
 
-def _compiled_rows(q, k, v, gate, gate_head, idx, valid, kind, variant, prior, logit_clamp, eps,
-                   scale) -> torch.Tensor | None:
+def _compiled_slot_rows(q, k, v, gate, gate_head, idx, valid, kind, variant, prior, logit_clamp, eps,
+                        scale) -> torch.Tensor | None:
     compiled = _compiled_prior(variant, gate, gate_head, prior, eps)
     if compiled is None:
         return None
@@ -196,7 +196,7 @@ def _compiled_rows(q, k, v, gate, gate_head, idx, valid, kind, variant, prior, l
     if not native.applies(q, k, v, *tensors, n_slots=kind.shape[0]):
         return None  # decided before stacking keys and values, which only the compiled step reads
     # The step reads keys and values from one contiguous [2, B, H_kv, N, D] block, as from a ring cache's storage.
-    return native.rows_step_unchecked(q, torch.stack([k, v]), idx, valid, kind, prior_mode=mode,
+    return native._rows_step_unchecked(q, torch.stack([k, v]), idx, valid, kind, prior_mode=mode,
                                       logit_clamp=logit_clamp, eps=eps, scale=scale, **extra)
 
 
@@ -282,7 +282,7 @@ def decode_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | No
                 window: int, period: int, variant: str, prior: float, logit_clamp: float | None, eps: float,
                 scale: float, sinks: int = 0,
                 gate_head: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """`decode_rows` for one new query at `position`, read straight from a ring cache's storage.
+    """`_decode_rows` for one new query at `position`, read straight from a ring cache's storage.
 
     q [B, H, 1, D]; kv_store [2, B, H_kv, sinks + capacity, D], keys then values, of a `RingCache` that
     already holds the new key (layout in `ring_slots`; capacity >= max(window, period) + 1, H_kv dividing
@@ -302,7 +302,7 @@ def decode_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | No
     if compiled is not None:
         mode, extra = compiled
         # Unchecked: check_ring covered what ring_step's own checks would, and the slots are ring_slots'.
-        y = native.ring_step_unchecked(q, kv_store, slot, valid, kind, prior_mode=mode, logit_clamp=logit_clamp,
+        y = native._ring_step_unchecked(q, kv_store, slot, valid, kind, prior_mode=mode, logit_clamp=logit_clamp,
                                        eps=eps, scale=scale, **extra)
         if y is not None:
             return y
@@ -339,7 +339,7 @@ def decode_gathered(q: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, valid: 
                     kind: torch.Tensor, n_local: int, n_skip: int, gate: torch.Tensor | None, *, variant: str,
                     prior: float, logit_clamp: float | None, eps: float, scale: float,
                     gate_is_sigmoid: bool = False) -> torch.Tensor:
-    """The rows of `decode_rows` from the keys and values each query reads, already gathered.
+    """The rows of `_decode_rows` from the keys and values each query reads, already gathered.
 
     q [B, H, t, D]; kg, vg [B, H_kv, t·S, D]: slot s of query j at row j·S + s (`Pattern` slot order, any
     key where the slot reads nothing); valid [t, S] bool or None (every slot reads a key); kind [S] int64,

@@ -13,9 +13,9 @@ recorded beside it when it was built. One that fails (cut short, from an older p
 something else) or does not load is rebuilt.
 
 It serves the variants of `PRIOR_MODES` ("union", "fixed", "adaptive"; `decode.decode_ring` and
-`decode.decode_rows` hand it no other), fp32 and fp64 CPU tensors in inference (no gradient asked for), any
+`decode._decode_rows` hand it no other), fp32 and fp64 CPU tensors in inference (no gradient asked for), any
 batch, heads, grouped-query attention and sinks, and one or a few new queries per sequence: `ring_step` one
-query read from a ring cache, `rows_step_unchecked` t queries (a step of 2–4 tokens) in one call, each
+query read from a ring cache, `_rows_step_unchecked` t queries (a step of 2–4 tokens) in one call, each
 query its own one-query step over its own slots. Anything else it is given (another device or dtype,
 autograd, no compiler, `PIATTN_NATIVE=0`) returns None and the caller runs the same step in torch ops
 (`decode.decode_gathered`), which gives the same result up to rounding; `applies` says beforehand whether
@@ -190,16 +190,16 @@ def ring_step(q: torch.Tensor, kv_store: torch.Tensor, slot: torch.Tensor, valid
     slot or kind out of range raises ValueError from the C step's own checks, before it reads anything.
     """
     check_step(q, kv_store, slot, valid, kind, prior_mode, gate, gate_weight, gate_bias)
-    return ring_step_unchecked(q, kv_store, slot, valid, kind, prior_mode=prior_mode, log_priors=log_priors, gate=gate,
+    return _ring_step_unchecked(q, kv_store, slot, valid, kind, prior_mode=prior_mode, log_priors=log_priors, gate=gate,
                                gate_weight=gate_weight, gate_bias=gate_bias, logit_clamp=logit_clamp, eps=eps,
                                scale=scale)
 
 
-def ring_step_unchecked(q: torch.Tensor, kv_store: torch.Tensor, slot: torch.Tensor, valid: torch.Tensor | None,
-                        kind: torch.Tensor, *, prior_mode: int, log_priors: tuple[float, float] = (0.0, 0.0),
-                        gate: torch.Tensor | None = None, gate_weight: torch.Tensor | None = None,
-                        gate_bias: torch.Tensor | None = None, logit_clamp: float | None, eps: float,
-                        scale: float) -> torch.Tensor | None:
+def _ring_step_unchecked(q: torch.Tensor, kv_store: torch.Tensor, slot: torch.Tensor, valid: torch.Tensor | None,
+                         kind: torch.Tensor, *, prior_mode: int, log_priors: tuple[float, float] = (0.0, 0.0),
+                         gate: torch.Tensor | None = None, gate_weight: torch.Tensor | None = None,
+                         gate_bias: torch.Tensor | None = None, logit_clamp: float | None, eps: float,
+                         scale: float) -> torch.Tensor | None:
     """`ring_step` without `check_step`, for `decode.decode_ring`, whose own checks cover the same shapes (a
     step of generation is tens of microseconds; checking twice was a noticeable part of it). The C step
     still checks every size, slot and kind it is given before reading anything."""
@@ -207,12 +207,12 @@ def ring_step_unchecked(q: torch.Tensor, kv_store: torch.Tensor, slot: torch.Ten
                  eps, scale)
 
 
-def rows_step_unchecked(q: torch.Tensor, kv_store: torch.Tensor, slot: torch.Tensor, valid: torch.Tensor | None,
-                        kind: torch.Tensor, *, prior_mode: int, log_priors: tuple[float, float] = (0.0, 0.0),
-                        gate: torch.Tensor | None = None, gate_weight: torch.Tensor | None = None,
-                        gate_bias: torch.Tensor | None = None, logit_clamp: float | None, eps: float,
-                        scale: float) -> torch.Tensor | None:
-    """t new queries per sequence (a step of a few tokens, `decode.decode_rows`) in one call: each query
+def _rows_step_unchecked(q: torch.Tensor, kv_store: torch.Tensor, slot: torch.Tensor, valid: torch.Tensor | None,
+                         kind: torch.Tensor, *, prior_mode: int, log_priors: tuple[float, float] = (0.0, 0.0),
+                         gate: torch.Tensor | None = None, gate_weight: torch.Tensor | None = None,
+                         gate_bias: torch.Tensor | None = None, logit_clamp: float | None, eps: float,
+                         scale: float) -> torch.Tensor | None:
+    """t new queries per sequence (a step of a few tokens, `decode._decode_rows`) in one call: each query
     its own one-query step over its own slots, so the rows are exactly those of t `ring_step`s. None where
     the C step does not apply (`applies`).
 
@@ -230,7 +230,7 @@ def applies(q: torch.Tensor, *tensors: torch.Tensor | None, n_slots: int) -> boo
     """Whether the C step runs a call on q and `tensors` (keys, values, gate, …) with `n_slots` slots per query:
     the library loaded (a compiler, not `PIATTN_NATIVE=0`), a CPU, one dtype of fp32/fp64 for all, no gradient
     asked for, at most `MAX_SLOTS` slots. The one home of that decision: `_step` asks it too, so a caller that
-    prepares a call only when it applies (`decode.decode_rows` stacks keys and values) and the step agree."""
+    prepares a call only when it applies (`decode._decode_rows` stacks keys and values) and the step agree."""
     functions = _state["functions"] if "functions" in _state else _load()
     return _function(functions, q, [t for t in tensors if t is not None], n_slots) is not None
 
