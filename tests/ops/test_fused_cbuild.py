@@ -72,3 +72,42 @@ def test_both_libraries_use_it():
         with open(module.__file__) as f:
             text = f.read()
         assert "cbuild.load(" in text and "subprocess" not in text and "hashlib" not in text
+
+
+@needs_cc
+def test_a_folder_swapped_after_its_check_is_not_loaded_from(source, tmp_path, monkeypatch):
+    """N1: whoever can rename entries beside the library folder swaps it for theirs, with a library and a
+    matching hash under our library's name, right after the folder passed its check. What loads must be
+    ours (42), never theirs (666): the folder is opened once and everything after the check goes through
+    that descriptor. (Both libraries are built, not loaded, first: the loader would hand back a library
+    already loaded under the same path name.)"""
+    base = ("-O1", "-fPIC", "-shared")
+    path = cbuild.library_path(source, CC, base)
+    path.parent.mkdir(parents=True, mode=0o700)
+    cbuild.build(source, path, CC, base)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    evil = tmp_path / "evil.c"
+    evil.write_text("int answer(void) { return 666; }\n")
+    cbuild.build(evil, theirs / path.name, CC, base)
+    folder, check, swapped = path.parent, cbuild._check_private, []
+
+    def check_then_swap(*args):  # the race: the swap lands right after the folder passed its check
+        check(*args)
+        os.rename(folder, folder.with_name("native.ours"))
+        os.rename(theirs, folder)
+        swapped.append(True)
+
+    monkeypatch.setattr(cbuild, "_check_private", check_then_swap)
+    got = cbuild.load(source, _open, compiler=CC, base_flags=base)[0]
+    assert swapped == [True]
+    assert got == 42
+
+
+@needs_cc
+def test_a_build_says_so_and_a_reuse_does_not(source, capsys):
+    """The first call that needs a library waits for the compiler: it says so on stderr, once per build."""
+    cbuild.load(source, _open, compiler=CC, base_flags=("-O1", "-fPIC", "-shared"))
+    assert "piattn: compiling answer.c (-O1 -fPIC -shared) into" in capsys.readouterr().err
+    cbuild.load(source, _open, compiler=CC, base_flags=("-O1", "-fPIC", "-shared"))
+    assert "compiling" not in capsys.readouterr().err

@@ -5,7 +5,9 @@ Loading a library runs its code, so what is loaded is checked first:
 
 - it lives in `$PIATTN_CACHE/native` (default `~/.cache/piattn/native`), a folder made with mode 0o700;
   one owned by another user or writable by group or others is refused (`Unsafe`): someone else could put
-  a library and its hash there;
+  a library and its hash there. The folder is opened once and checked through its descriptor, and the
+  library is hashed and handed to the loader through descriptors too (`Folder`, `_pinned`): renaming the
+  folder or an ancestor after the check cannot swap in another library;
 - its name is keyed by the source, the compiler, the flags, the machine and the CPU (`-march=native`
   compiles for this CPU's model and flags), so that a cache shared between machines never hands one CPU's
   instructions to another;
@@ -26,6 +28,7 @@ import os
 import platform
 import stat
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -56,32 +59,79 @@ def digest_path(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
 
 
-def private_folder(folder: Path) -> None:
-    """Make `folder` (mode 0o700), or check that the existing one is this user's alone; raises Unsafe if not.
+class Folder:
+    """The library folder, opened once (made with mode 0o700) and checked through its descriptor.
 
-    Loading a library runs its code: a folder another user owns or can write to (a shared PIATTN_CACHE)
-    would let them run theirs in this process, whatever hash sits next to it.
+    Every later access (the hash check, the build's output, the load) goes through that descriptor, so that
+    renaming the folder or one of its ancestors between the check and the load cannot put another folder's
+    library in its place (a check by path, then a load by path, let another user's library run in this
+    process). A folder another user owns or can write to (a shared PIATTN_CACHE) is refused (Unsafe): they
+    could put a library and its hash in it.
     """
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    folder.mkdir(mode=0o700, exist_ok=True)  # an existing folder keeps its mode: checked below
-    info = os.stat(folder)  # follows a link: what matters is the folder the library is read from
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, exist_ok=True)  # an existing folder keeps its mode: checked below
+        self.path = path
+        # Follows a link to the folder once: what counts is the folder this descriptor holds from here on.
+        self.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            _check_private(path, os.fstat(self.fd))
+        except Unsafe:
+            self.close()
+            raise
+
+    def entry(self, name: str) -> Path:
+        """`name` inside the opened folder, whatever was renamed since: through the descriptor
+        (/proc/self/fd/N/name, Linux), else by the folder's path (where there is no /proc: no such guarantee)."""
+        through = Path(f"/proc/self/fd/{self.fd}")
+        return through / name if through.is_dir() else self.path / name
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _check_private(path: Path, info: os.stat_result) -> None:
     if not stat.S_ISDIR(info.st_mode):
-        raise Unsafe(f"{folder} is not a folder")
+        raise Unsafe(f"{path} is not a folder")
     if hasattr(os, "getuid") and info.st_uid != os.getuid():
-        raise Unsafe(f"{folder} belongs to user id {info.st_uid}, not to this user ({os.getuid()})")
+        raise Unsafe(f"{path} belongs to user id {info.st_uid}, not to this user ({os.getuid()})")
     if info.st_mode & 0o022:
-        raise Unsafe(f"{folder} can be written by group or others (mode {stat.S_IMODE(info.st_mode):o}); "
+        raise Unsafe(f"{path} can be written by group or others (mode {stat.S_IMODE(info.st_mode):o}); "
                      f"make it private with chmod 700")
 
 
 def verified(path: Path) -> bool:
     """Whether `path` holds exactly the bytes whose hash its sidecar recorded when it was built."""
+    return _pinned(path, keep=False) is not None
+
+
+# Descriptors of the libraries handed to the loader through /proc/self/fd, open for the life of the process:
+# the loader knows a library by its path name, so a reused descriptor number would hand back the old one.
+_KEPT: list[int] = []
+
+
+def _pinned(path: Path, *, keep: bool) -> Path | None:
+    """Open the library at `path` (no link followed) and compare its bytes with its sidecar's hash. When they
+    match: with keep, a path to that very open file (/proc/self/fd/N, the descriptor kept), so that what the
+    loader maps is what was checked; else `path`. None when they differ or a file is missing."""
     try:
-        recorded = digest_path(path).read_text().strip()
-        data = path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
-        return False
-    return hashlib.sha256(data).hexdigest() == recorded
+        return None
+    try:
+        with open(digest_path(path), "rb", opener=lambda name, flags: os.open(name, flags | os.O_NOFOLLOW)) as f:
+            recorded = f.read().decode(errors="replace").strip()
+        data = b"".join(iter(lambda: os.read(fd, 1 << 20), b""))
+    except OSError:
+        os.close(fd)
+        return None
+    through = Path(f"/proc/self/fd/{fd}")
+    if hashlib.sha256(data).hexdigest() == recorded and keep and through.exists():
+        _KEPT.append(fd)
+        return through
+    os.close(fd)
+    return path if hashlib.sha256(data).hexdigest() == recorded else None
 
 
 def cpu_identity() -> bytes:
@@ -155,29 +205,39 @@ def library_path(source: Path, compiler: str, flags: Sequence[str]) -> Path:
 
 
 def build(source: Path, path: Path, compiler: str, flags: Sequence[str], *, timeout: float = 300) -> None:
-    """Compile `source` into `path` and record its hash beside it, each written to a temporary name and renamed
-    into place. BuildError (the compiler's last line of error) when it fails."""
+    """Compile `source` and put the library at `path` with its hash beside it, each written to a temporary name
+    in path's folder and renamed into place. The compiler writes into a fresh private folder of its own (its
+    process cannot see this one's descriptors, `Folder.entry`); the bytes are hashed as they are copied.
+    BuildError (the compiler's last line of error) when it fails."""
     made = []
     try:
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-        os.close(fd)
-        made.append(tmp)
-        done = subprocess.run([compiler, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True,
-                              timeout=timeout)
-        if done.returncode:
-            raise BuildError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "compiler failed")
-        fd, tmp_digest = tempfile.mkstemp(suffix=".sha256", dir=path.parent)
-        made.append(tmp_digest)
-        with os.fdopen(fd, "w") as f:
-            f.write(hashlib.sha256(Path(tmp).read_bytes()).hexdigest() + "\n")
-        os.replace(tmp, path)
-        os.replace(tmp_digest, digest_path(path))
+        with tempfile.TemporaryDirectory(prefix="piattn-build-") as work:
+            out = Path(work) / "library.so"
+            done = subprocess.run([compiler, *flags, str(source), "-o", str(out), "-lm"], capture_output=True,
+                                  text=True, timeout=timeout)
+            if done.returncode:
+                raise BuildError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "compiler failed")
+            data = out.read_bytes()
+        for suffix, content in ((".so", data), (".sha256", (hashlib.sha256(data).hexdigest() + "\n").encode())):
+            fd, tmp = tempfile.mkstemp(suffix=suffix, dir=path.parent)
+            made.append(tmp)
+            with os.fdopen(fd, "wb") as f:
+                f.write(content)
+        os.replace(made[0], path)
+        os.replace(made[1], digest_path(path))
     except (OSError, subprocess.SubprocessError) as err:
         raise BuildError(str(err)) from err
     finally:
         for name in made:
             if os.path.exists(name):
                 os.unlink(name)
+
+
+def _say_building(source: Path, flags: Sequence[str], folder: Path) -> None:
+    """One line on stderr before a build: the first call that needs a library otherwise waits up to half a
+    minute in silence (fused_cpu.c takes about 20 s with -O3 on a 2-core machine)."""
+    print(f"piattn: compiling {source.name} ({' '.join(flags)}) into {folder}: once per machine, up to a "
+          f"minute", file=sys.stderr, flush=True)
 
 
 def load(source: Path, opener: Callable[[Path], Loaded], *, compiler: str, base_flags: Sequence[str],
@@ -192,22 +252,31 @@ def load(source: Path, opener: Callable[[Path], Loaded], *, compiler: str, base_
     for extra in flag_sets:
         flags = (*base_flags, *extra)
         path = library_path(source, compiler, flags)
-        private_folder(path.parent)
-        if verified(path):
+        folder = Folder(path.parent)
+        try:
+            library = folder.entry(path.name)
+            pinned = _pinned(library, keep=True)
+            if pinned is not None:
+                try:
+                    return opener(pinned), tuple(extra)
+                except (OSError, AttributeError):
+                    pass  # built for something else after all: rebuilt below
+            label = f"{' '.join(extra) or 'no extra flags'}: " if len(flag_sets) > 1 else ""
+            _say_building(source, flags, path.parent)
             try:
-                return opener(path), tuple(extra)
-            except (OSError, AttributeError):
-                pass  # built for something else after all: rebuilt below
-        label = f"{' '.join(extra) or 'no extra flags'}: " if len(flag_sets) > 1 else ""
-        try:
-            build(source, path, compiler, flags, timeout=timeout)
-        except BuildError as err:
-            failures.append(f"{label}{err}")
-            continue
-        try:
-            return opener(path), tuple(extra)
-        except (OSError, AttributeError) as err:
-            loads.append(f"{label}could not load {path}, even rebuilt: {err}")
+                build(source, library, compiler, flags, timeout=timeout)
+            except BuildError as err:
+                failures.append(f"{label}{err}")
+                continue
+            try:
+                pinned = _pinned(library, keep=True)
+                if pinned is None:
+                    raise OSError("it no longer matches the hash recorded when it was built")
+                return opener(pinned), tuple(extra)
+            except (OSError, AttributeError) as err:
+                loads.append(f"{label}could not load {path}, even rebuilt: {err}")
+        finally:
+            folder.close()
     if loads and not failures:
         raise LoadError("; ".join(loads))
     raise BuildError(f"could not build {source.name} with {compiler!r}: {'; '.join(failures + loads)}")
