@@ -510,3 +510,15 @@ def test_no_recompile_after_the_first_call():
     for _ in range(3):
         loss_and_grads(model, forward, idx)
     assert len(graphs["forward"]) == len(graphs["backward"]) == 1
+
+
+def test_compiling_a_model_warns_of_no_ignored_cache(fresh_dynamo):
+    """Dynamo warns when it traces through a functools.lru_cache (it ignores the cache, which can be silently
+    wrong): a compiled π model's forward calls none (the gate's clip built its constants through one)."""
+    import warnings
+
+    model = tiny_gpt("pi-adaptive")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(model, backend="aot_eager", fullgraph=True)(torch.randint(0, 32, (1, 16)))
+    assert not [str(w.message) for w in caught if "lru_cache" in str(w.message)]

@@ -62,6 +62,10 @@ def clip_gate(s: torch.Tensor, eps: float) -> torch.Tensor:
 
     σ in at least fp32 because in bf16, ε + (1 − 2ε)·σ rounds to exactly 1 once σ > 0.998, outside (0, 1).
     """
+    if torch.compiler.is_compiling():
+        # Inductor fuses the two ops; the cached constants (one op in eager) would be an lru_cache call,
+        # which dynamo traces through with a warning that the cache is ignored.
+        return (s * (1 - 2 * eps) + eps).transpose(1, 2)
     floor, width = _clip(eps, s.dtype, s.device)
     return torch.addcmul(floor, s, width).transpose(1, 2)
 
