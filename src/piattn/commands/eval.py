@@ -32,18 +32,17 @@ per class the mean loss of both and A − B with a bootstrap interval over windo
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from .. import safe_files
 from ..config import PRECISIONS
 from ..data.examples import ExampleLoader
 from ..data.packing import SequenceLoader
@@ -137,8 +136,7 @@ def run_subfolder(run_dir: Path, name: str, instead: str) -> Path:
     symbolic link there (eval would write wherever it points) or a file. `instead`: the flag that avoids it."""
     path = run_dir / name
     if path.is_symlink():
-        raise ValueError(f"{path} is a symbolic link (to {os.readlink(path)}); eval writes only inside the run "
-                         f"folder: remove the link or pass {instead}")
+        raise safe_files.link_refusal(path, "eval", instead)
     if path.exists() and not path.is_dir():
         raise ValueError(f"{path} is a file, not a folder; move it or pass {instead}")
     return path
@@ -146,13 +144,23 @@ def run_subfolder(run_dir: Path, name: str, instead: str) -> Path:
 
 def check_cache_folder(run_dir: Path) -> None:
     """RUN/cache and the entries in it must not be symbolic links: tokenized splits are written there under
-    names a crafted run folder can predict (split and content digest), and writing follows a link."""
+    names a crafted run folder can predict (split and content digest). The writers replace a link rather
+    than follow it (`piattn.safe_files`); a link here still says the folder is not what eval made."""
     cache = run_subfolder(run_dir, "cache", "--cache-dir DIR")
     if cache.is_dir():
         links = sorted(p for p in cache.iterdir() if p.is_symlink())
         if links:
-            raise ValueError(f"{links[0]} is a symbolic link (to {os.readlink(links[0])}); eval writes only "
-                             "inside the run folder: remove it or pass --cache-dir DIR")
+            raise safe_files.link_refusal(links[0], "eval", "--cache-dir DIR")
+
+
+def warn_if_foreign(*run_dirs: Path) -> None:
+    """One warning on stderr for each of `run_dirs` that another user owns: what it holds is theirs to
+    choose (checked as far as eval can, but worth knowing)."""
+    for run_dir in dict.fromkeys(run_dirs):
+        owner = safe_files.foreign_owner(run_dir)
+        if owner is not None:
+            print(f"piattn eval: warning: the run folder {run_dir} belongs to {owner}, not to you; its "
+                  "checkpoint and settings are theirs", file=sys.stderr)
 
 
 def evaluate_checkpoint(args: argparse.Namespace, ctx: DistContext, folder: Path, data: str | None,
@@ -390,31 +398,36 @@ def default_output(folder: Path, args: argparse.Namespace) -> Path:
     return eval_dir / default_name(folder, args)
 
 
-def write_result(path: Path, text: str, *, replace: bool, renumber: bool) -> Path:
-    """Write `text` to `path` and return where it went. `replace`: atomically through a temporary file (a
-    link at `path` is replaced, not followed). Otherwise the file is created exclusively (never following a
-    link, never truncating a file another evaluation wrote meanwhile); an existing name is an error, or with
-    `renumber` the next free numbered name."""
+def write_result(path: Path, text: str, *, replace: bool, renumber: bool, follow_folder: bool) -> Path:
+    """Write `text` to `path` and return where it went. The folder is opened once and every file is made by
+    name in it, so a folder swapped for a link meanwhile changes nothing; without `follow_folder` (RUN/eval,
+    checked before the evaluation) a link there now is refused. `replace`: atomically through a temporary
+    file (a link at `path` is replaced, not followed). Otherwise the file is created exclusively (never
+    following a link, never truncating a file another evaluation wrote meanwhile); an existing name is an
+    error, or with `renumber` the next free numbered name."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    if replace:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        return path
+    folder = safe_files.open_dir(path.parent, follow_links=follow_folder)
+    try:
+        if replace:
+            safe_files.atomic_write_text(path.name, text, dir_fd=folder)
+            return path
+        return write_new(path, text, renumber, folder)
+    finally:
+        os.close(folder)
+
+
+def write_new(path: Path, text: str, renumber: bool, folder: int) -> Path:
+    """`write_result` without `replace`: `path`, or with `renumber` the first free numbered name, created
+    in the open `folder`."""
     for n in range(1, 10_000 if renumber else 2):
         target = numbered(path, n)
         try:
-            with open(target, "x") as f:
-                f.write(text)
-            return target
+            fd = safe_files.create_new(target.name, folder)
         except FileExistsError:
             continue
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        return target
     if renumber:
         raise ValueError(f"{path}: no free numbered name up to -9999; clean the folder or pass --output")
     raise ValueError(f"--output {path} exists (written while this evaluation ran?); pass --overwrite to replace it")
@@ -440,6 +453,8 @@ def run(args: argparse.Namespace) -> int:
     output = chosen_output or default_output(folder, args)
     ctx = setup(args.device)
     try:
+        if ctx.is_main:  # once, not once per rank under torchrun
+            warn_if_foreign(*(ckpt.run_dir_of(f) for f in (folder, other) if f is not None))
         with torch_threads(args.threads, args.device):
             result = evaluate_checkpoint(args, ctx, folder, data, other)
     finally:
@@ -450,7 +465,8 @@ def run(args: argparse.Namespace) -> int:
     print(text, flush=True)  # first: a failed write below loses no result
     print("\n".join(summary(result)), file=sys.stderr)
     try:
-        written = write_result(output, text + "\n", replace=args.overwrite, renumber=chosen_output is None)
+        written = write_result(output, text + "\n", replace=args.overwrite, renumber=chosen_output is None,
+                               follow_folder=chosen_output is not None)
     except OSError as err:  # checked before the evaluation, so the disk filled up or the folder changed
         raise ValueError(f"{output}: cannot be written ({err.strerror or type(err).__name__}); the result is "
                          "the JSON above") from None

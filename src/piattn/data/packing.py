@@ -13,7 +13,6 @@ model keeps attention inside each document and the loss skips the targets that s
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -25,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from piattn.data.tokenizers import Tokenizer
+from piattn.safe_files import atomic_save_npy, atomic_writer
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,8 @@ def tokenize_corpus(documents: Iterable[str], tokenizer: Tokenizer, path: str | 
     """Tokenize `documents` into `<path>.tokens.npy` and `<path>.docs.npy`, then memory-map them.
 
     Tokens go to a raw temporary file one document at a time, so memory holds one document, never the
-    corpus; the .npy header is written once the total length is known. Files are replaced atomically.
+    corpus; the .npy header is written once the total length is known. Files are replaced atomically, a
+    link at their names (a cache folder made elsewhere) replaced rather than written through.
     """
     tokens_file, docs_file = corpus_files(path)
     tokens_file.parent.mkdir(parents=True, exist_ok=True)
@@ -74,23 +75,24 @@ def tokenize_corpus(documents: Iterable[str], tokenizer: Tokenizer, path: str | 
             raise ValueError("documents must not be empty")
         raw.seek(0)
         header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (n_tokens,)}
-        partial = tokens_file.with_name(tokens_file.name + ".partial")
-        with open(partial, "wb") as out:
+        with atomic_writer(tokens_file) as out:
             np.lib.format.write_array_header_1_0(out, header)
             shutil.copyfileobj(raw, out)
-        os.replace(partial, tokens_file)
-    np.save(docs_file, np.asarray(doc_starts, dtype=np.int64))
+    atomic_save_npy(docs_file, np.asarray(doc_starts, dtype=np.int64))
     return load_corpus(path)
 
 
 def load_corpus(path: str | Path) -> TokenizedCorpus:
     """The corpus that `tokenize_corpus(…, path)` wrote, tokens memory-mapped read-only.
 
-    A missing file raises FileNotFoundError; a truncated or corrupt file, or document starts that do not fit
-    the tokens (files of two different corpora), raise ValueError naming the file: both mean "tokenize again".
+    A missing file raises FileNotFoundError; a symbolic link, a truncated or corrupt file, or document starts
+    that do not fit the tokens (files of two different corpora), raise ValueError naming the file: both mean
+    "tokenize again".
     """
     tokens_file, docs_file = corpus_files(path)
     for file in (tokens_file, docs_file):
+        if file.is_symlink():  # a file elsewhere would pass for the cache; tokenizing again replaces the link
+            raise ValueError(f"{file}: a symbolic link, not a tokenized corpus")
         if not file.is_file():
             raise FileNotFoundError(f"no tokenized corpus at {path}: {file} is missing")
     arrays = []

@@ -29,13 +29,16 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
 from torch import nn
 
+from ..safe_files import TEMP_PREFIX, atomic_write_text
+
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "trainer_state.pt"
 CONFIG_FILE = "config.json"
 LATEST = "latest"
 PREFIX = "step_"
 STEP_NAME = re.compile(rf"{PREFIX}\d{{1,20}}")  # the only names `latest` may hold: no separators, no '..'
-LEFTOVER_PREFIXES = (".tmp-", ".trash-")  # hidden folders of a save that was killed before it finished
+# hidden entries of a save that was killed before it finished: its folders and the temporary of `latest`
+LEFTOVER_PREFIXES = (TEMP_PREFIX, ".trash-")
 POINTER_MAX_BYTES = 256
 
 
@@ -136,11 +139,9 @@ def read_latest(root: Path) -> Path | None:
 
 
 def _write_latest(root: Path, name: str) -> None:
-    tmp = root / f".{LATEST}.tmp"
-    tmp.write_text(name + "\n")
-    _fsync(tmp)
-    os.replace(tmp, root / LATEST)
-    _fsync(root)
+    """Point `root/latest` at `name`: durably, atomically, and never through a link a run folder made
+    elsewhere put at its name or its temporary's (`atomic_write_text`)."""
+    atomic_write_text(root / LATEST, name + "\n")
 
 
 def clean_incomplete(root: Path) -> list[Path]:
@@ -189,7 +190,7 @@ def save_checkpoint(root: Path, step: int, *, model: nn.Module, trainer_state: d
     final = root / step_dir_name(step)
     if final.exists() and _pointer_name(root) == final.name and _is_complete(final):
         return final  # written by this run at this very step: the state is the same, nothing to add
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    tmp = root / f"{TEMP_PREFIX}{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:

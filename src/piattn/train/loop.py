@@ -44,6 +44,7 @@ from tqdm import tqdm
 import piattn
 
 from ..config import PRECISIONS, TrainConfig
+from ..safe_files import link_refusal
 from . import checkpoint as ckpt
 from .distributed import (
     DistContext,
@@ -201,6 +202,8 @@ class Trainer:
         self.run_dir = writable_folder(Path(cfg.run.out), "--out")
         if cfg.data.cache_dir is not None:
             writable_folder(Path(cfg.data.cache_dir), "--cache-dir")
+        elif (self.run_dir / "cache").is_symlink():  # a run folder made elsewhere would send the cache there
+            raise link_refusal(self.run_dir / "cache", "training", "--cache-dir DIR")
         self.ckpt_root = self.run_dir / "checkpoints"
         if ctx.is_main:
             ckpt.clean_incomplete(self.ckpt_root)

@@ -12,13 +12,14 @@ the trainer calls it when a run ends.
 from __future__ import annotations
 
 import json
-import os
 import resource
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from ..safe_files import LinkRefused, atomic_write_text, atomic_writer, link_refusal, open_append
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "metrics.png"
@@ -46,12 +47,16 @@ class MetricsWriter:
         self.tensorboard = None
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
+            # A run folder made elsewhere may hold links at these names: never written through (safe_files).
+            if self.path.is_symlink():
+                raise link_refusal(self.path, "training")
             if self.path.exists():
                 kept = [r for r in _read_records(self.path) if r["step"] <= after_step]
-                tmp = self.path.with_name(self.path.name + ".tmp")
-                tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-                os.replace(tmp, self.path)
-            self._file = self.path.open("a")
+                atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+            try:
+                self._file = open_append(self.path)
+            except LinkRefused:  # put there since the check above
+                raise link_refusal(self.path, "training") from None
             self.tensorboard = _tensorboard_writer(run_dir / "tensorboard")
 
     def log(self, step: int, split: str, values: dict) -> None:
@@ -156,7 +161,6 @@ def plot_metrics(run_dir: Path, path: Path | None = None) -> Path | None:
     lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
     fig.subplots_adjust(left=0.07, right=0.93, wspace=0.3, bottom=0.14, top=0.9)
     path = run_dir / PLOT_FILE if path is None else Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    FigureCanvasAgg(fig).print_png(str(tmp))
-    os.replace(tmp, path)  # a reader never sees half a PNG
+    with atomic_writer(path) as f:  # a reader never sees half a PNG, a link at `path` is replaced
+        FigureCanvasAgg(fig).print_png(f)
     return path
