@@ -167,7 +167,6 @@ BAD_INPUTS = [
     ("k and v must share one shape", lambda a: a.update(k=a["k"][:, :, :5])),
     ("dtype", lambda a: a.update(v=a["v"].double())),
     ("dtype", lambda a: a.update(q=a["q"].int(), k=a["k"].int(), v=a["v"].int())),
-    ("gate", lambda a: a.update(gate=None)),
     ("gate", lambda a: a.update(gate=a["gate"][..., :3])),
     ("gate", lambda a: a.update(gate=a["gate"] + 1)),
     ("gate", lambda a: a.update(gate=torch.zeros_like(a["gate"]))),
@@ -232,3 +231,17 @@ def test_signature_is_the_contract():
                         "document_ids": None, "backend": "auto"}
     assert PI_DEFAULTS.as_kwargs() == dict(window=4, period=16, variant="adaptive", prior=0.5, logit_clamp=20.0,
                                            eps=1e-4, sinks=0)
+
+
+def test_defaults_run_without_a_gate():
+    """pi_attention(q, k, v) runs on its defaults, as SDPA does: the gated variants take α = prior for every
+    query ("adaptive" is then exactly "fixed"; "separate" mixes by a gate filled with prior)."""
+    q, k, v, _ = make_inputs(1, 2, 20, 8, requires_grad=False)
+    y = piattn.pi_attention(q, k, v)
+    assert torch.equal(y, piattn.pi_attention(q, k, v, variant="fixed", prior=0.5))
+    separate = piattn.pi_attention(q, k, v, variant="separate", prior=0.3, backend="reference")
+    full = torch.full(q.shape[:3], 0.3, dtype=q.dtype)
+    assert torch.equal(separate, piattn.pi_attention(q, k, v, full, variant="separate", backend="reference"))
+    with pytest.raises(ValueError, match=r"variant 'separate' without a gate mixes its branches by prior, which "
+                                         r"must then lie in \(0, 1\); got prior=1.0"):
+        piattn.pi_attention(q, k, v, variant="separate", prior=1.0)

@@ -53,8 +53,6 @@ def test_bad_arguments_are_named():
         pi_attention_weights(q, k, gate, settings={"window": 3})
     with pytest.raises(ValueError, match="k and v have 3 heads"):
         pi_attention_weights(q, k[:, :3], gate)
-    with pytest.raises(ValueError, match="variant 'adaptive' needs gate"):
-        pi_attention_weights(q, k, None)
     with pytest.raises(ValueError, match="document_ids must have shape"):
         pi_attention_weights(q, k, gate, document_ids=torch.zeros(1, 9, dtype=torch.long))
 
@@ -111,3 +109,12 @@ def test_bad_per_head_periods_are_named():
                          ((3, -2, 5, 5), r"period\[1\] must be an int >= 1, got -2")):
         with pytest.raises(ValueError, match=message):
             PiSettings(period=bad)
+
+
+def test_a_missing_gate_is_the_constant_prior():
+    """Without a gate a gated variant takes α = prior for every query, in the weights as in the operator."""
+    q, k, _, gate = make_inputs(1, 2, 12, 4, requires_grad=False)
+    settings = PiSettings(window=2, period=5, prior=0.3)
+    w, *_ = pi_attention_weights(q, k, None, settings=settings)
+    fixed, *_ = pi_attention_weights(q, k, None, settings=PiSettings(window=2, period=5, prior=0.3, variant="fixed"))
+    assert torch.equal(w, fixed)

@@ -18,7 +18,7 @@ from .fused import pi_attention_fused_op
 from .heads import by_period, period_groups
 from .pattern import Pattern
 from .reference import pi_attention_reference
-from .validate import all_finite, check_arguments, check_qkv_tensors, head_periods
+from .validate import all_finite, check_arguments, check_qkv_tensors, gate_or_prior, head_periods
 from .weights import SlotWeights, pi_attention_weights  # noqa: F401 (public: piattn.pi_attention_weights)
 
 # "auto" and the backends this install can run.
@@ -51,6 +51,8 @@ def pi_attention(
             attention: query head h reads key/value head h // (H // H_kv); H_kv = H is plain multi-head).
             fp64, fp32, bf16 or fp16; low precision accumulates in fp32.
         gate: [B, H, T] the local prior α in (0, 1), for variants "adaptive" and "separate"; else None.
+            None with those variants: α = `prior` for every query ("adaptive" is then "fixed"), so that
+            `pi_attention(q, k, v)` runs on its defaults as SDPA does.
         window: local radius k >= 0. Causal queries see i-k … i, bidirectional ones i-k … i+k.
         period: skip distance π >= 1; the key i-π (and i+π when bidirectional). period <= window adds
             nothing beyond the window. Or one period per query head (multi-scale π): a sequence or 1-D
@@ -89,6 +91,7 @@ def pi_attention(
         [B, H, T, D] in the dtype of q.
     """
     check_qkv_tensors(q, k, v)
+    variant, gate = gate_or_prior(q, gate, variant, prior)
     periods = head_periods(period, q)
     check_arguments(
         q, k, v, gate, window=window, period=periods if isinstance(periods, int) else periods[0], causal=causal,

@@ -137,6 +137,22 @@ def _check_gate(q: torch.Tensor, gate, variant: str) -> None:
             raise ValueError(f"gate values must lie in the open interval (0, 1); got min {lo}, max {hi}")
 
 
+def gate_or_prior(q: torch.Tensor, gate: torch.Tensor | None, variant: str,
+                  prior: float) -> tuple[str, torch.Tensor | None]:
+    """(variant, gate) to run for a call: a gated variant called without a gate takes the constant local
+    prior α = `prior` for every query, as SDPA runs on its defaults. "adaptive" is then exactly "fixed"
+    (no tensor is made); "separate" mixes its two branches by a gate filled with `prior`, which must then lie
+    in (0, 1). Any other call is returned as it is."""
+    if gate is not None or variant not in GATED_VARIANTS:
+        return variant, gate
+    if variant == "adaptive":
+        return "fixed", None
+    if not isinstance(prior, (int, float)) or not 0 < prior < 1:
+        raise ValueError(f"variant {variant!r} without a gate mixes its branches by prior, which must then lie in "
+                         f"(0, 1); got prior={prior!r} (or pass gate [B, H, T])")
+    return variant, torch.full(q.shape[:3], float(prior), dtype=q.dtype, device=q.device)
+
+
 def all_finite(*xs: torch.Tensor | None) -> bool:
     """Whether every element of the given tensors (None skipped) is finite; a host sync.
 

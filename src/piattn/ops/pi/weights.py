@@ -8,6 +8,7 @@ values with it, and `pi_attention_weights` hands it out, checked, to whoever wan
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -15,7 +16,7 @@ import torch
 from ...config.pi import PI_DEFAULTS, PiSettings
 from .heads import period_groups
 from .pattern import Pattern, log_priors, slot_keys
-from .validate import check_arguments
+from .validate import check_arguments, gate_or_prior
 
 
 class SlotWeights(NamedTuple):
@@ -58,6 +59,8 @@ def pi_attention_weights(
     """
     if not isinstance(settings, PiSettings):
         raise ValueError(f"settings must be a piattn.config.PiSettings, got {type(settings).__name__}")
+    variant, gate = gate_or_prior(q, gate, settings.variant, settings.prior)
+    settings = dataclasses.replace(settings, variant=variant)
     periods = settings.periods
     # v plays no part in the weights; k stands in for it, so that the operator's one check covers the call.
     check_arguments(q, k, k, gate, causal=causal, scale=scale, dropout_p=0.0, document_ids=document_ids,
