@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 from . import __version__
-from .commands.common import DefaultsHelpFormatter
+from .commands.common import DefaultsHelpFormatter, check_threads_fit
 
 # subcommand -> (module with `add_arguments(parser)` and `run(args) -> int`, one-line help)
 COMMANDS = {
@@ -20,6 +21,25 @@ COMMANDS = {
     "convert-eval": ("piattn.commands.convert_eval",
                      "a pretrained LM converted to π-Attention untrained: perplexity vs dense, local and sinks"),
 }
+
+# Options whose value is a list of numbers that may start with '-' ('-1,16'): argparse takes such a word for
+# an option and says "expected one argument"; joined as --period=-1,16 it reaches piattn's own check, which
+# says what the option allows.
+NUMBER_LIST_OPTIONS = ("--period", "--periods")
+_NUMBER_LIST = re.compile(r"-\d")
+
+
+def join_number_lists(argv: list[str]) -> list[str]:
+    """argv with `OPTION VALUE` written `OPTION=VALUE` for the NUMBER_LIST_OPTIONS whose value starts with
+    '-' and a number: argparse then hands the value over instead of refusing it. A value that is not a
+    number ('--period --steps') is left to argparse's own error."""
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] in NUMBER_LIST_OPTIONS and _NUMBER_LIST.match(arg):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
@@ -39,10 +59,11 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = join_number_lists(sys.argv[1:] if argv is None else argv)
     prog = " ".join(["piattn", *[a for a in argv if not a.startswith("-")][:1]])  # "piattn train"
     try:  # start-up (imports, parsing) included: Ctrl-C at any point is one line, not a traceback
         args = build_parser(argv).parse_args(argv)
+        check_threads_fit(getattr(args, "threads", None))  # every command taking --threads, before its work
         return importlib.import_module(args._module).run(args) or 0
     except ValueError as e:  # bad input reaches the user as one line, not a traceback
         print(f"{prog}: error: {e}", file=sys.stderr)

@@ -38,6 +38,12 @@ SCHEDULES = ("single", "geometric", "cover")
 # design_periods runs its search only when n_layer·n_head·(target + 1) candidate periods stay below this,
 # which keeps it under about a second; beyond it the construction alone answers.
 SEARCH_BUDGET = 200_000
+# gap_free_reach's budget, in bits shifted: it measures the reach on growing prefixes of the lags, each
+# prefix costing one shift of a prefix-long bit set per hop below it per layer. A geometric schedule's reach
+# grows about 16-fold per 4 more layers and heads (24 × 24 from π = 16: 33,554,428 lags, 10¹¹ bits, 4 s;
+# 64 × 64: past 2⁶⁴ lags, never done), so past the budget (under a second) it stops with ReachBudgetError.
+# design_periods measures its schedule here too: a deep, wide "cover" design may stop on it.
+REACH_BUDGET = 1 << 34
 # The balanced construction shrinks every layer's stride by the same ratio m / _RATIO_STEPS.
 _RATIO_STEPS = 256
 
@@ -227,19 +233,34 @@ def coverage_multi(window: int, schedule, max_lag: int) -> float:
     return reachable_lags(window, schedule, max_lag)[1:].float().mean().item()
 
 
+class ReachBudgetError(ValueError):
+    """`gap_free_reach` stopped at REACH_BUDGET: the reach is longer than it measures."""
+
+
+def _prefix_cost(window: int, schedule: Schedule, max_lag: int) -> int:
+    """Bits `_layer_bits(window, schedule, max_lag)` shifts, at most: a max_lag-bit set per hop up to max_lag
+    per layer."""
+    return sum(min(window, max_lag) + 1 + sum(p <= max_lag for p in periods) for periods in schedule) * max_lag
+
+
 def gap_free_reach(window: int, schedule) -> int:
-    """The largest R such that all L layers reach every lag 1 … R (0 if they miss lag 1)."""
+    """The largest R such that all L layers reach every lag 1 … R (0 if they miss lag 1). ReachBudgetError
+    (a ValueError) when measuring it takes more than REACH_BUDGET bits shifted."""
     check_window(window)
     schedule = _check_schedule(schedule)
     # The longest path takes every layer's largest hop, so R <= top; look at growing prefixes of the
     # lags rather than all of 0 … top at once (a period of 10⁹ must not allocate 10⁹ bits).
     top = sum(max(layer_hops(window, periods)) for periods in schedule)
-    cap = 1024
+    cap, spent, known = 1024, 0, 0  # known: every lag 1 … known reached (the last prefix measured)
     while True:
+        spent += _prefix_cost(window, schedule, min(cap, top))
+        if spent > REACH_BUDGET:
+            raise ReachBudgetError(f"the gap-free reach is at least {known:,} lags, and measuring further would "
+                                   f"take more than REACH_BUDGET = 2^{REACH_BUDGET.bit_length() - 1} bits shifted")
         reach = _gap_free(_layer_bits(window, schedule, min(cap, top))[-1])
         if reach < min(cap, top) or cap >= top:
             return reach
-        cap *= 2
+        known, cap = reach, cap * 2
 
 
 # --- the designer ----------------------------------------------------------------------------------

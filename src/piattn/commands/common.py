@@ -1,4 +1,5 @@
-"""What the commands share: a help formatter that shows each flag's default, and the `--threads` flag.
+"""What the commands share: a help formatter that shows each flag's default, the `--threads` flag, and
+periods written as `--period` takes them.
 
     parser = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter)   # `piattn.cli` does this
     add_threads_argument(parser)
@@ -39,9 +40,26 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         return f"{text} (default: {str(default).replace('%', '%%')})"
 
 
+def available_cores() -> int:
+    """The cores this process may run on: its affinity mask where the platform has one (a container or
+    `taskset` narrows it below os.cpu_count()), else os.cpu_count()."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def add_threads_argument(parser: argparse._ActionsContainer) -> None:
-    """`--threads N`, applied by `torch_threads`."""
+    """`--threads N`, checked against the cores by `check_threads_fit` and applied by `torch_threads`."""
     parser.add_argument("--threads", type=int, default=None, metavar="N", help=THREADS_HELP)
+
+
+def check_threads_fit(threads: int | None) -> None:
+    """ValueError naming --threads for more threads than the cores this process may run on: the extra ones
+    only take turns on them (see THREADS_HELP). None (the default) passes; below 1 is `torch_threads`'s."""
+    cores = available_cores()
+    if threads is not None and threads > cores:
+        raise ValueError(f"--threads {threads} is more than the {cores} core{'s' * (cores > 1)} this process may "
+                         f"run on; take at most --threads {cores}")
 
 
 def default_threads(device: str) -> int | None:
@@ -87,3 +105,13 @@ def child_threads(threads: int | None) -> Iterator[None]:
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = before
+
+
+def period_text(periods) -> str:
+    """Periods in the syntax `piattn train --period` takes: an int (every head), a list of ints (one per head,
+    every layer alike: '8,16,32,64') or a list of per-layer lists ('5,6,7,8/9,14,19,24')."""
+    if isinstance(periods, int):
+        return str(periods)
+    if periods and isinstance(periods[0], (list, tuple)):
+        return "/".join(",".join(map(str, heads)) for heads in periods)
+    return ",".join(map(str, periods))

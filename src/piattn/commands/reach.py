@@ -20,16 +20,22 @@ import argparse
 import os
 from pathlib import Path
 
-from ..analysis.multiscale import periods_per_layer
+from ..analysis.multiscale import ReachBudgetError, periods_per_layer
 from ..analysis.multiscale_report import compare_schedules, format_schedules, plot_schedules
 from ..analysis.report import format_summary, plot_receptive_field, reach_summary
 from ..config import PI_DEFAULTS
+from .common import period_text
 from .paths import output_file
 
 FIGURE_NAME = "receptive_field.png"
 DEFAULT_OUT = Path("runs/reach") / FIGURE_NAME
 MULTISCALE_NAME = "multiscale_reach.png"
 MAX_TARGET = 1 << 16  # lags are bits of Python ints: cheap, but the figure draws one marker per lag
+# --design / --periods shift a (target + 1)-bit set once per hop (window + 1 local, one a head) per layer
+# for each of the four schedules compared: --layers 512 --heads 4 --window 4 --target 65536 (3·10⁸ bits)
+# takes under a second. The geometric heads' periods are 2^h·π: a million heads were a million-bit ints each.
+MAX_MULTISCALE_WORK = 1 << 30
+MAX_HEADS = 1024
 FORMATS = (".png", ".pdf", ".svg")  # what matplotlib writes without extra packages
 # n = 4096 holds a few 64 MiB matrices and takes about a minute at depth 8 on one CPU core; the work is
 # about n³ per layer per matrix, so MAX_WORK allows that depth at n = 4096 and proportionally more below.
@@ -90,6 +96,18 @@ def check_sizes(args: argparse.Namespace) -> None:
         raise ValueError(f"--n must be <= {MAX_N_SINKS} with --sinks (the sink depths take n⁴ work), got {n}")
 
 
+def check_multiscale_work(window: int, n_layer: int, n_head: int, target: int) -> None:
+    """ValueError naming the flags and MAX_HEADS or MAX_MULTISCALE_WORK where --design / --periods would
+    take minutes or more (see MAX_MULTISCALE_WORK)."""
+    if n_head > MAX_HEADS:
+        raise ValueError(f"--heads must be <= {MAX_HEADS} (MAX_HEADS) with --design or --periods, got {n_head}")
+    work = n_layer * (window + 1 + n_head) * (target + 1)
+    if work > MAX_MULTISCALE_WORK:
+        raise ValueError(f"--layers {n_layer} × (--window {window} + 1 + --heads {n_head}) × (--target {target} + 1) "
+                         f"= {work:,} is more than MAX_MULTISCALE_WORK = 2^{MAX_MULTISCALE_WORK.bit_length() - 1} "
+                         "bits shifted; take a smaller --target, --window, --layers or --heads")
+
+
 def figure_path(out: str | None, name: str = FIGURE_NAME) -> Path:
     """The figure file --out means: inside it when it is a folder (existing, or written with a trailing /),
     else the file itself, which must end in one of FORMATS (matplotlib would otherwise write `out.png` and
@@ -134,9 +152,17 @@ def run_multiscale(args: argparse.Namespace) -> int:
     if args.window < 0 or args.period < 1 or not 1 <= args.layers <= MAX_LAYERS:
         check_sizes(args)  # the same messages as the single-period report
     given = None if args.periods is None else parse_periods(args.periods, args.layers, args.heads)
+    check_multiscale_work(args.window, args.layers, max(args.heads, len(given[0]) if given else 0), args.target)
     out = figure_path(args.out, MULTISCALE_NAME)
-    rows, _ = compare_schedules(args.window, args.layers, args.heads, args.period, args.target, given)
+    try:
+        rows, studied = compare_schedules(args.window, args.layers, args.heads, args.period, args.target, given)
+    except ReachBudgetError as e:
+        raise ValueError(f"--layers {args.layers}, --heads {args.heads}, --window {args.window}, --period "
+                         f"{args.period}: {e}; take fewer --layers or --heads") from None
     print(format_schedules(rows, args.window, args.target))
+    if given is None:  # the designed periods, ready for a training run
+        print(f"\npiattn train -> --period {period_text(studied)} --window {args.window} --n-layer {args.layers} "
+              f"--n-head {args.heads}")
     try:
         path = plot_schedules(rows, args.window, args.target, out)
     except ImportError as e:

@@ -28,15 +28,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 
 from ..config import TrainConfig
+from ..config.model import PERIOD_SCHEDULES
 from ..data.tokenizers import KINDS as TOKENIZER_KINDS
 from ..layers import ATTENTION
 from ..ops.pi import BACKENDS
 from ..tasks import TASKS, task_class
 from ..train.gates import condensed
 from ..train.loop import MicroStepHook, resumed_config, train
-from .common import add_threads_argument, torch_threads
+from .common import add_threads_argument, period_text, torch_threads
 from .paths import output_folder
 
 # The allowed values of flags whose choices are registries above `piattn.config`.
@@ -67,7 +69,19 @@ def checked_config(cfg: TrainConfig) -> TrainConfig:
 
 
 def build_task(cfg, run_dir, ctx, checkpoint):
-    return task_class(cfg.task.task).from_config(cfg, run_dir, ctx, checkpoint)
+    task = task_class(cfg.task.task).from_config(cfg, run_dir, ctx, checkpoint)
+    if ctx.is_main:  # one process says it
+        announce_schedule(cfg.model.period, task.model_config.period)
+    return task
+
+
+def announce_schedule(period: str | None, resolved) -> None:
+    """On stderr, the periods a named schedule (--period cover, geometric:8) resolved to for this model, in
+    --period's own syntax: the name alone does not say them, and the line repeats the run without it."""
+    if period is None or period.split(":")[0] not in PERIOD_SCHEDULES:
+        return
+    print(f"piattn train: --period {period} -> --period {period_text(resolved)} (',' between heads, '/' between "
+          "layers)", file=sys.stderr)
 
 
 def train_config(cfg: TrainConfig, on_micro_step: MicroStepHook | None = None) -> dict:
