@@ -39,7 +39,8 @@ def train_then_eval(capsys, out, *argv) -> tuple[dict, dict]:
     assert main(["train", "--out", str(out), "--steps", "2", "--eval-every", "2", "--eval-batches", "1",
                  "--log-every", "1", *TINY, *argv]) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert main(["eval", "--checkpoint", str(out), "--use-stored-data", "--split", "test", "--device", "cpu"]) == 0
+    assert main(["eval", "--checkpoint", str(out), "--use-stored-data", "--split", "test", "--device", "cpu",
+                 "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     return summary, result
 

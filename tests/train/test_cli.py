@@ -61,7 +61,8 @@ def test_train_then_eval(tmp_path, capsys):
     assert first["wall_seconds"] > 0 and math.isfinite(first["loss"])
     assert [p.name for p in sorted((run / "checkpoints").glob("step_*"))] == ["step_00000002", "step_00000004"]
 
-    assert main(["eval", "--checkpoint", str(run), "--use-stored-data", "--split", "test", "--device", "cpu"]) == 0
+    assert main(["eval", "--checkpoint", str(run), "--use-stored-data", "--split", "test", "--device", "cpu",
+                 "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     loss, count = oracle_test_loss(read_latest(run / "checkpoints"), corpus)
     assert result["tokens"] == count and result["bytes"] == count

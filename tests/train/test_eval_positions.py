@@ -45,7 +45,7 @@ def runs(tmp_path_factory):
 
 def evaluate(capsys, tmp_path, *argv) -> dict:
     assert main(["eval", "--split", "test", "--device", "cpu", "--output", str(tmp_path / "e.json"),
-                 "--overwrite", "--use-stored-data", *argv]) == 0
+                 "--overwrite", "--use-stored-data", "--json", *argv]) == 0
     return json.loads(capsys.readouterr().out)
 
 

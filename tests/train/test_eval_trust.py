@@ -85,7 +85,7 @@ def edit_config(run, change) -> None:
 
 def evaluate(capsys, *argv) -> tuple[int, dict | None, str]:
     """(exit code, the JSON printed or None, stderr) of `piattn eval --split test --device cpu *argv`."""
-    code = main(["eval", "--split", "test", "--device", "cpu", *argv])
+    code = main(["eval", "--split", "test", "--device", "cpu", "--json", *argv])
     out, err = capsys.readouterr()
     return code, json.loads(out) if code == 0 else None, err
 
@@ -233,10 +233,12 @@ def test_a_terminal_gets_a_progress_bar_and_a_pipe_does_not(run, capsys, monkeyp
     code, result, err = evaluate(capsys, "--checkpoint", str(run), "--use-stored-data")
     windows = result["tokens"] // SEQ  # 2 windows per batch: ceil(windows / 2) batches
     assert "\r" not in err and "batches" not in err
-    summary, written = err.strip().splitlines()
-    assert summary.startswith(f"step 1, test split of {result['data']}: loss {result['loss']:.4f} nats/token, ")
-    assert f"{result['bpb']:.4f} bits/byte" in summary and f"({result['tokens']:,} tokens" in summary
-    assert written.startswith("written to ")
+    lines = err.strip().splitlines()  # --json: the summary and the file's name go to stderr
+    assert lines[0].startswith(f"lm, step 1 of {result['checkpoint']}: test split of {result['data']}, "
+                               f"{result['tokens']:,} tokens, ")
+    assert lines[1].split() == ["loss", f"{result['loss']:.4f}", "nats/token"]
+    assert lines[3].split()[:2] == ["bits/byte", f"{result['bpb']:.4f}"]
+    assert lines[-1].startswith("full JSON written to ") and len(lines) == 6
 
     terminal = Terminal()
     monkeypatch.setattr("sys.stderr", terminal)
@@ -250,8 +252,9 @@ def test_a_terminal_gets_a_progress_bar_and_a_pipe_does_not(run, capsys, monkeyp
 def test_position_bins_and_compare_print_a_table(run, trained, capsys):
     _, result, err = evaluate(capsys, "--checkpoint", str(run), "--use-stored-data", "--position-bins", "2")
     lines = err.splitlines()
-    assert lines[2].split() == ["positions", "tokens", "loss", "(nats/token)"]
-    assert lines[3].split() == ["0–15", f"{result['position_bins'][0]['tokens']:,}",
+    table = next(i for i, line in enumerate(lines) if line.split()[:1] == ["positions"])
+    assert lines[table].split() == ["positions", "tokens", "loss", "(nats/token)"]
+    assert lines[table + 1].split() == ["0–15", f"{result['position_bins'][0]['tokens']:,}",
                                 f"{result['position_bins'][0]['loss']:.4f}"]
     _, result, err = evaluate(capsys, "--checkpoint", str(run), "--use-stored-data", "--compare", str(trained["lm"]),
                               "--position-bins", "2", "--overwrite")

@@ -119,7 +119,7 @@ def test_eval_does_not_follow_a_link_put_at_run_eval_while_it_scores(run, monkey
         return RESULT
 
     monkeypatch.setattr(eval_command, "evaluate_checkpoint", score_and_swap)
-    code = main(["eval", "--checkpoint", str(run), "--use-stored-data", "--device", "cpu"])
+    code = main(["eval", "--checkpoint", str(run), "--use-stored-data", "--device", "cpu", "--json"])
     out, err = capsys.readouterr()
     assert code == 2 and f"{run / 'eval'} is a symbolic link" in err and "the JSON above" in err
     assert json.loads(out)["loss"] == 1.0  # the result is not lost

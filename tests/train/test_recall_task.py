@@ -32,7 +32,7 @@ def test_recall_trains_and_eval_reports_accuracy_by_lag(tmp_path, capsys, order,
                  "--recall-loss", loss, "--train-size", "8", "--eval-size", "25", *TINY]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert set(summary["validation"]["accuracy_by_lag"]) <= {str(lag) for lag in range(3, 13)}
-    assert main(["eval", "--checkpoint", str(out), "--split", "test", "--device", "cpu"]) == 0
+    assert main(["eval", "--checkpoint", str(out), "--split", "test", "--device", "cpu", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
 
     data = recall.generate(25, seed=TEST_SEED, seq_len=24, n_symbols=5, lag_min=3, lag_max=12, stratified=True,

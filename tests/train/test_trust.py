@@ -120,7 +120,7 @@ def test_a_corpus_edited_in_place_is_tokenized_again(trained, tmp_path, capsys):
     corpus = shutil.copytree(corpus, tmp_path / "corpus")
     shutil.copytree(run, tmp_path / "run")
     run = tmp_path / "run"
-    evaluate = ["eval", "--checkpoint", str(run), "--data", str(corpus), "--split", "test", "--cache-dir",
+    evaluate = ["eval", "--json", "--checkpoint", str(run), "--data", str(corpus), "--split", "test", "--cache-dir",
                 str(tmp_path / "cache")]
     assert main(evaluate) == 0
     before = json.loads(capsys.readouterr().out)

@@ -1,10 +1,18 @@
-"""`piattn eval`: score a checkpoint on a split; prints the metrics as JSON and writes them to a file.
+"""`piattn eval`: score a checkpoint on a split; prints a summary for a person and writes the metrics as JSON.
 
     piattn eval --checkpoint runs/pi-tiny --data books:data/books --split test
-    {"loss": …, "bpb": …, "perplexity": …, "tokens": …, "tokens_per_second": …, …}
+    lm, step 2000 of runs/pi-tiny/checkpoints/step_00002000: test split of books:data/books, 1,048,576 tokens, 9.1 s
+      loss        0.9512 nats/token
+      perplexity  2.589 (per token)
+      bits/byte   1.3723  (= loss / ln 2: byte tokenizer, one token per byte)
 
-The JSON goes to stdout; stderr gets a progress bar (on a terminal only), a one-line summary, and for
---position-bins / --compare a table. The data is what --data names: a checkpoint's config.json records the
+    full JSON written to runs/pi-tiny/eval/step_00002000_test_books-data-books.json
+
+stdout gets the summary (`eval_report`: the task, checkpoint and split, the main metrics with their units,
+for the recall and reach tasks accuracy by lag with the lags the reachability analysis says the model
+reaches marked, for --position-bins / --compare a table), then where the JSON went. `--json` prints the
+JSON to stdout instead, for scripts, and the summary to stderr; stderr also gets a progress bar (on a
+terminal only). The data is what --data names: a checkpoint's config.json records the
 source it was trained on (a folder, books:DIR, wikitext:DIR, hf:NAME, coco:DIR, …), and that source is read
 only with --use-stored-data, since a checkpoint may come from anyone and its config would otherwise choose
 which files (or which download) eval reads. Generated data (reach, recall, generated ListOps or Pathfinder,
@@ -53,7 +61,7 @@ from ..train import checkpoint as ckpt
 from ..train.distributed import DEVICES, DistContext, setup, teardown
 from ..train.loop import autocast, autocast_dtype, saved_train_config
 from ..train.statistics import paired_differences
-from . import eval_copy, paths
+from . import eval_copy, eval_report, paths
 from .common import add_threads_argument, torch_threads
 
 # Recorded --data values that name no file or dataset: the examples are generated from the run's seed.
@@ -87,6 +95,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "the classes beyond B's (default: --checkpoint)")
     p.add_argument("--output", help="JSON file to write (default: RUN/eval/<checkpoint>_<split>[_<data>].json; "
                    "when that exists, a new name ending -2.json, -3.json, …: an earlier evaluation is kept)")
+    p.add_argument("--json", action="store_true",
+                   help="print the metrics as JSON on stdout (the summary then goes to stderr), for scripts")
     add_threads_argument(p)
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing --output file (or the default file) instead of refusing "
@@ -286,7 +296,7 @@ def planned_batches(task, split: str, batches: int, ctx: DistContext) -> int | N
 
 class Progress:
     """A bar on stderr counting the batches the model is called on, drawn only when stderr is a terminal:
-    piped or logged, stderr keeps to the summary (and a refusal stays one line).
+    piped or logged, stderr keeps to its lines (warnings, the summary under --json; a refusal stays one line).
 
     The tasks' evaluation loops know nothing of it: `watch(model)` counts calls through forward hooks on
     the modules that see one batch per call (the model; a dual encoder's image and text towers).
@@ -329,51 +339,6 @@ class Progress:
         if self.enabled and self.done:
             self.stream.write("\n")
             self.stream.flush()
-
-
-def summary(result: dict) -> list[str]:
-    """The result for a reader: one line, then a table of position bins or of the comparison when present."""
-    where = f"{result['split']} split" + (f" of {result['data']}" if result.get("data") else "")
-    head = f"step {result['step']}, {where}: " if result.get("step") is not None else f"{where}: "
-    seconds = f"{result['seconds']:.1f} s"
-    if "bpb" in result:
-        line = (f"loss {result['loss']:.4f} nats/token, {result['bpb']:.4f} bits/byte, perplexity "
-                f"{result['perplexity']:.3f} ({result['tokens']:,} tokens, {seconds})")
-    elif "accuracy" in result:
-        chance = f" (chance {result['chance']:.1%})" if "chance" in result else ""
-        line = (f"accuracy {result['accuracy']:.2%}{chance}, loss {result['loss']:.4f} nats/example "
-                f"({result['examples']:,} examples, {seconds})")
-    elif "i2t_r1" in result:
-        recalls = {d: "/".join(f"{100 * result[f'{d}_r{k}']:.1f}" for k in (1, 5, 10)) for d in ("i2t", "t2i")}
-        line = (f"Recall@1/5/10 image→text {recalls['i2t']}%, text→image {recalls['t2i']}% "
-                f"({result['images']:,} images, {result['captions']:,} captions, {seconds})")
-    else:
-        line = f"done in {seconds}"
-    lines = [head + line]
-    if "copy_distance" in result:
-        c = result["compare"]
-        lines += ["", f"B = {c['checkpoint']} (step {c['step']}): loss {c['loss']:.4f} nats/token, "
-                  f"{c['bpb']:.4f} bits/byte", *eval_copy.summary_lines(result["copy_distance"])]
-    elif "compare" in result:
-        c = result["compare"]
-        lines += ["", f"A − B, B = {c['checkpoint']} (step {c['step']}): loss {c['loss']:.4f} nats/token; "
-                  f"{c['interval']}",
-                  f"{'positions':>12}{'loss A':>10}{'A − B':>10}{'95% interval':>24}"]
-        rows = [(positions(a), a["loss"], b) for a, b in zip(result["position_bins"], c["position_bins"],
-                                                             strict=True)]
-        rows.append(("all", result["loss"], c["total"]))
-        for name, loss, d in rows:
-            interval = f"[{d['low']:+.4f}, {d['high']:+.4f}]"
-            lines.append(f"{name:>12}{loss:>10.4f}{d['difference']:>+10.4f}{interval:>24}")
-    elif "position_bins" in result:
-        lines += ["", f"{'positions':>12}{'tokens':>12}{'loss':>10}  (nats/token)"]
-        lines += [f"{positions(b):>12}{b['tokens']:>12,}{b['loss']:>10.4f}" for b in result["position_bins"]]
-    return lines
-
-
-def positions(row: dict) -> str:
-    """The target positions of a bin, first–last (its "end" is exclusive)."""
-    return f"{row['start']}–{row['end'] - 1}"
 
 
 def numbered(path: Path, n: int) -> Path:
@@ -462,13 +427,18 @@ def run(args: argparse.Namespace) -> int:
     if not ctx.is_main:  # under torchrun every rank scores its share; rank 0 reports
         return 0
     text = json.dumps(result, indent=2)
-    print(text, flush=True)  # first: a failed write below loses no result
-    print("\n".join(summary(result)), file=sys.stderr)
+    summary = "\n".join(eval_report.report(result, ckpt.read_config(folder)))
+    human = sys.stderr if args.json else sys.stdout  # where the summary and the file's name go
+    if args.json:
+        print(text, flush=True)  # first: a failed write below loses no result
+    print(summary, file=human, flush=True)
     try:
         written = write_result(output, text + "\n", replace=args.overwrite, renumber=chosen_output is None,
                                follow_folder=chosen_output is not None)
     except OSError as err:  # checked before the evaluation, so the disk filled up or the folder changed
+        if not args.json:
+            print(text, flush=True)  # the result is not lost: it follows the summary
         raise ValueError(f"{output}: cannot be written ({err.strerror or type(err).__name__}); the result is "
                          "the JSON above") from None
-    print(f"written to {written}", file=sys.stderr)
+    print(f"\nfull JSON written to {written}", file=human)
     return 0

@@ -1,0 +1,203 @@
+"""What `piattn eval` shows a person: the task and checkpoint, the main metrics with their units, and for the
+recall and reach tasks a table of accuracy by lag marking the lags the reachability analysis says the
+model's attention can carry to the query.
+
+    recall, step 2000 of runs/recall-pi/checkpoints/step_00002000: test split (generated), 4,096 examples, 1.2 s
+      accuracy  61.23%  (chance 12.5%)
+      loss      1.0412 nats/example
+
+    accuracy by lag
+         lags  reach  accuracy  examples
+            3      *   100.00%        64
+            …
+            7      *    98.44%        64
+            8           12.50%        64
+            …
+    * reachable: the query reaches the value and its marker through pi attention, window 4, period 16, 2 layers (…)
+
+A language model gets loss (nats per token), perplexity (per token) and bits per byte of the scored text;
+with the byte tokenizer one token is one byte, so bits per byte is loss / ln 2.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..analysis.copy_distance import attention_reach
+from ..config import TrainConfig
+from ..tasks.recall import RecallTask
+from . import eval_copy
+
+MAX_LAG_ROWS = 24
+"""Rows of the accuracy-by-lag table before neighbouring lags share a row (a recall run over a 1024-token
+sequence has a thousand lags; the full table stays in the JSON)."""
+
+
+def report(result: dict, config: dict) -> list[str]:
+    """The lines a person reads for `result` (an evaluation, `piattn eval`'s JSON) of the checkpoint whose
+    config.json is `config`."""
+    lines = [heading(result, config), *metric_lines(result, config)]
+    if config.get("task") in ("recall", "reach"):
+        lines += ["", *lag_table(result, config)]
+    return lines + comparison_lines(result)
+
+
+def heading(result: dict, config: dict) -> str:
+    """'TASK, step N of CHECKPOINT: SPLIT split of DATA, COUNT, SECONDS'."""
+    step = f"step {result['step']} of " if result.get("step") is not None else ""
+    data = f"of {result['data']}" if result.get("data") else "(generated)"
+    count = next((f"{result[k]:,} {k}" for k in ("tokens", "examples", "images") if k in result), "")
+    return (f"{config.get('task', 'model')}, {step}{result['checkpoint']}: {result['split']} split {data}, "
+            f"{count + ', ' if count else ''}{result['seconds']:.1f} s")
+
+
+def metric_lines(result: dict, config: dict) -> list[str]:
+    """The main metrics, one a line, with their units."""
+    if "bpb" in result:
+        return language_model_lines(result, tokenizer_kind(config))
+    if "accuracy" in result:
+        chance = f"  (chance {result['chance']:.1%})" if "chance" in result else ""
+        return [f"  accuracy  {result['accuracy']:.2%}{chance}", f"  loss      {result['loss']:.4f} nats/example"]
+    if "i2t_r1" in result:
+        recalls = {d: "/".join(f"{100 * result[f'{d}_r{k}']:.1f}" for k in (1, 5, 10)) for d in ("i2t", "t2i")}
+        return [f"  Recall@1/5/10 image→text {recalls['i2t']}%, text→image {recalls['t2i']}% "
+                f"({result['captions']:,} captions)"]
+    return []
+
+
+def tokenizer_kind(config: dict) -> str:
+    """The tokenizer a language-model checkpoint was trained with ('byte', 'char' or 'bpe')."""
+    return TrainConfig.from_flat(config["train_args"]).data.tokenizer
+
+
+def language_model_lines(result: dict, tokenizer: str) -> list[str]:
+    """Loss, perplexity and bits per byte; for the byte tokenizer, bits per byte is said to be loss / ln 2
+    (the number byte-level results quote), otherwise how it counts the text's bytes."""
+    if tokenizer == "byte":
+        how = "= loss / ln 2: byte tokenizer, one token per byte"
+    else:
+        how = f"{tokenizer} tokenizer: nats over the text's {result['bytes']:,} UTF-8 bytes, / ln 2"
+    return [f"  loss        {result['loss']:.4f} nats/token",
+            f"  perplexity  {result['perplexity']:.3f} (per token)",
+            f"  bits/byte   {result['bpb']:.4f}  ({how})"]
+
+
+# --- accuracy by lag ---------------------------------------------------------------------------------
+
+def lag_table(result: dict, config: dict) -> list[str]:
+    """Accuracy by lag (recall: every lag scored; reach: its one lag), '*' on the lags `reachable_lags` marks."""
+    cfg = TrainConfig.from_flat(config["train_args"])
+    accuracy, examples = lag_scores(result, cfg)
+    reachable, legend = reachable_lags(config["model"], cfg, sorted(accuracy))
+    lines = ["accuracy by lag", f"{'lags':>9}  {'reach':>5}  {'accuracy':>8}  {'examples':>8}"]
+    for lags in lag_rows(sorted(accuracy), reachable):
+        n = sum(examples[lag] for lag in lags)
+        correct = sum(accuracy[lag] * examples[lag] for lag in lags)
+        name = f"{lags[0]}" if len(lags) == 1 else f"{lags[0]}–{lags[-1]}"
+        mark = "*" if reachable is not None and reachable[lags[0]] else ""
+        lines.append(f"{name:>9}  {mark:>5}  {correct / n:>8.2%}  {n:>8,}")
+    return [*lines, legend]
+
+
+def lag_scores(result: dict, cfg: TrainConfig) -> tuple[dict[int, float], dict[int, int]]:
+    """({lag: accuracy}, {lag: examples}): the recall task's per-lag entries, or the reach task's one lag."""
+    if "accuracy_by_lag" in result:
+        return ({int(k): v for k, v in result["accuracy_by_lag"].items()},
+                {int(k): v for k, v in result["examples_by_lag"].items()})
+    return {cfg.task.lag: result["accuracy"]}, {cfg.task.lag: result["examples"]}
+
+
+def reachable_lags(model: dict, cfg: TrainConfig, lags: list[int]) -> tuple[dict[int, bool] | None, str]:
+    """({lag: whether the analysis says the query can read the answer at that lag}, the table's legend), or
+    (None, why there are no marks).
+
+    `attention_reach` gives the lags the model's layers reach. A recall answer needs its marker as well (the
+    model finds the value by the marker beside it), so a recall lag counts only when both lags are reached,
+    as experiments/recall.py counts it. Sinks: a key among the first `sinks` positions is read by every later
+    query in one layer (`piattn.analysis.reachability`), and here every sequence starts at position 0."""
+    if cfg.task.causal is False:  # the analysis is of causal attention; --no-causal reads a reversed sequence
+        return None, "no reachability marks: the analysis covers causal models, not --no-causal"
+    seq_len = cfg.data.seq_len
+    try:
+        reach = attention_reach(model["attention"], window=model.get("window"), period=model.get("period"),
+                                n_layer=model["n_layer"], n_head=model["n_head"], max_lag=seq_len - 1).reachable
+    except ValueError:  # longformer, bigbird, reformer: no fixed set of lags
+        return None, f"no reachability marks: the analysis has no fixed reach for {model['attention']} attention"
+    sinks = model.get("sinks") or 0
+    reach = reach | (torch.arange(seq_len) >= seq_len - sinks)  # lag d sits at position seq_len - 1 - d
+    needed = recall_marker_lags(cfg) if cfg.task.task == "recall" else {lag: () for lag in lags}
+    marked = {lag: bool(reach[lag]) and all(reach[m] for m in needed[lag]) for lag in lags}
+    carried = "the value and its marker" if cfg.task.task == "recall" else "the answer"
+    return marked, f"* reachable: the query reaches {carried} through {describe_attention(model)} (piattn.analysis)"
+
+
+def recall_marker_lags(cfg: TrainConfig) -> dict[int, tuple[int]]:
+    """{lag of the value: (lag of its marker,)}: the marker sits just before the value (marker-value) or
+    just after it (value-marker)."""
+    s = RecallTask.settings(cfg)
+    shift = -1 if s["value_first"] else 1
+    return {lag: (lag + shift,) for lag in range(s["lag_min"], s["lag_max"] + 1)}
+
+
+def describe_attention(model: dict) -> str:
+    """'pi attention, window 4, period 16, 2 layers' (the period as stored: an int or per-head lists)."""
+    parts = [f"{model['attention']} attention"]
+    if model["attention"] != "dense":
+        parts.append(f"window {model.get('window')}")
+    if model["attention"] == "pi":
+        parts.append(f"period {model.get('period')}")
+    if model.get("sinks"):
+        parts.append(f"{model['sinks']} sinks")
+    return ", ".join([*parts, f"{model['n_layer']} layers"])
+
+
+def lag_rows(lags: list[int], reachable: dict[int, bool] | None) -> list[list[int]]:
+    """The sorted `lags` split into table rows: one lag a row up to MAX_LAG_ROWS lags, else runs of
+    neighbouring lags of about len(lags) / MAX_LAG_ROWS each. A row never mixes reachable and unreachable
+    lags, so each row's mark holds for every lag in it."""
+    width = max(1, math.ceil(len(lags) / MAX_LAG_ROWS))
+    rows: list[list[int]] = []
+    for lag in lags:
+        last = rows[-1] if rows else None
+        same = last is not None and (reachable is None or reachable[last[0]] == reachable[lag])
+        if same and len(last) < width and lag == last[-1] + 1:
+            last.append(lag)
+        else:
+            rows.append([lag])
+    return rows
+
+
+# --- language models: position bins, --compare, --by-copy-distance ---------------------------------------
+
+def comparison_lines(result: dict) -> list[str]:
+    """The table of --by-copy-distance, --compare or --position-bins when the result holds one."""
+    if "copy_distance" in result:
+        c = result["compare"]
+        return ["", f"B = {c['checkpoint']} (step {c['step']}): loss {c['loss']:.4f} nats/token, "
+                f"{c['bpb']:.4f} bits/byte", *eval_copy.summary_lines(result["copy_distance"])]
+    if "compare" in result:
+        return compare_lines(result)
+    if "position_bins" in result:
+        return ["", f"{'positions':>12}{'tokens':>12}{'loss':>10}  (nats/token)",
+                *(f"{positions(b):>12}{b['tokens']:>12,}{b['loss']:>10.4f}" for b in result["position_bins"])]
+    return []
+
+
+def compare_lines(result: dict) -> list[str]:
+    """--compare: A's loss and A − B with its interval per position bin and over all positions."""
+    c = result["compare"]
+    lines = ["", f"A − B, B = {c['checkpoint']} (step {c['step']}): loss {c['loss']:.4f} nats/token; "
+             f"{c['interval']}", f"{'positions':>12}{'loss A':>10}{'A − B':>10}{'95% interval':>24}"]
+    rows = [(positions(a), a["loss"], b) for a, b in zip(result["position_bins"], c["position_bins"], strict=True)]
+    rows.append(("all", result["loss"], c["total"]))
+    for name, loss, d in rows:
+        interval = f"[{d['low']:+.4f}, {d['high']:+.4f}]"
+        lines.append(f"{name:>12}{loss:>10.4f}{d['difference']:>+10.4f}{interval:>24}")
+    return lines
+
+
+def positions(row: dict) -> str:
+    """The target positions of a bin, first–last (its "end" is exclusive)."""
+    return f"{row['start']}–{row['end'] - 1}"
