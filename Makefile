@@ -30,8 +30,9 @@ $(TEST_STAMP): $(BASE)
 demo: $(DEMO_STAMP)
 	$(VENV)/bin/piattn demo
 
+# -n auto: one pytest worker per core (pytest-xdist); the suite's tests are independent of their order.
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n auto
 
 test-slow: $(TEST_STAMP)
 	$(PY) -m pytest -q -m "slow"

@@ -11,6 +11,11 @@ if not torch.cuda.is_available():
     # Without a GPU, Triton kernels run in Triton's CPU interpreter. Set before piattn or triton is imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `make test` runs one worker per core (pytest-xdist): torch's own threads would only take turns with
+    # the other workers' on the same cores. Tests that need more threads set them themselves.
+    torch.set_num_threads(1)
+
 
 @pytest.fixture
 def nan_poison(monkeypatch):
