@@ -99,21 +99,30 @@ class Setup:
         for _ in range(self.warmup):
             fn()
         self.sync()
-        times = []
-        for _ in range(self.repeats):
-            if self._flush is not None:
-                self._flush.zero_()  # evict the inputs from L2: the floor assumes they come from HBM
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+        return event_ms(fn, self.repeats, self.device.type == "cuda",
+                        before=None if self._flush is None else self._flush.zero_)
+
+
+def event_ms(fn, repeats: int, cuda: bool, before=None) -> float:
+    """Median ms of fn() over `repeats` runs: CUDA events on a GPU, with before() (e.g. an L2 flush, so that
+    the inputs come from HBM as the floor assumes) run ahead of each outside the timed span; wall clock on a
+    CPU."""
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            if before is not None:
+                before()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
 
 
 def log(msg: str) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 import piattn  # noqa: E402
+from gpu_bench import event_ms  # noqa: E402
 from piattn.benchmarking import command_line, save_results  # noqa: E402
 from piattn.ops.pi import triton as triton_backend  # noqa: E402
 from piattn.ops.pi import validate  # noqa: E402
@@ -67,24 +67,6 @@ def step(xs, dy, backward: bool):
     y = piattn.pi_attention(*xs, **OP)
     if backward:
         torch.autograd.grad(y, xs, dy)
-
-
-def event_ms(fn, repeats: int, cuda: bool) -> float:
-    """Median ms of fn(): CUDA events on a GPU, wall clock on the CPU."""
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def host_us(fn, calls: int, cuda: bool) -> float:
