@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -132,6 +133,16 @@ def test_eval_warns_once_about_a_run_folder_of_another_user(run, monkeypatch, ca
     assert main(["eval", "--checkpoint", str(run), "--use-stored-data", "--device", "cpu"]) == 0
     warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
     assert len(warnings) == 1 and str(run) in warnings[0] and "belongs to" in warnings[0]
+
+
+def test_resume_warns_about_a_run_folder_of_another_user(run, monkeypatch, capsys):
+    """Resuming someone else's run folder says whose it is (its checkpoint and settings are theirs); a fresh
+    run of one's own does not."""
+    monkeypatch.setattr(safe_files, "foreign_owner", lambda folder: "mallory" if Path(folder) == run else None)
+    assert main(["train", "--resume", "--out", str(run), "--steps", "2"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "belongs to" in line]
+    assert warnings == [f"piattn train: warning: the run folder {run} belongs to mallory, not to you; the "
+                        "checkpoint and settings it resumes from are theirs"]
 
 
 # --- the helpers ---

@@ -43,6 +43,7 @@ from tqdm import tqdm
 
 import piattn
 
+from .. import safe_files
 from ..config import PRECISIONS, TrainConfig
 from ..safe_files import link_refusal
 from . import checkpoint as ckpt
@@ -461,6 +462,10 @@ class Trainer:
         if self.step >= self.cfg.optim.steps:
             print(f"piattn train: the run is at step {self.step} of --steps {self.cfg.optim.steps} already; nothing "
                   "to train (a larger --steps extends it)", file=sys.stderr)
+        owner = safe_files.foreign_owner(self.run_dir) if self.resumed_from else None
+        if owner is not None:
+            print(f"piattn train: warning: the run folder {self.run_dir} belongs to {owner}, not to you; the "
+                  "checkpoint and settings it resumes from are theirs", file=sys.stderr)
 
     def _plot(self) -> None:
         """RUN/metrics.png from metrics.jsonl (rank 0), or a line saying why there is none."""
