@@ -70,14 +70,21 @@ def _create_temporary(path: Path, dir_fd: int | None) -> tuple[Path, int]:
             return temporary, create_new(temporary, dir_fd)
 
 
-def _fsync_folder(folder: Path, dir_fd: int | None) -> None:
-    """Make the entries of `folder` (the one `dir_fd` is open on, when given) durable."""
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY) if dir_fd is None else dir_fd
+def fsync_path(path: str | os.PathLike) -> None:
+    """Make the file or folder at `path` durable (a folder: its entries, e.g. a rename into it)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
-        if dir_fd is None:
-            os.close(fd)
+        os.close(fd)
+
+
+def _fsync_folder(folder: Path, dir_fd: int | None) -> None:
+    """Make the entries of `folder` (the one `dir_fd` is open on, when given) durable."""
+    if dir_fd is None:
+        fsync_path(folder)
+    else:
+        os.fsync(dir_fd)
 
 
 @contextlib.contextmanager

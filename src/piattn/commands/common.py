@@ -1,5 +1,4 @@
-"""What the commands share: a help formatter that shows each flag's default, the `--threads` flag, and
-periods written as `--period` takes them.
+"""What the commands share: a help formatter that shows each flag's default, and the `--threads` flag.
 
     parser = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter)   # `piattn.cli` does this
     add_threads_argument(parser)
@@ -106,12 +105,3 @@ def child_threads(threads: int | None) -> Iterator[None]:
         else:
             os.environ["OMP_NUM_THREADS"] = before
 
-
-def period_text(periods) -> str:
-    """Periods in the syntax `piattn train --period` takes: an int (every head), a list of ints (one per head,
-    every layer alike: '8,16,32,64') or a list of per-layer lists ('5,6,7,8/9,14,19,24')."""
-    if isinstance(periods, int):
-        return str(periods)
-    if periods and isinstance(periods[0], (list, tuple)):
-        return "/".join(",".join(map(str, heads)) for heads in periods)
-    return ",".join(map(str, periods))

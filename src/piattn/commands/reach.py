@@ -24,7 +24,7 @@ from ..analysis.multiscale import ReachBudgetError, periods_per_layer
 from ..analysis.multiscale_report import compare_schedules, format_schedules, plot_schedules
 from ..analysis.report import format_summary, plot_receptive_field, reach_summary
 from ..config import PI_DEFAULTS
-from .common import period_text
+from ..config.training import period_text
 from .paths import output_file
 
 FIGURE_NAME = "receptive_field.png"

@@ -32,13 +32,14 @@ import sys
 
 from ..config import TrainConfig
 from ..config.model import PERIOD_SCHEDULES
+from ..config.training import period_text
 from ..data.tokenizers import KINDS as TOKENIZER_KINDS
 from ..layers import ATTENTION
 from ..ops.pi import BACKENDS
 from ..tasks import TASKS, task_class
 from ..train.gates import condensed
 from ..train.loop import MicroStepHook, resumed_config, train
-from .common import add_threads_argument, period_text, torch_threads
+from .common import add_threads_argument, torch_threads
 from .paths import output_folder
 
 # The allowed values of flags whose choices are registries above `piattn.config`.

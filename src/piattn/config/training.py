@@ -88,6 +88,16 @@ def parse_period(text: str) -> int | list | str:
     return layers[0][0] if len(layers[0]) == 1 else layers[0]
 
 
+def period_text(periods) -> str:
+    """Periods in the syntax `piattn train --period` takes, `parse_period`'s inverse: an int (every head), a
+    list of ints (one per head, every layer alike: '8,16,32,64') or per-layer lists ('5,6,7,8/9,14,19,24')."""
+    if isinstance(periods, int):
+        return str(periods)
+    if periods and isinstance(periods[0], (list, tuple)):
+        return "/".join(",".join(map(str, heads)) for heads in periods)
+    return ",".join(map(str, periods))
+
+
 @dataclass
 class DataFlags:
     data: str | None = flag(None, "lm (required): a folder with train/ validation/ test/ text files, books:<dir>, "

@@ -102,7 +102,7 @@ class WindowedAttention(AttentionLayer):
                 bias_g: torch.Tensor | None, k_g: torch.Tensor, v_g: torch.Tensor) -> torch.Tensor:
             head = None if gate_head is None else (weight_g, bias_g)
             return _decode_rows(q_g, k_g, v_g, gate if head is not None else alpha_g, gate_head=head,
-                               **{**self._decode_kwargs, "period": period})
+                                **{**self._decode_kwargs, "period": period})
 
         return by_period(self.settings.periods, k.shape[1], run, [(q, 1), (alpha, 1), (weight, 0), (bias, 0)],
                          [(k, 1), (v, 1)])

@@ -29,7 +29,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
 from torch import nn
 
-from ..safe_files import TEMP_PREFIX, atomic_write_text
+from ..safe_files import TEMP_PREFIX, atomic_write_text, fsync_path
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "trainer_state.pt"
@@ -71,14 +71,6 @@ def restore_rng(state: dict) -> None:
 
 def step_dir_name(step: int) -> str:
     return f"{PREFIX}{step:08d}"
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _one_line(err: BaseException, limit: int = 200) -> str:
@@ -201,7 +193,7 @@ def save_checkpoint(root: Path, step: int, *, model: nn.Module, trainer_state: d
             save_assets(tmp)
         for f in tmp.rglob("*"):
             if f.is_file():
-                _fsync(f)
+                fsync_path(f)
         if final.exists():  # a complete but unreferenced leftover of an interrupted run: replace it
             trash = root / f".trash-{final.name}-{os.getpid()}"
             os.rename(final, trash)
@@ -209,7 +201,7 @@ def save_checkpoint(root: Path, step: int, *, model: nn.Module, trainer_state: d
             shutil.rmtree(trash)
         else:
             os.rename(tmp, final)
-        _fsync(root)
+        fsync_path(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -126,19 +126,29 @@ def _pinned(path: Path, *, keep: bool) -> Path | None:
     except OSError:
         os.close(fd)
         return None
+    if hashlib.sha256(data).hexdigest() != recorded:
+        os.close(fd)
+        return None
     through = Path(f"/proc/self/fd/{fd}")
-    if hashlib.sha256(data).hexdigest() == recorded and keep and through.exists():
+    if keep and through.exists():
         _KEPT.append(fd)
         return through
     os.close(fd)
-    return path if hashlib.sha256(data).hexdigest() == recorded else None
+    return path
+
+
+def _cpuinfo_lines() -> list[str] | None:
+    """The lines of /proc/cpuinfo (Linux), None where there is none."""
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
 
 
 def cpu_identity() -> bytes:
     """What -march=native compiles for: the CPU's model and flags (Linux)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
+    lines = _cpuinfo_lines()
+    if lines is None:
         return platform.processor().encode()
     return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))})).encode()
 
@@ -156,10 +166,7 @@ X86_64_LEVELS = {
 
 def cpu_features() -> frozenset[str]:
     """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return frozenset()
+    lines = _cpuinfo_lines() or []
     return frozenset(word for line in lines if line.startswith("flags") for word in line.split(":", 1)[1].split())
 
 

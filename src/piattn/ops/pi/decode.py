@@ -130,8 +130,8 @@ def pi_decode(
         raise ValueError(f"scale must be > 0 or None (None means 1/sqrt(D)), got {scale!r}")
     _check_gate(q, gate, variant)
     return _decode_rows(q, k, v, gate, window=window, period=period, variant=variant, prior=prior,
-                       logit_clamp=logit_clamp, eps=eps, sinks=sinks,
-                       scale=q.shape[3]**-0.5 if scale is None else scale)
+                        logit_clamp=logit_clamp, eps=eps, sinks=sinks,
+                        scale=q.shape[3]**-0.5 if scale is None else scale)
 
 
 def _decode_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, *, window: int,
@@ -197,7 +197,7 @@ def _compiled_slot_rows(q, k, v, gate, gate_head, idx, valid, kind, variant, pri
         return None  # decided before stacking keys and values, which only the compiled step reads
     # The step reads keys and values from one contiguous [2, B, H_kv, N, D] block, as from a ring cache's storage.
     return native._rows_step_unchecked(q, torch.stack([k, v]), idx, valid, kind, prior_mode=mode,
-                                      logit_clamp=logit_clamp, eps=eps, scale=scale, **extra)
+                                       logit_clamp=logit_clamp, eps=eps, scale=scale, **extra)
 
 
 def gate_tail(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -303,7 +303,7 @@ def decode_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | No
         mode, extra = compiled
         # Unchecked: check_ring covered what ring_step's own checks would, and the slots are ring_slots'.
         y = native._ring_step_unchecked(q, kv_store, slot, valid, kind, prior_mode=mode, logit_clamp=logit_clamp,
-                                       eps=eps, scale=scale, **extra)
+                                        eps=eps, scale=scale, **extra)
         if y is not None:
             return y
     gate_is_sigmoid = gate_head is not None

@@ -58,6 +58,8 @@ def flag_sets() -> tuple[tuple[str, ...], ...]:
     if pinned is None:
         return FLAG_SETS
     return ((f"-march={pinned}", "-fopenmp"), (f"-march={pinned}",))
+
+
 VARIANT_CODES = {"union": 0, "fixed": 1, "adaptive": 2, "separate": 3}
 _SUFFIXES = {torch.float32: "f32", torch.float64: "f64"}
 _FUNCTIONS = {(dtype, direction): f"pi_fused_{direction}_{suffix}"

@@ -190,9 +190,9 @@ def ring_step(q: torch.Tensor, kv_store: torch.Tensor, slot: torch.Tensor, valid
     slot or kind out of range raises ValueError from the C step's own checks, before it reads anything.
     """
     check_step(q, kv_store, slot, valid, kind, prior_mode, gate, gate_weight, gate_bias)
-    return _ring_step_unchecked(q, kv_store, slot, valid, kind, prior_mode=prior_mode, log_priors=log_priors, gate=gate,
-                               gate_weight=gate_weight, gate_bias=gate_bias, logit_clamp=logit_clamp, eps=eps,
-                               scale=scale)
+    return _ring_step_unchecked(q, kv_store, slot, valid, kind, prior_mode=prior_mode, log_priors=log_priors,
+                                gate=gate, gate_weight=gate_weight, gate_bias=gate_bias, logit_clamp=logit_clamp,
+                                eps=eps, scale=scale)
 
 
 def _ring_step_unchecked(q: torch.Tensor, kv_store: torch.Tensor, slot: torch.Tensor, valid: torch.Tensor | None,
