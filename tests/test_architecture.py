@@ -5,6 +5,8 @@ nothing but the CLI imports the commands (the experiments and benchmarks include
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import piattn
@@ -22,6 +24,12 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def is_module(name: str) -> bool:
+    """Whether the dotted name is a module or package of piattn."""
+    rel = Path(*name.split(".")[1:])
+    return name.startswith("piattn.") and ((SRC / rel).is_dir() or (SRC / rel).with_suffix(".py").is_file())
+
+
 def imported_modules(path: Path) -> set[str]:
     """Every piattn module `path` (a module of the package or a script) imports, anywhere in the file, as
     absolute dotted names."""
@@ -37,8 +45,9 @@ def imported_modules(path: Path) -> set[str]:
                 origin = ".".join(base + ([node.module] if node.module else []))
             else:
                 origin = node.module
-            # `from pkg import sub` imports the submodule when there is one
-            found |= {f"{origin}.{alias.name}" for alias in node.names} | {origin}
+            # `from pkg import sub` imports the submodule when there is one, else a name defined in pkg
+            found |= {f"{origin}.{alias.name}" if is_module(f"{origin}.{alias.name}") else origin
+                      for alias in node.names}
     return {m for m in found if m == "piattn" or m.startswith("piattn.")}
 
 
@@ -105,8 +114,28 @@ def test_subpackages_import_each_other_without_cycles():
     assert cycles(graph) == []
 
 
-def test_configuration_imports_nothing_else_from_piattn():
-    assert dependency_graph()["config"] == set()
+# The packages at the bottom: pure functions of their arguments, importing nothing of piattn above them.
+FOUNDATIONS = {"masks": set(), "analysis": {"masks"}}
+
+
+def test_configuration_stands_on_the_foundations_only():
+    """The configuration may import the foundations (the period schedules live in the reach analysis) and
+    nothing above them, so any config works whatever else was imported."""
+    graph = dependency_graph()
+    assert graph["config"] <= set(FOUNDATIONS)
+    for package, below in FOUNDATIONS.items():
+        assert graph[package] <= below, package
+
+
+def test_a_bare_configuration_resolves_every_period_form():
+    """In a fresh interpreter that imports only the configuration: per-head, per-layer and scheduled periods."""
+    code = ("from piattn.config import GPTConfig\n"
+            "assert GPTConfig(n_layer=2, n_head=4, period=[8, 16, 32, 64]).period == [8, 16, 32, 64]\n"
+            "assert GPTConfig(n_layer=2, n_head=4, period=[[8] * 4, [16] * 4]).period == [[8] * 4, [16] * 4]\n"
+            "assert len(GPTConfig(n_layer=2, n_head=4, period='geometric:8').period) == 4\n"
+            "import sys; assert 'piattn.models' not in sys.modules and 'piattn.layers' not in sys.modules\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_nothing_but_the_cli_imports_the_commands():

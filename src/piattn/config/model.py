@@ -7,9 +7,9 @@ model is built); each kind reads the fields it needs, so a model never changes t
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..analysis.multiscale import SCHEDULES, periods_per_layer, schedule
 from .pi import PI_DEFAULTS, PiSettings, is_int
 
 # Table app_model (Small / Medium / Large, head dim 64, vocab 50,257) plus `tiny`, sized for a CPU.
@@ -130,17 +130,9 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
 
-# The period schedules a config may name: `piattn.analysis.multiscale.SCHEDULES` (a test checks that they
-# agree), whose `periods_per_layer` and `schedule` resolve them. The configuration imports nothing else from
-# piattn, so `piattn.models` lends it those two functions on import (`use_period_schedules`).
-PERIOD_SCHEDULES = ("single", "geometric", "cover")
-_resolvers: dict[str, Callable] = {}
-
-
-def use_period_schedules(periods_per_layer: Callable, schedule: Callable) -> None:
-    """Let `resolve_periods` normalise lists and resolve schedule names with these functions (of
-    `piattn.analysis.multiscale`)."""
-    _resolvers.update(periods_per_layer=periods_per_layer, schedule=schedule)
+# The period schedules a config may name have one home, the reach analysis that designs them; the analysis
+# sits below the configuration (it imports nothing of piattn but the masks), so this is a plain import.
+PERIOD_SCHEDULES = SCHEDULES
 
 
 def resolve_periods(period, *, window: int, n_layer: int, n_head: int, block_size: int) -> int | list:
@@ -158,9 +150,6 @@ def resolve_periods(period, *, window: int, n_layer: int, n_head: int, block_siz
     if not isinstance(period, (str, list, tuple)):
         raise ValueError(f"period must be an int, a list of n_head ints, a list of n_layer lists of n_head ints "
                          f"or a schedule name ({', '.join(PERIOD_SCHEDULES)}), got {period!r}")
-    if not _resolvers:
-        raise LookupError("per-head periods and schedules are resolved by piattn.analysis.multiscale: import "
-                          "piattn.models (which lends them to the configuration) first")
     if isinstance(period, str):
         name, _, arg = period.partition(":")
         if name not in PERIOD_SCHEDULES or (arg and not arg.isdigit()):
@@ -169,11 +158,11 @@ def resolve_periods(period, *, window: int, n_layer: int, n_head: int, block_siz
         n = int(arg) if arg else (block_size - 1 if name == "cover" else PI_DEFAULTS.period)
         given = dict(target=n) if name == "cover" else dict(period=n)
         try:
-            resolved = _resolvers["schedule"](name, window, n_layer, n_head, **given)
+            resolved = schedule(name, window, n_layer, n_head, **given)
         except ValueError as e:
             raise ValueError(f"period {period!r}: {e}") from None
     else:
-        resolved = _resolvers["periods_per_layer"](list(period), n_layer, n_head)
+        resolved = periods_per_layer(list(period), n_layer, n_head)
     layers = [list(heads) for heads in resolved]
     if all(heads == layers[0] for heads in layers):
         return layers[0][0] if len(set(layers[0])) == 1 else layers[0]

@@ -7,15 +7,10 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from ..analysis.multiscale import periods_per_layer, schedule
 from ..config import GPTConfig
-from ..config.model import use_period_schedules
 from ..decoding.cache import Cache
 from ..decoding.sampling import sample_next
 from .block import Block, init_weights
-
-# Every model's config may give periods per head and per layer, or name a schedule (`resolve_periods`).
-use_period_schedules(periods_per_layer, schedule)
 
 
 class GPT(nn.Module):
