@@ -109,3 +109,4 @@ def test_decoding_is_the_kinds_that_set_a_cache_capacity():
 def test_an_unknown_capability_is_refused():
     with pytest.raises(ValueError, match=r"capability must be one of \['sequence_parallel', .*got 'colour'"):
         kinds_with("colour")
+

@@ -51,8 +51,8 @@ class AttentionLayer(nn.Module):
     `sequence_parallel = True`. The other kinds refuse to run sharded.
 
     Capabilities: each boolean class variable below is one, and so are incremental decoding (a kind that
-    sets `cache_capacity`) and the model settings a kind takes (`model_settings`). `kinds_with` in
-    `piattn.layers.registry` says which registered kinds have one, for the training flags and the refusals here.
+    sets `cache_capacity`) and the model settings a kind takes (`model_settings`); `has_capability` answers for
+    one class, and `kinds_with` says which registered kinds (`ATTENTION`) have one.
     """
 
     # True for kinds whose `attend` is exact on a shard (it calls `sharding.pi_operator`); see `forward`.
@@ -257,8 +257,40 @@ class AttentionLayer(nn.Module):
         return self.attend(*self.heads(x, positions=positions), x, document_ids=document_ids)
 
 
-def kinds_listed(capability: str) -> str:
-    """"dense, local, pi": the registered kinds with `capability`, for the refusals above."""
-    from .registry import kinds_with  # imported here: the registry imports every kind, and so this module
+# The capabilities `AttentionLayer` declares as boolean class variables (False unless a kind sets them).
+DECLARED = tuple(name for name, value in vars(AttentionLayer).items() if isinstance(value, bool))
+MODEL_SETTINGS = tuple(f.name for f in dataclasses.fields(ModelConfig))
+CAPABILITIES = (*DECLARED, "decoding", *MODEL_SETTINGS)
 
+
+def check_capability(capability: str) -> None:
+    """ValueError unless `capability` is one of CAPABILITIES (a misspelt one would match no kind)."""
+    if capability not in CAPABILITIES:
+        raise ValueError(f"capability must be one of {list(CAPABILITIES)}, got {capability!r}")
+
+
+def has_capability(kind: type[AttentionLayer], capability: str) -> bool:
+    """Whether the attention class `kind` has `capability`."""
+    check_capability(capability)
+    if capability in DECLARED:
+        return getattr(kind, capability)
+    if capability == "decoding":
+        return kind.cache_capacity is not AttentionLayer.cache_capacity
+    return capability in kind.model_settings()
+
+
+# The attention kinds by name: filled with the built-in kinds by `registry` (which the package imports first,
+# so it is full whenever a layer exists), open to more. It lives here, below every kind, so that the refusals
+# above can list the kinds that can do what they refuse.
+ATTENTION: dict[str, type[AttentionLayer]] = {}
+
+
+def kinds_with(capability: str) -> tuple[str, ...]:
+    """The registered kinds that have `capability`, sorted."""
+    check_capability(capability)
+    return tuple(sorted(name for name, kind in ATTENTION.items() if has_capability(kind, capability)))
+
+
+def kinds_listed(capability: str) -> str:
+    """"dense, local, pi": the registered kinds that have `capability`, for the refusals above."""
     return ", ".join(kinds_with(capability))

@@ -1,4 +1,5 @@
-"""The attention kinds by name, and the one answer to "which kinds can do X", asked of each kind's class.
+"""The built-in attention kinds, registered by name in `ATTENTION`; which kinds can do what is asked of each
+kind's class (`kinds_with`, beside the registry in base.py, below every kind).
 
 A capability is one of:
 - a boolean class variable of `AttentionLayer` that a kind sets (`sequence_parallel`, `grouped_query`,
@@ -13,11 +14,8 @@ and the tests all ask `kinds_with`, so a new kind is its module plus its line in
 
 from __future__ import annotations
 
-import dataclasses
-
-from ..config import ModelConfig
 from ..config.flags import answer_capabilities
-from .base import AttentionLayer
+from .base import ATTENTION, AttentionLayer, kinds_with
 from .bigbird import BigBirdAttention
 from .dense import DenseAttention
 from .local import LocalAttention
@@ -25,19 +23,14 @@ from .longformer import LongformerAttention
 from .pi import PiAttention
 from .reformer import ReformerAttention
 
-ATTENTION: dict[str, type[AttentionLayer]] = {
+ATTENTION.update({
     "bigbird": BigBirdAttention,
     "dense": DenseAttention,
     "local": LocalAttention,
     "longformer": LongformerAttention,
     "pi": PiAttention,
     "reformer": ReformerAttention,
-}
-
-# The capabilities `AttentionLayer` declares as boolean class variables (False unless a kind sets them).
-DECLARED = tuple(name for name, value in vars(AttentionLayer).items() if isinstance(value, bool))
-MODEL_SETTINGS = tuple(f.name for f in dataclasses.fields(ModelConfig))
-CAPABILITIES = (*DECLARED, "decoding", *MODEL_SETTINGS)
+})
 
 
 def attention_class(name: str) -> type[AttentionLayer]:
@@ -45,28 +38,6 @@ def attention_class(name: str) -> type[AttentionLayer]:
     if name not in ATTENTION:
         raise ValueError(f"attention must be one of {sorted(ATTENTION)}, got {name!r}")
     return ATTENTION[name]
-
-
-def check_capability(capability: str) -> None:
-    """ValueError unless `capability` is one of CAPABILITIES (a misspelt one would match no kind)."""
-    if capability not in CAPABILITIES:
-        raise ValueError(f"capability must be one of {list(CAPABILITIES)}, got {capability!r}")
-
-
-def has_capability(kind: type[AttentionLayer], capability: str) -> bool:
-    """Whether the attention class `kind` has `capability`."""
-    check_capability(capability)
-    if capability in DECLARED:
-        return getattr(kind, capability)
-    if capability == "decoding":
-        return kind.cache_capacity is not AttentionLayer.cache_capacity
-    return capability in kind.model_settings()
-
-
-def kinds_with(capability: str) -> tuple[str, ...]:
-    """The registered kinds that have `capability`, sorted."""
-    check_capability(capability)
-    return tuple(sorted(name for name, kind in ATTENTION.items() if has_capability(kind, capability)))
 
 
 # The --attention flags scoped by a capability are checked against this registry, whatever is registered then.
