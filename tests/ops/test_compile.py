@@ -459,13 +459,13 @@ def test_triton_opcheck():
     q, k, v, gate = make_inputs(1, 2, 16, 16, dtype=torch.float32, device=DEVICE)
     settings = OpSettings(window=3, period=8, causal=True, variant="adaptive", prior=0.3, logit_clamp=2.0, eps=1e-4,
                           scale=0.25, dropout_p=0.0, sinks=0)
-    args = (q, k, v, gate, None, None, *settings)
+    args = (q, k, v, gate, None, None, [], *settings)  # []: one period, settings.period
     torch.library.opcheck(pi_triton_fwd, args, test_utils=("test_schema", "test_autograd_registration",
                                                             "test_faketensor"))
     y, stats = pi_triton_fwd(*args)
     detached = [t.detach() for t in (q, k, v, gate)]
     torch.library.opcheck(pi_triton_bwd, (torch.randn_like(y), *detached, None, None, stats.detach(), True,
-                                          *settings), test_utils=("test_schema", "test_faketensor"))
+                                          [], *settings), test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.gpu

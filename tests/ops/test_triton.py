@@ -22,15 +22,17 @@ pytestmark = [
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize(("variant", "features"), [("adaptive", False), ("fixed", False), ("separate", True)])
-def test_launchers_without_autograd(variant, features, nan_poison):
+@pytest.mark.parametrize(("variant", "features", "period"), [
+    ("adaptive", False, 7), ("fixed", False, (7, 11)), ("separate", True, 7), ("union", True, (2, 7))])
+def test_launchers_without_autograd(variant, features, period, nan_poison):
     """The forward and backward launchers, called as plain functions (no autograd), give what
     pi_attention(backend="triton") gives: the autograd.Function adds nothing but the wiring. features:
-    with sinks, documents and one key/value head for two query heads."""
+    with sinks, documents and one key/value head for two query heads; period: one, or one per query head
+    (2 lies in the window)."""
     from piattn.ops.pi import triton as tri
 
     q, k, v, gate = make_inputs(1, 2, 20, 16, variant=variant, dtype=torch.float32, device=DEVICE)
-    kw = dict(window=3, period=7, causal=False, variant=variant, prior=0.3, logit_clamp=2.0, eps=1e-4)
+    kw = dict(window=3, period=period, causal=False, variant=variant, prior=0.3, logit_clamp=2.0, eps=1e-4)
     extra, more = {}, {}
     if features:
         k, v = (t.detach()[:, :1].requires_grad_() for t in (k, v))
@@ -39,6 +41,7 @@ def test_launchers_without_autograd(variant, features, nan_poison):
         more = dict(sinks=2, kv_heads=1, documents=True)
     y, *grads = forward_backward(q, k, v, gate, backend="triton", **kw, **extra)
     launch = tri.plan(q, **kw, scale=16**-0.5, dropout_p=0.0, dropout=False, **more)
+    assert launch.meta["PER_HEAD"] == (not isinstance(period, int))
     bounds = tri.document_bounds_int32(extra.get("document_ids"))
     with torch.no_grad():
         y2, stats = tri.triton_forward(q, k, v, gate, None, launch, bounds)

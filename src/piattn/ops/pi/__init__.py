@@ -57,13 +57,14 @@ def pi_attention(
         period: skip distance π >= 1; the key i-π (and i+π when bidirectional). period <= window adds
             nothing beyond the window. Or one period per query head (multi-scale π): a sequence or 1-D
             integer tensor (on q's device) of H ints, head h skipping π_h; with grouped heads, query heads
-            that share a key/value head may differ. The heads are grouped by period and the chosen backend
-            runs once per distinct period on that period's heads (`heads.py`), exact in every backend; the
-            outputs are put back in head order. Cost: one backend call per distinct period, one copy of the
-            output and of each gradient (concatenated), and one of q, gate, k, v when the periods do not
-            come in increasing head order (reordered); a group whose query heads do not make up whole
-            key/value groups reads one copy of its key/value head per query head, the only repeat.
-            Entries all equal are the one-period call exactly.
+            that share a key/value head may differ. A backend declaring `per_head_periods` ("fused",
+            "triton") takes every head's period in one call. For the others the heads are grouped by
+            period and the backend runs once per distinct period on that period's heads (`heads.py`),
+            exact in every backend, the outputs put back in head order; cost: one backend call per
+            distinct period, one copy of the output and of each gradient (concatenated), and one of q,
+            gate, k, v when the periods do not come in increasing head order (reordered); a group whose
+            query heads do not make up whole key/value groups reads one copy of its key/value head per
+            query head, the only repeat. Entries all equal are the one-period call exactly.
         causal: whether queries see only the past.
         variant: "union" (Eq. beta), "separate" (Variant 1), "fixed" (Variant 2, constant α = prior)
             or "adaptive" (Variant 3, α = gate).

@@ -158,13 +158,15 @@ REGISTRY: dict[str, Backend] = {
         # input it goes slot by slot (`all_finite`), so that a bad value stays in the rows that read it.
         Backend("torch", "torch", "pi_attention_torch", variants=PAPER_VARIANTS, features=ALL_FEATURES,
                 contains_nonfinite=True),
-        # Fused kernels; tl.dot has no fp64, and D is padded to a power of two of at most 256.
+        # Fused kernels; tl.dot has no fp64, and D is padded to a power of two of at most 256. Per-head periods
+        # in one launch of each kernel (each program reads its query head's period).
         Backend(
             "triton", "triton", "pi_attention_triton", variants=PAPER_VARIANTS, dtypes=_LOW_AND_FP32,
             devices=("cuda", "cpu") if TRITON_INTERPRET else ("cuda",), max_head_dim=256, requires=("triton",),
             note="" if TRITON_INTERPRET else " (set TRITON_INTERPRET=1 before importing triton for its CPU "
                                              "interpreter)", features=ALL_FEATURES,
             contains_nonfinite=True,  # the forward kernel itself; the backward falls back to "torch" then
+            per_head_periods=True,
         ),
         # Fused C kernels for the CPU (fused_cpu.c, compiled on first use): fp32 and fp64, per-head periods in one
         # call. Where the library cannot be built or loaded (no C compiler, PIATTN_NATIVE=0) its probe refuses

@@ -316,11 +316,6 @@ _BWD_SCHEMA = (f"(Tensor dy, Tensor q, Tensor k, Tensor v, Tensor? gate, Tensor?
                f"Tensor stat, bool want_gate, int[] periods, {OpSettings.schema()}) -> Tensor[]")
 
 
-def _op_settings(periods, settings) -> OpSettings:
-    settings = OpSettings(*settings)
-    return settings._replace(period=tuple(periods)) if len(periods) else settings
-
-
 def _contiguous(*tensors):
     return [None if t is None else t.contiguous() for t in tensors]
 
@@ -329,7 +324,7 @@ def _contiguous(*tensors):
 def pi_fused_fwd(q, k, v, gate, dropout_keep, document_ids, periods, *settings) -> tuple[torch.Tensor, torch.Tensor]:
     """(y [B, H, T, D] in q's dtype, stat [B, H, T, stats_per_row] fp64): `fused_forward`."""
     q, k, v, gate = _contiguous(q, k, v, gate)
-    return fused_forward(q, k, v, gate, _op_settings(periods, settings), bounds=document_bounds(document_ids),
+    return fused_forward(q, k, v, gate, OpSettings.from_op(periods, settings), bounds=document_bounds(document_ids),
                          keep=keep_bytes(dropout_keep))
 
 
@@ -345,7 +340,7 @@ def pi_fused_bwd(dy, q, k, v, gate, dropout_keep, document_ids, stat, want_gate,
                  *settings) -> list[torch.Tensor]:
     """[dq, dk, dv], and dgate when `want_gate`, of `pi_fused_fwd` for the cotangent dy of its y."""
     dy, q, k, v, gate, stat = _contiguous(dy, q, k, v, gate, stat)
-    grads = fused_backward(dy, q, k, v, gate, stat, _op_settings(periods, settings), want_dgate=want_gate,
+    grads = fused_backward(dy, q, k, v, gate, stat, OpSettings.from_op(periods, settings), want_dgate=want_gate,
                            bounds=document_bounds(document_ids), keep=keep_bytes(dropout_keep))
     return list(grads) if want_gate else list(grads[:3])
 

@@ -37,6 +37,13 @@ class OpSettings(NamedTuple):
         return Pattern(self.window, self.period, self.causal, self.sinks)
 
     @classmethod
+    def from_op(cls, periods, settings) -> "OpSettings":
+        """An operator's settings read back: `periods` (its `int[] periods` argument: empty for one period,
+        else one per query head) replaces the period field."""
+        read = cls(*settings)
+        return read._replace(period=tuple(periods)) if len(periods) else read
+
+    @classmethod
     def schema(cls) -> str:
         """The fields as the arguments of an operator schema: "SymInt window, SymInt period, …"."""
         return ", ".join(f"{_SCHEMA_TYPES[cls.__annotations__[name]]} {name}" for name in cls._fields)

@@ -8,10 +8,16 @@ Saved for backward: the inputs, the document bounds (int32 [B, T], with document
 [2, N, T] fp32, per query the offsets c_local, c_skip such that the weight of a local (or sink) slot is
 exp(z - c_local) and that of a skip slot exp(z - c_skip) (z the clamped, scaled score). They hold the
 log-sum-exp, the priors and, for "separate", the mixing coefficients.
+
+Per-head periods (`period` a tuple of one π_h per query head; `backends.py` declares `per_head_periods`, so
+`pi_attention` hands them over in one call) run in one launch of each kernel: `plan` puts them in an int32
+[H] tensor on q's device that the kernels read per head (PER_HEAD), or launches the one-period kernels where
+the heads' patterns do not differ.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -20,6 +26,7 @@ import torch.nn.functional as F
 import triton
 
 from .backends import refuse_double_backward
+from .heads import period_groups
 from .pattern import Pattern, document_bounds, log_priors
 from .settings import OpSettings
 from .torch import slot_plan, torch_backward, torch_forward
@@ -55,7 +62,8 @@ class Launch:
     """Everything the kernels take besides tensors, fixed by the forward and reused by the backward."""
 
     window: int
-    period: int
+    period: int  # the one period of every head; 0 with per-head periods (`periods`)
+    periods: torch.Tensor | None  # int32 [H] on q's device: each query head's period (PER_HEAD), else None
     mode: int
     eps: float
     scale: float
@@ -72,13 +80,27 @@ class Launch:
     meta: dict  # the constexprs shared by all three kernels, num_warps and num_stages
 
 
+@functools.lru_cache(maxsize=64)
+def _periods_on(periods: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The per-head periods as the kernels read them, int32 [H] on `device`: made once per (periods, device),
+    so that a call pays no host-to-device copy."""
+    return torch.tensor(periods, dtype=torch.int32, device=device)
+
+
 def plan(q: torch.Tensor, *, window, period, causal, variant, prior, logit_clamp, eps, scale, dropout_p,
          dropout: bool, sinks: int = 0, kv_heads: int | None = None, documents: bool = False) -> Launch:
-    """The launch configuration for q [B, H, T, D] (D a power of two >= 16); dropout: a keep mask is passed;
-    kv_heads: H_kv (None: H); documents: document bounds are passed."""
+    """The launch configuration for q [B, H, T, D] (D a power of two >= 16); period: an int, or one per query
+    head (H ints); dropout: a keep mask is passed (with per-head periods [B, H, T, N_SLOTS], head h's slots
+    first, N_SLOTS the most any head has); kv_heads: H_kv (None: H); documents: document bounds are passed.
+
+    Per-head periods launch PER_HEAD kernels with N_SKIP the most skip slots any head has, unless every head
+    has the same pattern (equal periods, or none beyond the window): then the one-period kernels run."""
     B, H, T, D = q.shape
     kv_heads = H if kv_heads is None else kv_heads
-    pat = Pattern(window, period, causal, sinks)
+    periods = (period,) if isinstance(period, int) else tuple(int(p) for p in period)
+    # The pattern with the most slots (N_SKIP, N_SLOTS): any head's with a skip beyond the window.
+    pat = max((Pattern(window, p, causal, sinks) for p in periods), key=lambda pattern: pattern.n_slots)
+    per_head = len(set(periods)) > 1 and pat.n_skip > 0
     block_t, block_k, num_warps, num_stages = _tiles(D, pat.n_local - 1, q.element_size())
     # Constant priors only; the kernels take "adaptive"'s from the gate and "separate" has none.
     log_local, log_skip = log_priors("fixed", None, prior, eps) if variant == "fixed" else (0.0, 0.0)
@@ -89,13 +111,14 @@ def plan(q: torch.Tensor, *, window, period, causal, variant, prior, logit_clamp
     prec = "tf32x3" if q.dtype == torch.float32 or upcast else "tf32"
     meta = dict(
         CAUSAL=causal, N_SKIP=pat.n_skip, SINKS=sinks, N_SLOTS=pat.n_slots,
-        HAS_CLAMP=logit_clamp is not None, HAS_DROPOUT=dropout, HAS_DOCS=documents, D=D, BLOCK_T=block_t,
-        BLOCK_K=block_k, DOT_PREC=prec, UPCAST=upcast,
+        HAS_CLAMP=logit_clamp is not None, HAS_DROPOUT=dropout, HAS_DOCS=documents, PER_HEAD=per_head, D=D,
+        BLOCK_T=block_t, BLOCK_K=block_k, DOT_PREC=prec, UPCAST=upcast,
         num_warps=num_warps, num_stages=num_stages,
     )
     n_tiles = triton.cdiv(T, block_t)
     return Launch(
-        window=window, period=period, mode=mode, eps=eps, scale=scale,
+        window=window, period=0 if per_head else pat.period,
+        periods=_periods_on(periods, q.device) if per_head else None, mode=mode, eps=eps, scale=scale,
         clamp=0.0 if logit_clamp is None else float(logit_clamp), log_local=log_local, log_skip=log_skip,
         keep_scale=1.0 / (1.0 - dropout_p), sinks=sinks, heads=H, group=H // kv_heads, n_tiles=n_tiles,
         grid=(B * H * n_tiles,), grid_kv=(B * kv_heads * n_tiles,), meta=meta,
@@ -124,7 +147,7 @@ def triton_forward(q, k, v, gate, keep, launch: Launch, bounds=None) -> tuple[to
     L = launch
     start, end = (q, q) if bounds is None else bounds
     pi_fwd_kernel[L.grid](
-        q, k, v, _or(gate, q), _or(keep, q), start, end, out, stats[0], stats[1],
+        q, k, v, _or(gate, q), _or(keep, q), start, end, _or(L.periods, q), out, stats[0], stats[1],
         T, L.n_tiles, L.heads, L.group, L.window, L.period, L.scale, L.clamp, L.log_local, L.log_skip, L.eps,
         L.keep_scale, MODE=L.mode, **L.meta,
     )
@@ -146,14 +169,14 @@ def triton_backward(dy, q, k, v, gate, keep, stats, launch: Launch, *, want_dgat
     # Δ and the sink terms are written by the dQ kernel and read by the dK/dV kernel: stream order makes
     # them ready.
     pi_bwd_dq_kernel[L.grid](
-        q, k, v, _or(gate, q), _or(keep, q), start, end, dy, stats[0], stats[1], dq, delta[0], delta[1],
-        _or(dgate, q), sink_terms[0], sink_terms[1], T, L.n_tiles, L.heads, L.group, L.window, L.period,
-        L.scale, L.clamp, L.eps, L.keep_scale, MODE=L.mode, HAS_DGATE=want_dgate, **L.meta,
+        q, k, v, _or(gate, q), _or(keep, q), start, end, _or(L.periods, q), dy, stats[0], stats[1], dq,
+        delta[0], delta[1], _or(dgate, q), sink_terms[0], sink_terms[1], T, L.n_tiles, L.heads, L.group,
+        L.window, L.period, L.scale, L.clamp, L.eps, L.keep_scale, MODE=L.mode, HAS_DGATE=want_dgate, **L.meta,
     )
     pi_bwd_dkdv_kernel[L.grid_kv](
-        q, k, v, _or(keep, q), start, end, dy, stats[0], stats[1], delta[0], delta[1], sink_terms[0],
-        sink_terms[1], dk, dv, T, L.n_tiles, L.heads // L.group, L.window, L.period, L.scale, L.clamp,
-        L.keep_scale, GROUP=L.group, **L.meta,
+        q, k, v, _or(keep, q), start, end, _or(L.periods, q), dy, stats[0], stats[1], delta[0], delta[1],
+        sink_terms[0], sink_terms[1], dk, dv, T, L.n_tiles, L.heads // L.group, L.window, L.period, L.scale,
+        L.clamp, L.keep_scale, GROUP=L.group, **L.meta,
     )
     dgate = None if dgate is None else dgate.view(B, H, T).to(gate.dtype)
     return dq, dk, dv, dgate
@@ -198,8 +221,30 @@ class _PiAttentionTriton(torch.autograd.Function):
 
 def _contained_gradients(dy, q, k, v, gate, keep, document_ids, settings: OpSettings, want_dgate: bool):
     """(dq, dk, dv, dgate or None) of the call, computed by the "torch" backend's plain functions; keep: the
-    dropout mask as uint8, or None."""
+    dropout mask as uint8, or None. Per-head periods (settings.period a tuple): once per period group
+    (`heads.period_groups`, as `pi_attention` runs a backend without per-head periods) on its heads, each
+    head's mask in its first slots; the gradients of a key/value head that several groups read are summed."""
     keep = None if keep is None else keep.view(torch.bool)
+    if isinstance(settings.period, int):
+        return _torch_gradients(dy, q, k, v, gate, keep, document_ids, settings, want_dgate)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dgate = torch.zeros_like(gate) if want_dgate else None
+    for period, heads, kv_heads in period_groups(settings.period, k.shape[1]):
+        one = settings._replace(period=period)
+        h, kv = (torch.tensor(i, device=q.device) for i in (heads, kv_heads))
+        keep_h = None if keep is None else keep[:, h, :, :one.pattern.n_slots].contiguous()
+        grads = _torch_gradients(dy[:, h], q[:, h], k[:, kv], v[:, kv], None if gate is None else gate[:, h], keep_h,
+                                 document_ids, one, want_dgate)
+        dq[:, h] = grads[0]
+        dk.index_add_(1, kv, grads[1])
+        dv.index_add_(1, kv, grads[2])
+        if want_dgate:
+            dgate[:, h] = grads[3]
+    return dq, dk, dv, dgate
+
+
+def _torch_gradients(dy, q, k, v, gate, keep, document_ids, settings: OpSettings, want_dgate: bool):
+    """`_contained_gradients` of one period; keep: the bool dropout mask or None."""
     slots = slot_plan(q, k, document_ids, settings)
     with torch.no_grad():
         _, saved = torch_forward(q, k, v, gate, keep, slots, settings)
@@ -222,7 +267,8 @@ def _unpadded(y: torch.Tensor, D: int) -> torch.Tensor:
 
 
 def _plan_for(q, k, keep, document_ids, settings: OpSettings) -> Launch:
-    """`plan` for kernel inputs q, k (`_kernel_inputs`), the uint8 keep mask or None and document_ids or None."""
+    """`plan` for kernel inputs q, k (`_kernel_inputs`), the uint8 keep mask or None and document_ids or None;
+    settings.period an int or one per query head."""
     return plan(q, **settings._asdict(), dropout=keep is not None, kv_heads=k.shape[1],
                 documents=document_ids is not None)
 
@@ -231,7 +277,9 @@ def pi_attention_triton(q, k, v, gate, *, window, period, causal, variant, prior
                         dropout_keep, dropout_p, sinks=0, document_ids=None):
     """Same contract as `pi_attention_reference`: q [B, H, T, D], k, v [B, H_kv, T, D] -> [B, H, T, D] in
     q's dtype, with sinks, documents and grouped-query attention (no repeated k, v: each program of a
-    query head reads its key/value head).
+    query head reads its key/value head). period: an int, or one per query head (one launch of each kernel,
+    `plan`); then dropout_keep (when given) is [B, H, T, S] with head h's mask, in the slot layout of its own
+    pattern (`Pattern(window, π_h, causal, sinks)`), in its first slots.
 
     fp32, bf16 and fp16 inputs, head dims up to 256 (`backends.py` declares this); scores, softmax and
     outputs accumulate in fp32 (fp32 inputs: 3xTF32 dots, about fp32-accurate). `tl.dot` needs a
@@ -242,6 +290,8 @@ def pi_attention_triton(q, k, v, gate, *, window, period, causal, variant, prior
     q, k, v, gate, D = _kernel_inputs(q, k, v, gate)
     keep = None if dropout_keep is None else dropout_keep.contiguous().view(torch.uint8)
     start, end = document_bounds_int32(document_ids) or (None, None)
+    if not isinstance(period, int):
+        period = tuple(int(p) for p in period)
     settings = OpSettings(window=window, period=period, causal=causal, variant=variant, prior=prior,
                           logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p, sinks=sinks)
     launch = _plan_for(q, k, keep, document_ids, settings)
@@ -250,37 +300,39 @@ def pi_attention_triton(q, k, v, gate, *, window, period, causal, variant, prior
 
 # The backend as PyTorch custom operators, what runs inside torch.compile (and on meta and fake tensors):
 # one opaque node each way, the kernels launched as in eager. The settings are `OpSettings`' fields, in its
-# order (`settings.py`); the launch plan is rebuilt from them.
+# order (`settings.py`); the launch plan is rebuilt from them. periods: one per query head, or empty for
+# `settings.period` in every head (an OpSettings field is one int), as for "fused"'s operators.
 #
-#     piattn::pi_triton_fwd (q, k, v, gate, keep, document_ids, settings…) -> (y, stats)
-#     piattn::pi_triton_bwd (dy, q, k, v, gate, keep, document_ids, stats, want_gate, settings…) -> grads
+#     piattn::pi_triton_fwd (q, k, v, gate, keep, document_ids, periods, settings…) -> (y, stats)
+#     piattn::pi_triton_bwd (dy, q, k, v, gate, keep, document_ids, stats, want_gate, periods, settings…) -> grads
 
 _FWD_SCHEMA = (f"(Tensor q, Tensor k, Tensor v, Tensor? gate, Tensor? keep, Tensor? document_ids, "
-               f"{OpSettings.schema()}) -> (Tensor, Tensor)")
+               f"int[] periods, {OpSettings.schema()}) -> (Tensor, Tensor)")
 _BWD_SCHEMA = (f"(Tensor dy, Tensor q, Tensor k, Tensor v, Tensor? gate, Tensor? keep, Tensor? document_ids, "
-               f"Tensor stats, bool want_gate, {OpSettings.schema()}) -> Tensor[]")
+               f"Tensor stats, bool want_gate, int[] periods, {OpSettings.schema()}) -> Tensor[]")
 
 
 @torch.library.custom_op("piattn::pi_triton_fwd", mutates_args=(), schema=_FWD_SCHEMA)
-def pi_triton_fwd(q, k, v, gate, keep, document_ids, *settings) -> tuple[torch.Tensor, torch.Tensor]:
+def pi_triton_fwd(q, k, v, gate, keep, document_ids, periods, *settings) -> tuple[torch.Tensor, torch.Tensor]:
     """(y [B, H, T, D], stats fp32 [2, B·H, T]) for q, k, v as `_kernel_inputs` leaves them and keep the
     bool dropout mask [B, H, T, |U|] or None."""
     keep = None if keep is None else keep.view(torch.uint8)
-    launch = _plan_for(q, k, keep, document_ids, OpSettings(*settings))
+    launch = _plan_for(q, k, keep, document_ids, OpSettings.from_op(periods, settings))
     return triton_forward(q, k, v, gate, keep, launch, document_bounds_int32(document_ids))
 
 
 @pi_triton_fwd.register_fake
-def _(q, k, v, gate, keep, document_ids, *settings):
+def _(q, k, v, gate, keep, document_ids, periods, *settings):
     B, H, T, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((2, B * H, T), dtype=torch.float32)
 
 
 @torch.library.custom_op("piattn::pi_triton_bwd", mutates_args=(), schema=_BWD_SCHEMA)
-def pi_triton_bwd(dy, q, k, v, gate, keep, document_ids, stats, want_gate, *settings) -> list[torch.Tensor]:
+def pi_triton_bwd(dy, q, k, v, gate, keep, document_ids, stats, want_gate, periods,
+                  *settings) -> list[torch.Tensor]:
     """[dq, dk, dv], and dgate when `want_gate`, of `pi_triton_fwd` for the cotangent dy of its y."""
     keep = None if keep is None else keep.view(torch.uint8)
-    settings = OpSettings(*settings)
+    settings = OpSettings.from_op(periods, settings)
     dq, dk, dv, dgate = triton_gradients(dy, q, k, v, gate, keep, document_ids, stats,
                                          _plan_for(q, k, keep, document_ids, settings), settings,
                                          want_dgate=want_gate, bounds=document_bounds_int32(document_ids))
@@ -288,14 +340,14 @@ def pi_triton_bwd(dy, q, k, v, gate, keep, document_ids, stats, want_gate, *sett
 
 
 @pi_triton_bwd.register_fake
-def _(dy, q, k, v, gate, keep, document_ids, stats, want_gate, *settings):
+def _(dy, q, k, v, gate, keep, document_ids, stats, want_gate, periods, *settings):
     grads = [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)]
     return grads + [gate.new_empty(gate.shape)] if want_gate else grads
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, gate, keep, docs, *settings = inputs
-    ctx.settings = settings
+    q, k, v, gate, keep, docs, periods, *settings = inputs
+    ctx.periods, ctx.settings = periods, settings
     ctx.save_for_backward(q, k, v, gate, keep, docs, output[1])
     ctx.mark_non_differentiable(output[1])
 
@@ -304,9 +356,9 @@ def _backward(ctx, dy, _stats_grad):
     refuse_double_backward("triton")
     q, k, v, gate, keep, docs, stats = ctx.saved_tensors
     want_gate = gate is not None and ctx.needs_input_grad[3]
-    grads = pi_triton_bwd(dy, q, k, v, gate, keep, docs, stats, want_gate, *ctx.settings)
-    # One gradient per input of pi_triton_fwd: q, k, v, gate, then keep, document_ids and the settings.
-    return (*grads[:3], grads[3] if want_gate else None) + (None,) * (2 + len(ctx.settings))
+    grads = pi_triton_bwd(dy, q, k, v, gate, keep, docs, stats, want_gate, ctx.periods, *ctx.settings)
+    # One gradient per input of pi_triton_fwd: q, k, v, gate, then keep, document_ids, periods and the settings.
+    return (*grads[:3], grads[3] if want_gate else None) + (None,) * (3 + len(ctx.settings))
 
 
 pi_triton_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -314,10 +366,13 @@ pi_triton_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def pi_attention_triton_op(q, k, v, gate, *, window, period, causal, variant, prior, logit_clamp, eps, scale,
                            dropout_keep, dropout_p, sinks=0, document_ids=None):
-    """`pi_attention_triton` through the operator `piattn::pi_triton_fwd`: what torch.compile captures."""
+    """`pi_attention_triton` through the operator `piattn::pi_triton_fwd`: what torch.compile captures
+    (per-head periods as its `periods`, the one period of every head as `period`)."""
     q, k, v, gate, D = _kernel_inputs(q, k, v, gate)
     keep = None if dropout_keep is None else dropout_keep.contiguous()
-    settings = OpSettings(window=window, period=period, causal=causal, variant=variant, prior=prior,
-                          logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p, sinks=sinks)
-    y, _ = pi_triton_fwd(q, k, v, gate, keep, document_ids, *settings)
+    periods = [] if isinstance(period, int) else [int(p) for p in period]
+    settings = OpSettings(window=window, period=period if isinstance(period, int) else periods[0], causal=causal,
+                          variant=variant, prior=prior, logit_clamp=logit_clamp, eps=eps, scale=scale,
+                          dropout_p=dropout_p, sinks=sinks)
+    y, _ = pi_triton_fwd(q, k, v, gate, keep, document_ids, periods, *settings)
     return _unpadded(y, D)

@@ -7,7 +7,9 @@ BLOCK_T rows (`_tile`, the prologue all three kernels share) and walks the rows 
 BLOCK_K: the local band through `tl.dot` on the chunk with a band mask, each skip offset as one shifted,
 contiguous block of rows with a row-wise dot, and each sink slot as one gathered row per query. With
 documents (HAS_DOCS), every position carries its document's bounds [start, end) and a slot is read only
-when its key lies inside them. The launchers are in `triton.py`.
+when its key lies inside them. With per-head periods (PER_HEAD) each query head reads its own period from
+PERIODS int32 [H] (`_head_period`): the skip code is that of the largest skip slot count N_SKIP, masked in a
+head whose period lies in its window. The launchers are in `triton.py`.
 """
 
 from __future__ import annotations
@@ -36,6 +38,26 @@ def _tile(T, n_tiles, window, CAUSAL: tl.constexpr, D: tl.constexpr, BLOCK_T: tl
     row_ok = rows < T
     offs_d = tl.arange(0, D)
     return n, start, base, right, n_local, rows, row_ok, offs_d
+
+
+@triton.jit
+def _head_period(PERIODS, h, window, N_SKIP: tl.constexpr):
+    """Query head h's period π_h (PERIODS int32 [H]) and its skip slot count: N_SKIP, or 0 where π_h <= window
+    (its skip keys lie in the band already: no skip slot, and its sink slots follow the local ones)."""
+    period = tl.load(PERIODS + h)
+    return period, (period > window).to(tl.int32) * N_SKIP
+
+
+@triton.jit
+def _skip_ok(keys, lo, hi, n_skip, PER_HEAD: tl.constexpr):
+    """Whether a skip slot reads keys [R] (the rows of a skip offset): inside the documents [lo, hi) and, with
+    per-head periods, only in a head that has skip slots (n_skip > 0). One period: the bounds alone."""
+    ok = (keys >= lo) & (keys < hi)
+    if PER_HEAD:
+        # where, not `ok & (n_skip > 0)`: Triton 3.9's interpreter makes a block & scalar mask an int array,
+        # which tl.load refuses
+        ok = tl.where(n_skip > 0, ok, False)
+    return ok
 
 
 @triton.jit
@@ -126,15 +148,20 @@ def _add_rows(acc, w, X, base, rows, offset, ok, offs_d, D: tl.constexpr):
 
 @triton.jit
 def pi_fwd_kernel(
-    Q, K, V, GATE, KEEP, START, END, OUT, C_LOC, C_SKIP,
+    Q, K, V, GATE, KEEP, START, END, PERIODS, OUT, C_LOC, C_SKIP,
     T, n_tiles, heads, group, window, period, scale, clamp, log_local, log_skip, eps, keep_scale,
     CAUSAL: tl.constexpr, N_SKIP: tl.constexpr, SINKS: tl.constexpr, N_SLOTS: tl.constexpr,
     MODE: tl.constexpr, HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_DOCS: tl.constexpr,
-    D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    PER_HEAD: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """Q, OUT [N, T, D]; K, V [N / group, T, D]; GATE [N, T]; KEEP uint8 [N, T, N_SLOTS]; START, END int32
-    [N / heads, T]; C_LOC, C_SKIP fp32 [N, T]."""
+    [N / heads, T]; PERIODS int32 [heads] (PER_HEAD; else `period` for every head); C_LOC, C_SKIP fp32
+    [N, T]."""
     n, start, base, right, n_local, rows, row_ok, offs_d = _tile(T, n_tiles, window, CAUSAL, D, BLOCK_T)
+    n_skip = N_SKIP  # this head's skip slots: its sink slots start at n_local + n_skip
+    if PER_HEAD:
+        period, n_skip = _head_period(PERIODS, n % heads, window, N_SKIP)
     kbase = (n // group) * T * D  # the key/value head this query head reads
     lo_q, hi_q = _bounds(START, END, n // heads, rows, row_ok, T, HAS_DOCS)  # each query's document
     q = _load_rows(Q, base, rows, row_ok, offs_d, D)  # [BT, D]
@@ -146,11 +173,11 @@ def pi_fwd_kernel(
     ok0 = rows < 0
     ok1 = rows < 0
     if N_SKIP >= 1:
-        ok0 = (rows - period >= lo_q) & (rows - period < hi_q)
+        ok0 = _skip_ok(rows - period, lo_q, hi_q, n_skip, PER_HEAD)
         z0 = _row_dot(q, _load_rows(K, kbase, rows - period, ok0, offs_d, D)) * scale
         z0 = _clamp(z0, clamp, HAS_CLAMP)
     if N_SKIP == 2:
-        ok1 = (rows + period >= lo_q) & (rows + period < hi_q)
+        ok1 = _skip_ok(rows + period, lo_q, hi_q, n_skip, PER_HEAD)
         z1 = _row_dot(q, _load_rows(K, kbase, rows + period, ok1, offs_d, D)) * scale
         z1 = _clamp(z1, clamp, HAS_CLAMP)
 
@@ -197,7 +224,7 @@ def pi_fwd_kernel(
         p = tl.where(ok, tl.exp(z - m_new), 0.0)
         l_loc = l_loc * alpha + p
         if HAS_DROPOUT:
-            p = p * _keep_factor(KEEP, n, T, rows, n_local + N_SKIP + s, ok, keep_scale, N_SLOTS)
+            p = p * _keep_factor(KEEP, n, T, rows, n_local + n_skip + s, ok, keep_scale, N_SLOTS)
         acc = acc * alpha[:, None] + p[:, None] * _load_rows(V, kbase, key, ok, offs_d, D).to(tl.float32)
         m_loc = m_new
 
@@ -292,21 +319,24 @@ def _dq_row_terms(
 
 @triton.jit
 def pi_bwd_dq_kernel(
-    Q, K, V, GATE, KEEP, START, END, DY, C_LOC, C_SKIP, DQ, DELTA_LOC, DELTA_SKIP, DGATE, SINK_DS, SINK_WK,
-    T, n_tiles, heads, group, window, period, scale, clamp, eps, keep_scale,
+    Q, K, V, GATE, KEEP, START, END, PERIODS, DY, C_LOC, C_SKIP, DQ, DELTA_LOC, DELTA_SKIP, DGATE, SINK_DS,
+    SINK_WK, T, n_tiles, heads, group, window, period, scale, clamp, eps, keep_scale,
     CAUSAL: tl.constexpr, N_SKIP: tl.constexpr, SINKS: tl.constexpr, N_SLOTS: tl.constexpr,
     MODE: tl.constexpr, HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_DOCS: tl.constexpr,
-    HAS_DGATE: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    PER_HEAD: tl.constexpr, HAS_DGATE: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """dQ [N, T, D], dα [N, T] and Δ_local, Δ_skip [N, T] (for the dK/dV kernel) of a tile of queries; for
     the sink keys' dK/dV, each sink slot's dlogit (clamp-masked, unscaled) and dropped weight, SINK_DS and
     SINK_WK fp32 [N, T, SINKS] (0 where the slot reads nothing).
 
     dlogit = w·(dW - Δ) with Δ = Σ_m w·dW over the slot's softmax group, summed exactly from the slots
-    (pass 1 over the band and sinks), then dQ = Σ_m dlogit·K·scale (pass 2).
+    (pass 1 over the band and sinks), then dQ = Σ_m dlogit·K·scale (pass 2). PERIODS as in the forward.
     """
     n, start, base, right, n_local, rows, row_ok, offs_d = _tile(T, n_tiles, window, CAUSAL, D, BLOCK_T)
+    n_skip = N_SKIP
+    if PER_HEAD:
+        period, n_skip = _head_period(PERIODS, n % heads, window, N_SKIP)
     kbase = (n // group) * T * D
     lo_q, hi_q = _bounds(START, END, n // heads, rows, row_ok, T, HAS_DOCS)
     q = _load_rows(Q, base, rows, row_ok, offs_d, D)  # [BT, D]
@@ -325,11 +355,11 @@ def pi_bwd_dq_kernel(
     ok0 = rows < 0
     ok1 = rows < 0
     if N_SKIP >= 1:
-        ok0 = (rows - period >= lo_q) & (rows - period < hi_q)
+        ok0 = _skip_ok(rows - period, lo_q, hi_q, n_skip, PER_HEAD)
         z0, w0, dw0, _ = _dq_row_terms(q, dy, K, V, KEEP, n, kbase, T, rows, rows - period, ok0, offs_d, n_local,
                                        c_skip, scale, clamp, keep_scale, N_SLOTS, HAS_CLAMP, HAS_DROPOUT, D)
     if N_SKIP == 2:
-        ok1 = (rows + period >= lo_q) & (rows + period < hi_q)
+        ok1 = _skip_ok(rows + period, lo_q, hi_q, n_skip, PER_HEAD)
         z1, w1, dw1, _ = _dq_row_terms(q, dy, K, V, KEEP, n, kbase, T, rows, rows + period, ok1, offs_d,
                                        n_local + 1, c_skip, scale, clamp, keep_scale, N_SLOTS, HAS_CLAMP,
                                        HAS_DROPOUT, D)
@@ -343,7 +373,7 @@ def pi_bwd_dq_kernel(
         sig_loc += tl.sum(w * dw, 1)
     for s in range(0, SINKS):
         key, ok = _sink_slot(s, rows, lo_q, hi_q, window, right, period, CAUSAL, N_SKIP)
-        z, w, dw, kf = _dq_row_terms(q, dy, K, V, KEEP, n, kbase, T, rows, key, ok, offs_d, n_local + N_SKIP + s,
+        z, w, dw, kf = _dq_row_terms(q, dy, K, V, KEEP, n, kbase, T, rows, key, ok, offs_d, n_local + n_skip + s,
                                      c_loc, scale, clamp, keep_scale, N_SLOTS, HAS_CLAMP, HAS_DROPOUT, D)
         sig_loc += w * dw
     sig_skip = w0 * dw0 + w1 * dw1
@@ -371,7 +401,7 @@ def pi_bwd_dq_kernel(
         dq += _dot(ds.to(k.dtype), k, DOT_PREC, UPCAST)
     for s in range(0, SINKS):
         key, ok = _sink_slot(s, rows, lo_q, hi_q, window, right, period, CAUSAL, N_SKIP)
-        z, w, dw, kf = _dq_row_terms(q, dy, K, V, KEEP, n, kbase, T, rows, key, ok, offs_d, n_local + N_SKIP + s,
+        z, w, dw, kf = _dq_row_terms(q, dy, K, V, KEEP, n, kbase, T, rows, key, ok, offs_d, n_local + n_skip + s,
                                      c_loc, scale, clamp, keep_scale, N_SLOTS, HAS_CLAMP, HAS_DROPOUT, D)
         ds = w * (dw - delta_loc)
         g_loc += ds
@@ -407,14 +437,15 @@ def pi_bwd_dq_kernel(
 
 @triton.jit
 def _dkdv_skip_terms(
-    k, v, Q, DY, KEEP, C_SKIP, DELTA_SKIP, n, qbase, T, keys, lo_k, hi_k, offs_d, offset, slot, scale, clamp,
-    keep_scale, N_SLOTS: tl.constexpr, HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr, D: tl.constexpr,
+    k, v, Q, DY, KEEP, C_SKIP, DELTA_SKIP, n, qbase, T, keys, lo_k, hi_k, offs_d, offset, n_skip, slot, scale,
+    clamp, keep_scale, N_SLOTS: tl.constexpr, HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    PER_HEAD: tl.constexpr, D: tl.constexpr,
 ):
-    """For each key (in document [lo_k, hi_k)), the query keys - offset whose skip slot it is: that slot's
-    dropped weight (the factor of dY in dV) and its dlogit with the clamp mask (the factor of Q in dK), both
-    [BT], and validity."""
+    """For each key (in document [lo_k, hi_k)), the query keys - offset whose skip slot it is (none in a head
+    without skip slots, n_skip = 0): that slot's dropped weight (the factor of dY in dV) and its dlogit with
+    the clamp mask (the factor of Q in dK), both [BT], and validity."""
     qrows = keys - offset
-    ok = (qrows >= lo_k) & (qrows < hi_k)
+    ok = _skip_ok(qrows, lo_k, hi_k, n_skip, PER_HEAD)
     z = _row_dot(k, _load_rows(Q, qbase, qrows, ok, offs_d, D)) * scale
     c_skip = tl.load(C_SKIP + n * T + qrows, mask=ok, other=0.0)
     delta = tl.load(DELTA_SKIP + n * T + qrows, mask=ok, other=0.0)
@@ -433,11 +464,11 @@ def _dkdv_skip_terms(
 
 @triton.jit
 def pi_bwd_dkdv_kernel(
-    Q, K, V, KEEP, START, END, DY, C_LOC, C_SKIP, DELTA_LOC, DELTA_SKIP, SINK_DS, SINK_WK, DK, DV,
+    Q, K, V, KEEP, START, END, PERIODS, DY, C_LOC, C_SKIP, DELTA_LOC, DELTA_SKIP, SINK_DS, SINK_WK, DK, DV,
     T, n_tiles, heads_kv, window, period, scale, clamp, keep_scale,
     CAUSAL: tl.constexpr, N_SKIP: tl.constexpr, SINKS: tl.constexpr, N_SLOTS: tl.constexpr, GROUP: tl.constexpr,
-    HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_DOCS: tl.constexpr, D: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_CLAMP: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_DOCS: tl.constexpr, PER_HEAD: tl.constexpr,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """dK, dV [N_kv, T, D] of a tile of keys of one key/value head, gathered from every query that reads
     them, over the GROUP query heads that share it (a loop inside the program; no atomics). GROUP is a
@@ -445,7 +476,9 @@ def pi_bwd_dkdv_kernel(
 
     Key j is local to the queries j - right … j + window, the skip of j + period (and j - period), and,
     if it is one of the first SINKS keys of its document, a sink of the document's other queries: their
-    dlogits and weights come from SINK_DS, SINK_WK (written by the dQ kernel), not recomputed.
+    dlogits and weights come from SINK_DS, SINK_WK (written by the dQ kernel), not recomputed. With per-head
+    periods (PER_HEAD) each query head of the group takes its own period from PERIODS int32 [H], H =
+    heads_kv·GROUP.
     """
     # The tile's rows are keys here: `keys` [BT] are key positions of key/value head nk.
     nk, start, kvbase, right, n_local, keys, key_ok, offs_d = _tile(T, n_tiles, window, CAUSAL, D, BLOCK_T)
@@ -469,6 +502,10 @@ def pi_bwd_dkdv_kernel(
     for g in range(0, GROUP):
         n = nk * GROUP + g  # a query head reading this key/value head
         qbase = n * T * D
+        p_n = period  # its period and skip slot count
+        n_skip = N_SKIP
+        if PER_HEAD:
+            p_n, n_skip = _head_period(PERIODS, (nk % heads_kv) * GROUP + g, window, N_SKIP)
         for c in range(0, tl.cdiv(hi - lo, BLOCK_K)):
             qrows = lo + c * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK] query positions
             q_ok = qrows < hi
@@ -496,16 +533,16 @@ def pi_bwd_dkdv_kernel(
         # Skip slots after the band, so that their rows are not live during it.
         if N_SKIP >= 1:  # slot n_local of query j + period
             wd0, ds0, ok0 = _dkdv_skip_terms(k, v, Q, DY, KEEP, C_SKIP, DELTA_SKIP, n, qbase, T, keys, lo_k, hi_k,
-                                             offs_d, -period, n_local, scale, clamp, keep_scale, N_SLOTS,
-                                             HAS_CLAMP, HAS_DROPOUT, D)
-            dv = _add_rows(dv, wd0, DY, qbase, keys, period, ok0, offs_d, D)
-            dk = _add_rows(dk, ds0, Q, qbase, keys, period, ok0, offs_d, D)
+                                             offs_d, -p_n, n_skip, n_local, scale, clamp, keep_scale, N_SLOTS,
+                                             HAS_CLAMP, HAS_DROPOUT, PER_HEAD, D)
+            dv = _add_rows(dv, wd0, DY, qbase, keys, p_n, ok0, offs_d, D)
+            dk = _add_rows(dk, ds0, Q, qbase, keys, p_n, ok0, offs_d, D)
         if N_SKIP == 2:  # slot n_local + 1 of query j - period
             wd1, ds1, ok1 = _dkdv_skip_terms(k, v, Q, DY, KEEP, C_SKIP, DELTA_SKIP, n, qbase, T, keys, lo_k, hi_k,
-                                             offs_d, period, n_local + 1, scale, clamp, keep_scale, N_SLOTS,
-                                             HAS_CLAMP, HAS_DROPOUT, D)
-            dv = _add_rows(dv, wd1, DY, qbase, keys, -period, ok1, offs_d, D)
-            dk = _add_rows(dk, ds1, Q, qbase, keys, -period, ok1, offs_d, D)
+                                             offs_d, p_n, n_skip, n_local + 1, scale, clamp, keep_scale, N_SLOTS,
+                                             HAS_CLAMP, HAS_DROPOUT, PER_HEAD, D)
+            dv = _add_rows(dv, wd1, DY, qbase, keys, -p_n, ok1, offs_d, D)
+            dk = _add_rows(dk, ds1, Q, qbase, keys, -p_n, ok1, offs_d, D)
 
         if SINKS > 0:
             # Sink keys: gather the saved per-slot terms of their readers, [BT, BK] per chunk of queries.
