@@ -8,6 +8,8 @@ measured, and a step that crashes is recorded and the next one runs:
   env      device, versions, SM count, memory, device-to-device copy bandwidth (gpu_bench.copy_bandwidth);
   tests    pytest over every test file that uses DEVICE or torch.cuda, killed at its budget; junit counts,
            the failures' ids and first message lines, the log's tail;
+  tune     the Triton tile sweep and one period against per-head periods (gpu_tune.py), written to
+           DIR/gpu_tune.{json,md};
   kernels  π (triton) fwd and fwd+bwd for T 4K-32K, D 64 and 128, bf16 and fp32, as a multiple of the
            bandwidth floor, beside dense SDPA, local attention, per-head periods, π's union variant, the peer
            flash-sparse-attn (when .whl/ carries it) and FlexAttention at its smallest block; every op is
@@ -15,7 +17,7 @@ measured, and a step that crashes is recorded and the next one runs:
            32K near the clamp;
   model    the small GPT, dense / local / pi, bf16, T 4K-16K: train step, prefill, decode per token, peaks.
 After every step it writes DIR/gpu_run.json and DIR/gpu_run.md (a kill keeps the finished steps), plus
-gpu_tests_tail.log, gpu_tests.xml and gpu_run.png: five files.
+gpu_tests_tail.log, gpu_tests.xml, gpu_run.png and gpu_tune.{json,md}: seven files.
 """
 
 from __future__ import annotations
@@ -42,12 +44,14 @@ from torch.nn.attention import SDPBackend  # noqa: E402
 
 import gpu_bench as gb  # noqa: E402  (after TRITON_INTERPRET)
 import gpu_model  # noqa: E402
+import gpu_tune  # noqa: E402
 import peers  # noqa: E402
 import piattn  # noqa: E402
 from piattn.benchmarking import command_line  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-BUDGETS = dict(env=20.0, tests=200.0, kernels=160.0, model=60.0)
+# The model step was measured in the first session (benchmarks/results/gpu_run.md): 0 unless asked for.
+BUDGETS = dict(env=20.0, tests=200.0, tune=150.0, kernels=120.0, model=0.0)
 TAIL_LINES = 300
 # The six files of the first GPU run; `test_files` adds any other that touches CUDA.
 CUDA_TESTS = ("tests/ops/test_triton.py", "tests/ops/test_conformance.py", "tests/ops/test_features.py",
@@ -375,6 +379,21 @@ def add_ratios(rows: list[dict]) -> None:
         r["vs_pi"] = r["ms"] / pi if r.get("ms") and pi else None
 
 
+def tune_step(smoke: bool, clock: Clock, out: Path) -> dict:
+    """gpu_tune.py in the step's budget: its own files in `out`, the best tile setting per shape here."""
+    if clock.left() <= 0:
+        return dict(skipped="no budget")
+    result = gpu_tune.main(["--out", str(out), "--budget-s", f"{clock.left():.0f}", *(["--smoke"] if smoke else [])])
+    best = {}
+    for shape in result["shapes"]:
+        timed = [r for r in shape["rows"] if r["status"] == "ok"]
+        if timed:
+            top = min(timed, key=lambda r: r["fwd_ms"] + r["bwd_ms"])
+            best[f"{shape['dtype']} D{shape['D']} T{shape['T']}"] = {
+                key: top[key] for key in ("tiles", "fwd_x_floor", "bwd_x_floor")}
+    return dict(best=best, head_periods=result["head_periods"])
+
+
 def kernels_step(smoke: bool, clock: Clock, bandwidth: float | None, peer: dict, result: dict, save) -> dict:
     """Fills `result` (the step's record, saved part-way) with checks, finiteness and rows; returns it."""
     plan = KernelPlan(smoke)
@@ -561,6 +580,7 @@ def main(argv: list[str] | None = None) -> dict:
     env = report.step("env", budget("env"), lambda clock, _: env_step(a.smoke, clock))
     report.data.setdefault("environment", gb.environment(gb.Setup(a.smoke, 0)))
     report.step("tests", budget("tests"), lambda clock, _: tests_step(a.smoke, clock, a.out))
+    report.step("tune", budget("tune"), lambda clock, _: tune_step(a.smoke, clock, a.out))
     peer = peers.install_wheels(a.wheels)
     bandwidth = env.get("environment", {}).get("copy_bandwidth_GBps")
     report.step("kernels", budget("kernels"), lambda clock, record: kernels_step(

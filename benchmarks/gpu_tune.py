@@ -14,8 +14,8 @@ over 16 heads), the GPU work list's target being per-head ≤ 1.1× one period.
     PYTHONPATH=src python3 benchmarks/gpu_tune.py --out DIR [--budget-s 240]   # on a GPU
     PYTHONPATH=src python3 benchmarks/gpu_tune.py --smoke --out DIR           # CPU, Triton interpreter
 
-Each shape starts nothing new once the budget is spent; the JSON and markdown are rewritten after every
-shape, so a run cut short keeps what it measured.
+Also a step of `gpu_run.py` (`--tune-s`). Each shape starts nothing new once the budget is spent; the JSON
+and markdown are rewritten after every shape, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -170,6 +170,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """Run the sweep (argv as on the command line); the result as written to DIR/gpu_tune.json."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop starting new measurements after this")
@@ -177,7 +178,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
-    deadline = time.monotonic() + args.budget_s
+    # Three quarters of the budget for the sweep, the rest for the per-head comparison.
+    start = time.monotonic()
+    deadline, heads_deadline = start + 0.75 * args.budget_s, start + args.budget_s
     shapes, configs, head_shapes = ((SMOKE["shapes"], SMOKE["configs"], SMOKE["head_shapes"]) if args.smoke
                                     else (SHAPES, CONFIGS, HEAD_SHAPES))
     flush = torch.empty(256 << 20, dtype=torch.int8, device=device) if cuda else None
@@ -197,7 +200,7 @@ def main(argv: list[str] | None = None) -> dict:
     for shape in shapes:
         result["shapes"].append(sweep_shape(shape, configs, device, bandwidth, timer, deadline))
         save_results(args.out, "gpu_tune", result, markdown(result))
-    result["head_periods"] = head_periods_rows(head_shapes, device, timer, deadline + 60)
+    result["head_periods"] = head_periods_rows(head_shapes, device, timer, heads_deadline)
     save_results(args.out, "gpu_tune", result, markdown(result))
     return result
 

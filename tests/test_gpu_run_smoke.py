@@ -18,20 +18,25 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_gpu_run_smoke(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "benchmarks/gpu_run.py", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=240)
+    # --model-s: the model step's default budget is 0 (measured in the first GPU session), not in the smoke run.
+    argv = ["benchmarks/gpu_run.py", "--smoke", "--out", str(tmp_path), "--model-s", "60"]
+    proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     files = sorted(p.name for p in tmp_path.iterdir())
     assert len(files) <= 8 and {"gpu_run.json", "gpu_run.md", "gpu_tests_tail.log", "gpu_run.png"} <= set(files)
     result = json.loads((tmp_path / "gpu_run.json").read_text())
     steps = result["steps"]
-    assert list(steps) == ["env", "tests", "kernels", "model"]
+    assert list(steps) == ["env", "tests", "tune", "kernels", "model"]
     assert all(s["status"] == "ok" for s in steps.values()), {k: s.get("error") for k, s in steps.items()}
     assert result["environment"]["copy_bandwidth_GBps"] > 0
 
     tests = steps["tests"]
     cases = list(ET.parse(tmp_path / "gpu_tests.xml").getroot().iter("testcase"))
     assert tests["passed"] > 0 and tests["passed"] + tests["skipped"] + tests["failed"] + tests["errors"] == len(cases)
+
+    tune = steps["tune"]
+    assert [r["mode"] for r in tune["head_periods"]] == ["fwd", "fwd+bwd"] and len(tune["best"]) == 1
+    assert json.loads((tmp_path / "gpu_tune.json").read_text())["shapes"][0]["rows"][0]["status"] == "ok"
 
     kernels = steps["kernels"]
     timed = {r["backend"] for r in kernels["rows"] if r.get("ms")}
