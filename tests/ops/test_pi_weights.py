@@ -3,11 +3,14 @@ against the "torch" backend (another implementation of the same operator); its a
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 import piattn
 from piattn.config.pi import PiSettings
+from piattn.ops.pi.pattern import log_priors
 from piattn.ops.pi.weights import pi_attention_weights
 from utils import make_inputs
 
@@ -118,3 +121,18 @@ def test_a_missing_gate_is_the_constant_prior():
     w, *_ = pi_attention_weights(q, k, None, settings=settings)
     fixed, *_ = pi_attention_weights(q, k, None, settings=PiSettings(window=2, period=5, prior=0.3, variant="fixed"))
     assert torch.equal(w, fixed)
+
+
+@pytest.mark.parametrize("variant", ["union", "separate", "fixed", "adaptive"])
+def test_log_priors_of_each_variant(variant):
+    """Hand-worked priors: α = 0.25 (the gate, or the fixed prior), ε = 0.01; zeros where no prior enters."""
+    gate = torch.full((1, 1, 2), 0.25)
+    local, skip = log_priors(variant, gate, 0.25, 0.01)
+    expected = (math.log(0.25), math.log(0.75)) if variant in ("fixed", "adaptive") else (0.0, 0.0)
+    assert float(torch.as_tensor(local).flatten()[0]) == pytest.approx(expected[0])
+    assert float(torch.as_tensor(skip).flatten()[0]) == pytest.approx(expected[1])
+
+
+def test_log_priors_refuses_a_variant_it_does_not_know():
+    with pytest.raises(ValueError, match=r"variant must be one of \['union', 'separate', 'fixed', 'adaptive'\]"):
+        log_priors("blend", None, 0.5, 1e-4)

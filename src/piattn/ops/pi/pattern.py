@@ -141,4 +141,7 @@ def log_priors(
         return a.clamp_min(eps).log(), (1 - a).clamp_min(eps).log()
     if variant == "fixed":
         return math.log(max(prior, eps)), math.log(max(1 - prior, eps))
-    return 0.0, 0.0
+    if variant in ("union", "separate"):
+        return 0.0, 0.0
+    # A new variant must say its priors here: a silent 0 would make it "union" inside the logits.
+    raise ValueError(f"variant must be one of {list(VARIANTS)}, got {variant!r}")
