@@ -34,10 +34,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from numbers import Integral, Real
+from numbers import Real
 
 import torch
 
+from ..checks import is_int
 from .multiscale import layer_hops, periods_per_layer, reachable_lags
 
 COPY_N = 4
@@ -56,7 +57,7 @@ _CHUNK = 1 << 22
 
 
 def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, Integral) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return int(value)
 

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from numbers import Integral
 
 import numpy as np
 import torch
 
+from ..checks import is_int
 from ..masks.local import check_window
 
 Schedule = tuple[tuple[int, ...], ...]
@@ -50,21 +50,18 @@ _RATIO_STEPS = 256
 
 # --- schedules -------------------------------------------------------------------------------------
 
-def _is_int(value) -> bool:
-    return isinstance(value, Integral) and not isinstance(value, bool)
-
 
 def _is_seq(value) -> bool:
     return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
 
 
 def _check_count(name: str, value, minimum: int) -> None:
-    if not _is_int(value) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 def _period(value, where: str) -> int:
-    if not _is_int(value) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{where} must be an int >= 1 (a skip distance in tokens), got {value!r}")
     return int(value)
 
@@ -81,7 +78,7 @@ def periods_per_layer(periods, n_layer: int, n_head: int) -> Schedule:
     allowed = (f"an int >= 1, a list of n_head={n_head} ints (each layer alike) or a list of "
                f"n_layer={n_layer} lists of {n_head} ints")
     if not _is_seq(periods):
-        if not _is_int(periods):
+        if not is_int(periods):
             raise ValueError(f"periods must be {allowed}; got {periods!r}")
         return ((_period(periods, "period"),) * n_head,) * n_layer
     if len(periods) == 0 and n_layer == 0:
@@ -217,7 +214,7 @@ def min_depth_multi(d: int, window: int, schedule) -> int | None:
 
     The multi-scale counterpart of `reachability.min_depth` (fewest layers), except that layers are not
     interchangeable any more: "fewest" is of the first layers, in the schedule's order."""
-    if _is_int(d) and d < 0:
+    if is_int(d) and d < 0:
         raise ValueError(f"a causal lag must be >= 0, got {d}")
     d = _check_lag("d", d)
     check_window(window)

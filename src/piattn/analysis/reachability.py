@@ -36,6 +36,7 @@ from collections.abc import Iterator
 
 import torch
 
+from ..checks import is_int
 from ..masks import dense_mask, local_mask, pi_mask
 from ..masks.local import check_window
 from ..masks.pi import check_period
@@ -55,7 +56,7 @@ def step_mask(n: int, window: int, period: int | None, causal: bool = True, sink
 
 
 def _check_sinks(sinks) -> None:
-    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+    if not is_int(sinks) or sinks < 0:
         raise ValueError(f"sinks must be an int >= 0 (0: no sink keys), got {sinks!r}")
 
 

@@ -10,7 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..analysis.multiscale import SCHEDULES, periods_per_layer, schedule
-from .pi import PI_DEFAULTS, PiSettings, is_int
+from ..checks import is_int
+from .pi import PI_DEFAULTS, PiSettings
 
 # Table app_model (Small / Medium / Large, head dim 64, vocab 50,257) plus `tiny`, sized for a CPU.
 SIZES: dict[str, dict[str, int]] = {

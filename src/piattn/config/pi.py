@@ -10,14 +10,12 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..checks import is_int
+
 VARIANTS = ("union", "separate", "fixed", "adaptive")
 # Variants whose local/skip prior is the per-query gate α (and so need a gate MLP).
 GATED_VARIANTS = ("separate", "adaptive")
 
-
-def is_int(x) -> bool:
-    """An int that is not a bool (True would otherwise pass as 1)."""
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..checks import is_int
 from .model import EncoderConfig, ModelConfig
-from .pi import PI_DEFAULTS, is_int
+from .pi import PI_DEFAULTS
 
 # Byte ids as LRA's char tokenizer: byte b is id b + 1, 0 is padding (`piattn.data.retrieval.encode_text`).
 BYTE_VOCAB = 257

@@ -29,6 +29,7 @@ from os import PathLike
 
 import torch
 
+from ..checks import is_int
 from . import lra_tsv
 
 MIN, MAX, MED, SUM_MOD, CLOSE = "[MIN", "[MAX", "[MED", "[SM", "]"
@@ -99,7 +100,7 @@ def generate(n: int, seed: int = 0, *, min_length: int = 500, max_length: int = 
     """
     for name, value, low in (("n", n, 0), ("max_depth", max_depth, 1), ("max_args", max_args, 2),
                              ("min_length", min_length, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        if not is_int(value) or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     if not isinstance(max_length, int) or max_length - min_length < 2:
         raise ValueError(f"max_length must be an integer >= min_length + 2 = {min_length + 2}, got {max_length!r}")

@@ -26,6 +26,8 @@ from tqdm import tqdm
 from piattn.data.tokenizers import Tokenizer
 from piattn.safe_files import atomic_save_npy, atomic_writer
 
+from ..checks import is_int
+
 
 @dataclass(frozen=True)
 class TokenizedCorpus:
@@ -129,7 +131,7 @@ class PackedSequences:
     """
 
     def __init__(self, tokens, doc_starts, seq_len: int, cross_documents: bool = False, document_ids: bool = False):
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        if not is_int(seq_len) or seq_len < 1:
             raise ValueError(f"seq_len must be an integer >= 1, got {seq_len!r}")
         if cross_documents and document_ids:
             raise ValueError("cross_documents and document_ids exclude each other: packed sequences (document_ids) "
@@ -204,9 +206,9 @@ class SequenceLoader:
     def __init__(self, dataset, batch_size: int, seed: int = 0, shuffle: bool = True, rank: int = 0,
                  world_size: int = 1, drop_last: bool = True):
         for name, value, low in (("batch_size", batch_size, 1), ("world_size", world_size, 1), ("seed", seed, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if not is_int(value) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        if not is_int(rank) or not 0 <= rank < world_size:
             raise ValueError(f"rank must be an integer in [0, world_size={world_size}), got {rank!r}")
         self.dataset = dataset
         self.batch_size, self.seed, self.shuffle = batch_size, seed, shuffle

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..checks import is_int
+
 PADDLE_LENGTH = 3  # pixels; LRA's pathfinder32 has paddles of 2 pixels plus a 1-pixel margin
 HEADINGS = 16  # paddle directions, 22.5° apart
 MAX_TURN = 2  # in headings: at most 45° between consecutive paddles
@@ -171,7 +173,7 @@ def sample(rng: random.Random, label: int, size: int = 32, contour_length: int =
 
 
 def _check(name: str, value: object, low: int, high: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+    if not is_int(value) or not low <= value <= high:
         raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
 
 

@@ -21,10 +21,11 @@ from __future__ import annotations
 import torch
 
 from ..analysis import min_depth
+from ..checks import is_int
 
 
 def _check(name: str, value: object, low: int, high: int | None = None) -> None:
-    bad = isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high)
+    bad = not is_int(value) or value < low or (high is not None and value > high)
     if bad:
         allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise ValueError(f"{name} must be an integer {allowed}, got {value!r}")

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import is_int
+
 
 @dataclass(frozen=True)
 class RecallExamples:
@@ -38,7 +40,7 @@ class RecallExamples:
 
 
 def _check_int(name: str, value: object, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    if not is_int(value) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 

@@ -17,6 +17,7 @@ from os import PathLike
 import numpy as np
 import torch
 
+from ..checks import is_int
 from . import lra_tsv
 
 COLUMNS = ("label", "id1", "id2", "text1", "text2")
@@ -26,7 +27,7 @@ VOCAB_SIZE = 257
 
 
 def _check_length(length: int) -> None:
-    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+    if not is_int(length) or length < 1:
         raise ValueError(f"length must be an integer >= 1, got {length!r}")
 
 
@@ -62,7 +63,7 @@ def read_pairs(path: str | PathLike, length: int = MAX_LENGTH,
     ValueError naming the file and line.
     """
     _check_length(length)
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+    if limit is not None and (not is_int(limit) or limit < 0):
         raise ValueError(f"limit must be None or an integer >= 0, got {limit!r}")
     ids, labels = [], []
     for number, (label, _, _, text1, text2) in lra_tsv.read_tsv(path, COLUMNS, header=None):

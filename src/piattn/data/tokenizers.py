@@ -18,6 +18,8 @@ from typing import Protocol
 
 from piattn.data.text import MissingPackageError
 
+from ..checks import is_int
+
 CONFIG_FILE = "tokenizer.json"
 BPE_MODEL_FILE = "bpe.json"
 KINDS = ("byte", "char", "bpe")
@@ -143,7 +145,7 @@ class BPETokenizer:
 
         The 256 byte symbols are always in the vocabulary, so `vocab_size` must be at least 256.
         """
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 256:
+        if not is_int(vocab_size) or vocab_size < 256:
             raise ValueError(f"vocab_size must be an integer >= 256 (the byte alphabet), got {vocab_size!r}")
         tk = _import_tokenizers()
         model = tk.Tokenizer(tk.models.BPE())

@@ -9,6 +9,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from ..checks import is_int
 from ..config import ModelConfig
 from ..config.model import check_kv_heads
 from ..decoding.cache import GrowingCache, LayerCache, RingCache
@@ -69,7 +70,7 @@ class AttentionLayer(nn.Module):
     def __init__(self, d_model: int, n_heads: int, *, n_kv_heads: int | None = None, causal: bool = True,
                  dropout: float = 0.0, rotary: bool = False, rope_base: float = 10000.0):
         super().__init__()
-        if isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1 or d_model % n_heads:
+        if not is_int(n_heads) or n_heads < 1 or d_model % n_heads:
             raise ValueError(f"d_model ({d_model}) must be a positive multiple of n_heads ({n_heads})")
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         check_kv_heads(n_heads, n_kv_heads)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..checks import is_int
 from ..config import ModelConfig
 from .base import AttentionLayer
 
@@ -20,7 +21,7 @@ SELF_LOGIT = -1e5
 
 
 def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
@@ -156,7 +157,7 @@ class ReformerAttention(AttentionLayer):
             if n_buckets > 1 and n_buckets % 2:
                 raise ValueError(f"n_buckets must be 1 or even (angular LSH pairs each direction with its "
                                  f"opposite), got {n_buckets}")
-        if isinstance(seed, bool) or not isinstance(seed, int):
+        if not is_int(seed):
             raise ValueError(f"seed must be an integer, got {seed!r}")
         self.n_hashes, self.bucket_size, self.n_buckets, self.seed = n_hashes, bucket_size, n_buckets, seed
         self.qkv = nn.Linear(d_model, 2 * d_model)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..checks import is_int
+
 # elements of one chunk's gathered k (or v) block [B, H, C, M, D] or scores [B, H, C, group, M]; bounds the
 # no-grad peak memory
 CHUNK_ELEMENTS = 1 << 24
@@ -44,7 +46,7 @@ def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index:
     if q.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q [B, H, Tq, D] and k, v [B, H, Tk, D] expected, got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+    if not is_int(group) or group < 1:
         raise ValueError(f"group must be an integer >= 1, got {group!r}")
     B, H, Tq, D = q.shape
     Tk, n_rows = k.shape[2], -(-Tq // group)
@@ -61,7 +63,7 @@ def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
     if chunk_size is None:
         chunk_size = max(1, CHUNK_ELEMENTS // max(1, B * H * M * max(D, group)))
-    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+    elif not is_int(chunk_size) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
     if Tq == 0:
         return q.new_zeros(q.shape)

@@ -19,12 +19,13 @@ import random
 
 import torch
 
+from ..checks import is_int
 from .local import MaskMod
 from .longformer import check_count
 
 
 def check_block(block: int) -> None:
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+    if not is_int(block) or block < 1:
         raise ValueError(f"block must be an integer >= 1, got {block!r}")
 
 
@@ -33,7 +34,7 @@ def check_bigbird(window_blocks: int, n_global: int, n_random: int, seed: int) -
     check_count("window_blocks", window_blocks)
     check_count("n_global", n_global)
     check_count("n_random", n_random)
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    if not is_int(seed):
         raise ValueError(f"seed must be an integer, got {seed!r}")
 
 

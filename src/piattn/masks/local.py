@@ -11,11 +11,13 @@ from collections.abc import Callable
 
 import torch
 
+from ..checks import is_int
+
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def check_window(window: int) -> None:
-    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+    if not is_int(window) or window < 0:
         raise ValueError(f"window must be an integer >= 0, got {window!r}")
 
 

@@ -11,12 +11,13 @@ and a global query sees only the keys at or before it. The global tokens are the
 
 from __future__ import annotations
 
+from ..checks import is_int
 from .local import MaskMod, check_window
 
 
 def check_count(name: str, value: int) -> None:
     """ValueError naming `name` unless value is an integer >= 0."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if not is_int(value) or value < 0:
         raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
 
 

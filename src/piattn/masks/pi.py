@@ -6,11 +6,12 @@ A skip offset that is already local (period <= window) adds nothing to the patte
 
 from __future__ import annotations
 
+from ..checks import is_int
 from .local import MaskMod, check_window, local_mask
 
 
 def check_period(period: int) -> None:
-    if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+    if not is_int(period) or period < 1:
         raise ValueError(f"period must be an integer >= 1, got {period!r}")
 
 

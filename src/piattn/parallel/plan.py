@@ -44,11 +44,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from ..checks import is_int
+
 Interval = tuple[int, int]  # positions [start, end)
 
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -79,7 +78,7 @@ class HaloPlan:
     def __post_init__(self):
         for name, low in (("world", 1), ("shard", 1), ("window", 0), ("period", 1)):
             value = getattr(self, name)
-            if not _is_int(value) or value < low:
+            if not is_int(value) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
         if not isinstance(self.causal, bool):
             raise ValueError(f"causal must be True or False, got {self.causal!r}")
@@ -175,5 +174,5 @@ class HaloPlan:
         return {"forward_recv": recv, "forward_sent": sent, "backward_recv": sent, "backward_sent": recv}
 
     def _check_rank(self, rank: int) -> None:
-        if not _is_int(rank) or not 0 <= rank < self.world:
+        if not is_int(rank) or not 0 <= rank < self.world:
             raise ValueError(f"rank must be an int in [0, {self.world}), got {rank!r}")

@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from ..checks import is_int
 from ..models.block import Block
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -106,7 +107,7 @@ def parse_device(device: str) -> torch.device:
 
 def check_layout(world_size: int, sequence_parallel: int) -> None:
     """ValueError naming --sequence-parallel unless it is a positive divisor of the world size."""
-    if isinstance(sequence_parallel, bool) or not isinstance(sequence_parallel, int) or sequence_parallel < 1:
+    if not is_int(sequence_parallel) or sequence_parallel < 1:
         raise ValueError(f"--sequence-parallel must be an integer >= 1, got {sequence_parallel!r}")
     if world_size % sequence_parallel:
         raise ValueError(f"--sequence-parallel {sequence_parallel} must divide the number of processes, "

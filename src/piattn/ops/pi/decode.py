@@ -27,7 +27,8 @@ import functools
 import torch
 from torch.nn import functional as F
 
-from ...config.pi import GATED_VARIANTS, PI_DEFAULTS, check_pi_settings, is_int
+from ...checks import is_int
+from ...config.pi import GATED_VARIANTS, PI_DEFAULTS, check_pi_settings
 from . import native
 from .pattern import Pattern, log_priors
 from .validate import _check_gate, check_qkv_tensors

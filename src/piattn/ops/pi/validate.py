@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ...config.pi import GATED_VARIANTS, check_pi_settings, is_int
+from ...checks import is_int
+from ...config.pi import GATED_VARIANTS, check_pi_settings
 from ...config.pi import head_periods as config_head_periods
 
 SUPPORTED_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
