@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from piattn.data.mqar import IGNORE, mqar_batch, vocab_size
+from piattn.data.mqar import IGNORE, check, mqar_batch, mqar_mix, vocab_size
 
 
 def batch(seed: int, n_examples: int = 4, **kwargs) -> dict:
@@ -124,3 +124,50 @@ def test_value_errors_name_the_argument(settings, name):
     args = dict(dict(n_examples=2, seq_len=32, n_pairs=3, key_vocab=3, value_vocab=2), **settings)
     with pytest.raises(ValueError, match=name):
         mqar_batch(**args, generator=torch.Generator().manual_seed(0))
+
+
+def test_check_raises_what_the_generator_raises_without_drawing():
+    check(32, 3, key_vocab=3, value_vocab=2, distance_bin=(6, 30))  # fits
+    for settings, name in [(dict(n_pairs=9), "n_pairs"), (dict(key_vocab=2), "key_vocab"),
+                           (dict(distance_bin=(1, 5)), "distance_bin")]:
+        args = dict(dict(n_pairs=3, key_vocab=3, value_vocab=2), **settings)
+        with pytest.raises(ValueError, match=name):
+            check(32, **args)
+        with pytest.raises(ValueError, match=name):
+            mqar_batch(2, 32, **args, generator=torch.Generator().manual_seed(0))
+
+
+def test_mix_of_one_combination_is_the_generators_batch():
+    settings = dict(key_vocab=10, value_vocab=7)
+    mix = mqar_mix(20, 40, [5], distance_bins=[(10, 20)], generator=torch.Generator().manual_seed(4), **settings)
+    one = mqar_batch(20, 40, 5, distance_bin=(10, 20), generator=torch.Generator().manual_seed(4), **settings)
+    assert all(torch.equal(mix[k], one[k]) for k in ("tokens", "targets", "distance"))
+    assert mix["n_pairs"].tolist() == [5] * 20
+
+
+@pytest.mark.parametrize("stratified", [False, True])
+def test_mix_rows_are_the_generators_batches_per_combination(stratified):
+    counts, bins, n = [2, 3], [None, (8, 12)], 30
+    mix = mqar_mix(n, 24, counts, key_vocab=4, value_vocab=5, distance_bins=bins, stratified=stratified,
+                   generator=torch.Generator().manual_seed(9))
+    # the same draws by hand: the combination of each example, then one mqar_batch per combination in order
+    g = torch.Generator().manual_seed(9)
+    which = torch.randperm(n, generator=g) % 4 if stratified else torch.randint(0, 4, (n,), generator=g)
+    for c, (pairs, bin_) in enumerate((p, b) for p in counts for b in bins):
+        rows = (which == c).nonzero().flatten()
+        part = mqar_batch(len(rows), 24, pairs, key_vocab=4, value_vocab=5, distance_bin=bin_, generator=g)
+        assert all(torch.equal(mix[k][rows], part[k]) for k in ("tokens", "targets", "distance"))
+        assert (mix["n_pairs"][rows] == pairs).all()
+        for row in rows.tolist():
+            check_example(mix["tokens"][row].tolist(), mix["targets"][row].tolist(), mix["distance"][row].tolist(),
+                          pairs, 4, 5, bin_ or (1, 22))
+    if stratified:  # 30 examples over 4 combinations: 8, 8, 7, 7
+        assert sorted(torch.bincount(which, minlength=4).tolist()) == [7, 7, 8, 8]
+
+
+def test_mix_names_the_argument_of_a_combination_that_cannot_fit():
+    with pytest.raises(ValueError, match="distance_bin"):  # 2 pairs fit the bin, 3 do not (pair 0's query >= 6)
+        mqar_mix(4, 32, [2, 3], key_vocab=3, value_vocab=2, distance_bins=[(4, 5)],
+                 generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="pair_counts"):
+        mqar_mix(4, 32, [], key_vocab=3, value_vocab=2, generator=torch.Generator().manual_seed(0))

@@ -10,12 +10,13 @@
 
 stdout gets the summary (`eval_report`: the task, checkpoint and split, the main metrics with their units,
 for the recall and reach tasks accuracy by lag with the lags the reachability analysis says the model
-reaches marked, for --position-bins / --compare a table), then where the JSON went. `--json` prints the
+reaches marked, for MQAR accuracy by key–query distance (marked alike) and by number of pairs, for
+--position-bins / --compare a table), then where the JSON went. `--json` prints the
 JSON to stdout instead, for scripts, and the summary to stderr; stderr also gets a progress bar (on a
 terminal only). The data is what --data names: a checkpoint's config.json records the
 source it was trained on (a folder, books:DIR, wikitext:DIR, hf:NAME, coco:DIR, …), and that source is read
 only with --use-stored-data, since a checkpoint may come from anyone and its config would otherwise choose
-which files (or which download) eval reads. Generated data (reach, recall, generated ListOps or Pathfinder,
+which files (or which download) eval reads. Generated data (reach, recall, mqar, generated ListOps or Pathfinder,
 shapes) names nothing and needs neither flag. Files are written only inside the run folder or where the
 user says: RUN/eval and RUN/cache may not be symbolic links, and an earlier evaluation's file is never
 replaced (a default name gets -2, -3, …; an existing --output needs --overwrite).

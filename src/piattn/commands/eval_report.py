@@ -1,6 +1,6 @@
 """What `piattn eval` shows a person: the task and checkpoint, the main metrics with their units, and for the
 recall and reach tasks a table of accuracy by lag marking the lags the reachability analysis says the
-model's attention can carry to the query.
+model's attention can carry to the query (for MQAR: by key–query distance, then by number of pairs).
 
     recall, step 2000 of runs/recall-pi/checkpoints/step_00002000: test split (generated), 4,096 examples, 1.2 s
       accuracy  61.23%  (chance 12.5%)
@@ -15,6 +15,10 @@ model's attention can carry to the query.
             …
     * reachable: the query reaches the value and its marker through pi attention, window 4, period 16, 2 layers (…)
 
+MQAR (`--task mqar`) gets the same table by the distance from each key to its query (a distance d is
+marked when the query reaches the key, d back, and its value, d - 1 back), then a table by number of pairs:
+accuracy over all its queries, over those at marked distances and over the others.
+
 A language model gets loss (nats per token), perplexity (per token) and bits per byte of the scored text;
 with the byte tokenizer one token is one byte, so bits per byte is loss / ln 2.
 """
@@ -27,6 +31,7 @@ import torch
 
 from ..analysis.copy_distance import attention_reach
 from ..config import TrainConfig
+from ..tasks.mqar import pairs_view
 from ..tasks.recall import RecallTask
 from . import eval_copy
 
@@ -41,6 +46,8 @@ def report(result: dict, config: dict) -> list[str]:
     lines = [heading(result, config), *metric_lines(result, config)]
     if config.get("task") in ("recall", "reach"):
         lines += ["", *lag_table(result, config)]
+    elif config.get("task") == "mqar":
+        lines += ["", *mqar_tables(result, config)]
     return lines + comparison_lines(result)
 
 
@@ -48,7 +55,7 @@ def heading(result: dict, config: dict) -> str:
     """'TASK, step N of CHECKPOINT: SPLIT split of DATA, COUNT, SECONDS'."""
     step = f"step {result['step']} of " if result.get("step") is not None else ""
     data = f"of {result['data']}" if result.get("data") else "(generated)"
-    count = next((f"{result[k]:,} {k}" for k in ("tokens", "examples", "images") if k in result), "")
+    count = next((f"{result[k]:,} {k}" for k in ("tokens", "queries", "examples", "images") if k in result), "")
     return (f"{config.get('task', 'model')}, {step}{result['checkpoint']}: {result['split']} split {data}, "
             f"{count + ', ' if count else ''}{result['seconds']:.1f} s")
 
@@ -59,7 +66,8 @@ def metric_lines(result: dict, config: dict) -> list[str]:
         return language_model_lines(result, tokenizer_kind(config))
     if "accuracy" in result:
         chance = f"  (chance {result['chance']:.1%})" if "chance" in result else ""
-        return [f"  accuracy  {result['accuracy']:.2%}{chance}", f"  loss      {result['loss']:.4f} nats/example"]
+        unit = "query" if "queries" in result else "example"
+        return [f"  accuracy  {result['accuracy']:.2%}{chance}", f"  loss      {result['loss']:.4f} nats/{unit}"]
     if "i2t_r1" in result:
         recalls = {d: "/".join(f"{100 * result[f'{d}_r{k}']:.1f}" for k in (1, 5, 10)) for d in ("i2t", "t2i")}
         return [f"  Recall@1/5/10 image→text {recalls['i2t']}%, text→image {recalls['t2i']}% "
@@ -91,14 +99,21 @@ def lag_table(result: dict, config: dict) -> list[str]:
     cfg = TrainConfig.from_flat(config["train_args"])
     accuracy, examples = lag_scores(result, cfg)
     reachable, legend = reachable_lags(config["model"], cfg, sorted(accuracy))
-    lines = ["accuracy by lag", f"{'lags':>9}  {'reach':>5}  {'accuracy':>8}  {'examples':>8}"]
+    return ["accuracy by lag", *accuracy_rows("lags", accuracy, examples, "examples", reachable), legend]
+
+
+def accuracy_rows(name: str, accuracy: dict[int, float], counts: dict[int, int], counted: str,
+                  reachable: dict[int, bool] | None) -> list[str]:
+    """The header and rows of an accuracy-by-lag table: `lag_rows` of the lags of `accuracy`, each with its
+    reach mark, accuracy and count (`counted`: what `counts` counts, examples or queries)."""
+    lines = [f"{name:>9}  {'reach':>5}  {'accuracy':>8}  {counted:>8}"]
     for lags in lag_rows(sorted(accuracy), reachable):
-        n = sum(examples[lag] for lag in lags)
-        correct = sum(accuracy[lag] * examples[lag] for lag in lags)
-        name = f"{lags[0]}" if len(lags) == 1 else f"{lags[0]}–{lags[-1]}"
+        n = sum(counts[lag] for lag in lags)
+        correct = sum(accuracy[lag] * counts[lag] for lag in lags)
+        label = f"{lags[0]}" if len(lags) == 1 else f"{lags[0]}–{lags[-1]}"
         mark = "*" if reachable is not None and reachable[lags[0]] else ""
-        lines.append(f"{name:>9}  {mark:>5}  {correct / n:>8.2%}  {n:>8,}")
-    return [*lines, legend]
+        lines.append(f"{label:>9}  {mark:>5}  {correct / n:>8.2%}  {n:>8,}")
+    return lines
 
 
 def lag_scores(result: dict, cfg: TrainConfig) -> tuple[dict[int, float], dict[int, int]]:
@@ -115,8 +130,11 @@ def reachable_lags(model: dict, cfg: TrainConfig, lags: list[int]) -> tuple[dict
 
     `attention_reach` gives the lags the model's layers reach. A recall answer needs its marker as well (the
     model finds the value by the marker beside it), so a recall lag counts only when both lags are reached,
-    as experiments/recall.py counts it. Sinks: a key among the first `sinks` positions is read by every later
-    query in one layer (`piattn.analysis.reachability`), and here every sequence starts at position 0."""
+    as experiments/recall.py counts it; an MQAR distance d, when the key (d) and its value (d - 1) are.
+    Sinks: a key among the first `sinks` positions is read by every later query in one layer
+    (`piattn.analysis.reachability`), and every sequence starts at position 0: in recall and reach the query
+    is the last position, so a lag reaching a sink is marked; an MQAR query sits anywhere, so the sinks'
+    pairs are named in the legend instead."""
     if cfg.task.causal is False:  # the analysis is of causal attention; --no-causal reads a reversed sequence
         return None, "no reachability marks: the analysis covers causal models, not --no-causal"
     seq_len = cfg.data.seq_len
@@ -126,11 +144,43 @@ def reachable_lags(model: dict, cfg: TrainConfig, lags: list[int]) -> tuple[dict
     except ValueError:  # longformer, bigbird, reformer: no fixed set of lags
         return None, f"no reachability marks: the analysis has no fixed reach for {model['attention']} attention"
     sinks = model.get("sinks") or 0
-    reach = reach | (torch.arange(seq_len) >= seq_len - sinks)  # lag d sits at position seq_len - 1 - d
-    needed = recall_marker_lags(cfg) if cfg.task.task == "recall" else {lag: () for lag in lags}
+    task, note = cfg.task.task, ""
+    if task == "mqar":
+        needed = {d: (d - 1,) for d in lags}  # the key d back, its value d - 1 back
+        if sinks >= 2:
+            note = (f"; the {sinks} sinks also hold pairs 0–{sinks // 2 - 1} (key and value among the first "
+                    f"{sinks} positions) at any distance, not marked")
+    else:
+        reach = reach | (torch.arange(seq_len) >= seq_len - sinks)  # lag d sits at position seq_len - 1 - d
+        needed = recall_marker_lags(cfg) if task == "recall" else {lag: () for lag in lags}
     marked = {lag: bool(reach[lag]) and all(reach[m] for m in needed[lag]) for lag in lags}
-    carried = "the value and its marker" if cfg.task.task == "recall" else "the answer"
-    return marked, f"* reachable: the query reaches {carried} through {describe_attention(model)} (piattn.analysis)"
+    carried = {"recall": "the value and its marker", "mqar": "the key and its value"}.get(task, "the answer")
+    return marked, (f"* reachable: the query reaches {carried} through {describe_attention(model)} "
+                    f"(piattn.analysis){note}")
+
+
+def mqar_tables(result: dict, config: dict) -> list[str]:
+    """MQAR: accuracy by key–query distance (marked as `reachable_lags` marks), then by number of pairs, with
+    the accuracy over the marked distances and over the others."""
+    cfg = TrainConfig.from_flat(config["train_args"])
+    accuracy = {int(k): v for k, v in result["accuracy_by_distance"].items()}
+    queries = {int(k): v for k, v in result["queries_by_distance"].items()}
+    reachable, legend = reachable_lags(config["model"], cfg, sorted(accuracy))
+    lines = ["accuracy by key–query distance",
+             *accuracy_rows("distances", accuracy, queries, "queries", reachable), legend, "",
+             "accuracy by number of pairs"]
+    groups = {} if reachable is None else {"reachable": True, "unreachable": False}
+    lines.append(f"{'pairs':>9}  {'accuracy':>8}" + "".join(f"  {g:>11}" for g in groups) + f"  {'queries':>8}")
+    for n, total in result["queries_by_pairs"].items():
+        view, cells = pairs_view(result, int(n)), ""
+        for wanted in groups.values():
+            counts = {d: q for d, q in view["queries_by_distance"].items() if reachable[int(d)] == wanted}
+            right = sum(view["accuracy_by_distance"][d] * q for d, q in counts.items())
+            cells += f"  {right / sum(counts.values()):>11.2%}" if counts else f"  {'—':>11}"
+        lines.append(f"{n:>9}  {result['accuracy_by_pairs'][n]:>8.2%}{cells}  {total:>8,}")
+    if groups:
+        lines.append("reachable / unreachable: over the queries at the distances marked * above / at the others")
+    return lines
 
 
 def recall_marker_lags(cfg: TrainConfig) -> dict[int, tuple[int]]:

@@ -22,7 +22,7 @@ from .pi import PI_DEFAULTS, VARIANTS, is_int
 # Task families whose flags only they read.
 CLASSIFICATION = ("listops", "pathfinder", "retrieval", "reach")
 # Tasks with fixed splits of examples, generated from --data-seed or read at most --train-size / --eval-size.
-FIXED_SPLITS = (*CLASSIFICATION, "vl-retrieval", "recall")
+FIXED_SPLITS = (*CLASSIFICATION, "vl-retrieval", "recall", "mqar")
 PRECISIONS = ("auto", "fp32", "bf16")
 
 
@@ -109,7 +109,7 @@ class DataFlags:
     vocab_size: int | None = flag(None, "BPE vocabulary size (required with --tokenizer bpe)", low=256,
                                   applies={"task": ("lm",), "tokenizer": ("bpe",)})
     seq_len: int | None = flag(None, "tokens per sequence (default: lm 1024, listops 2000, retrieval 4000 per "
-                               "text, pathfinder image-size², reach and recall 64, vl-retrieval (image-size / "
+                               "text, pathfinder image-size², reach, recall and mqar 64, vl-retrieval (image-size / "
                                "patch-size)², the image's patches)", low=1)
     cross_documents: bool = flag(False, "let sequences span document boundaries", applies={"task": ("lm",)})
     pack_documents: bool = flag(False, "pack documents back to back into full sequences, attention kept inside "
@@ -158,6 +158,17 @@ class TaskFlags:
                                    "only, default) or every (also every position lag-min … lag-max after it, each "
                                    "at its own lag; evaluation always reads the query)", choices=("query", "every"),
                                    applies={"task": ("recall",)})
+    mqar_pairs: str | None = flag(None, "mqar: key–value pairs per sequence: a count '8', a list '8,16,32,64' or "
+                                  "a range '8-64' (each example draws one; validation and test hold each equally "
+                                  "often); every count <= seq-len / 4 (default 8)", applies={"task": ("mqar",)})
+    mqar_keys: int | None = flag(None, "mqar: size of the key vocabulary, >= the most pairs (default 64)", low=1,
+                                 applies={"task": ("mqar",)})
+    mqar_values: int | None = flag(None, "mqar: size of the value vocabulary (default 64; chance 1/values)",
+                                   low=1, applies={"task": ("mqar",)})
+    mqar_distance: str | None = flag(None, "mqar: where each query sits from its key: uniform (default: anywhere "
+                                     "after the pairs) or distance bins 'LO-HI[,LO-HI...]' (each example draws one "
+                                     "bin for all its pairs; validation and test hold each equally often)",
+                                     applies={"task": ("mqar",)})
     patch_size: int | None = flag(None, "vl-retrieval: side of an image patch in pixels, dividing --image-size "
                                   "(default: shapes 4, coco / flickr30k 16)", low=1,
                                   applies={"task": ("vl-retrieval",)})

@@ -10,7 +10,10 @@ One sequence of length T = seq_len, with N = n_pairs and pair i = (key k_i, valu
 
     tokens[2i], tokens[2i + 1]      k_i, v_i for every i < N: the pairs fill positions [0, 2N)
     tokens[q_i], tokens[q_i + 1]    k_i, v_i again: pair i's query at q_i in [2N, T - 2]; the value follows
-                                    the query, as in Zoology, so the sequence reads as ordinary next-token text
+                                    the query so the sequence reads as ordinary next-token text (Zoology
+                                    leaves that position to the filler: here a later query also sees the
+                                    pairs asked before it again, never its own answer, each key being
+                                    asked once)
     every other position            the filler id
 
 Ids: keys 0 … key_vocab - 1 (distinct within a sequence), values key_vocab … key_vocab + value_vocab - 1
@@ -116,13 +119,26 @@ def _place(first: list[int], last: list[int], seq_len: int, rng: random.Random) 
     return placed  # every pair placed: the state before each pair fits, so one of its starts keeps it so
 
 
-def _binned_queries(n_examples: int, seq_len: int, n_pairs: int, distance_bin: tuple[int, int] | None,
-                    generator: torch.Generator) -> torch.Tensor:
-    """Query positions int64 [n_examples, n_pairs] with every distance in distance_bin (anywhere if None)."""
+def _check_fit(seq_len: int, n_pairs: int, distance_bin: tuple[int, int] | None) -> tuple[list[int], list[int]]:
+    """`_windows`, ValueError naming distance_bin unless every pair can take a query in it."""
     first, last = _windows(seq_len, n_pairs, distance_bin)
     if not _fits(first, last, [False] * seq_len, [None] * n_pairs):
         raise ValueError(f"distance_bin {distance_bin} cannot fit {n_pairs} queries in seq_len {seq_len}: pair i's "
                          f"key is at 2i and every query must sit in [2 * n_pairs, seq_len - 2] without overlap")
+    return first, last
+
+
+def check(seq_len: int, n_pairs: int, *, key_vocab: int, value_vocab: int,
+          distance_bin: tuple[int, int] | None = None) -> None:
+    """The ValueError (naming the argument) `mqar_batch` would raise for these settings, without drawing."""
+    _check_sizes(0, seq_len, n_pairs, key_vocab, value_vocab)
+    _check_fit(seq_len, n_pairs, distance_bin)
+
+
+def _binned_queries(n_examples: int, seq_len: int, n_pairs: int, distance_bin: tuple[int, int] | None,
+                    generator: torch.Generator) -> torch.Tensor:
+    """Query positions int64 [n_examples, n_pairs] with every distance in distance_bin (anywhere if None)."""
+    first, last = _check_fit(seq_len, n_pairs, distance_bin)
     # One Python generator seeded from the torch one: the placement is a per-example loop of small draws
     rng = random.Random(int(torch.randint(0, 2**62, (), generator=generator)))
     rows = [_place(first, last, seq_len, rng) for _ in range(n_examples)]
@@ -193,3 +209,45 @@ def mqar_batch(n_examples: int, seq_len: int, n_pairs: int, *, key_vocab: int, v
     values = torch.randint(key_vocab, key_vocab + value_vocab, (n_examples, n_pairs), generator=generator)
     batch = _assemble(keys, values, queries, seq_len, filler=key_vocab + value_vocab)
     return dict(batch, n_pairs=n_pairs)
+
+
+def mqar_mix(n_examples: int, seq_len: int, pair_counts: Sequence[int], *, key_vocab: int, value_vocab: int,
+             distance_bins: Sequence[tuple[int, int] | None] = (None,), stratified: bool = False,
+             generator: torch.Generator) -> dict:
+    """n_examples MQAR sequences whose number of pairs and distance bin vary per example; deterministic per
+    generator. What `piattn train --task mqar` trains and scores (--mqar-pairs, --mqar-distance).
+
+    Each example takes one combination (n_pairs, distance_bin) of pair_counts × distance_bins (None: anywhere,
+    as in `mqar_batch`): drawn uniformly, or with `stratified` each combination in turn (shuffled), so every
+    one holds n_examples / combinations examples up to one. The examples of each combination are then drawn by
+    one `mqar_batch` call, combinations in order, from the same generator; with a single combination nothing
+    is drawn first, so the result is `mqar_batch`'s own.
+
+    Returns {"tokens", "targets", "distance": int64 [n_examples, seq_len], "n_pairs": int64 [n_examples]}, the
+    layout of `mqar_batch` row by row. ValueError naming the argument as `mqar_batch` does.
+    """
+    _check_int("n_examples", n_examples, 0)
+    combos = [(int(n), b) for n in pair_counts for b in distance_bins]
+    if not combos:
+        raise ValueError("pair_counts and distance_bins must each hold at least one entry")
+    for n_pairs, distance_bin in combos:
+        check(seq_len, n_pairs, key_vocab=key_vocab, value_vocab=value_vocab, distance_bin=distance_bin)
+    if len(combos) == 1:
+        which = torch.zeros(n_examples, dtype=torch.int64)
+    elif stratified:
+        which = torch.randperm(n_examples, generator=generator) % len(combos)
+    else:
+        which = torch.randint(0, len(combos), (n_examples,), generator=generator)
+    filler = key_vocab + value_vocab
+    out = dict(tokens=torch.full((n_examples, seq_len), filler, dtype=torch.int64),
+               targets=torch.full((n_examples, seq_len), IGNORE, dtype=torch.int64),
+               distance=torch.full((n_examples, seq_len), -1, dtype=torch.int64),
+               n_pairs=torch.zeros(n_examples, dtype=torch.int64))
+    for c, (n_pairs, distance_bin) in enumerate(combos):
+        rows = (which == c).nonzero().flatten()
+        part = mqar_batch(len(rows), seq_len, n_pairs, key_vocab=key_vocab, value_vocab=value_vocab,
+                          distance_bin=distance_bin, generator=generator)
+        for key in ("tokens", "targets", "distance"):
+            out[key][rows] = part[key]
+        out["n_pairs"][rows] = n_pairs
+    return out

@@ -5,6 +5,7 @@
                   the Long Range Arena classifiers (lra.py, on classification.py)
     reach         recall the token a fixed lag back (reach.py; reach_setting.py: the demo's small size)
     recall        recall the value after a marker, at a lag drawn per example (recall.py)
+    mqar          multi-query associative recall, scored by key–query distance and pairs (mqar.py)
     vl-retrieval  image-text retrieval with a CLIP dual encoder, Recall@K (vl_retrieval.py, ranking.py)
 
 Every task implements `piattn.train.task.Task`, the interface the trainer uses.
@@ -24,13 +25,14 @@ from ..train.loop import saved_train_config, writable_folder
 from ..train.task import Task
 from .lm import LanguageModelTask
 from .lra import ListOpsTask, PathfinderTask, RetrievalTask
+from .mqar import MQARTask
 from .reach import ReachTask
 from .recall import RecallTask
 from .vl_retrieval import VisionLanguageTask
 
 TASKS: dict[str, type[Task]] = {
     task.name: task for task in (LanguageModelTask, ListOpsTask, PathfinderTask, RetrievalTask, ReachTask,
-                                 RecallTask, VisionLanguageTask)}
+                                 RecallTask, MQARTask, VisionLanguageTask)}
 
 
 def task_class(name: str) -> type[Task]:
@@ -64,5 +66,5 @@ def restore(folder: Path, ctx: DistContext, *, data: str | None = None, batch_si
     return task, model.to(ctx.device), cfg
 
 
-__all__ = ["TASKS", "LanguageModelTask", "ListOpsTask", "PathfinderTask", "ReachTask", "RecallTask", "RetrievalTask",
-           "Task", "VisionLanguageTask", "restore", "task_class"]
+__all__ = ["TASKS", "LanguageModelTask", "ListOpsTask", "MQARTask", "PathfinderTask", "ReachTask", "RecallTask",
+           "RetrievalTask", "Task", "VisionLanguageTask", "restore", "task_class"]
