@@ -19,7 +19,8 @@ COMMANDS = {
     "generate": ("piattn.commands.generate", "continue a prompt with a trained language model, streaming tokens"),
     "inspect": ("piattn.commands.inspect", "inside a checkpoint: attention mass per layer, token flow, gate dynamics"),
     "convert-eval": ("piattn.commands.convert_eval",
-                     "a pretrained LM converted to π-Attention untrained: perplexity vs dense, local and sinks"),
+                     "a pretrained LM converted to π-Attention untrained: perplexity, or passkey retrieval by "
+                     "distance (--task passkey), against dense, local and sinks"),
 }
 
 # Options whose value is a list of numbers that may start with '-' ('-1,16'): argparse takes such a word for

@@ -2,6 +2,9 @@
 (`piattn convert-eval`, experiments/convert_finetune.py): next-token losses of evaluation windows
 (`piattn.data.windows`), their summary by position, and the mask engine.
 
+`configuration_pattern` turns a configuration's name (dense, local, pi, ms-pi, each optionally +sinks) into
+what `convert_to_pi` gets.
+
 The mask engine runs the original model with a π pattern and the gate's priors as an additive [T, T] mask
 (`pattern_mask`): the same function as the converted model while its gate is constant (untrained), at the
 cost of dense attention, for CPUs where the operator's reference backend is too slow.
@@ -16,6 +19,34 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ...config.pi import PI_DEFAULTS
+
+CONFIGURATIONS = ("dense", "local", "local+sinks", "pi", "pi+sinks", "ms-pi", "ms-pi+sinks")
+"""dense: the original model; local: window W only; pi: window W and the skip key π back; ms-pi: window W and
+one skip key per head, periods designed per layer (`configuration_pattern`); +sinks: and the first tokens."""
+
+
+def configuration_pattern(name: str, *, window: int, period: int, sinks: int, context: int, hops: int,
+                          n_layer: int, n_head: int) -> dict | None:
+    """`convert_to_pi`'s window, period and sinks for configuration `name` (None for "dense"): local gets the
+    period `context` (no key of a sequence of at most `context` tokens lies that far back); pi `period`;
+    ms-pi one list of per-head periods per layer, the two (or `hops`) layers of
+    `design_periods(window, hops, n_head, context − 1)`, which reach every lag below `context` in `hops`
+    consecutive layers, repeated over the n_layer layers; sinks only with "+sinks"."""
+    if name not in CONFIGURATIONS:
+        raise ValueError(f"configuration must be one of {CONFIGURATIONS}, got {name!r}")
+    if name == "dense":
+        return None
+    kind = name.removesuffix("+sinks")
+    if kind == "local":
+        p = context
+    elif kind == "pi":
+        p = period
+    else:
+        from ...analysis.multiscale import design_periods
+
+        layers = design_periods(window, hops, n_head, context - 1).periods
+        p = [list(layers[i % len(layers)]) for i in range(n_layer)]
+    return dict(window=window, period=p, sinks=sinks if name.endswith("+sinks") else 0)
 
 
 def pattern_mask(T: int, *, window: int, period: int, sinks: int, alpha: float, eps: float = PI_DEFAULTS.eps,
