@@ -162,12 +162,13 @@ def markdown(result: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def time_steps(model: GPT, position: int, steps: int, tokens: int) -> float:
-    """Seconds per token of `steps` decoding steps of `tokens` tokens each from a fresh cache at `position`
-    (median of blocks of 16 steps, after 3 steps of warm-up)."""
-    cache = model.init_cache(1)
+def time_steps(model: GPT, position: int, steps: int, tokens: int, batch: int = 1) -> float:
+    """Seconds per token of one sequence (a step's time over its tokens, not over the batch's) of `steps`
+    decoding steps of `tokens` tokens each for `batch` sequences, from a fresh cache at `position` (median of
+    blocks of 16 steps, after 3 steps of warm-up)."""
+    cache = model.init_cache(batch)
     fill_cache(cache, position, torch.Generator().manual_seed(0))
-    idx = torch.zeros(1, tokens, dtype=torch.long)
+    idx = torch.zeros(batch, tokens, dtype=torch.long)
     blocks = []
     with torch.no_grad():
         for _ in range(3):
@@ -181,26 +182,27 @@ def time_steps(model: GPT, position: int, steps: int, tokens: int) -> float:
 
 
 def run_interleaved(kinds: list[str], positions: list[int], steps: int, repeats: int, config: str,
-                    token_counts: list[int]) -> list[dict]:
+                    token_counts: list[int], batches: tuple[int, ...] = (1,)) -> list[dict]:
     """Every kind in this process, taking turns within each repeat (order rotated per repeat); one row per
-    (tokens per step, position, kind) with every repeat's tokens/s."""
+    (batch, tokens per step, position, kind) with every repeat's tokens/s (of one sequence of the batch)."""
     models = {kind: _hf_model(kind) if kind in HF_KINDS else _model(kind, config) for kind in kinds}
-    runs: dict[tuple[int, int, str], list[float]] = {}
+    runs: dict[tuple[int, int, int, str], list[float]] = {}
     for repeat in range(repeats):
-        for tokens in token_counts:
-            for position in positions:
-                turn = kinds[repeat % len(kinds):] + kinds[:repeat % len(kinds)]
-                for kind in turn:
-                    with torch_ops_only(kind):
-                        if kind in HF_KINDS:
-                            per_token = time_hf_steps(kind, models[kind], position, steps, tokens)
-                        else:
-                            per_token = time_steps(models[kind], position, steps, tokens)
-                    runs.setdefault((tokens, position, kind), []).append(1 / per_token)
-                    print(f"[{repeat + 1}/{repeats}] {tokens} tok/step {kind:12s} position {position:>7,}: "
-                          f"{1 / per_token:8.1f} tok/s", flush=True)
-    return [dict(tokens_per_step=t, position=p, kind=k, tokens_per_s=statistics.median(r), repeats_tokens_per_s=r)
-            for (t, p, k), r in runs.items()]
+        for batch in batches:
+            for tokens in token_counts:
+                for position in positions:
+                    turn = kinds[repeat % len(kinds):] + kinds[:repeat % len(kinds)]
+                    for kind in turn:
+                        with torch_ops_only(kind):
+                            if kind in HF_KINDS:
+                                per_token = time_hf_steps(kind, models[kind], position, steps, tokens, batch)
+                            else:
+                                per_token = time_steps(models[kind], position, steps, tokens, batch)
+                        runs.setdefault((batch, tokens, position, kind), []).append(1 / per_token)
+                        print(f"[{repeat + 1}/{repeats}] batch {batch} {tokens} tok/step {kind:12s} position "
+                              f"{position:>7,}: {1 / per_token:8.1f} tok/s", flush=True)
+    return [dict(batch=b, tokens_per_step=t, position=p, kind=k, tokens_per_s=statistics.median(r),
+                 repeats_tokens_per_s=r) for (b, t, p, k), r in runs.items()]
 
 
 def _spread(values: list[float], digits: int) -> str:
@@ -210,33 +212,46 @@ def _spread(values: list[float], digits: int) -> str:
 def interleaved_markdown(result: dict) -> str:
     m = result["machine"]
     kinds = result["kinds"]
-    by = {(r["tokens_per_step"], r["position"], r["kind"]): r["repeats_tokens_per_s"] for r in result["rows"]}
+    by = {(r.get("batch", 1), r["tokens_per_step"], r["position"], r["kind"]): r["repeats_tokens_per_s"]
+          for r in result["rows"]}
     pairs = (("pi", "local"), ("pi", "dense"), ("pi", "pi-torchops"), ("hf-pi", "hf-pi-torchops"),
              ("hf-pi", "hf-pi-operator"), ("hf-pi", "hf-dense"))
     ratios = [(a, b) for a, b in pairs if a in kinds and b in kinds]
     out = [f"# Decoding, kinds interleaved in one process ({m['processor']}, {m['cpu_count']} thread(s), "
            f"torch {m['torch']}, Python {m['python']})", "",
-           f"`{result['command']}`; GPT `{result['config']}` config, vocab 256, batch 1, fp32, window 4, period 16; "
+           f"`{result['command']}`; GPT `{result['config']}` config, vocab 256, fp32, window 4, period 16; "
            f"{result['steps']} timed steps per measurement (blocks of 16, a measurement: its median block), "
            f"{result['repeats']} repeats in which the kinds take turns (order rotated each repeat). Cells: median "
            "tokens/s (range over repeats); ratios computed within each repeat, median (range). `pi-torchops`: π "
            f"with the compiled decoding step switched off{HF_NOTE if set(kinds) & set(HF_KINDS) else ''}. Steps of "
            "t > 1 tokens: t new tokens per call (`decode_rows`, through the compiled step). The machine was "
            "shared with training jobs while this ran: absolute tokens/s move with its load, the ratios side by "
-           "side are what to trust.", "",
-           "| tokens / step | position | " + " | ".join(f"{k} tok/s" for k in kinds) + " | "
+           "side are what to trust. Batch b: b sequences decoded together; tokens/s are one sequence's (a step's "
+           "tokens over its time; the batch's are b times as many)."
+           + (f" CPU: {result['cpu']}; load average (1 min) at the end: {result['load']:.2f}." if "load" in result
+              else ""), "",
+           "| batch | tokens / step | position | " + " | ".join(f"{k} tok/s" for k in kinds) + " | "
            + " | ".join(f"{a} / {b}" for a, b in ratios) + " |",
-           "|" + "---|" * (2 + len(kinds) + len(ratios))]
-    for t in result["tokens"]:
-        for p in result["positions"]:
-            cells = [_spread(by[(t, p, k)], 0) for k in kinds]
-            rel = [_spread([x / y for x, y in zip(by[(t, p, a)], by[(t, p, b)], strict=True)], 2) + "×"
-                   for a, b in ratios]
-            out.append(f"| {t} | {p:,} | " + " | ".join(cells) + " | " + " | ".join(rel) + " |")
+           "|" + "---|" * (3 + len(kinds) + len(ratios))]
+    for b in result.get("batches", [1]):
+        for t in result["tokens"]:
+            for p in result["positions"]:
+                cells = [_spread(by[(b, t, p, k)], 0) for k in kinds]
+                rel = [_spread([x / y for x, y in zip(by[(b, t, p, a0)], by[(b, t, p, b0)], strict=True)], 2) + "×"
+                       for a0, b0 in ratios]
+                out.append(f"| {b} | {t} | {p:,} | " + " | ".join(cells) + " | " + " | ".join(rel) + " |")
     return "\n".join(out) + "\n"
 
 
 HF_KINDS = ("hf-pi", "hf-pi-torchops", "hf-pi-operator", "hf-dense")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+    except OSError:
+        return "unknown"
 HF_NOTE = ("; `hf-*`: a Llama of 4 layers, width 256, 8 query heads on 4 key/value heads, converted to π (window 4, "
            "period 16) with `PiCache` (`hf-pi`: compiled step, `hf-pi-torchops`: torch-ops step, `hf-pi-operator`: "
            "backend \"torch\", every step the full operator on the cached block, as every step ran before the PiCache "
@@ -263,17 +278,18 @@ def _hf_model(kind: str):
     return model
 
 
-def time_hf_steps(kind: str, model, position: int, steps: int, tokens: int) -> float:
-    """Seconds per token of `steps` steps of `tokens` tokens after a prompt of `position` tokens."""
+def time_hf_steps(kind: str, model, position: int, steps: int, tokens: int, batch: int = 1) -> float:
+    """Seconds per token of one sequence of `steps` steps of `tokens` tokens after a prompt of `position`
+    tokens, `batch` sequences at once."""
     from transformers import DynamicCache
 
     from piattn.integrations.hf import PiCache
 
     cache = DynamicCache() if kind == "hf-dense" else PiCache(model.config)
-    idx = torch.zeros(1, tokens, dtype=torch.long)
+    idx = torch.zeros(batch, tokens, dtype=torch.long)
     blocks = []
     with torch.no_grad():
-        model(torch.zeros(1, position, dtype=torch.long), past_key_values=cache)
+        model(torch.zeros(batch, position, dtype=torch.long), past_key_values=cache)
         for _ in range(3):
             model(idx, past_key_values=cache)
         for size in block_sizes(steps):
@@ -301,16 +317,20 @@ def main(argv: list[str] | None = None) -> None:
                         "within each repeat (π / local and π / dense per repeat)")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1], help="with --interleaved: tokens per "
                         "decoding step (1, or a few: 2–4 take the few-token path)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1], help="with --interleaved: sequences decoded "
+                        "together (each batch size measured in turn)")
     parser.add_argument("--case", nargs=2, metavar=("KIND", "POSITION"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.interleaved:
         kinds = list(dict.fromkeys(args.kinds))
-        rows = run_interleaved(kinds, args.positions, args.steps, args.repeats, args.config, args.tokens)
+        rows = run_interleaved(kinds, args.positions, args.steps, args.repeats, args.config, args.tokens,
+                               tuple(args.batch))
         result = dict(machine=machine_info(), command=command_line("benchmarks/decode_bench.py", argv),
                       config=args.config, steps=args.steps, repeats=args.repeats, kinds=kinds,
-                      positions=args.positions, tokens=args.tokens, compiled_step=native.unavailable() or "built",
+                      positions=args.positions, tokens=args.tokens, batches=args.batch, load=os.getloadavg()[0],
+                      cpu=_cpu_model(), compiled_step=native.unavailable() or "built",
                       note="shared machine (training jobs running): trust the ratios side by side", rows=rows)
         table = interleaved_markdown(result)
         if args.out:

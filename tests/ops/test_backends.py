@@ -33,13 +33,13 @@ def test_every_backend_loads_its_function():
 
 
 def test_auto_on_cpu_is_fused_then_torch_and_correct():
-    """fp32 and fp64 run "fused" where its C kernels build (else "torch", `test_fused_unavailable.py`); bf16 and
-    fp16, which it does not declare, "torch"."""
+    """Every dtype runs "fused" where its C kernels build (else "torch", `test_fused_unavailable.py`)."""
     q, k, v, gate = make_inputs(1, 2, 33, 8, requires_grad=False)
     fused = "fused" if REGISTRY["fused"].refusal(device="cpu", **CALL) is None else "torch"
     assert select("auto", device="cpu", **CALL).name == fused
     assert select("auto", device="cpu", **{**CALL, "dtype": torch.float64}).name == fused
-    assert select("auto", device="cpu", **{**CALL, "dtype": torch.bfloat16}).name == "torch"
+    assert select("auto", device="cpu", **{**CALL, "dtype": torch.bfloat16}).name == fused
+    assert select("auto", device="cpu", **{**CALL, "dtype": torch.float16}).name == fused
     assert_close("auto", piattn.pi_attention(q, k, v, gate, backend="reference"), piattn.pi_attention(q, k, v, gate))
 
 
@@ -197,7 +197,7 @@ def test_a_probe_is_asked_last_and_only_when_needed(fused_unbuildable):
     select("torch", device="cpu", **CALL)
     select("auto", device="cpu", **CALL, auto_order={"cpu": ("torch", "fused")})
     assert REGISTRY["fused"].refusal(device="cuda", **CALL).startswith("runs on cpu")
-    assert REGISTRY["fused"].refusal(device="cpu", **{**CALL, "dtype": torch.float16}).startswith("no float16")
+    assert REGISTRY["fused"].refusal(device="cpu", **CALL, variant="xyz").startswith("does not implement variant")
     assert fused_unbuildable == []
     assert REGISTRY["fused"].refusal(device="cpu", **CALL).startswith("its C kernels do not build")
     assert fused_unbuildable == [1]

@@ -16,6 +16,7 @@ for y, dq, dk, dv, and 1e-4 for dgate, which divides Σ dlogit by α or 1 − α
 from __future__ import annotations
 
 import ctypes
+import inspect
 import json
 import os
 import platform
@@ -36,7 +37,7 @@ from piattn.ops.pi.fused import pi_attention_fused
 from piattn.ops.pi.pattern import Pattern, slot_keys
 from piattn.ops.pi.reference import pi_attention_reference
 from piattn.ops.pi.settings import OpSettings
-from utils import TOLERANCES, assert_close, make_inputs, param_id, poisoned_input
+from utils import TOLERANCES, against_reference, assert_close, make_inputs, param_id, poisoned_input
 
 FP32 = dict(atol=2e-5, rtol=2e-5)
 FP32_DGATE = dict(atol=1e-4, rtol=1e-4)
@@ -380,19 +381,89 @@ def test_a_forward_larger_than_the_cache_fp32(nan_poison):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# bf16 and fp16: read and written in their dtype, computed in fp32 (the conformance suite covers them too, at
+# D 32: tests/ops/test_conformance.py::test_dtypes).
+
+LOW = (torch.bfloat16, torch.float16)
+
+
+def low_precision_exact(function, dtype) -> dict[str, bool]:
+    """Two checks of the conversions with outputs torch's own rounding fixes, on every bit pattern of `dtype`
+    (as values of v, D 64): "round trip", each query attending to itself alone (window 0, no skip): y = v
+    (NaN stays NaN); "rounding", each query attending to itself and the row before it, q = k = 0 (weights ½
+    exactly): y_i = v_{i−1}·½ + v_i·½ summed in fp32 and rounded as torch rounds fp32 to `dtype` (ties to
+    even, subnormals; finite patterns only)."""
+    bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
+    every = bits.view(dtype).reshape(1, 1, 1024, 64)
+    kw = dict(causal=True, variant="union", prior=0.5, logit_clamp=None, eps=1e-6, scale=1.0, dropout_keep=None,
+              dropout_p=0.0)
+    with torch.no_grad():
+        zero = torch.zeros_like(every)
+        y = function(zero, zero, every, None, window=0, period=5000, **kw)
+        nan = every.isnan()
+        trip = torch.equal(y.isnan(), nan) and torch.equal(y[~nan], every[~nan])
+        finite = bits.view(dtype)[bits.view(dtype).isfinite()]
+        v = finite[torch.randperm(finite.numel(), generator=torch.Generator().manual_seed(0))][:64 * 1024]
+        v = v.reshape(1, 1, -1, 64)
+        y = function(torch.zeros_like(v), torch.zeros_like(v), v, None, window=1, period=5000, **kw)
+        wide = v.float()
+        expected = torch.cat([wide[:, :, :1], wide[:, :, :-1] * 0.5 + wide[:, :, 1:] * 0.5], dim=2).to(dtype)
+        rounding = torch.equal(y.view(torch.int16), expected.view(torch.int16))
+    return {"round trip": trip, "rounding": rounding}
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=param_id)
+def test_low_precision_conversions_are_torchs(dtype, nan_poison):
+    assert low_precision_exact(pi_attention_fused, dtype) == {"round trip": True, "rounding": True}
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=param_id)
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("causal", (True, False), ids=param_id)
+@pytest.mark.parametrize("D", (64, 20))
+def test_low_precision_matches_reference(dtype, variant, causal, D, nan_poison):
+    """Grouped heads (4 query heads on 2 key/value heads), T 150: rows in vector lanes and alone (D 64), tails
+    of D (20); against the exact result within the reference-error rule (utils.compare_to_exact), outputs
+    and gradients in `dtype`."""
+    q, _, _, gate = make_inputs(2, 4, 150, D, variant=variant, dtype=dtype, seed=11)
+    _, k, v, _ = make_inputs(2, 2, 150, D, variant=variant, dtype=dtype, seed=12)
+    results = against_reference("fused", (q, k, v, gate), grad=True, window=4, period=16, causal=causal,
+                                variant=variant, logit_clamp=5.0)
+    assert all(t.dtype == dtype for t in results[1] if t is not None)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=param_id)
+@pytest.mark.parametrize("causal", (True, False), ids=param_id)
+def test_low_precision_sinks_documents_periods_dropout(dtype, causal, nan_poison):
+    """Sinks (a key read to its document's end: dk, dv written at the head's end), packed documents, one period
+    per query head, dropout: the reference-error rule, outputs and gradients."""
+    q, k, v, gate = make_inputs(2, 4, 120, 16, variant="adaptive", dtype=dtype, seed=13)
+    documents = torch.tensor([0] * 50 + [1] * 40 + [2] * 30).expand(2, 120)
+    for kw in (dict(sinks=2, document_ids=documents), dict(period=(5, 8, 16, 16)), dict(dropout_p=0.2, sinks=1)):
+        against_reference("fused", (q, k, v, gate), grad=True, seed=3, window=3, causal=causal, variant="adaptive",
+                          **{"period": 8, **kw})
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=param_id)
+def test_low_precision_is_what_auto_picks(dtype):
+    assert piattn.ops.pi.backends.select("auto", device="cpu", dtype=dtype, head_dim=64, needs_grad=True,
+                                         dropout_p=0.0).name == "fused"
+
+
+# ---------------------------------------------------------------------------------------------------------
 # What it refuses, and the C entry points' own checks.
 
-@pytest.mark.parametrize("case", ("bfloat16", "meta"))
+@pytest.mark.parametrize("case", ("complex64", "meta"))
 def test_refuses_what_it_does_not_implement(case):
-    """Declared in backends.py (fp32/fp64 on the CPU), and refused here too when called directly: never
-    silently wrong."""
+    """Declared in backends.py (fp32, fp64, bf16, fp16 on the CPU), and refused here too when called directly:
+    never silently wrong."""
     q, k, v, gate = make_inputs(1, 2, 20, 8, requires_grad=False)
     kw = _settings("adaptive")
-    if case == "bfloat16":
-        q, k, v, gate = (t.bfloat16() for t in (q, k, v, gate))
+    if case == "complex64":
+        q, k, v, gate = (t.to(torch.complex64) for t in (q, k, v, gate))
     else:
         q, k, v, gate = (t.to("meta") for t in (q, k, v, gate))
-    match = {"bfloat16": "bfloat16", "meta": "CPU"}[case]
+    match = {"complex64": r"no complex64 \(runs float32, float64, bfloat16, float16\)", "meta": "CPU"}[case]
     with pytest.raises(ValueError, match=match):
         pi_attention_fused(q, k, v, gate, **kw)
 
@@ -536,13 +607,20 @@ for f in (pi_attention_reference, fused.pi_attention_fused):
         expected = got
 worst = max((a - b).abs().max().item() for a, b in zip(expected, got))
 flags = fused.build_flags()
-print(json.dumps(dict(reason=fused.unavailable(), flags=None if flags is None else list(flags), worst=worst)))
+{low}
+low = None if fused.unavailable() else [low_precision_exact(fused.pi_attention_fused, d)
+                                        for d in (torch.bfloat16, torch.float16)]
+print(json.dumps(dict(reason=fused.unavailable(), flags=None if flags is None else list(flags), worst=worst,
+                      low=low)))
 """
+# bf16 and fp16 conversions exact in both dtypes (`low_precision_exact`), what CHECK reports as "low"
+LOW_EXACT = [{"round trip": True, "rounding": True}] * 2
 
 
 def _check_in(tmp_path, setup="", **env):
     """Run CHECK in a fresh interpreter with its own PIATTN_CACHE: (its report, its stderr)."""
-    done = subprocess.run([sys.executable, "-c", CHECK.format(setup=setup)], capture_output=True, text=True,
+    script = CHECK.format(setup=setup, low=inspect.getsource(low_precision_exact))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           check=True, env={**os.environ, "PIATTN_CACHE": str(tmp_path), **env})
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 
@@ -553,7 +631,7 @@ def test_builds_without_native_instructions_or_openmp(tmp_path, flags):
     """Where the compiler refuses -march=native or -fopenmp, the next flag set is built, and computes the same
     (SSE vectors and one thread: the same function)."""
     out, _ = _check_in(tmp_path, setup=f"fused.FLAG_SETS = ({flags!r},)")
-    assert out == dict(reason=None, flags=list(flags), worst=out["worst"]) and out["worst"] < 1e-10, out
+    assert out == dict(reason=None, flags=list(flags), worst=out["worst"], low=LOW_EXACT) and out["worst"] < 1e-10, out
     assert len(list((tmp_path / "native").glob("fused_cpu-*.so"))) == 1
 
 
@@ -572,12 +650,13 @@ def _runnable(level: str) -> bool:
 ])
 def test_pinned_instruction_set_builds_and_computes_the_same(tmp_path, level):
     """PIATTN_MARCH=level builds that instruction set alone (its own library in the cache) and matches the
-    reference, output and gradients, in fp64."""
+    reference, output and gradients, in fp64; its bf16 and fp16 conversions are torch's (below x86-64-v3, no
+    F16C: the portable conversions)."""
     if not _runnable(level):
         pytest.skip(f"this CPU cannot run {level}")
     out, _ = _check_in(tmp_path, PIATTN_MARCH=level)
     assert out["reason"] is None and out["flags"] == [f"-march={level}", "-fopenmp"], out
-    assert out["worst"] < 1e-10, out
+    assert out["worst"] < 1e-10 and out["low"] == LOW_EXACT, out
 
 
 def test_march_values_refused_with_the_reason(monkeypatch):

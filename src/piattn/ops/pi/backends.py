@@ -168,11 +168,11 @@ REGISTRY: dict[str, Backend] = {
             contains_nonfinite=True,  # the forward kernel itself; the backward falls back to "torch" then
             per_head_periods=True,
         ),
-        # Fused C kernels for the CPU (fused_cpu.c, compiled on first use): fp32 and fp64, per-head periods in one
-        # call. Where the library cannot be built or loaded (no C compiler, PIATTN_NATIVE=0) its probe refuses
-        # every call with the reason.
+        # Fused C kernels for the CPU (fused_cpu.c, compiled on first use): fp32 and fp64, and bf16 and fp16 read
+        # and written as such, computed in fp32; per-head periods in one call. Where the library cannot be built
+        # or loaded (no C compiler, PIATTN_NATIVE=0) its probe refuses every call with the reason.
         Backend("fused", "fused", "pi_attention_fused", variants=PAPER_VARIANTS,
-                dtypes=(torch.float32, torch.float64), devices=("cpu",),
+                dtypes=(torch.float32, torch.float64, torch.bfloat16, torch.float16), devices=("cpu",),
                 features=ALL_FEATURES, contains_nonfinite=True, per_head_periods=True, probe="unavailable"),
         # torch's FlexAttention: no fp64 kernels, no CPU backward, no per-slot dropout mask.
         Backend(
@@ -184,7 +184,7 @@ REGISTRY: dict[str, Backend] = {
 }
 
 # What "auto" tries, in order, per device type; devices not listed try AUTO_DEFAULT. On a CPU "fused" (3-4x
-# "torch", benchmarks/results/cpu_bench.md) for fp32 and fp64 where its C kernels build, else "torch".
+# "torch", benchmarks/results/cpu_bench.md) for every dtype where its C kernels build, else "torch".
 # The reference comes last: slow, but it implements every feature, so a call the fast backends cannot run
 # yet still runs.
 AUTO_ORDER: dict[str, tuple[str, ...]] = {"cuda": ("triton", "torch", "reference"),

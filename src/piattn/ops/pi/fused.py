@@ -6,7 +6,9 @@ gradient it feeds) while the row and its few key rows are in cache. The forward 
 (the log-sum-exp of its logits; two for "separate", one per branch) and the backward recomputes the scores
 from q and k: no [T, |U|] tensor is saved, and the passes are bound by reading inputs and writing outputs.
 
-What it runs: fp32 and fp64 CPU tensors (computed in their own precision), the four variants, causal and
+What it runs: fp32 and fp64 CPU tensors (computed in their own precision), bf16 and fp16 (read and written
+in their own dtype, computed and summed in fp32: the statistics, and dk, dv until a key row is complete, in
+fp32 or wider; each output rounded once, as torch rounds), the four variants, causal and
 bidirectional, grouped-query attention, the logit clamp, any head dim, sinks, packed documents
 (`document_ids`, passed to the kernels as each position's document bounds), and per-head periods in one
 call (`period` a tuple of one π_h per query head; `backends.py` declares `per_head_periods`, so
@@ -24,7 +26,11 @@ with the reason and what to do (`unavailable`, the probe `backends.py` declares 
 "fused" raises a ValueError, and "auto" runs the next backend of its order ("torch"). It never runs another
 backend in its place.
 
-"auto" picks it first on a CPU (`backends.AUTO_ORDER`: "fused", "torch", "reference"), for fp32 and fp64.
+Outputs of 4 MiB or more are fresh tensors marked for transparent huge pages before the kernels first write
+them (`piattn.allocator.advise_huge_pages`, on by default: a first write then faults in 2 MiB instead of 4
+KiB; `allocator.huge_pages(False)` turns it off, and where the system has no THP one warning says so).
+
+"auto" picks it first on a CPU (`backends.AUTO_ORDER`: "fused", "torch", "reference"), for every dtype it runs.
 Under torch.compile (and for fake tensors) it runs as the custom operators `piattn::pi_fused_fwd` /
 `piattn::pi_fused_bwd` at the end of this file, which call the same `fused_forward` / `fused_backward` as the
 eager autograd Function, so that a compiled CPU model runs these kernels too.
@@ -39,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from ...allocator import advise_huge_pages
 from . import cbuild, pattern
 from .backends import refuse_double_backward
 from .settings import OpSettings
@@ -61,7 +68,7 @@ def flag_sets() -> tuple[tuple[str, ...], ...]:
 
 
 VARIANT_CODES = {"union": 0, "fixed": 1, "adaptive": 2, "separate": 3}
-_SUFFIXES = {torch.float32: "f32", torch.float64: "f64"}
+_SUFFIXES = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16", torch.float16: "f16"}
 _FUNCTIONS = {(dtype, direction): f"pi_fused_{direction}_{suffix}"
               for dtype, suffix in _SUFFIXES.items() for direction in ("forward", "backward")}
 # fused_cpu.c's PI_ERR_* codes. The checks here come first, so these are reached only through a bug.
@@ -200,9 +207,14 @@ def stats_per_row(variant: str) -> int:
 
 def _outputs(out, layout: list[tuple[torch.Size, torch.dtype] | None], name: str) -> list[torch.Tensor | None]:
     """`out` checked against `layout` (shape and dtype of each output, None where there is none), or fresh
-    tensors of that layout when out is None."""
+    tensors of that layout when out is None: those of HUGE_PAGE_THRESHOLD bytes or more marked for huge pages
+    before anything writes them (`allocator.advise_huge_pages`: a first write faults in 2 MiB, not 4 KiB)."""
     if out is None:
-        return [None if lay is None else torch.empty(lay[0], dtype=lay[1]) for lay in layout]
+        fresh = [None if lay is None else torch.empty(lay[0], dtype=lay[1]) for lay in layout]
+        for t in fresh:
+            if t is not None:
+                advise_huge_pages(t)
+        return fresh
     out = list(out)
     got = [None if t is None else (t.shape, t.dtype, t.device.type, t.is_contiguous()) for t in out]
     want = [None if lay is None else (lay[0], lay[1], "cpu", True) for lay in layout]
@@ -222,11 +234,12 @@ def keep_bytes(dropout_keep: torch.Tensor | None) -> torch.Tensor | None:
 def fused_forward(q, k, v, gate, settings: OpSettings, *, bounds=(None, None), keep=None,
                   out=None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, H, T, D], k, v [B, H_kv, T, D], gate [B, H, T] or None, all contiguous CPU tensors of one dtype
-    (fp32 or fp64) -> (y [B, H, T, D], stat [B, H, T, stats_per_row] fp64: the log-sum-exp in double, so that
-    the backward's exp(z − lse) does not lose |lse|·2^-24 in fp32). settings.period: an int or one per query
-    head; bounds: `document_bounds(document_ids)`; keep: `keep_bytes(dropout_keep)` or None (the weights are
-    multiplied by keep / (1 − settings.dropout_p)). out: (y, stat) to write into instead of fresh tensors (a
-    benchmark's way to time the kernel without first touches of new memory)."""
+    (fp32, fp64, bf16 or fp16) -> (y [B, H, T, D] in that dtype, stat [B, H, T, stats_per_row] fp64: the
+    log-sum-exp in double, so that the backward's exp(z − lse) does not lose |lse|·2^-24 in fp32).
+    settings.period: an int or one per query head; bounds: `document_bounds(document_ids)`; keep:
+    `keep_bytes(dropout_keep)` or None (the weights are multiplied by keep / (1 − settings.dropout_p)). out:
+    (y, stat) to write into instead of fresh tensors (a benchmark's way to time the kernel without first
+    touches of new memory)."""
     B, H, T, D = q.shape
     y, stat = _outputs(out, [(q.shape, q.dtype), (torch.Size((B, H, T, stats_per_row(settings.variant))),
                                                   torch.float64)], "fused_forward")
@@ -270,7 +283,7 @@ def _refusal(q: torch.Tensor) -> str | None:
     if q.device.type != "cpu":
         return f"runs on the CPU, not {q.device.type}"
     if q.dtype not in _SUFFIXES:
-        return f"no {str(q.dtype).removeprefix('torch.')} (runs float32, float64)"
+        return f"no {str(q.dtype).removeprefix('torch.')} (runs float32, float64, bfloat16, float16)"
     return None
 
 

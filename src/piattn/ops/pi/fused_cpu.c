@@ -229,28 +229,103 @@ static int pi_streaming(const pi_call *c, const float *y) {
 #endif
 }
 
+static const int32_t pi_lane_index[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+
 #define PI_CAT2(a, b) a##_##b
 #define PI_CAT(a, b) PI_CAT2(a, b)
 
+/* bf16 and fp16 (IEEE binary16) values, as torch rounds them: to the nearest, ties to even; a NaN stays a
+ * NaN (bf16: 0x7fc0, as torch; fp16: a quiet NaN of its sign), overflow goes to ±inf. Plain C on the bits,
+ * for any target; the kernels' vectors convert the same way (load_s, store_s), by F16C's instructions where
+ * the target has them (the same results: IEEE's conversions). */
+static inline float pi_bf16_to_f32(uint16_t h) {
+  const uint32_t u = (uint32_t)h << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+static inline uint16_t pi_f32_to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  if (f != f) return 0x7fc0;
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float pi_f16_to_f32(uint16_t h) {
+  uint32_t o = (uint32_t)(h & 0x7fffu) << 13; /* exponent and mantissa, in a float's places */
+  const uint32_t e = o & 0x0f800000u;
+  float f;
+  o += 0x38000000u;                   /* the exponent's bias, 15 -> 127 */
+  if (e == 0x0f800000u) o += 0x38000000u; /* inf, NaN: the largest exponent */
+  else if (e == 0) {                  /* zero, subnormal: renormalised by a float subtraction */
+    o += 1u << 23;
+    memcpy(&f, &o, sizeof f);
+    f -= 6.103515625e-05f; /* 2^-14 */
+    memcpy(&o, &f, sizeof o);
+  }
+  o |= (uint32_t)(h & 0x8000u) << 16;
+  memcpy(&f, &o, sizeof f);
+  return f;
+}
+
+static inline uint16_t pi_f32_to_f16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  const uint32_t sign = u & 0x80000000u;
+  u ^= sign;
+  uint16_t o;
+  if (u >= 0x47800000u) o = u > 0x7f800000u ? 0x7e00 : 0x7c00; /* >= 2^16: NaN, or inf */
+  else if (u < 0x38800000u) {                                   /* < 2^-14: a subnormal (or zero) result */
+    float t;
+    memcpy(&t, &u, sizeof t);
+    t += 0.5f; /* the float addition rounds the mantissa at 2^-24, to even */
+    uint32_t r;
+    memcpy(&r, &t, sizeof r);
+    o = (uint16_t)(r - 0x3f000000u);
+  } else { /* normal: rebias, round the 13 dropped bits to even */
+    u += 0xc8000fffu + ((u >> 13) & 1u);
+    o = (uint16_t)(u >> 13);
+  }
+  return (uint16_t)(o | (sign >> 16));
+}
+
+/* One instantiation per storage type: R the type the kernels compute and accumulate in, S the type of the
+ * tensors they read and write (PI_STORAGE 0: S = R; 1: bf16 and 2: fp16 in uint16_t, computed in float). */
 #define PI_REAL float
+#define PI_STORAGE 0
 #define PI_LANES (PI_VECTOR_BYTES / 4) /* a literal, for #if */
 #define PI_SUFFIX f32
 #define PI_EXP expf
 #define PI_LOG logf
-#define PI_VECTOR_EXP 1 /* exp by a vector polynomial (fp32 only: fp64 keeps libm's) */
+#define PI_VECTOR_EXP 1 /* exp by a vector polynomial (float only: fp64 keeps libm's) */
 #ifdef PI_STREAM_F32
 #define PI_STREAM PI_STREAM_F32
 #endif
 #include __FILE__
 #undef PI_STREAM
+#undef PI_SUFFIX
+#undef PI_STORAGE
+
+#define PI_STORAGE 1
+#define PI_SUFFIX bf16
+#include __FILE__
+#undef PI_SUFFIX
+#undef PI_STORAGE
+
+#define PI_STORAGE 2
+#define PI_SUFFIX f16
+#include __FILE__
+#undef PI_SUFFIX
+#undef PI_STORAGE
 #undef PI_VECTOR_EXP
 #undef PI_REAL
 #undef PI_LANES
-#undef PI_SUFFIX
 #undef PI_EXP
 #undef PI_LOG
 
 #define PI_REAL double
+#define PI_STORAGE 0
 #define PI_LANES (PI_VECTOR_BYTES / 8)
 #define PI_SUFFIX f64
 #define PI_EXP exp
@@ -261,6 +336,11 @@ static int pi_streaming(const pi_call *c, const float *y) {
 #else /* the kernels of one precision */
 
 #define R PI_REAL
+#if PI_STORAGE
+#define S uint16_t
+#else
+#define S PI_REAL
+#endif
 #define FN(name) PI_CAT(name, PI_SUFFIX)
 
 /* Vectors of PI_VECTOR_BYTES (GCC/Clang vector extensions): the loops over D say what runs in one instruction,
@@ -276,10 +356,110 @@ static inline void FN(store)(R *p, FN(vec) x) { *(FN(uvec) *)p = x; }
  * turns −0 into +0, costs an addition). */
 static inline FN(vec) FN(splat)(R x) { return x - (FN(vec)){0}; }
 
+/* The tensors' elements (S) to and from R: load_s / store_s a vector of LANES, get_s / set_s one. With S = R
+ * they are load and store; bf16 and fp16 convert (to float exactly, from float rounding to nearest even, as
+ * pi_f32_to_bf16 / pi_f32_to_f16). */
+#if PI_STORAGE
+typedef uint16_t FN(hvec) __attribute__((vector_size(PI_LANES * 2), aligned(2), may_alias));
+typedef uint32_t FN(wvec) __attribute__((vector_size(PI_VECTOR_BYTES)));
+typedef int32_t FN(mvec) __attribute__((vector_size(PI_VECTOR_BYTES)));
+static inline FN(vec) FN(pick)(FN(mvec) mask, FN(wvec) a, FN(wvec) b) {
+  return (FN(vec))((a & (FN(wvec))mask) | (b & ~(FN(wvec))mask));
+}
+/* LANES 16-bit elements, zero-extended to 32 bits: one instruction with AVX2 or SSE4.1 (GCC splits
+ * convertvector's widening in two halves). */
+static inline FN(wvec) FN(widen)(const S *p) {
+#if defined(__AVX2__) && PI_LANES == 8
+  return (FN(wvec))_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(const void *)p));
+#elif defined(__SSE4_1__) && PI_LANES == 4
+  return (FN(wvec))_mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)(const void *)p));
+#else
+  return __builtin_convertvector(*(const FN(hvec) *)p, FN(wvec));
+#endif
+}
+#endif
+
+#if PI_STORAGE == 1
+static inline R FN(get_s)(S x) { return pi_bf16_to_f32(x); }
+static inline S FN(set_s)(R x) { return pi_f32_to_bf16(x); }
+static inline FN(vec) FN(load_s)(const S *p) { return (FN(vec))(FN(widen)(p) << 16); }
+static inline void FN(store_s)(S *p, FN(vec) x) {
+  const FN(wvec) u = (FN(wvec))x;
+  const FN(wvec) r = (FN(wvec))FN(pick)(x != x, u - u + 0x7fc0u, (u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  *(FN(hvec) *)p = __builtin_convertvector(r, FN(hvec));
+}
+#elif PI_STORAGE == 2
+static inline R FN(get_s)(S x) { return pi_f16_to_f32(x); }
+static inline S FN(set_s)(R x) { return pi_f32_to_f16(x); }
+#if defined(__F16C__) && (PI_LANES == 8 || PI_LANES == 4)
+#include <immintrin.h>
+static inline FN(vec) FN(load_s)(const S *p) {
+#if PI_LANES == 8
+  return (FN(vec))_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)p));
+#else
+  return (FN(vec))_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(const void *)p));
+#endif
+}
+static inline void FN(store_s)(S *p, FN(vec) x) {
+#if PI_LANES == 8
+  _mm_storeu_si128((__m128i *)(void *)p, _mm256_cvtps_ph((__m256)x, 0)); /* 0: to nearest, ties to even */
+#else
+  _mm_storel_epi64((__m128i *)(void *)p, _mm_cvtps_ph((__m128)x, 0));
+#endif
+}
+#else /* pi_f16_to_f32 and pi_f32_to_f16 lane by lane, their branches as selects */
+static inline FN(vec) FN(load_s)(const S *p) {
+  const FN(wvec) h = FN(widen)(p);
+  FN(wvec) o = (h & 0x7fffu) << 13;
+  const FN(wvec) e = o & 0x0f800000u;
+  o += 0x38000000u;
+  o += (FN(wvec))(e == 0x0f800000u) & 0x38000000u;
+  const FN(vec) sub = (FN(vec))(o + (1u << 23)) - FN(splat)(6.103515625e-05f);
+  o = (FN(wvec))FN(pick)(e == 0, (FN(wvec))sub, o);
+  return (FN(vec))(o | (h & 0x8000u) << 16);
+}
+static inline void FN(store_s)(S *p, FN(vec) x) {
+  FN(wvec) u = (FN(wvec))x;
+  const FN(wvec) sign = u & 0x80000000u;
+  u ^= sign;
+  const FN(wvec) big = (FN(wvec))FN(pick)(u > 0x7f800000u, u - u + 0x7e00u, u - u + 0x7c00u);
+  const FN(wvec) tiny = (FN(wvec))((FN(vec))u + FN(splat)(0.5f)) - 0x3f000000u;
+  const FN(wvec) normal = (u + 0xc8000fffu + ((u >> 13) & 1u)) >> 13;
+  FN(wvec) o = (FN(wvec))FN(pick)(u >= 0x47800000u, big, (FN(wvec))FN(pick)(u < 0x38800000u, tiny, normal));
+  *(FN(hvec) *)p = __builtin_convertvector(o | sign >> 16, FN(hvec));
+}
+#endif
+#else
+static inline R FN(get_s)(S x) { return x; }
+static inline S FN(set_s)(R x) { return x; }
+static inline FN(vec) FN(load_s)(const S *p) { return FN(load)(p); }
+static inline void FN(store_s)(S *p, FN(vec) x) { FN(store)(p, x); }
+#endif
+
+/* A row of D elements of S as R: the row itself where S = R, else converted into `to` (D of R). */
+static inline const R *FN(row_r)(const S *x, R *to, int64_t D) {
+#if PI_STORAGE
+  const int64_t whole = D - D % LANES;
+  for (int64_t d = 0; d < whole; d += LANES) FN(store)(to + d, FN(load_s)(x + d));
+  for (int64_t d = whole; d < D; d++) to[d] = FN(get_s)(x[d]);
+  return to;
+#else
+  (void)to, (void)D;
+  return x;
+#endif
+}
+
+/* Rows of R written to S (dk, dv of the low precisions, accumulated in R): n elements. */
+static inline void FN(rows_s)(S *to, const R *x, int64_t n) {
+  const int64_t whole = n - n % LANES;
+  for (int64_t d = 0; d < whole; d += LANES) FN(store_s)(to + d, FN(load)(x + d));
+  for (int64_t d = whole; d < n; d++) to[d] = FN(set_s)(x[d]);
+}
+
 /* A store of an output the caller will not read soon: streaming (non-temporal: written to memory without
  * first reading its cache line, which a plain store of a line not in cache does) where `streaming` and the
  * target has streaming stores; p then lies on a vector boundary (pi_streaming). */
-static inline void FN(put)(R *p, FN(vec) x, int streaming) {
+static inline void FN(put)(S *p, FN(vec) x, int streaming) {
 #ifdef PI_STREAM
   if (streaming) {
     PI_STREAM(p, x);
@@ -287,7 +467,7 @@ static inline void FN(put)(R *p, FN(vec) x, int streaming) {
   }
 #endif
   (void)streaming;
-  FN(store)(p, x);
+  FN(store_s)(p, x);
 }
 
 /* The sum of a vector's lanes, as a tree: the two halves added as vectors first (one extract and one add
@@ -308,37 +488,37 @@ static inline R FN(sum_lanes)(FN(vec) x) {
 }
 
 /* a·b over D: two vector accumulators, so consecutive multiply-adds do not wait on each other. */
-static inline R FN(dot)(const R *a, const R *b, int64_t D) {
+static inline R FN(dot)(const R *a, const S *b, int64_t D) {
   FN(vec) s0 = {0}, s1 = {0};
   int64_t d = 0;
   for (; d + 2 * LANES <= D; d += 2 * LANES) {
-    s0 += FN(load)(a + d) * FN(load)(b + d);
-    s1 += FN(load)(a + d + LANES) * FN(load)(b + d + LANES);
+    s0 += FN(load)(a + d) * FN(load_s)(b + d);
+    s1 += FN(load)(a + d + LANES) * FN(load_s)(b + d + LANES);
   }
-  for (; d + LANES <= D; d += LANES) s0 += FN(load)(a + d) * FN(load)(b + d);
+  for (; d + LANES <= D; d += LANES) s0 += FN(load)(a + d) * FN(load_s)(b + d);
   R s = FN(sum_lanes)(s0 + s1);
-  for (; d < D; d++) s += a[d] * b[d];
+  for (; d < D; d++) s += a[d] * FN(get_s)(b[d]);
   return s;
 }
 
 /* (a·b, c·e) over D in one pass: a slot's score and dL/dweight in the backward. */
-static inline void FN(dot2)(const R *a, const R *b, const R *c, const R *e, int64_t D, R *ab, R *ce) {
+static inline void FN(dot2)(const R *a, const S *b, const R *c, const S *e, int64_t D, R *ab, R *ce) {
   FN(vec) s0 = {0}, s1 = {0}, t0 = {0}, t1 = {0};
   int64_t d = 0;
   for (; d + 2 * LANES <= D; d += 2 * LANES) {
-    s0 += FN(load)(a + d) * FN(load)(b + d);
-    t0 += FN(load)(c + d) * FN(load)(e + d);
-    s1 += FN(load)(a + d + LANES) * FN(load)(b + d + LANES);
-    t1 += FN(load)(c + d + LANES) * FN(load)(e + d + LANES);
+    s0 += FN(load)(a + d) * FN(load_s)(b + d);
+    t0 += FN(load)(c + d) * FN(load_s)(e + d);
+    s1 += FN(load)(a + d + LANES) * FN(load_s)(b + d + LANES);
+    t1 += FN(load)(c + d + LANES) * FN(load_s)(e + d + LANES);
   }
   for (; d + LANES <= D; d += LANES) {
-    s0 += FN(load)(a + d) * FN(load)(b + d);
-    t0 += FN(load)(c + d) * FN(load)(e + d);
+    s0 += FN(load)(a + d) * FN(load_s)(b + d);
+    t0 += FN(load)(c + d) * FN(load_s)(e + d);
   }
   R x = FN(sum_lanes)(s0 + s1), y = FN(sum_lanes)(t0 + t1);
   for (; d < D; d++) {
-    x += a[d] * b[d];
-    y += c[d] * e[d];
+    x += a[d] * FN(get_s)(b[d]);
+    y += c[d] * FN(get_s)(e[d]);
   }
   *ab = x;
   *ce = y;
@@ -347,18 +527,18 @@ static inline void FN(dot2)(const R *a, const R *b, const R *c, const R *e, int6
 /* out[d] = Σ_m w[m·stride]·x[row[m] + d] for m < n (row: element offsets of rows of x; stride: 1, or LANES
  * for a row of a block's slot-major weights). Four vectors of out at a time, summed over the slots in
  * registers, then written once. */
-static inline void FN(weighted_sum)(R *out, const R *w, int64_t stride, const R *x, const int64_t *row, int64_t n,
+static inline void FN(weighted_sum)(S *out, const R *w, int64_t stride, const S *x, const int64_t *row, int64_t n,
                                     int64_t D, int streaming) {
   int64_t d = 0;
   for (; d + 4 * LANES <= D; d += 4 * LANES) {
     FN(vec) a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     for (int64_t m = 0; m < n; m++) {
       const FN(vec) wm = FN(splat)(w[m * stride]);
-      const R *r = x + row[m] + d;
-      a0 += wm * FN(load)(r);
-      a1 += wm * FN(load)(r + LANES);
-      a2 += wm * FN(load)(r + 2 * LANES);
-      a3 += wm * FN(load)(r + 3 * LANES);
+      const S *r = x + row[m] + d;
+      a0 += wm * FN(load_s)(r);
+      a1 += wm * FN(load_s)(r + LANES);
+      a2 += wm * FN(load_s)(r + 2 * LANES);
+      a3 += wm * FN(load_s)(r + 3 * LANES);
     }
     FN(put)(out + d, a0, streaming);
     FN(put)(out + d + LANES, a1, streaming);
@@ -367,13 +547,13 @@ static inline void FN(weighted_sum)(R *out, const R *w, int64_t stride, const R 
   }
   for (; d + LANES <= D; d += LANES) {
     FN(vec) acc = {0};
-    for (int64_t m = 0; m < n; m++) acc += FN(splat)(w[m * stride]) * FN(load)(x + row[m] + d);
+    for (int64_t m = 0; m < n; m++) acc += FN(splat)(w[m * stride]) * FN(load_s)(x + row[m] + d);
     FN(put)(out + d, acc, streaming);
   }
   for (; d < D; d++) {
     R acc = 0;
-    for (int64_t m = 0; m < n; m++) acc += w[m * stride] * x[row[m] + d];
-    out[d] = acc;
+    for (int64_t m = 0; m < n; m++) acc += w[m * stride] * FN(get_s)(x[row[m] + d]);
+    out[d] = FN(set_s)(acc);
   }
 }
 
@@ -574,7 +754,6 @@ static inline FN(vec) FN(exp_lanes)(FN(vec) x, FN(ivec) * inside) {
   return p * (FN(vec))bits;
 }
 
-static const int32_t pi_lane_index[8] = {0, 1, 2, 3, 4, 5, 6, 7};
 
 /* z[m] = exp(z[m] − shift) for m in [from, to), a vector at a time; returns their sum. shift is taken as a
  * float pair hi + lo, so that (z − hi) − lo keeps the precision of a shift in double (a log-sum-exp: see
@@ -629,22 +808,23 @@ static inline double FN(normalise)(R *z, int64_t from, int64_t to) {
 /* Scratch of one thread, p->n_max (n) each: key row offsets, logits (then weights), dL/dweights (then
  * dL/dlogits), clamp mask, dropout multipliers; for the forward's blocks of LANES rows (forward_block_d) the
  * key row offsets of each row [LANES][n], the logits slot by slot [n][LANES] and the dots before their last
- * sum [n][LANES][LANES], vector-aligned. */
+ * sum [n][LANES][LANES], vector-aligned; rows of q (and dy) converted to R where S is not R: (LANES + 1)·D. */
 typedef struct {
   int64_t *row;
   R *z, *dp, *pass, *mult;
   int64_t *rows;
-  R *zt, *lanes;
+  R *zt, *lanes, *conv;
   int64_t n;
 } FN(pi_scratch);
 
 /* The scratch rows in one allocation (free(w->row) releases them); NULL members when out of memory. */
-static FN(pi_scratch) FN(scratch)(int64_t n) {
+static FN(pi_scratch) FN(scratch)(int64_t n, int64_t D) {
   /* z is padded by a vector (exp_shifted may read a whole last vector) and zeroed, so that what it reads past
    * the row's slots is a number; zt and lanes start at a vector boundary (at most a vector of padding each) */
   const size_t head = sizeof(int64_t) * (size_t)(n + LANES * n) + sizeof(R) * (size_t)(4 * n + LANES);
-  const size_t bytes = head + sizeof(R) * (size_t)(LANES * n + LANES * LANES * n) + 2 * PI_VECTOR_BYTES;
-  FN(pi_scratch) w = {calloc(1, bytes), NULL, NULL, NULL, NULL, NULL, NULL, NULL, n};
+  const size_t conv = PI_STORAGE ? (size_t)((LANES + 1) * D) : 0;
+  const size_t bytes = head + sizeof(R) * (size_t)(LANES * n + LANES * LANES * n + conv) + 2 * PI_VECTOR_BYTES;
+  FN(pi_scratch) w = {calloc(1, bytes), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, n};
   if (w.row) {
     w.rows = w.row + n;
     w.z = (R *)(w.rows + LANES * n);
@@ -654,6 +834,7 @@ static FN(pi_scratch) FN(scratch)(int64_t n) {
     const uintptr_t align = PI_VECTOR_BYTES, after = (uintptr_t)(w.mult + n);
     w.zt = (R *)((after + align - 1) / align * align);
     w.lanes = (R *)(((uintptr_t)(w.zt + LANES * n) + align - 1) / align * align);
+    w.conv = w.lanes + LANES * LANES * n;
   }
   return w;
 }
@@ -661,11 +842,12 @@ static FN(pi_scratch) FN(scratch)(int64_t n) {
 /* One query row: y_i and its statistics. qi [D], k, v [T, D] of its key/value head, a its gate value. */
 static inline __attribute__((always_inline)) void FN(forward_row_d)(const pi_call *c, const pi_pattern *p,
                                                                    int64_t i, int64_t start, int64_t end,
-                                                                   const R *qi, const R *k, const R *v,
-                                                                   R a, R *yi, double *stat, const uint8_t *keep,
+                                                                   const S *q_i, const S *k, const S *v,
+                                                                   R a, S *yi, double *stat, const uint8_t *keep,
                                                                    FN(pi_scratch) * w, const int64_t D) {
   int64_t *row = w->row, nl;
   R *z = w->z;
+  const R *qi = FN(row_r)(q_i, w->conv, D);
   const int64_t n = FN(slot_rows)(p, start, end, D, i, row, &nl);
   R lp_local, lp_skip;
   FN(log_priors)(c, p, a, &lp_local, &lp_skip);
@@ -702,22 +884,24 @@ static inline FN(vec) FN(sum_lanes_rows)(const FN(vec) *s) {
 }
 
 /* Lanes of two vectors, picked by index (0 … LANES − 1: a's, LANES …: b's): GCC's and Clang's spellings. */
+#ifndef PI_SHUFFLE
 #ifdef __clang__
 #define PI_SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
 #define PI_SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (FN(ivec)){__VA_ARGS__})
 #endif
+#endif
 
 /* a·b over D as a vector whose lanes sum_lanes adds up (D a multiple of LANES; a as vectors): dot without its
  * last step. */
-static inline FN(vec) FN(dot_lanes)(const FN(vec) *a, const R *b, int64_t D) {
+static inline FN(vec) FN(dot_lanes)(const FN(vec) *a, const S *b, int64_t D) {
   FN(vec) s0 = {0}, s1 = {0};
   int64_t d = 0;
   for (; d + 2 * LANES <= D; d += 2 * LANES) {
-    s0 += a[d / LANES] * FN(load)(b + d);
-    s1 += a[d / LANES + 1] * FN(load)(b + d + LANES);
+    s0 += a[d / LANES] * FN(load_s)(b + d);
+    s1 += a[d / LANES + 1] * FN(load_s)(b + d + LANES);
   }
-  for (; d + LANES <= D; d += LANES) s0 += a[d / LANES] * FN(load)(b + d);
+  for (; d + LANES <= D; d += LANES) s0 += a[d / LANES] * FN(load_s)(b + d);
   return s0 + s1;
 }
 
@@ -765,8 +949,8 @@ static inline FN(vec) FN(select)(FN(ivec) mask, FN(vec) a, FN(vec) b) {
  * i0 of the head. Returns 0, having written nothing, when the rows' slots differ: they take forward_row_d. */
 static inline __attribute__((always_inline)) int FN(forward_block_d)(const pi_call *c, const pi_pattern *p,
                                                                     int64_t i0, const int64_t *start,
-                                                                    const int64_t *end, const R *q, const R *k,
-                                                                    const R *v, const R *gate, R *y,
+                                                                    const int64_t *end, const S *q_rows, const S *k,
+                                                                    const S *v, const S *gate, S *y,
                                                                     double *stat, const uint8_t *keep, int streaming,
                                                                     FN(pi_scratch) * w, const int64_t D) {
   const int64_t stride = w->n; /* rows[r·stride + m]: key row offset of slot m of row i0 + r */
@@ -795,6 +979,7 @@ static inline __attribute__((always_inline)) int FN(forward_block_d)(const pi_ca
     }
   }
   R *z = w->zt;
+  const R *q = FN(row_r)(q_rows, w->conv, LANES * D); /* the block's rows of q, as R */
   /* The dots, all independent (their latencies overlap), row by row (each row's q read once, the keys read in
    * order: a stream the prefetchers follow); then, slot by slot, the vector of the block's rows. */
 #if PI_LANES == 8 || PI_LANES == 4
@@ -816,7 +1001,7 @@ static inline __attribute__((always_inline)) int FN(forward_block_d)(const pi_ca
     local = FN(splat)((R)p->fixed_local);
     skip = FN(splat)((R)p->fixed_skip);
   } else if (c->variant == PI_ADAPTIVE) {
-    const FN(vec) a = FN(load)(gate), rest = 1 - a, eps = FN(splat)((R)c->eps);
+    const FN(vec) a = FN(load_s)(gate), rest = 1 - a, eps = FN(splat)((R)c->eps);
     local = FN(logs)(FN(select)(a < eps, eps, a));
     skip = FN(logs)(FN(select)(rest < eps, eps, rest));
   }
@@ -867,16 +1052,18 @@ static inline __attribute__((always_inline)) int FN(forward_block_d)(const pi_ca
 /* One query row's gradients: dq_i, dgate_i (when dgate is not NULL), and its terms of dk, dv. */
 static inline __attribute__((always_inline)) void FN(backward_row_d)(const pi_call *c, const pi_pattern *p,
                                                                     int64_t i, int64_t start, int64_t end,
-                                                                    const R *qi, const R *dyi,
-                                                                    const R *k, const R *v, R a, const double *stat,
-                                                                    R *dqi, R *dk, R *dv, R *dgate,
-                                                                    const uint8_t *keep, FN(pi_scratch) * w,
-                                                                    const int64_t D) {
+                                                                    const S *q_i, const S *dy_i,
+                                                                    const S *k, const S *v, R a, const R *lp,
+                                                                    const double *stat, S *dqi, R *dk, R *dv,
+                                                                    S *dgate, const uint8_t *keep,
+                                                                    FN(pi_scratch) * w, const int64_t D) {
   int64_t *row = w->row, nl;
   R *z = w->z, *dp = w->dp, *pass = w->pass;
+  const R *qi = FN(row_r)(q_i, w->conv, D), *dyi = FN(row_r)(dy_i, w->conv + D, D);
   const int64_t n = FN(slot_rows)(p, start, end, D, i, row, &nl);
-  R lp_local, lp_skip;
-  FN(log_priors)(c, p, a, &lp_local, &lp_skip);
+  R lp_local, lp_skip; /* "adaptive": lp (backward_log_priors), the same bits as log_priors */
+  if (lp) lp_local = lp[0], lp_skip = lp[LANES];
+  else FN(log_priors)(c, p, a, &lp_local, &lp_skip);
   const R scale = (R)c->scale;
   for (int64_t m = 0; m < n; m++) FN(dot2)(qi, k + row[m], dyi, v + row[m], D, &z[m], &dp[m]);
   FN(logits)(c, z, pass, n, nl, lp_local, lp_skip);
@@ -897,7 +1084,7 @@ static inline __attribute__((always_inline)) void FN(backward_row_d)(const pi_ca
     }
     if (dgate && c->variant == PI_ADAPTIVE) { /* d log max(α, ε) / dα = 1/α where α >= ε, else 0 */
       const R eps = (R)c->eps, rest = 1 - a;
-      *dgate = d_local * (R)(a >= eps) / a - (n > nl ? d_skip * (R)(rest >= eps) / rest : 0);
+      *dgate = FN(set_s)(d_local * (R)(a >= eps) / a - (n > nl ? d_skip * (R)(rest >= eps) / rest : 0));
     }
   } else {
     FN(exp_shifted)(z, 0, nl, stat[0]);
@@ -913,7 +1100,7 @@ static inline __attribute__((always_inline)) void FN(backward_row_d)(const pi_ca
       dp[m] = coef * z[m] * (dp[m] - (m < nl ? sum_local : sum_skip));
       z[m] *= coef;
     }
-    if (dgate) *dgate = n > nl ? sum_local - sum_skip : 0;
+    if (dgate) *dgate = FN(set_s)(n > nl ? sum_local - sum_skip : 0);
   }
   if (keep) /* the weights dv reads are those after dropout */
     for (int64_t m = 0; m < n; m++) z[m] *= w->mult[m];
@@ -926,7 +1113,7 @@ static inline __attribute__((always_inline)) void FN(backward_row_d)(const pi_ca
 /* The rows for any D, and for the common head dims as constants: then the compiler unrolls the loops over D
  * whole and keeps a row's q (and dy) in registers across its slots. */
 static void FN(forward_row)(const pi_call *c, const pi_pattern *p, int64_t i, int64_t start, int64_t end,
-                            const R *qi, const R *k, const R *v, R a, R *yi, double *stat, const uint8_t *keep,
+                            const S *qi, const S *k, const S *v, R a, S *yi, double *stat, const uint8_t *keep,
                             FN(pi_scratch) * w) {
   switch (c->D) {
   case 64: FN(forward_row_d)(c, p, i, start, end, qi, k, v, a, yi, stat, keep, w, 64); break;
@@ -937,7 +1124,7 @@ static void FN(forward_row)(const pi_call *c, const pi_pattern *p, int64_t i, in
 
 #if PI_VECTOR_EXP
 static int FN(forward_block)(const pi_call *c, const pi_pattern *p, int64_t i0, const int64_t *start,
-                             const int64_t *end, const R *q, const R *k, const R *v, const R *gate, R *y, double *stat,
+                             const int64_t *end, const S *q, const S *k, const S *v, const S *gate, S *y, double *stat,
                              const uint8_t *keep, int streaming, FN(pi_scratch) * w) {
   switch (c->D) {
   case 64: return FN(forward_block_d)(c, p, i0, start, end, q, k, v, gate, y, stat, keep, streaming, w, 64);
@@ -948,15 +1135,35 @@ static int FN(forward_block)(const pi_call *c, const pi_pattern *p, int64_t i0, 
 #endif
 
 static void FN(backward_row)(const pi_call *c, const pi_pattern *p, int64_t i, int64_t start, int64_t end,
-                             const R *qi, const R *dyi, const R *k, const R *v, R a, const double *stat, R *dqi,
-                             R *dk, R *dv, R *dgate, const uint8_t *keep, FN(pi_scratch) * w) {
+                             const S *qi, const S *dyi, const S *k, const S *v, R a, const R *lp, const double *stat,
+                             S *dqi, R *dk, R *dv, S *dgate, const uint8_t *keep, FN(pi_scratch) * w) {
   switch (c->D) {
-  case 64: FN(backward_row_d)(c, p, i, start, end, qi, dyi, k, v, a, stat, dqi, dk, dv, dgate, keep, w, 64); break;
-  case 128:
-    FN(backward_row_d)(c, p, i, start, end, qi, dyi, k, v, a, stat, dqi, dk, dv, dgate, keep, w, 128);
+  case 64:
+    FN(backward_row_d)(c, p, i, start, end, qi, dyi, k, v, a, lp, stat, dqi, dk, dv, dgate, keep, w, 64);
     break;
-  default: FN(backward_row_d)(c, p, i, start, end, qi, dyi, k, v, a, stat, dqi, dk, dv, dgate, keep, w, c->D);
+  case 128:
+    FN(backward_row_d)(c, p, i, start, end, qi, dyi, k, v, a, lp, stat, dqi, dk, dv, dgate, keep, w, 128);
+    break;
+  default: FN(backward_row_d)(c, p, i, start, end, qi, dyi, k, v, a, lp, stat, dqi, dk, dv, dgate, keep, w, c->D);
   }
+}
+
+/* The log-priors of "adaptive" for the LANES rows i0 … of one query head (fewer at the sequence's end), as
+ * log_priors takes them lane by lane (the same bits: each lane's log is its own): lp[r] local, lp[LANES + r]
+ * skip. Two vector logs for LANES rows instead of one for each row. gate: at row i0. */
+static void FN(backward_log_priors)(const pi_call *c, const S *gate, int64_t rows, R *lp) {
+  FN(vec) a = FN(splat)(1);
+  if (rows == LANES) a = FN(load_s)(gate);
+  else
+    for (int64_t r = 0; r < rows; r++) a[r] = FN(get_s)(gate[r]);
+  const FN(vec) rest = 1 - a;
+  const R eps = (R)c->eps;
+  for (int64_t r = 0; r < LANES; r++) { /* max(·, ε) that keeps a NaN */
+    a[r] = a[r] < eps ? eps : a[r];
+    lp[LANES + r] = rest[r] < eps ? eps : rest[r];
+  }
+  FN(store)(lp, FN(logs)(a));
+  FN(store)(lp + LANES, FN(logs)(FN(load)(lp + LANES)));
 }
 
 int FN(pi_fused_forward)(const pi_call *c, const pi_buffer *buf, int64_t n_buf) {
@@ -973,8 +1180,8 @@ int FN(pi_fused_forward)(const pi_call *c, const pi_buffer *buf, int64_t n_buf) 
     if ((err = pi_check_buffer(&buf[j], j != 3 || pi_gated(c), sizes[j]))) return err;
   if ((err = pi_check_layout(c, &buf[6], &buf[7], &buf[8], &buf[9]))) return err;
   if (B == 0) return PI_OK;
-  const R *q = buf[0].data, *k = buf[1].data, *v = buf[2].data, *gate = buf[3].data;
-  R *y = buf[4].data;
+  const S *q = buf[0].data, *k = buf[1].data, *v = buf[2].data, *gate = buf[3].data;
+  S *y = buf[4].data;
   double *stat = buf[5].data;
   const int64_t *doc_start = buf[7].data, *doc_end = buf[8].data;
   const uint8_t *keep = buf[9].data;
@@ -982,13 +1189,15 @@ int FN(pi_fused_forward)(const pi_call *c, const pi_buffer *buf, int64_t n_buf) 
   pi_pattern *p = pi_patterns(c, buf[6].data, &reach, &n_max, &err);
   if (!p) return err;
   const int64_t blocks = pi_forward_blocks(c), items = B * H_kv * blocks, rows = (T + blocks - 1) / blocks;
-#if PI_VECTOR_EXP
+#if PI_VECTOR_EXP && defined(PI_STREAM)
   const int streaming = pi_streaming(c, y);
+#elif PI_VECTOR_EXP
+  const int streaming = 0;
 #endif
   int failed = 0;
 #pragma omp parallel num_threads(c->threads) if (c->threads > 1 && items > 1)
   {
-    FN(pi_scratch) w = FN(scratch)(n_max);
+    FN(pi_scratch) w = FN(scratch)(n_max, D);
     if (!w.row) {
 #pragma omp atomic write
       failed = 1;
@@ -998,7 +1207,7 @@ int FN(pi_fused_forward)(const pi_call *c, const pi_buffer *buf, int64_t n_buf) 
       if (!w.row) continue;
       const int64_t bn = item / blocks, t0 = item % blocks * rows, t1 = t0 + rows < T ? t0 + rows : T;
       const int64_t b = bn / H_kv, n = bn % H_kv;
-      const R *kh = k + bn * T * D, *vh = v + bn * T * D;
+      const S *kh = k + bn * T * D, *vh = v + bn * T * D;
       for (int64_t i = t0; i < t1;) {
         /* LANES rows at once (forward_block) where the item has as many left, else (or where their slots
          * differ) row by row */
@@ -1014,7 +1223,8 @@ int FN(pi_fused_forward)(const pi_call *c, const pi_buffer *buf, int64_t n_buf) 
 #endif
           for (int64_t r = 0; r < count; r++) {
             const int64_t at = b * T + i + r, start = doc_start ? doc_start[at] : 0, end = doc_start ? doc_end[at] : T;
-            FN(forward_row)(c, &p[n * G + g], i + r, start, end, q + (row + r) * D, kh, vh, gate ? gate[row + r] : 0,
+            FN(forward_row)(c, &p[n * G + g], i + r, start, end, q + (row + r) * D, kh, vh,
+                            gate ? FN(get_s)(gate[row + r]) : 0,
                             y + (row + r) * D, stat + (row + r) * n_stat,
                             keep ? keep + (row + r) * c->keep_slots : NULL, &w);
           }
@@ -1050,19 +1260,39 @@ int FN(pi_fused_backward)(const pi_call *c, const pi_buffer *buf, int64_t n_buf)
   }
   if ((err = pi_check_layout(c, &buf[10], &buf[11], &buf[12], &buf[13]))) return err;
   if (B == 0) return PI_OK;
-  const R *q = buf[0].data, *k = buf[1].data, *v = buf[2].data, *gate = buf[3].data, *dy = buf[4].data;
+  const S *q = buf[0].data, *k = buf[1].data, *v = buf[2].data, *gate = buf[3].data, *dy = buf[4].data;
   const double *stat = buf[5].data;
-  R *dq = buf[6].data, *dk = buf[7].data, *dv = buf[8].data, *dgate = buf[9].data;
+  S *dq = buf[6].data, *dk = buf[7].data, *dv = buf[8].data, *dgate = buf[9].data;
   const int64_t *doc_start = buf[11].data, *doc_end = buf[12].data;
   const uint8_t *keep = buf[13].data;
   int64_t reach, n_max;
   pi_pattern *p = pi_patterns(c, buf[10].data, &reach, &n_max, &err);
   if (!p) return err;
   const int64_t items = B * H_kv;
+#if PI_STORAGE
+  /* dk and dv of a low precision are summed in R, a key/value head at a time, and written as S once no later
+   * query adds to them: key j's last reader is query j + back (local and skip keys; a sink key is read to its
+   * document's end, so with sinks the head is written at its end). */
+  int64_t back = 0;
+  for (int64_t h = 0; h < H; h++) {
+    const int64_t last = p[h].skip_back && p[h].period > p[h].left ? p[h].period : p[h].left;
+    if (last > back) back = last;
+  }
+#endif
   int failed = 0;
 #pragma omp parallel num_threads(c->threads) if (c->threads > 1 && items > 1)
   {
-    FN(pi_scratch) w = FN(scratch)(n_max);
+    FN(pi_scratch) w = FN(scratch)(n_max, D);
+    R *lp = w.row ? malloc(sizeof(R) * 2 * (size_t)(LANES * G)) : NULL; /* backward_log_priors of the G heads */
+#if PI_STORAGE
+    R *acc = lp ? malloc(sizeof(R) * 2 * (size_t)(T * D)) : NULL; /* dk, dv of one head, in R */
+#else
+    R *acc = lp;
+#endif
+    if (!acc) {
+      free(w.row);
+      w.row = NULL;
+    }
     if (!w.row) {
 #pragma omp atomic write
       failed = 1;
@@ -1071,8 +1301,13 @@ int FN(pi_fused_backward)(const pi_call *c, const pi_buffer *buf, int64_t n_buf)
     for (int64_t bn = 0; bn < items; bn++) {
       if (!w.row) continue;
       const int64_t b = bn / H_kv, n = bn % H_kv;
-      const R *kh = k + bn * T * D, *vh = v + bn * T * D;
+      const S *kh = k + bn * T * D, *vh = v + bn * T * D;
+#if PI_STORAGE
+      R *dkh = acc, *dvh = acc + T * D;
+      int64_t written = 0; /* key rows [0, written) of dk, dv are final and written out */
+#else
       R *dkh = dk + bn * T * D, *dvh = dv + bn * T * D;
+#endif
       const int64_t zeroed = reach < T ? reach : T;
       memset(dkh, 0, sizeof(R) * (size_t)(zeroed * D));
       memset(dvh, 0, sizeof(R) * (size_t)(zeroed * D));
@@ -1082,14 +1317,35 @@ int FN(pi_fused_backward)(const pi_call *c, const pi_buffer *buf, int64_t n_buf)
           memset(dvh + (i + reach) * D, 0, sizeof(R) * (size_t)D);
         }
         const int64_t start = doc_start ? doc_start[b * T + i] : 0, end = doc_start ? doc_end[b * T + i] : T;
+        const int adaptive = c->variant == PI_ADAPTIVE;
+        if (adaptive && i % LANES == 0)
+          for (int64_t g = 0; g < G; g++)
+            FN(backward_log_priors)(c, gate + (b * H + n * G + g) * T + i, T - i < LANES ? T - i : LANES,
+                                    lp + 2 * LANES * g);
         for (int64_t g = 0; g < G; g++) {
           const int64_t row = (b * H + n * G + g) * T + i;
-          FN(backward_row)(c, &p[n * G + g], i, start, end, q + row * D, dy + row * D, kh, vh, gate ? gate[row] : 0,
+          FN(backward_row)(c, &p[n * G + g], i, start, end, q + row * D, dy + row * D, kh, vh,
+                           gate ? FN(get_s)(gate[row]) : 0, adaptive ? lp + 2 * LANES * g + i % LANES : NULL,
                            stat + row * n_stat, dq + row * D, dkh, dvh, dgate ? dgate + row : NULL,
                            keep ? keep + row * c->keep_slots : NULL, &w);
         }
+#if PI_STORAGE
+        if (!c->sinks && i - back >= written) { /* key i − back is final */
+          FN(rows_s)(dk + (bn * T + written) * D, dkh + written * D, (i - back + 1 - written) * D);
+          FN(rows_s)(dv + (bn * T + written) * D, dvh + written * D, (i - back + 1 - written) * D);
+          written = i - back + 1;
+        }
+#endif
       }
+#if PI_STORAGE
+      FN(rows_s)(dk + (bn * T + written) * D, dkh + written * D, (T - written) * D);
+      FN(rows_s)(dv + (bn * T + written) * D, dvh + written * D, (T - written) * D);
+#endif
     }
+#if PI_STORAGE
+    free(acc);
+#endif
+    free(lp);
     free(w.row);
   }
   free(p);
@@ -1097,6 +1353,7 @@ int FN(pi_fused_backward)(const pi_call *c, const pi_buffer *buf, int64_t n_buf)
 }
 
 #undef R
+#undef S
 #undef FN
 #undef LANES
 
