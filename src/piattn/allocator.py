@@ -38,6 +38,8 @@ import sys
 import threading
 import warnings
 
+from .checks import is_int
+
 # glibc's malloc.h
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -63,7 +65,7 @@ def keep_freed_pages(mmap_threshold: int = MMAP_THRESHOLD_MAX, trim_threshold: i
     of range and RuntimeError where the C library is not glibc or refuses a setting."""
     for name, value, high in (("mmap_threshold", mmap_threshold, MMAP_THRESHOLD_MAX),
                               ("trim_threshold", trim_threshold, (1 << 31) - 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= high:
+        if not is_int(value) or not 0 <= value <= high:
             raise ValueError(f"{name} must be an int in 0 … {high} bytes, got {value!r}")
     libc = _glibc()
     libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]

@@ -15,9 +15,10 @@ import textwrap
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from ..checks import is_int
 from .flags import Capability, add_flags, applies, check_flags, flag, flag_fields, option_name
 from .model import PERIOD_SCHEDULES, SIZES, ModelConfig
-from .pi import PI_DEFAULTS, VARIANTS, is_int
+from .pi import PI_DEFAULTS, VARIANTS
 
 # Task families whose flags only they read.
 CLASSIFICATION = ("listops", "pathfinder", "retrieval", "reach")

@@ -32,6 +32,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ..checks import is_int
+
 IGNORE = -100
 
 
@@ -41,7 +43,7 @@ def vocab_size(key_vocab: int, value_vocab: int) -> int:
 
 
 def _check_int(name: str, value: object, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    if not is_int(value) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
@@ -54,7 +56,7 @@ def _check_sizes(n_examples: int, seq_len: int, n_pairs: int, key_vocab: int, va
     if 4 * n_pairs > seq_len:
         raise ValueError(f"n_pairs must be <= seq_len / 4 = {seq_len // 4} (each pair takes two positions and its "
                          f"query two more), got {n_pairs}")
-    if isinstance(key_vocab, bool) or not isinstance(key_vocab, int) or key_vocab < n_pairs:
+    if not is_int(key_vocab) or key_vocab < n_pairs:
         raise ValueError(f"key_vocab must be an integer >= n_pairs = {n_pairs} (keys are distinct), "
                          f"got {key_vocab!r}")
 

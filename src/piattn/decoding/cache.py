@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config.pi import is_int
+from ..checks import is_int
 
 
 def _check_sizes(**sizes: int) -> None:

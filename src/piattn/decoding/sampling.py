@@ -6,12 +6,14 @@ import math
 
 import torch
 
+from ..checks import is_int
+
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
     """ValueError naming the argument for a temperature, top_k or top_p out of range (NaN included)."""
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+    if top_k is not None and (not is_int(top_k) or top_k < 1):
         raise ValueError(f"top_k must be an integer >= 1 or None, got {top_k}")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1] or None, got {top_p}")

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
+from ..checks import is_int
 from ..config import GPTConfig, TrainConfig
 from ..data.packing import PackedSequences, SequenceLoader, load_corpus, tokenize_corpus
 from ..data.text import load_documents, source_fingerprint
@@ -278,7 +279,7 @@ class LanguageModelTask(Task):
 
 def position_ranges(seq_len: int, bins: int) -> list[tuple[int, int]]:
     """`bins` near-equal ranges [start, end) covering the target positions 0 … seq_len − 1, in order."""
-    if isinstance(bins, bool) or not isinstance(bins, int) or not 1 <= bins <= seq_len:
+    if not is_int(bins) or not 1 <= bins <= seq_len:
         raise ValueError(f"--position-bins must be an integer in [1, seq_len={seq_len}], got {bins!r}")
     return [(i * seq_len // bins, (i + 1) * seq_len // bins) for i in range(bins)]
 
