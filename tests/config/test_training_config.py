@@ -9,12 +9,12 @@ import dataclasses
 import pytest
 
 from piattn.config import PI_DEFAULTS, PiSettings, TrainConfig
-from piattn.config.flags import Capability, add_flags, check_flags, flag, flag_fields
+from piattn.config.flags import Capability, Registry, add_flags, check_flags, flag, flag_fields
 from piattn.config.training import RUN_DEFINING, SECTIONS, ModelFlags
-from piattn.layers import kinds_with  # registers the attention kinds that scope flags by capability
+from piattn.layers import kinds_with
 
-REGISTRIES = {"attention": ("dense", "local", "pi"), "task": ("lm", "reach"), "tokenizer": ("byte",),
-              "backend": ("auto", "torch")}
+REGISTRIES = {"attention": Registry(("dense", "local", "pi"), kinds_with), "task": ("lm", "reach"),
+              "tokenizer": ("byte",), "backend": ("auto", "torch")}
 
 
 def parse(*argv) -> TrainConfig:
@@ -75,6 +75,17 @@ def test_a_new_flag_is_one_field():
     with pytest.raises(ValueError, match="--ring applies to --attention pi only, not 'dense'"):
         check_flags(Extra(ring=4), context={"attention": "dense"})
     check_flags(Extra(ring=4), context={"attention": "pi"})
+
+
+def test_a_capability_scope_needs_the_registry_passed_in():
+    """The configuration imports nothing above it and is lent nothing: without the kinds' registry a flag scoped
+    by a capability cannot be checked, and says what to pass; with it, the registry answers."""
+    cfg = parse("--attention", "dense", "--window", "3")
+    with pytest.raises(LookupError, match=r"pass registries=\{'attention': Registry\(names, having\)\}"):
+        cfg.check({**REGISTRIES, "attention": ("dense", "local", "pi")})
+    with pytest.raises(ValueError, match="--window applies to --attention"):
+        cfg.check(REGISTRIES)
+    parse("--attention", "local", "--window", "3").check(REGISTRIES)
 
 
 def test_flags_scoped_by_a_capability_name_one_some_registered_kind_has():

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from piattn.config import GPTConfig, ModelConfig, TrainConfig
 from piattn.config.flags import Capability, flag_fields
 from piattn.config.training import SECTIONS
-from piattn.layers import ATTENTION, AttentionLayer, kinds_with
+from piattn.layers import ATTENTION, AttentionLayer, attention_registry, kinds_with
 from piattn.models import GPT
 
 # Another valid value of each model setting a flag is scoped by, to see which kinds' config_kwargs read it.
@@ -50,7 +50,7 @@ def toy_kind():
 
 
 def registries() -> dict:
-    return {"attention": tuple(ATTENTION), "task": ("lm",), "tokenizer": ("byte",), "backend": ("auto", "torch")}
+    return {"attention": attention_registry(), "task": ("lm",), "tokenizer": ("byte",), "backend": ("auto", "torch")}
 
 
 def test_a_registered_kind_gets_the_flags_of_its_capabilities(toy_kind):
@@ -58,7 +58,7 @@ def test_a_registered_kind_gets_the_flags_of_its_capabilities(toy_kind):
     assert toy_kind not in kinds_with("grouped_query") + kinds_with("sinks") + kinds_with("decoding")
     cfg = TrainConfig.from_flat({"attention": toy_kind, "window": 3, "pack_documents": True, "out": "run"})
     cfg.check(registries())
-    assert "--window 3" in cfg.describe()
+    assert "--window 3" in cfg.describe(registries=registries())
     for flag, value, message in (
             ("sinks", 1, "--sinks applies to --attention local / pi only, not 'toy'"),
             ("n_kv_head", 2, "--n-kv-head applies to --attention dense / local / pi only, not 'toy'"),

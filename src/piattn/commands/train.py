@@ -34,7 +34,7 @@ from ..config import TrainConfig
 from ..config.model import PERIOD_SCHEDULES
 from ..config.training import period_text
 from ..data.tokenizers import KINDS as TOKENIZER_KINDS
-from ..layers import ATTENTION
+from ..layers import attention_registry
 from ..ops.pi import BACKENDS
 from ..tasks import TASKS, task_class
 from ..train.gates import condensed
@@ -43,7 +43,7 @@ from .common import add_threads_argument, torch_threads
 from .paths import output_folder
 
 # The allowed values of flags whose choices are registries above `piattn.config`.
-REGISTRIES = {"attention": tuple(ATTENTION), "task": tuple(TASKS), "tokenizer": tuple(TOKENIZER_KINDS),
+REGISTRIES = {"attention": attention_registry(), "task": tuple(TASKS), "tokenizer": tuple(TOKENIZER_KINDS),
               "backend": BACKENDS}
 
 

@@ -6,8 +6,9 @@ given to a task or attention kind that ignores it is an error, and whether the f
 that `--resume` with another value is refused). Adding a flag is adding one field.
 
 A flag's scope may name a capability instead of listing values: `applies={"attention": Capability("documents")}`.
-The registry of that field's values, which lives above the configuration, answers which values have it
-(`answer_capabilities`, called by `piattn.layers`) at each check, so a kind registered later is covered.
+The registry of that field's values lives above the configuration: the caller passes it in `registries`, as a
+`Registry` whose `having` answers which values have a capability (asked at each check, so a kind registered
+later is covered). Nothing is lent to this module at import.
 """
 
 from __future__ import annotations
@@ -59,24 +60,30 @@ class Capability:
     name: str
 
 
-# field name -> the function of its registry that answers capability -> the values that have it
-_CAPABILITY_ANSWERS: dict[str, Callable[[str], Iterable]] = {}
+@dataclass(frozen=True)
+class Registry:
+    """What the code above the configuration knows of a field's values: their names and, for flags scoped by a
+    `Capability`, which of them have one (`having(capability)` -> names). A plain tuple of names stands for a
+    registry without capabilities wherever `registries` is taken."""
+
+    names: tuple
+    having: Callable[[str], Iterable] | None = None
+
+    def __iter__(self):
+        return iter(self.names)
 
 
-def answer_capabilities(field: str, values_with: Callable[[str], Iterable]) -> None:
-    """Let `values_with(capability)` resolve the `Capability` scopes on `field` (its registry calls this)."""
-    _CAPABILITY_ANSWERS[field] = values_with
-
-
-def allowed_values(field: str, allowed: tuple | Capability) -> tuple:
-    """The values of `field` a flag scoped by `allowed` applies to: the tuple itself, or the registry's answer
-    for a `Capability` (LookupError when no registry answers for the field: nothing is assumed)."""
+def allowed_values(field: str, allowed: tuple | Capability, registries: Mapping | None) -> tuple:
+    """The values of `field` a flag scoped by `allowed` applies to: the tuple itself, or for a `Capability` the
+    answer of the field's `Registry` in `registries` (LookupError when none is given: nothing is assumed)."""
     if not isinstance(allowed, Capability):
         return allowed
-    if field not in _CAPABILITY_ANSWERS:
-        raise LookupError(f"no registry answers which {option_name(field)} values have {allowed.name!r}: "
-                          "import the package that registers them (piattn.layers for attention kinds)")
-    return tuple(_CAPABILITY_ANSWERS[field](allowed.name))
+    registry = (registries or {}).get(field)
+    if not isinstance(registry, Registry) or registry.having is None:
+        raise LookupError(f"no registry says which {option_name(field)} values have {allowed.name!r}: pass "
+                          f"registries={{{field!r}: Registry(names, having)}} (for attention kinds: "
+                          "piattn.layers.attention_registry())")
+    return tuple(registry.having(allowed.name))
 
 
 def _base_type(cls, name: str):
@@ -160,14 +167,14 @@ def check_flags(obj, registries: Mapping[str, Iterable] | None = None, context: 
         if meta.applies is None or value == field.default:
             continue
         for other, scope in meta.applies.items():
-            allowed = allowed_values(other, scope)
+            allowed = allowed_values(other, scope, registries)
             if context.get(other) not in allowed:
                 shown = " / ".join(map(str, allowed))
                 raise ValueError(f"{name} applies to {option_name(other)} {shown} only, "
                                  f"not {context.get(other)!r}")
 
 
-def applies(meta: Flag, context: Mapping) -> bool:
+def applies(meta: Flag, context: Mapping, registries: Mapping | None = None) -> bool:
     """Whether a flag means something under the values of other fields in `context` (its `applies`)."""
-    return meta.applies is None or all(context.get(other) in allowed_values(other, scope)
+    return meta.applies is None or all(context.get(other) in allowed_values(other, scope, registries)
                                        for other, scope in meta.applies.items())

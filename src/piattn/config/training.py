@@ -280,7 +280,8 @@ class TrainConfig:
     def check(self, registries: Mapping[str, Iterable] | None = None) -> None:
         """ValueError naming the flag for any value out of range, not a choice, or given where it is ignored.
 
-        registries: the allowed names of "attention", "task", "tokenizer" and "backend", known above here.
+        registries: the allowed names of "attention", "task", "tokenizer" and "backend", known above here; the
+        attention kinds as a `flags.Registry` that also says which kinds have a capability.
         """
         flat = self.to_flat()
         context = {**flat, "variant": flat["variant"] or PI_DEFAULTS.variant}
@@ -314,20 +315,20 @@ class TrainConfig:
                     f"warmup ramp (peak --lr {o.lr:g}) and the cosine decay never starts; lower --warmup"]
         return []
 
-    def describe(self, model: Mapping | None = None, width: int = 110) -> str:
+    def describe(self, model: Mapping | None = None, width: int = 110, registries: Mapping | None = None) -> str:
         """The settings as one compact block, a line per section of `--flag value` pairs (flags left to the
         task or model config omitted; `model`: the built model's config, whose values fill in the model
-        flags left to it that apply to this attention kind)."""
+        flags left to it that apply to this attention kind; `registries` as in `check`)."""
         context = {**self.to_flat(), **({"variant": model.get("variant")} if model else {})}
         lines = []
         for section, cls in SECTIONS.items():
             pairs = []
             for f, meta in flag_fields(cls):
                 value = getattr(getattr(self, section), f.name)
-                if value is None and model is not None and f.name in model and applies(meta, context):
+                if value is None and model is not None and f.name in model and applies(meta, context, registries):
                     value = model[f.name]
                 if (value is None or (value is False and f.default is False) or f.name == "resume"
-                        or not applies(meta, context)):
+                        or not applies(meta, context, registries)):
                     continue
                 if isinstance(value, bool):
                     pairs.append(option_name(f.name) if value else f"--no-{f.name.replace('_', '-')}")

@@ -12,8 +12,9 @@ from .local import LocalAttention
 from .longformer import LongformerAttention
 from .pi import PiAttention
 from .reformer import ReformerAttention
-from .registry import ATTENTION, attention_class, kinds_with
+from .registry import ATTENTION, attention_class, attention_registry, kinds_with
 from .sharding import sequence_parallel
 
-__all__ = ["ATTENTION", "attention_class", "kinds_with", "AttentionLayer", "BigBirdAttention", "DenseAttention",
-           "LocalAttention", "LongformerAttention", "PiAttention", "ReformerAttention", "sequence_parallel"]
+__all__ = ["ATTENTION", "attention_class", "attention_registry", "kinds_with", "AttentionLayer", "BigBirdAttention",
+           "DenseAttention", "LocalAttention", "LongformerAttention", "PiAttention", "ReformerAttention",
+           "sequence_parallel"]

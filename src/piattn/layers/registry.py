@@ -14,7 +14,7 @@ and the tests all ask `kinds_with`, so a new kind is its module plus its line in
 
 from __future__ import annotations
 
-from ..config.flags import answer_capabilities
+from ..config.flags import Registry
 from .base import ATTENTION, AttentionLayer, kinds_with
 from .bigbird import BigBirdAttention
 from .dense import DenseAttention
@@ -40,5 +40,7 @@ def attention_class(name: str) -> type[AttentionLayer]:
     return ATTENTION[name]
 
 
-# The --attention flags scoped by a capability are checked against this registry, whatever is registered then.
-answer_capabilities("attention", kinds_with)
+def attention_registry() -> Registry:
+    """The kinds as the training flags' checks take them (`TrainConfig.check(registries)`): their names now, and
+    `kinds_with` to say which have a capability, asked at each check."""
+    return Registry(tuple(ATTENTION), kinds_with)

@@ -45,6 +45,7 @@ import piattn
 
 from .. import safe_files
 from ..config import PRECISIONS, TrainConfig
+from ..layers import attention_registry
 from ..safe_files import link_refusal
 from . import checkpoint as ckpt
 from .distributed import (
@@ -456,7 +457,8 @@ class Trainer:
                    if ctx.device.type == "cpu" else "")
         print(f"piattn train: {self.task.name}, {sum(p.numel() for p in self.model.parameters()):,} parameters, "
               f"{ctx.world_size} × {ctx.device}{threads}, {self.amp_dtype or torch.float32}; {start}\n"
-              f"{self.cfg.describe(self.task.model_config.to_dict())}", file=sys.stderr)
+              f"{self.cfg.describe(self.task.model_config.to_dict(), registries={'attention': attention_registry()})}",
+              file=sys.stderr)
         for line in ([self.schedule_note] if self.schedule_note else []) + self.cfg.warnings():
             print(f"piattn train: {'note' if line is self.schedule_note else 'warning'}: {line}", file=sys.stderr)
         if self.step >= self.cfg.optim.steps:
