@@ -45,6 +45,21 @@
  * nothing, rather than read or write outside a buffer.
  *
  * The file includes itself once per precision (PI_REAL), so each kernel is written once as plain C.
+ *
+ * Contents. Every kernel below is named NAME and compiled as NAME_f32, NAME_bf16, NAME_f16 and NAME_f64
+ * (FN(NAME), one per storage type: the suffix is PI_SUFFIX of each instantiation). Exported, the only
+ * symbols fused.py calls:
+ *   pi_fused_forward_f32, pi_fused_forward_bf16, pi_fused_forward_f16, pi_fused_forward_f64   (FN(pi_fused_forward))
+ *   pi_fused_backward_f32, pi_fused_backward_bf16, pi_fused_backward_f16, pi_fused_backward_f64
+ *                                                                                           (FN(pi_fused_backward))
+ * Shared, once: return codes, pi_buffer, pi_call; pi_pattern_of / pi_patterns (a head's slot offsets);
+ * pi_check_call, pi_check_buffer, pi_check_layout (the trust checks); pi_forward_blocks, pi_streaming; the
+ * bf16 / fp16 conversions pi_bf16_to_f32, pi_f32_to_bf16, pi_f16_to_f32, pi_f32_to_f16; the instantiations.
+ * Per precision, in order: vectors (load, store, splat, load_s, store_s, row_r, rows_s, put); reductions and
+ * row arithmetic (sum_lanes, dot, dot2, weighted_sum, add2); slots (slot_rows, dropout_row); log and exp
+ * (log_lanes, logs, log1, exp_lanes, exp_shifted, normalise); the logits (log_priors, logits); scratch; the
+ * forward (forward_row_d, forward_block_d: rows in lanes; forward_row, forward_block); the backward
+ * (backward_row_d, backward_row, backward_log_priors); the entry points pi_fused_forward, pi_fused_backward.
  */
 #ifndef PI_REAL
 
