@@ -10,28 +10,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from byte_llama import ByteTokenizer, tiny_llama  # noqa: E402
 
 from piattn.cli import main  # noqa: E402
 from piattn.commands import convert_eval  # noqa: E402
 from piattn.integrations.hf import find_gguf, load_gguf_model  # noqa: E402
-
-
-class ByteTokenizer:
-    """The tokenizer interface convert-eval uses: bytes as ids, an end-of-sequence id."""
-
-    eos_token_id = 99
-
-    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
-        return {"input_ids": [b % 97 for b in text.encode()]}
-
-
-def tiny_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=100, max_position_embeddings=128, bos_token_id=None,
-                      eos_token_id=None, pad_token_id=None)
-    return LlamaForCausalLM(cfg).eval()
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from byte_llama import ByteTokenizer, tiny_llama  # noqa: E402
 
 from piattn.data.text import BOOK_SPLITS  # noqa: E402
 
@@ -25,21 +25,6 @@ def experiment():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-class ByteTokenizer:
-    eos_token_id = 99
-
-    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
-        return {"input_ids": [b % 97 for b in text.encode()]}
-
-
-def tiny_llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=100, max_position_embeddings=256, bos_token_id=None,
-                      eos_token_id=None, pad_token_id=None)
-    return LlamaForCausalLM(cfg).eval()
 
 
 @pytest.fixture
@@ -55,7 +40,7 @@ def books(tmp_path):
 
 @pytest.fixture
 def tiny(experiment, monkeypatch):
-    monkeypatch.setattr(experiment, "load_gguf_model", lambda path: (tiny_llama(), ByteTokenizer()))
+    monkeypatch.setattr(experiment, "load_gguf_model", lambda path: (tiny_llama(max_positions=256), ByteTokenizer()))
 
 
 def _argv(books, tmp_path, runs="runs", *extra):

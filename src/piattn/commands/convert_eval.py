@@ -129,19 +129,25 @@ def run(args: argparse.Namespace) -> int:
         return _convert_and_score(args, configs)
 
 
+def _pending(args: argparse.Namespace, name: str, settings: dict, configs: list[str]) -> tuple[Path, dict, list[str]]:
+    """The results file `name` in --out, what it holds for these settings (`_previous`), and the configurations
+    still to run (said when none is)."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / name
+    results = _previous(path, settings)
+    todo = [c for c in configs if c not in results["configs"]]
+    if not todo:
+        print(f"piattn convert-eval: every configuration is in {path} already", file=sys.stderr)
+    return path, results, todo
+
+
 def _convert_and_score(args: argparse.Namespace, configs: list[str]) -> int:
     from ..data.windows import evaluation_windows
     from ..integrations.hf import load_gguf_model
     from ..integrations.hf.evaluation import pattern_mask, summarize_losses, token_losses
 
-    settings = _settings(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    results_path = args.out / "convert_eval.json"
-    results = _previous(results_path, settings)
-    todo = [c for c in configs if c not in results["configs"]]
-    if not todo:
-        print(f"piattn convert-eval: every configuration is in {results_path} already", file=sys.stderr)
-    else:
+    results_path, results, todo = _pending(args, "convert_eval.json", _settings(args), configs)
+    if todo:
         model, tokenizer = load_gguf_model(args.model)
         windows = evaluation_windows(args.data, args.split, tokenizer, args.context, args.limit_tokens)
         results["tokens_scored_per_config"] = windows.numel() - windows.shape[0]
@@ -328,14 +334,8 @@ def _passkey(args: argparse.Namespace, configs: list[str]) -> int:
     from ..integrations.hf import load_gguf_model
     from ..integrations.hf.evaluation import pattern_mask
 
-    settings = _passkey_settings(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    results_path = args.out / "passkey.json"
-    results = _previous(results_path, settings)
-    todo = [c for c in configs if c not in results["configs"]]
-    if not todo:
-        print(f"piattn convert-eval: every configuration is in {results_path} already", file=sys.stderr)
-    else:
+    results_path, results, todo = _pending(args, "passkey.json", _passkey_settings(args), configs)
+    if todo:
         model, tokenizer = load_gguf_model(args.model)
         template = PasskeyTemplate(tokenizer, digits=args.digits)
         bins = passkey_bins(args, template)
