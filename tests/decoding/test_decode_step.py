@@ -111,14 +111,18 @@ def test_steps_of_one_to_four_tokens_equal_the_full_forward(variant, window, per
 
 def _spy(monkeypatch, module):
     """Records the rows of each call to the decoding paths: `_decode_rows` (a few tokens against the
-    gathered cache) and `decode_ring` (one token, read straight from the ring)."""
+    gathered cache), `decode_ring` and `_decode_ring` (one token, read straight from the ring) and
+    `_decode_token` (the layer's whole one-token step in one compiled call; counted when it ran, since where it
+    does not apply `_decode_ring` runs after it)."""
     calls = []
-    for name in ("_decode_rows", "decode_ring"):
+    for name in ("_decode_rows", "decode_ring", "_decode_ring", "_decode_token"):
         real = getattr(module, name)
 
-        def spy(*args, real=real, **kwargs):
-            calls.append(args[0].shape[2])
-            return real(*args, **kwargs)
+        def spy(*args, real=real, name=name, **kwargs):
+            y = real(*args, **kwargs)
+            if y is not None:
+                calls.append(args[0].shape[1] if name == "_decode_token" else args[0].shape[2])
+            return y
 
         monkeypatch.setattr(module, name, spy)
     return calls

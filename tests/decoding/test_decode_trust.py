@@ -247,18 +247,30 @@ def test_the_c_step_checks_every_size_itself(tmp_path):
         q, kv, y = torch.zeros(1, 2, 1, 4, dtype=torch.float64), torch.zeros(2, 1, 4, 3, 4, dtype=torch.float64), \\
             torch.zeros(1, 2, 1, 4, dtype=torch.float64)
         gate = torch.full((1, 2, 1), 0.5, dtype=torch.float64)
-        def call(H_kv=1, N=3, slot=(0, 1, 2), kind=(0, 0, 1), mode=0, B=1, gate_ptr=None, pointers=True, Q=1):
+        new = torch.zeros(1, 2, 1, 4, dtype=torch.float64)  # a new token's key and value, for the fused step
+        cos, sin = torch.ones(4), torch.zeros(4)
+        def call(H_kv=1, N=3, slot=(0, 1, 2), kind=(0, 0, 1), mode=0, B=1, gate_ptr=0, pointers=True, Q=1,
+                 fresh=False, fresh_slot=0, rope=False, D=4, packed=None):
             s, k = torch.tensor(slot), torch.tensor(kind)
-            return f(q.data_ptr() if pointers else None, 8, 4, 4, kv.data_ptr() if pointers else None, B, 2, H_kv,
-                     N, 4, Q, s.data_ptr(), None, k.data_ptr(), len(kind), mode, 0.0, 0.0, gate_ptr, 2, 1, 1, 0,
-                     None, None, 0.5, 4.0, 1e-3, y.data_ptr() if pointers else None)
+            ptr = lambda t: t.data_ptr() if pointers else 0
+            args = native._ARGS.pack(ptr(q), 8, 4, 4, ptr(kv), B, 2, H_kv, N, D, Q, s.data_ptr(), 0, k.data_ptr(),
+                                     len(kind), mode, 0.0, 0.0, gate_ptr, 2, 1, 1, 0, 0, 0, 0.5, 4.0, 1e-3, ptr(y),
+                                     new.data_ptr() if fresh else 0, 8, fresh_slot, cos.data_ptr() if rope else 0,
+                                     sin.data_ptr() if rope else 0, 0)
+            return f(args if packed is None else packed)
         print(call(), call(H_kv=4), call(H_kv=0), call(N=0), call(slot=(0, 1, 3)), call(slot=(0, -1, 2)),
               call(kind=(0, 2, 1)), call(mode=9), call(mode=2), call(mode=2, gate_ptr=gate.data_ptr()),
               call(B=-1), call(B=0, pointers=False), call(Q=0),
-              call(Q=2, slot=(0, 1, 2, 0, 1, 3), kind=(0, 0, 1)))  # the second query's slots are checked too
+              call(Q=2, slot=(0, 1, 2, 0, 1, 3), kind=(0, 0, 1)),  # the second query's slots are checked too
+              # the fused one-token step: its row in range, one query, an even D under RoPE
+              call(fresh=True, fresh_slot=2, rope=True), call(fresh=True, fresh_slot=3),
+              call(fresh=True, fresh_slot=-1),
+              call(fresh=True, Q=2, slot=(0, 1, 2, 0, 1, 2)), call(rope=True, D=3, slot=(0, 0, 0)),
+              call(mode=-(2**40)), call(mode=2**40))  # a prior mode past an int is refused, not truncated
     """, tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["0", "1", "1", "1", "2", "2", "3", "4", "4", "0", "1", "0", "1", "2"]
+    assert done.stdout.split() == ["0", "1", "1", "1", "2", "2", "3", "4", "4", "0", "1", "0", "1", "2",
+                                   "0", "2", "2", "1", "1", "4", "4"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -313,8 +325,9 @@ __attribute__((constructor)) static void planted(void) {
   FILE *f = fopen(getenv("PLANTED_MARKER"), "w");
   if (f) fclose(f);
 }
-int pi_decode_step_f32(void) { return 0; }
-int pi_decode_step_f64(void) { return 0; }
+long long pi_step_args_size(void) { return 280; }
+int pi_decode_step_packed_f32(const void *a) { return 0; }
+int pi_decode_step_packed_f64(const void *a) { return 0; }
 """
 
 

@@ -37,13 +37,16 @@ def _model(variant: str) -> GPT:
 def handed_to_the_compiled_step(monkeypatch) -> list:
     """The prior mode of each call `decode_ring` makes of the compiled step (whether or not it applies)."""
     modes = []
-    real = native._ring_step_unchecked
+    # decode_ring's call, and the layers' whole one-token step (`decode._decode_token`), which takes the place
+    # of decode_ring's when it runs.
+    for name in ("_ring_step_unchecked", "_token_step_unchecked"):
+        real = getattr(native, name)
 
-    def spy(q, kv_store, slot, valid, kind, *, prior_mode, **kwargs):
-        modes.append(prior_mode)
-        return real(q, kv_store, slot, valid, kind, prior_mode=prior_mode, **kwargs)
+        def spy(*args, real=real, prior_mode, **kwargs):
+            modes.append(prior_mode)
+            return real(*args, prior_mode=prior_mode, **kwargs)
 
-    monkeypatch.setattr(native, "_ring_step_unchecked", spy)
+        monkeypatch.setattr(native, name, spy)
     return modes
 
 

@@ -77,12 +77,20 @@ class RingCache:
         self._slots = torch.cat([sinks + torch.arange(2 * capacity, device=device) % capacity,
                                  torch.arange(sinks, device=device)])
         self._recent: dict[tuple[int, int], torch.Tensor] = {}
+        # What `check` accepted, (batch_size, n_heads, head_dim, capacity, sinks): a model's layers ask the same
+        # on every step of generation, and the answer depends on nothing that changes.
+        self._accepted: set[tuple] = set()
+        # Per ring slot, the views of k and v that `append_token` writes: one copy each instead of an indexing.
+        self._slot_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def check(self, *, batch_size: int, n_heads: int, head_dim: int, capacity: int | None, sinks: int) -> None:
         """Refuse (ValueError) a layer that needs something else than this cache was made for: batch,
         key/value heads and head width equal, a ring of at least `capacity` positions (None: the layer reads
         every position, which no ring holds) and exactly `sinks` sink slots (the slot of every position
-        depends on them)."""
+        depends on them). Asked again with what it accepted before, it answers at once."""
+        key = (batch_size, n_heads, head_dim, capacity, sinks)
+        if key in self._accepted:
+            return
         _check_use(self, batch_size, n_heads, head_dim)
         if capacity is None:
             raise ValueError(f"cache is a ring of {self.capacity} positions, but this layer reads every position: "
@@ -92,6 +100,7 @@ class RingCache:
             raise ValueError(f"cache was made for a ring of {self.capacity} positions and {self.sinks} sinks, but "
                              f"this layer needs at least {capacity} positions and {sinks} sinks: make the cache "
                              f"with the model's init_cache")
+        self._accepted.add(key)
 
     def recent_slots(self) -> torch.Tensor:
         """The slots `recent()` reads, int64 [m + n] (see there)."""
@@ -144,6 +153,34 @@ class RingCache:
         self.k.index_copy_(2, slots, k[:, :, t - keep:].to(self.k.dtype))
         self.v.index_copy_(2, slots, v[:, :, t - keep:].to(self.v.dtype))
         self.seen += t
+
+    def next_token_slot(self) -> int | None:
+        """The ring row the next position goes to, for a step that writes it itself (the compiled one-token step
+        of a decoding layer, which then calls `token_stored`); None where `append` must store it (a sink
+        position, or one more than max_positions, which `append` refuses)."""
+        if self.seen < self.sinks or (self.max_positions is not None and self.seen >= self.max_positions):
+            return None
+        return self.sinks + self.seen % self.capacity
+
+    def token_stored(self) -> None:
+        """The next position was written into row `next_token_slot()` by the caller: count it as seen."""
+        self.seen += 1
+
+    def append_token(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """`append` of one token, k, v [B, H, 1, D], for a layer that `check` accepted and whose k, v have this
+        cache's shape by construction (the decoding layers' one-token step, under no_grad): the slot's k and v
+        views take one copy each, with no shape check (`append` has them). Positions that are sinks still go
+        through `append`."""
+        if self.seen < self.sinks or (self.max_positions is not None and self.seen >= self.max_positions):
+            self.append(k, v)  # sink slots, or the refusal of one position too many
+            return
+        slot = self.sinks + self.seen % self.capacity
+        views = self._slot_views.get(slot)
+        if views is None:
+            views = self._slot_views[slot] = (self.k[:, :, slot:slot + 1], self.v[:, :, slot:slot + 1])
+        views[0].copy_(k)
+        views[1].copy_(v)
+        self.seen += 1
 
     @property
     def nbytes(self) -> int:

@@ -6,13 +6,27 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.nn import functional as F
+from torch.nn.modules import module as _module
 
 from ..config import PiSettings
 from ..decoding.cache import RingCache
-from ..ops.pi.decode import _decode_rows, decode_ring
+from ..ops.pi.decode import _decode_ring, _decode_rows, _decode_token, decode_ring
 from ..ops.pi.heads import by_period
 from .base import AttentionLayer
-from .sharding import pi_operator
+from .sharding import active_shard, pi_operator
+
+
+def global_hooks() -> bool:
+    """Whether forward hooks are registered for every module (`nn.modules.module.register_module_forward_hook`
+    and its pre-hook): then the decoding step calls the projections as modules, as `AttentionLayer.heads` does."""
+    return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks)
+
+
+def plain_linear(m: nn.Module) -> bool:
+    """Whether `m` is an `nn.Linear` with no forward hooks of its own, so that `F.linear` on its weight and bias
+    is exactly what calling it does (not a subclass or a wrapper, which may compute something else)."""
+    return type(m) is nn.Linear and not (m._forward_hooks or m._forward_pre_hooks)
 
 
 class WindowedAttention(AttentionLayer):
@@ -50,6 +64,20 @@ class WindowedAttention(AttentionLayer):
         # The decoding functions' settings (no causal, no backend; the scale spelled out), once rather than per step.
         self._decode_kwargs = dict(**settings.as_kwargs(), scale=self.head_dim**-0.5)
         self._gate_observer: Callable[[torch.Tensor], None] | None = None
+        # `_ring_forward`'s fixed arguments of `_decode_ring` (window … sinks, positional), or None where the layer
+        # takes the general path (`AttentionLayer.forward`): a period per head, or a subclass that overrides a
+        # method of that path (its override is then what runs).
+        kind = type(self)
+        lean = (settings.periods is None and kind.heads is AttentionLayer.heads
+                and kind.attend_cached is AttentionLayer.attend_cached
+                and kind.attend_ring is WindowedAttention.attend_ring)
+        self._ring_settings = None if not lean else (settings.window, settings.period, settings.variant,
+                                                     settings.prior, settings.logit_clamp, settings.eps,
+                                                     self.head_dim**-0.5, settings.sinks)
+        self._ring_capacity = settings.reach + 1  # `cache_capacity()` of a causal layer
+        # Whether `ring_gate` is this package's (a subclass's own is always asked): then a layer without a gate
+        # has no gate arguments, and `_ring_projection` does not ask. `PiAttention` sets it for its own.
+        self._own_ring_gate = kind.ring_gate is WindowedAttention.ring_gate
 
     def gate_values(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [B, T, d] -> α̃ [B, H, T], or None for a layer without a gate (this base has none)."""
@@ -79,6 +107,67 @@ class WindowedAttention(AttentionLayer):
 
     def cache_sinks(self) -> int:
         return self.settings.sinks
+
+    def forward(self, x: torch.Tensor, cache=None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`AttentionLayer.forward`; a step of one token on a ring cache, without autograd, takes `_ring_forward`."""
+        if (type(cache) is RingCache and document_ids is None and x.dim() == 3 and x.shape[1] == 1
+                and self._ring_settings is not None and self.causal and not torch.is_grad_enabled()
+                and (not self.training or not self.dropout) and active_shard() is None):
+            return self._ring_forward(x, cache)
+        return super().forward(x, cache, document_ids)
+
+    def _ring_forward(self, x: torch.Tensor, cache: RingCache) -> torch.Tensor:
+        """The one-token step of generation, x [B, 1, d] -> [B, 1, d]: what `AttentionLayer.forward` computes
+        through `attend_cached` and `attend_ring`, in fewer calls. The cache is checked as there
+        (`RingCache.check`, which remembers what it accepted); then the projection (folded with the gate's first
+        linear where `_ring_projection` can) and one call of the compiled step that rotates q and the new key,
+        stores the key and value in the ring and attends (`decode._decode_token`), or where that step does not
+        apply, RoPE, `RingCache.append_token` and `decode._decode_ring`. The decoding functions are called
+        unchecked: every argument is the layer's or the accepted cache's. Equal to the general path up to the
+        rounding of the folded projection (the rest is the same arithmetic)."""
+        B = x.shape[0]
+        H, H_kv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        settings = self._ring_settings
+        cache.check(batch_size=B, n_heads=H_kv, head_dim=D, capacity=self._ring_capacity, sinks=settings[7])
+        modules = self._modules  # submodules read once (each `self.name` of a module is a __getattr__ call)
+        proj, n, gate, gate_head = self._ring_projection(x, modules)
+        rotary = modules.get("rotary")  # None is kept as a plain attribute, not a module
+        position = cache.seen
+        fresh_slot = cache.next_token_slot()
+        if fresh_slot is not None:
+            rotation = None if rotary is None else (*rotary._table(position + 1, x.device), position)
+            y = _decode_token(proj, H, cache.kv, gate, gate_head, fresh_slot, rotation, cache.capacity, position,
+                              *settings)
+            if y is not None:
+                cache.token_stored()
+                return modules["out"](y.view(B, 1, H * D))
+        if n != proj.shape[-1]:  # folded: the gate's hidden pre-activation follows q, k, v
+            proj, gate = proj[..., :n], proj[..., n:]
+        qkv = proj.view(B, 1, H + 2 * H_kv, D)
+        qk, v = qkv[:, :, :H + H_kv], qkv[:, :, H + H_kv:]
+        if rotary is not None:  # as `heads` does, at the cache's position
+            qk = rotary.rotate(qk, *rotary.cos_sin(1, position, None, x.device))
+        cache.append_token(qk[:, :, H:].transpose(1, 2), v.transpose(1, 2))
+        y = _decode_ring(qk[:, :, :H].transpose(1, 2), cache.kv, gate, cache.capacity, position, *settings,
+                         gate_head)
+        return modules["out"](y.reshape(B, 1, H * D))
+
+    def _ring_projection(self, x: torch.Tensor, modules) -> tuple[torch.Tensor, int, torch.Tensor | None,
+                                                                  tuple[torch.Tensor, torch.Tensor] | None]:
+        """For one new token x [B, 1, d]: (proj [B, 1, P], n, gate, gate_head): its q, k, v projection in proj's
+        first n = (H + 2·H_kv)·D columns, and the gate arguments of `decode_ring` (`ring_gate`). Here P = n; a
+        layer that folds its gate's first linear into the projection (`PiAttention`) puts the gate's hidden
+        pre-activation in the columns after n, with gate None and gate_head the gate's last layer."""
+        proj = modules["qkv"]
+        if plain_linear(proj) and not global_hooks():
+            weights = proj._parameters
+            qkv = F.linear(x, weights["weight"], weights["bias"])
+        else:
+            qkv = proj(x)
+        n = qkv.shape[-1]
+        if self._own_ring_gate and self.gate is None:
+            return qkv, n, None, None  # what ring_gate gives a layer without a gate, without asking it
+        return (qkv, n, *self.ring_gate(x))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor,
                document_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -10,7 +10,7 @@ from torch import nn
 from ..config import GPTConfig
 from ..decoding.cache import Cache
 from ..decoding.sampling import sample_next
-from .block import Block, init_weights
+from .block import Block, dropped, init_weights
 
 
 class GPT(nn.Module):
@@ -44,7 +44,7 @@ class GPT(nn.Module):
             raise ValueError(f"idx must be [B, T] token ids, got shape {tuple(idx.shape)}")
         if cache is not None:
             cache.check(len(self.blocks))
-        x = self.drop(self.embed(idx))
+        x = dropped(self.drop, self.embed(idx))
         for i, block in enumerate(self.blocks):
             x = block(x, None if cache is None else cache.layers[i], document_ids)
         return self.head(self.ln_f(x))

@@ -298,11 +298,24 @@ def decode_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | No
     """
     check_ring(q, kv_store, gate, capacity, position, window, period, variant, prior, logit_clamp, eps, scale, sinks,
                gate_head)
+    return _decode_ring(q, kv_store, gate, capacity, position, window, period, variant, prior, logit_clamp, eps,
+                        scale, sinks, gate_head)
+
+
+def _decode_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | None, capacity: int, position: int,
+                 window: int, period: int, variant: str, prior: float, logit_clamp: float | None, eps: float,
+                 scale: float, sinks: int, gate_head: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """`decode_ring` without `check_ring`, its arguments positional, for the decoding layers' one-token step
+    (`WindowedAttention`), whose arguments are right by construction: q and the gate come from the layer's own
+    projections, kv_store is the storage of a cache that `RingCache.check` accepted for the layer (batch,
+    key/value heads, head width, a ring reaching as far as the pattern reads, its sinks) and that has just
+    stored the new key, position is the cache's, and the settings are the layer's, checked when it was made."""
     slot, valid, kind, n_local, n_skip = ring_slots(window, period, sinks, capacity, position, q.device)
     compiled = _compiled_prior(variant, gate, gate_head, prior, eps)
     if compiled is not None:
         mode, extra = compiled
-        # Unchecked: check_ring covered what ring_step's own checks would, and the slots are ring_slots'.
+        # Unchecked: check_ring (or the layer's cache check) covered what ring_step's own checks would, and the
+        # slots are ring_slots'. The C step still checks every size, slot and kind before reading anything.
         y = native._ring_step_unchecked(q, kv_store, slot, valid, kind, prior_mode=mode, logit_clamp=logit_clamp,
                                         eps=eps, scale=scale, **extra)
         if y is not None:
@@ -318,6 +331,34 @@ def decode_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | No
                                                                                 D).unbind(0)
     return decode_gathered(q, kg, vg, valid, kind, n_local, n_skip, gate, variant=variant, prior=prior,
                            logit_clamp=logit_clamp, eps=eps, scale=scale, gate_is_sigmoid=gate_is_sigmoid)
+
+
+def _decode_token(proj: torch.Tensor, n_heads: int, kv_store: torch.Tensor, gate: torch.Tensor | None,
+                  gate_head: tuple[torch.Tensor, torch.Tensor] | None, fresh_slot: int,
+                  rotation: tuple[torch.Tensor, torch.Tensor, int] | None, capacity: int, position: int, window: int,
+                  period: int, variant: str, prior: float, logit_clamp: float | None, eps: float, scale: float,
+                  sinks: int) -> torch.Tensor | None:
+    """A decoding layer's whole one-token step in one call of the compiled step (`native._token_step_unchecked`):
+    the new token at `position` stored in ring row `fresh_slot` (its key rotated by `rotation`), then its query
+    (rotated) read over the ring as `_decode_ring` reads it. y [B, H, 1, D], or None where the compiled step does
+    not apply, with nothing written: the caller then stores the token and calls `_decode_ring`.
+
+    proj [B, 1, P]: the new token's q (n_heads heads), k, v columns, then, with gate None and gate_head given,
+    the gate MLP's hidden pre-activation (a projection folded with the gate's first linear); otherwise gate and
+    gate_head as in `decode_ring`. Unchecked, for `WindowedAttention` (see `_decode_ring`)."""
+    mode = native.PRIOR_MODES.get(variant)
+    if mode is None:
+        return None
+    # `_compiled_prior` spelled out without its dict: this runs once per layer and token.
+    weight = bias = None
+    log_prior = (0.0, 0.0)
+    if gate_head is not None:
+        mode, (weight, bias) = native.PRIOR_HIDDEN, gate_head
+    elif mode == native.PRIOR_CONST:
+        log_prior = log_priors(variant, None, prior, eps)
+    slot, valid, kind, _, _ = ring_slots(window, period, sinks, capacity, position, kv_store.device)
+    return native._token_step_unchecked(proj, n_heads, kv_store, slot, valid, kind, fresh_slot, rotation, log_prior,
+                                        gate, weight, bias, logit_clamp, eps, scale, prior_mode=mode)
 
 
 @functools.lru_cache(maxsize=16)

@@ -16,6 +16,10 @@
  *   y       [B, H, Q, D]         contiguous output
  * Query head h reads key/value head h / (H / H_kv) (grouped-query attention).
  *
+ * The one-token step of a decoding layer (`fresh`, `cos`, `sin`; see `pi_step_args`) also stores the new token's
+ * key and value in the ring and applies RoPE to q and the new key first, so that a layer's step is its
+ * projections and this one call.
+ *
  * Priors (log ω added to the clamped scores, Eqs. delta, omega, app_gate):
  *   PRIOR_NONE    "union": nothing.
  *   PRIOR_CONST   "fixed": c_local on local slots, c_skip on the skip slot.
@@ -38,6 +42,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 enum { PRIOR_NONE = 0, PRIOR_CONST = 1, PRIOR_ALPHA = 2, PRIOR_HIDDEN = 3 };
 /* Return codes; native.py turns each into its error. */
@@ -46,9 +51,12 @@ enum { PI_OK = 0, PI_ERR_SIZE = 1, PI_ERR_SLOT = 2, PI_ERR_KIND = 3, PI_ERR_PRIO
 /* PI_OK when every read and write of the step stays inside the buffers whose sizes it was given. */
 static int pi_check(const void *q, const void *kv, int64_t B, int64_t H, int64_t H_kv, int64_t N, int64_t D,
                     int64_t Q, const int64_t *slot, const int64_t *kind, int64_t S, int prior_mode,
-                    const void *gate, int64_t n_hidden, const void *w, const void *bias, const void *y) {
+                    const void *gate, int64_t n_hidden, const void *w, const void *bias, const void *y,
+                    const void *fresh, int64_t fresh_slot, const void *cos, const void *sin) {
   if (B < 0 || H < 1 || H_kv < 1 || H_kv > H || H % H_kv || N < 1 || D < 1 || Q < 1 || S < 0 || n_hidden < 0)
     return PI_ERR_SIZE;
+  if ((fresh && Q != 1) || (!cos) != (!sin) || (cos && D % 2)) return PI_ERR_SIZE;
+  if (fresh && (fresh_slot < 0 || fresh_slot >= N)) return PI_ERR_SLOT;
   if (prior_mode < PRIOR_NONE || prior_mode > PRIOR_HIDDEN) return PI_ERR_PRIOR;
   if (S > 0 && (!slot || !kind)) return PI_ERR_SIZE;
   for (int64_t s = 0; s < S; s++)
@@ -62,22 +70,63 @@ static int pi_check(const void *q, const void *kv, int64_t B, int64_t H, int64_t
   return PI_OK;
 }
 
-#define DEFINE_STEP(NAME, T, EXP, LOG, ERF)                                                                  \
-  int NAME(const T *q, int64_t q_sb, int64_t q_sh, int64_t q_st, const T *kv, int64_t B, int64_t H,          \
-           int64_t H_kv, int64_t N, int64_t D, int64_t Q, const int64_t *slot, const uint8_t *valid,         \
-           const int64_t *kind, int64_t S, int prior_mode, double c_local, double c_skip, const T *gate,     \
-           int64_t gate_sb, int64_t gate_sh, int64_t gate_st, int64_t n_hidden, const T *w, const T *bias,   \
-           double scale, double clamp, double eps, T *y) {                                                   \
+/* RoPE of one row x [D] by the angles of its position (cos [D]: cos twice; sin [D]: −sin, then sin; the table of
+ * `Rotary`, of type R: fp32, or fp64 in a model made fp64) as `Rotary.rotate` computes it: x rounded to fp32,
+ * then x·cos + swap(x)·sin in R, each product and the sum rounded (no fused multiply-add: compiled with
+ * -ffp-contract=off), then converted to T. */
+#define DEFINE_ROTATE(NAME, T, R)                                                                            \
+  static void NAME(const T *x, const R *cos, const R *sin, int64_t D, T *out) {                              \
+    const int64_t half = D / 2;                                                                              \
+    for (int64_t i = 0; i < half; i++) { /* two loops without a branch: each one vectorizes */               \
+      const R straight = (R)(float)x[i] * cos[i], swapped = (R)(float)x[i + half] * sin[i];                 \
+      out[i] = (T)(straight + swapped);                                                                      \
+    }                                                                                                        \
+    for (int64_t i = half; i < D; i++) {                                                                     \
+      const R straight = (R)(float)x[i] * cos[i], swapped = (R)(float)x[i - half] * sin[i];                 \
+      out[i] = (T)(straight + swapped);                                                                      \
+    }                                                                                                        \
+  }
+
+DEFINE_ROTATE(pi_rotate_f32_by_f32, float, float)
+DEFINE_ROTATE(pi_rotate_f32_by_f64, float, double)
+DEFINE_ROTATE(pi_rotate_f64_by_f32, double, float)
+DEFINE_ROTATE(pi_rotate_f64_by_f64, double, double)
+
+#define DEFINE_STEP(NAME, T, EXP, LOG, ERF, ROTATE_F32, ROTATE_F64)                                          \
+  static int NAME(const T *q, int64_t q_sb, int64_t q_sh, int64_t q_st, T *kv, int64_t B, int64_t H,         \
+                  int64_t H_kv, int64_t N, int64_t D, int64_t Q, const int64_t *slot, const uint8_t *valid,  \
+                  const int64_t *kind, int64_t S, int prior_mode, double c_local, double c_skip,             \
+                  const T *gate, int64_t gate_sb, int64_t gate_sh, int64_t gate_st, int64_t n_hidden,        \
+                  const T *w, const T *bias, double scale, double clamp, double eps, T *y, const T *fresh,   \
+                  int64_t fresh_sb, int64_t fresh_slot, const void *cos, const void *sin, int64_t rope_f64) {   \
     const int checked = pi_check(q, kv, B, H, H_kv, N, D, Q, slot, kind, S, prior_mode, gate, n_hidden, w,   \
-                                 bias, y);                                                                   \
+                                 bias, y, fresh, fresh_slot, cos, sin);                                      \
     if (checked != PI_OK || B == 0) return checked;                                                          \
     const int64_t group = H / H_kv;                                                                          \
     const T lo = (T)eps, width = (T)(1.0 - 2.0 * eps), hi = (T)(1.0 - eps);                                  \
-    /* One allocation for both scratch rows: the scores z [S], then the gate's GELU act [n_hidden]. */       \
-    const int64_t n_act = prior_mode == PRIOR_HIDDEN ? n_hidden : 0;                                         \
-    T *const z = (T *)malloc(sizeof(T) * (size_t)(S + n_act + 1));                                           \
+    /* One allocation for the scratch rows: the scores z [S], the gate's GELU act [n_hidden] and its last      \
+     * linear pre [H], a rotated q [D]. */                                                                   \
+    const int64_t n_act = prior_mode == PRIOR_HIDDEN ? n_hidden : 0, n_pre = prior_mode == PRIOR_HIDDEN ? H : 0; \
+    T *const z = (T *)malloc(sizeof(T) * (size_t)(S + n_act + n_pre + (cos ? D : 0) + 1));                   \
     if (!z) return PI_ERR_MEMORY;                                                                            \
     T *const act = z + S;                                                                                    \
+    T *const pre = act + n_act;                                                                              \
+    T *const q_rotated = pre + n_pre;                                                                        \
+    if (fresh) { /* the new token's key (rotated) and value into ring row fresh_slot, before any is read */  \
+      for (int64_t b = 0; b < B; b++)                                                                        \
+        for (int64_t g = 0; g < H_kv; g++) {                                                                 \
+          const T *k_new = fresh + b * fresh_sb + g * D, *v_new = k_new + H_kv * D;                          \
+          T *k_row = kv + ((b * H_kv + g) * N + fresh_slot) * D;                                             \
+          T *v_row = kv + (((B + b) * H_kv + g) * N + fresh_slot) * D;                                       \
+          if (cos && rope_f64)                                                                               \
+            ROTATE_F64(k_new, (const double *)cos, (const double *)sin, D, k_row);                           \
+          else if (cos)                                                                                      \
+            ROTATE_F32(k_new, (const float *)cos, (const float *)sin, D, k_row);                             \
+          else                                                                                               \
+            for (int64_t d = 0; d < D; d++) k_row[d] = k_new[d];                                             \
+          for (int64_t d = 0; d < D; d++) v_row[d] = v_new[d];                                               \
+        }                                                                                                    \
+    }                                                                                                        \
     for (int64_t b = 0; b < B; b++) {                                                                        \
       for (int64_t t = 0; t < Q; t++) { /* query t: its own slots, its own one-query step */                 \
         const int64_t *slot_t = slot + t * S;                                                                \
@@ -86,6 +135,30 @@ static int pi_check(const void *q, const void *kv, int64_t B, int64_t H, int64_t
           const T *hb = gate + b * gate_sb + t * gate_st;                                                    \
           for (int64_t j = 0; j < n_hidden; j++)                                                             \
             act[j] = (T)0.5 * hb[j] * ((T)1 + ERF(hb[j] * (T)0.70710678118654752440));                       \
+          /* The gate's last linear for every head, four heads side by side (four independent sums, each  \
+           * still taken over j in order): the latency of one chain of n_hidden additions per four heads.  */ \
+          int64_t h = 0;                                                                                     \
+          for (; h + 4 <= H; h += 4) {                                                                       \
+            const T *w0 = w + h * n_hidden, *w1 = w0 + n_hidden, *w2 = w1 + n_hidden, *w3 = w2 + n_hidden;   \
+            T u0 = bias[h], u1 = bias[h + 1], u2 = bias[h + 2], u3 = bias[h + 3];                            \
+            for (int64_t j = 0; j < n_hidden; j++) {                                                         \
+              const T x = act[j];                                                                            \
+              u0 += w0[j] * x;                                                                               \
+              u1 += w1[j] * x;                                                                               \
+              u2 += w2[j] * x;                                                                               \
+              u3 += w3[j] * x;                                                                               \
+            }                                                                                                \
+            pre[h] = u0;                                                                                     \
+            pre[h + 1] = u1;                                                                                 \
+            pre[h + 2] = u2;                                                                                 \
+            pre[h + 3] = u3;                                                                                 \
+          }                                                                                                  \
+          for (; h < H; h++) {                                                                               \
+            T u = bias[h];                                                                                   \
+            const T *wh = w + h * n_hidden;                                                                  \
+            for (int64_t j = 0; j < n_hidden; j++) u += wh[j] * act[j];                                      \
+            pre[h] = u;                                                                                      \
+          }                                                                                                  \
         }                                                                                                    \
         for (int64_t h = 0; h < H; h++) {                                                                    \
           T log_local = 0, log_skip = 0;                                                                     \
@@ -95,9 +168,7 @@ static int pi_check(const void *q, const void *kv, int64_t B, int64_t H, int64_t
           } else if (prior_mode == PRIOR_ALPHA || prior_mode == PRIOR_HIDDEN) {                              \
             T a, rest;                                                                                       \
             if (prior_mode == PRIOR_HIDDEN) {                                                                \
-              T u = bias[h];                                                                                 \
-              const T *wh = w + h * n_hidden;                                                                \
-              for (int64_t j = 0; j < n_hidden; j++) u += wh[j] * act[j];                                    \
+              const T u = pre[h];                                                                            \
               T s = (T)1 / ((T)1 + EXP(-u));                                                                 \
               a = lo + width * s; /* the clip of Eq. app_gate; 1 − α computed as decode.py does */           \
               rest = hi - width * s;                                                                         \
@@ -109,14 +180,31 @@ static int pi_check(const void *q, const void *kv, int64_t B, int64_t H, int64_t
             log_skip = LOG(rest < lo ? lo : rest);                                                           \
           }                                                                                                  \
           const T *qh = q + b * q_sb + h * q_sh + t * q_st;                                                  \
+          if (cos) {                                                                                         \
+            if (rope_f64)                                                                                    \
+              ROTATE_F64(qh, (const double *)cos, (const double *)sin, D, q_rotated);                        \
+            else                                                                                             \
+              ROTATE_F32(qh, (const float *)cos, (const float *)sin, D, q_rotated);                          \
+            qh = q_rotated;                                                                                  \
+          }                                                                                                  \
           const T *keys = kv + (b * H_kv + h / group) * N * D;                                               \
           const T *values = kv + ((B + b) * H_kv + h / group) * N * D;                                       \
           T top = -INFINITY;                                                                                 \
           for (int64_t s = 0; s < S; s++) {                                                                  \
             if (valid_t && !valid_t[s]) continue;                                                            \
             const T *k = keys + slot_t[s] * D;                                                               \
-            T dot = 0;                                                                                       \
-            for (int64_t d = 0; d < D; d++) dot += qh[d] * k[d];                                             \
+            /* q·k in four partial sums (d mod 4), then (s0 + s1) + (s2 + s3): four independent chains of      \
+             * additions instead of one of D (a decoding step scores B·H·S keys, each a chain of D).        */ \
+            T s0 = 0, s1 = 0, s2 = 0, s3 = 0;                                                                \
+            int64_t d = 0;                                                                                   \
+            for (; d + 4 <= D; d += 4) {                                                                     \
+              s0 += qh[d] * k[d];                                                                            \
+              s1 += qh[d + 1] * k[d + 1];                                                                    \
+              s2 += qh[d + 2] * k[d + 2];                                                                    \
+              s3 += qh[d + 3] * k[d + 3];                                                                    \
+            }                                                                                                \
+            for (; d < D; d++) s0 += qh[d] * k[d];                                                           \
+            const T dot = (s0 + s1) + (s2 + s3);                                                             \
             T score = dot * (T)scale;                                                                        \
             if (score > (T)clamp) score = (T)clamp;                                                          \
             if (score < -(T)clamp) score = -(T)clamp;                                                        \
@@ -145,5 +233,56 @@ static int pi_check(const void *q, const void *kv, int64_t B, int64_t H, int64_t
     return PI_OK;                                                                                            \
   }
 
-DEFINE_STEP(pi_decode_step_f32, float, expf, logf, erff)
-DEFINE_STEP(pi_decode_step_f64, double, exp, log, erf)
+DEFINE_STEP(pi_decode_step_f32, float, expf, logf, erff, pi_rotate_f32_by_f32, pi_rotate_f32_by_f64)
+DEFINE_STEP(pi_decode_step_f64, double, exp, log, erf, pi_rotate_f64_by_f32, pi_rotate_f64_by_f64)
+
+/* The steps take their 35 arguments in one block, in the order above: native.py packs them with one
+ * `struct.pack` (8-byte fields, no padding on a 64-bit machine) and makes a one-argument ctypes call, instead
+ * of converting 35 arguments one by one on every step. The block is copied first (the caller's bytes need not
+ * be aligned), and its size is checked against the one Python packs (`pi_step_args_size`), so that a layout
+ * the two sides disagree on is refused at load time, not read.
+ *
+ * The last six make it the whole one-token step of a layer (`fresh` NULL: the step reads a ring that already
+ * holds the new key):
+ *   fresh       the new token's key then value, [B, 2, H_kv, D] with batch stride fresh_sb (the q, k, v projection's
+ *               k and v columns, not yet rotated), written into row fresh_slot of the ring (the key rotated by
+ *               cos, sin when given) before anything is read; Q must be 1.
+ *   cos, sin    [D] each, fp32 (rope_f64 0) or fp64 (1), the RoPE angles of the new position (`Rotary`'s table
+ *               row): q is rotated by them too, into a scratch row, as `Rotary.rotate` rotates it. NULL: none. */
+typedef struct {
+  const void *q;
+  int64_t q_sb, q_sh, q_st;
+  const void *kv;
+  int64_t B, H, H_kv, N, D, Q;
+  const int64_t *slot;
+  const uint8_t *valid;
+  const int64_t *kind;
+  int64_t S, prior_mode;
+  double c_local, c_skip;
+  const void *gate;
+  int64_t gate_sb, gate_sh, gate_st, n_hidden;
+  const void *w, *bias;
+  double scale, clamp, eps;
+  void *y;
+  const void *fresh;
+  int64_t fresh_sb, fresh_slot;
+  const void *cos, *sin;
+  int64_t rope_f64;
+} pi_step_args;
+
+int64_t pi_step_args_size(void) { return (int64_t)sizeof(pi_step_args); }
+
+#define DEFINE_PACKED(NAME, STEP, T)                                                                         \
+  int NAME(const void *packed) {                                                                            \
+    pi_step_args a;                                                                                          \
+    if (!packed) return PI_ERR_SIZE;                                                                         \
+    memcpy(&a, packed, sizeof a);                                                                            \
+    if (a.prior_mode < PRIOR_NONE || a.prior_mode > PRIOR_HIDDEN) return PI_ERR_PRIOR;                       \
+    return STEP((const T *)a.q, a.q_sb, a.q_sh, a.q_st, (T *)a.kv, a.B, a.H, a.H_kv, a.N, a.D, a.Q, a.slot,   \
+                a.valid, a.kind, a.S, (int)a.prior_mode, a.c_local, a.c_skip, (const T *)a.gate, a.gate_sb,   \
+                a.gate_sh, a.gate_st, a.n_hidden, (const T *)a.w, (const T *)a.bias, a.scale, a.clamp, a.eps, \
+                (T *)a.y, (const T *)a.fresh, a.fresh_sb, a.fresh_slot, a.cos, a.sin, a.rope_f64);           \
+  }
+
+DEFINE_PACKED(pi_decode_step_packed_f32, pi_decode_step_f32, float)
+DEFINE_PACKED(pi_decode_step_packed_f64, pi_decode_step_f64, double)

@@ -16,7 +16,10 @@ It serves the variants of `PRIOR_MODES` ("union", "fixed", "adaptive"; `decode.d
 `decode._decode_rows` hand it no other), fp32 and fp64 CPU tensors in inference (no gradient asked for), any
 batch, heads, grouped-query attention and sinks, and one or a few new queries per sequence: `ring_step` one
 query read from a ring cache, `_rows_step_unchecked` t queries (a step of 2–4 tokens) in one call, each
-query its own one-query step over its own slots. Anything else it is given (another device or dtype,
+query its own one-query step over its own slots, and `_token_step_unchecked` a decoding layer's whole
+one-token step (RoPE on q and the new key, the key and value stored in the ring, then `ring_step`) from the
+layer's projection of the token. Each call packs its arguments into one block (`_ARGS`) for a one-argument
+ctypes call. Anything else it is given (another device or dtype,
 autograd, no compiler, `PIATTN_NATIVE=0`) returns None and the caller runs the same step in torch ops
 (`decode.decode_gathered`), which gives the same result up to rounding; `applies` says beforehand whether
 it would run (the one place that decides).
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import struct
 import threading
 import warnings
 from pathlib import Path
@@ -41,27 +45,30 @@ PRIOR_NONE, PRIOR_CONST, PRIOR_ALPHA, PRIOR_HIDDEN = range(4)
 # MLP's hidden layer). Not "separate": it normalises the local and the skip slots apart, and the step takes
 # one softmax over all of them.
 PRIOR_MODES = {"union": PRIOR_NONE, "fixed": PRIOR_CONST, "adaptive": PRIOR_ALPHA}
-_FUNCTIONS = {torch.float32: "pi_decode_step_f32", torch.float64: "pi_decode_step_f64"}
 # Slots per query the C step takes; wider windows run in torch ops, where the per-op overhead that the C
 # step saves no longer dominates anyway.
 MAX_SLOTS = 4096
 # decode_step.c's PI_ERR_* codes: what the C step refused (having read nothing). The shape checks of
 # `ring_step` come first, so these are reached only through the contents of slot and kind, or a bug.
 _ERRORS = {1: "the sizes given to the compiled step are inconsistent (B >= 0, H >= 1, 1 <= H_kv <= H dividing "
-              "H, N >= 1, D >= 1, t >= 1 queries)",
-           2: "slot must index rows 0 … N − 1 of kv_store",
+              "H, N >= 1, D >= 1, t >= 1 queries; one query with a new token to store, an even D with RoPE)",
+           2: "slot must index rows 0 … N − 1 of kv_store (and so must the row of a new token to store)",
            3: "kind must hold 0 (local prior) or 1 (skip prior) only",
            4: "prior_mode must be one of PRIOR_NONE, PRIOR_CONST, PRIOR_ALPHA, PRIOR_HIDDEN, with its gate"}
 
 # No -ffast-math: NaN and inf must behave as IEEE says (they stay in the rows that read them).
-_FLAGS = ("-O3", "-std=c99", "-fPIC", "-shared", "-fno-math-errno")
+# No fused multiply-add either: RoPE in the step rounds each product and sum as `Rotary.rotate` does.
+_FLAGS = ("-O3", "-std=c99", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off")
 
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
-# q, q_sb, q_sh, q_st, kv, B, H, H_kv, N, D, Q, slot, valid, kind, S, prior_mode, c_local, c_skip, gate, gate_sb,
-# gate_sh, gate_st, n_hidden, w, bias, scale, clamp, eps, y (decode_step.c).
-_ARGTYPES = [_P, _I, _I, _I, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _I, ctypes.c_int, _F, _F, _P, _I, _I, _I, _I,
-             _P, _P, _F, _F, _F, _P]
-
+# The step's 35 arguments, packed into one block in decode_step.c's `pi_step_args` order: q, q_sb, q_sh, q_st, kv,
+# B, H, H_kv, N, D, Q, slot, valid, kind, S, prior_mode, c_local, c_skip, gate, gate_sb, gate_sh, gate_st,
+# n_hidden, w, bias, scale, clamp, eps, y, then fresh, fresh_sb, fresh_slot, cos, sin, rope_f64 (the new token
+# that `_token_step_unchecked` stores and rotates; 0 otherwise). Native alignment ("@") lays the fields out as the C
+# compiler does; `_open` refuses a library whose struct has another size. One `pack` and a one-argument call
+# cost a sixth of what ctypes took to convert the arguments one by one (a step of generation is tens of
+# microseconds).
+_ARGS = struct.Struct("@PqqqPqqqqqqPPPqqddPqqqqPPdddPPqqPPq")
+_FUNCTIONS = {torch.float32: "pi_decode_step_packed_f32", torch.float64: "pi_decode_step_packed_f64"}
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -69,10 +76,14 @@ _state: dict[str, object] = {}
 def _open(path: Path) -> dict[torch.dtype, ctypes._CFuncPtr]:
     """The C functions of the library at `path` (OSError or AttributeError if it does not load)."""
     library = ctypes.CDLL(str(path))
+    size = library.pi_step_args_size
+    size.argtypes, size.restype = [], ctypes.c_int64
+    if size() != _ARGS.size:
+        raise OSError(f"its argument block has {size()} bytes where {_ARGS.size} are packed")
     functions = {}
     for dtype, name in _FUNCTIONS.items():
         function = getattr(library, name)
-        function.argtypes, function.restype = _ARGTYPES, ctypes.c_int
+        function.argtypes, function.restype = [ctypes.c_char_p], ctypes.c_int
         functions[dtype] = function
     return functions
 
@@ -226,6 +237,78 @@ def _rows_step_unchecked(q: torch.Tensor, kv_store: torch.Tensor, slot: torch.Te
                  eps, scale)
 
 
+def _token_step_unchecked(proj: torch.Tensor, n_heads: int, kv_store: torch.Tensor, slot: torch.Tensor,
+                          valid: torch.Tensor | None, kind: torch.Tensor, fresh_slot: int,
+                          rotation: tuple[torch.Tensor, torch.Tensor, int] | None, log_priors: tuple[float, float],
+                          gate: torch.Tensor | None, gate_weight: torch.Tensor | None, gate_bias: torch.Tensor | None,
+                          logit_clamp: float | None, eps: float, scale: float, *,
+                          prior_mode: int) -> torch.Tensor | None:
+    """The whole one-token step of a decoding layer in one call (`decode._decode_token`): the new token's key
+    (rotated) and value stored in row `fresh_slot` of the ring, then `ring_step` of its query (rotated) over
+    `slot`. None where the C step does not apply (`applies`, and the layouts below), and then nothing is written.
+
+    proj [B, 1, P]: the new token's projection, its last dimension contiguous: q (n_heads·D columns), k and v
+    (H_kv·D each), then for PRIOR_HIDDEN with gate None the gate MLP's hidden pre-activation (the rest, >= 1
+    column: a projection folded with the gate's first linear). kv_store [2, B, H_kv, N, D] contiguous, of
+    proj's dtype; slot, valid, kind of `decode.ring_slots` for the new position; rotation (cos, sin, position)
+    with `Rotary`'s tables [n > position, 1, D] (fp32, or fp64 in a model made fp64), or None (no RoPE); the
+    prior arguments as in `ring_step` (positional: a step of generation calls this once per layer).
+    Unchecked in Python beyond the layouts (the caller is a layer whose cache `RingCache.check` accepted); the
+    C step checks every size, slot and kind before it reads or writes anything."""
+    functions = _state["functions"] if "functions" in _state else _load()
+    function = _function(functions, proj, [kv_store] if gate_weight is None and gate is None else
+                         [t for t in (kv_store, gate, gate_weight, gate_bias) if t is not None], kind.shape[0])
+    if function is None:
+        return None
+    B, _, cols = proj.shape
+    _, _, H_kv, N, D = kv_store.shape
+    H = n_heads
+    width = (H + 2 * H_kv) * D
+    p_sb, _, p_sd = proj.stride()
+    if p_sd != 1 or width > cols or not kv_store.is_contiguous():
+        return None
+    size = proj.element_size()
+    base = proj.data_ptr()
+    gate_ptr, gate_sb, gate_sh, gate_st, n_hidden, w_ptr, b_ptr = 0, 0, 0, 0, 0, 0, 0
+    if prior_mode == PRIOR_ALPHA:
+        gate_ptr, (gate_sb, gate_sh, gate_st) = gate.data_ptr(), gate.stride()
+    elif prior_mode == PRIOR_HIDDEN:
+        if not gate_weight.is_contiguous() or not gate_bias.is_contiguous():
+            return None
+        if gate is None:  # the columns after q, k, v
+            if cols == width:
+                return None
+            gate_ptr, gate_sb, n_hidden = base + width * size, p_sb, cols - width
+        else:
+            gate_sb, gate_st, gate_sd = gate.stride()
+            if gate_sd != 1:
+                return None
+            gate_ptr, n_hidden = gate.data_ptr(), gate.shape[2]
+        w_ptr, b_ptr = gate_weight.data_ptr(), gate_bias.data_ptr()
+    cos_ptr = sin_ptr = rope_f64 = 0
+    if rotation is not None:
+        cos, sin, position = rotation
+        table = cos.dtype
+        if (table not in (torch.float32, torch.float64) or sin.dtype != table or not cos.is_contiguous()
+                or not sin.is_contiguous() or cos.shape[-1] != D or sin.shape != cos.shape
+                or not 0 <= position < cos.shape[0] or not cos.is_cpu or not sin.is_cpu):
+            return None
+        rope_f64 = int(table == torch.float64)
+        row = position * D * cos.element_size()
+        cos_ptr, sin_ptr = cos.data_ptr() + row, sin.data_ptr() + row
+    y = torch.empty(B, H, 1, D, dtype=proj.dtype)
+    code = function(_ARGS.pack(base, p_sb, D, 0, kv_store.data_ptr(), B, H, H_kv, N, D, 1, slot.data_ptr(),
+                               0 if valid is None else valid.data_ptr(), kind.data_ptr(), kind.shape[0], prior_mode,
+                               log_priors[0], log_priors[1], gate_ptr, gate_sb, gate_sh, gate_st, n_hidden, w_ptr,
+                               b_ptr, scale, float("inf") if logit_clamp is None else logit_clamp, eps, y.data_ptr(),
+                               base + H * D * size, p_sb, fresh_slot, cos_ptr, sin_ptr, rope_f64))
+    if code:
+        if code == 5:
+            raise MemoryError("the compiled decoding step could not allocate its scratch rows")
+        raise ValueError(_ERRORS.get(code, f"the compiled decoding step failed with code {code}"))
+    return y
+
+
 def applies(q: torch.Tensor, *tensors: torch.Tensor | None, n_slots: int) -> bool:
     """Whether the C step runs a call on q and `tensors` (keys, values, gate, …) with `n_slots` slots per query:
     the library loaded (a compiler, not `PIATTN_NATIVE=0`), a CPU, one dtype of fp32/fp64 for all, no gradient
@@ -239,10 +322,14 @@ def _function(functions, q: torch.Tensor, tensors: list[torch.Tensor], n_slots: 
     if functions is None:
         return None
     function = functions.get(q.dtype)
-    if (function is None or q.device.type != "cpu" or n_slots > MAX_SLOTS
-            or any(t.dtype != q.dtype or t.device != q.device for t in tensors)
-            or (torch.is_grad_enabled() and (q.requires_grad or any(t.requires_grad for t in tensors)))):
+    if function is None or q.device.type != "cpu" or n_slots > MAX_SLOTS:
         return None
+    dtype, grad = q.dtype, torch.is_grad_enabled()
+    if grad and q.requires_grad:
+        return None
+    for t in tensors:  # a loop, not any(): a generator costs a step more than these few comparisons
+        if t.dtype != dtype or not t.is_cpu or (grad and t.requires_grad):
+            return None
     return function
 
 
@@ -255,21 +342,25 @@ def _step(q, kv_store, slot, valid, kind, prior_mode, log_priors, gate, gate_wei
         return None
     B, H, T, D = q.shape
     _, _, H_kv, N, _ = kv_store.shape
-    if not kv_store.is_contiguous() or q.stride(3) != 1:
+    q_sb, q_sh, q_st, q_sd = q.stride()
+    if q_sd != 1 or not kv_store.is_contiguous():
         return None
-    gate_ptr, gate_sb, gate_sh, gate_st, n_hidden, w_ptr, b_ptr = None, 0, 0, 0, 0, None, None
+    gate_ptr, gate_sb, gate_sh, gate_st, n_hidden, w_ptr, b_ptr = 0, 0, 0, 0, 0, 0, 0
     if prior_mode == PRIOR_ALPHA:  # α of (b, h, t) at b·stride(0) + h·stride(1) + t·stride(2)
         gate_ptr, (gate_sb, gate_sh, gate_st) = gate.data_ptr(), gate.stride()
     elif prior_mode == PRIOR_HIDDEN:
-        if gate.stride(-1) != 1 or not gate_weight.is_contiguous() or not gate_bias.is_contiguous():
+        gate_sb, gate_st, gate_sd = gate.stride()
+        if gate_sd != 1 or not gate_weight.is_contiguous() or not gate_bias.is_contiguous():
             return None
-        gate_ptr, gate_sb, gate_st, n_hidden = gate.data_ptr(), gate.stride(0), gate.stride(1), gate.shape[-1]
+        gate_ptr, n_hidden = gate.data_ptr(), gate.shape[2]
         w_ptr, b_ptr = gate_weight.data_ptr(), gate_bias.data_ptr()
     y = torch.empty(B, H, T, D, dtype=q.dtype)
-    code = function(q.data_ptr(), q.stride(0), q.stride(1), q.stride(2), kv_store.data_ptr(), B, H, H_kv, N, D, T,
-                    slot.data_ptr(), None if valid is None else valid.data_ptr(), kind.data_ptr(), kind.shape[0],
-                    prior_mode, log_priors[0], log_priors[1], gate_ptr, gate_sb, gate_sh, gate_st, n_hidden, w_ptr,
-                    b_ptr, scale, float("inf") if logit_clamp is None else logit_clamp, eps, y.data_ptr())
+    code = function(_ARGS.pack(q.data_ptr(), q_sb, q_sh, q_st, kv_store.data_ptr(), B, H, H_kv, N, D, T,
+                               slot.data_ptr(), 0 if valid is None else valid.data_ptr(), kind.data_ptr(),
+                               kind.shape[0], prior_mode, log_priors[0], log_priors[1], gate_ptr, gate_sb, gate_sh,
+                               gate_st, n_hidden, w_ptr, b_ptr, scale,
+                               float("inf") if logit_clamp is None else logit_clamp, eps, y.data_ptr(), 0, 0, 0, 0, 0,
+                               0))
     if code:
         if code == 5:
             raise MemoryError("the compiled decoding step could not allocate its scratch rows")
