@@ -33,7 +33,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 import piattn  # noqa: E402
-from gpu_bench import Setup, copy_bandwidth, event_ms, floor_bytes  # noqa: E402
+from gpu_bench import Setup, copy_bandwidth, event_ms, floor_bytes, make_inputs  # noqa: E402
 from piattn.benchmarking import command_line, save_results  # noqa: E402
 from piattn.ops.pi import triton as triton_backend  # noqa: E402
 
@@ -46,17 +46,6 @@ SHAPES = ((8, 16, 32768, 64, torch.bfloat16), (8, 16, 32768, 128, torch.bfloat16
 HEAD_SHAPES = ((8, 16, 8192, 64), (8, 16, 32768, 64))
 SMOKE = dict(shapes=((1, 2, 48, 16, torch.float32),), configs=[(32, 16, 4, 1)], head_shapes=((1, 4, 48, 16),))
 TOL = dict(bfloat16=2e-2, float32=1e-4)  # a tile setting's results against the rule's: atol = rtol
-
-
-def inputs(B, H, T, D, device, dtype, grad=False):
-    """q, k, v, dy [B, H, T, D] ~ N(0, 1) and gate [B, H, T] in (0.05, 0.95), of dtype."""
-    g = torch.Generator(device=device).manual_seed(0)
-    q, k, v, dy = (torch.randn(B, H, T, D, generator=g, device=device, dtype=dtype) for _ in range(4))
-    gate = (0.05 + 0.9 * torch.rand(B, H, T, generator=g, device=device)).to(dtype)
-    if grad:
-        for t in (q, k, v, gate):
-            t.requires_grad_()
-    return q, k, v, gate, dy
 
 
 def rule_tiles(D: int, dtype) -> tuple[int, int, int, int]:
@@ -93,7 +82,7 @@ def time_config(xs, cfg, timer, expected=None) -> tuple[dict, list | None]:
 
 def sweep_shape(shape, configs, device, bandwidth, timer, deadline) -> dict:
     B, H, T, D, dtype = shape
-    xs = inputs(B, H, T, D, device, dtype)
+    xs = make_inputs(B, H, T, D, device, grad=False, dtype=dtype)
     elem = torch.empty((), dtype=dtype).element_size()
     fwd_floor = floor_bytes(B, H, T, D, "fwd", elem) / bandwidth * 1e3
     bwd_floor = floor_bytes(B, H, T, D, "fwd+bwd", elem) / bandwidth * 1e3 - fwd_floor
@@ -119,7 +108,7 @@ def head_periods_rows(shapes, device, timer, deadline) -> list[dict]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
     for B, H, T, D in shapes:
-        xs = inputs(B, H, T, D, device, dtype, grad=True)
+        xs = make_inputs(B, H, T, D, device, grad=True, dtype=dtype)
         for mode in ("fwd", "fwd+bwd"):
             row = dict(B=B, H=H, T=T, D=D, mode=mode)
             for label, period in (("one", OP["period"]), ("heads", HEAD_PERIODS[:H])):

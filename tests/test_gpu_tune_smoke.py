@@ -44,7 +44,7 @@ def test_wrong_results_are_reported_and_the_rule_restored(monkeypatch):
     from piattn.ops.pi import triton as triton_backend
 
     rule = triton_backend._tiles
-    xs = gpu_tune.inputs(1, 2, 40, 16, torch.device("cpu"), torch.float32)
+    xs = gpu_tune.make_inputs(1, 2, 40, 16, torch.device("cpu"), grad=False, dtype=torch.float32)
     timing, got = gpu_tune.time_config(xs, (32, 16, 4, 1), lambda fn: 1.0)
     assert timing["status"] == "ok" and triton_backend._tiles is rule
     wrong = [got[0] + 1.0, *got[1:]]

@@ -141,6 +141,17 @@ def _pending(args: argparse.Namespace, name: str, settings: dict, configs: list[
     return path, results, todo
 
 
+def _report(results: dict, results_path: Path, table: str, plot, figure_name: str) -> int:
+    """Write the results (JSON), their markdown `table` beside them (the JSON's name, .md) and the figure
+    `plot(results, path)` makes, if it can; print the table and what was written. 0, the exit status."""
+    results_path.write_text(json.dumps(results, indent=2) + "\n")
+    results_path.with_suffix(".md").write_text(table)
+    figure = plot(results, results_path.parent / figure_name)
+    print(table)
+    print(f"wrote {results_path}" + (f", {figure}" if figure else " (no figure: matplotlib is not installed)"))
+    return 0
+
+
 def _convert_and_score(args: argparse.Namespace, configs: list[str]) -> int:
     from ..data.windows import evaluation_windows
     from ..integrations.hf import load_gguf_model
@@ -168,12 +179,7 @@ def _convert_and_score(args: argparse.Namespace, configs: list[str]) -> int:
                     windows=len(checked), max_abs_loss_difference=float((direct - nll[: len(checked)]).abs().max()))
             results_path.write_text(json.dumps(results, indent=2) + "\n")
             print(f"{name}: perplexity {results['configs'][name]['perplexity']:.3f}", file=sys.stderr)
-    results_path.write_text(json.dumps(results, indent=2) + "\n")
-    (args.out / "convert_eval.md").write_text(markdown(results))
-    figure = plot_loss_by_position(results, args.out / "loss_by_position.png")
-    print(markdown(results))
-    print(f"wrote {results_path}" + (f", {figure}" if figure else " (no figure: matplotlib is not installed)"))
-    return 0
+    return _report(results, results_path, markdown(results), plot_loss_by_position, "loss_by_position.png")
 
 
 def _check(args: argparse.Namespace) -> list[str]:
@@ -369,12 +375,7 @@ def _passkey(args: argparse.Namespace, configs: list[str]) -> int:
             results["configs"][name] = record
             results_path.write_text(json.dumps(results, indent=2) + "\n")
             print(f"{name}: passkey accuracy {record['accuracy']:.3f}", file=sys.stderr)
-    results_path.write_text(json.dumps(results, indent=2) + "\n")
-    (args.out / "passkey.md").write_text(passkey_markdown(results))
-    figure = plot_passkey(results, args.out / "passkey_by_distance.png")
-    print(passkey_markdown(results))
-    print(f"wrote {results_path}" + (f", {figure}" if figure else " (no figure: matplotlib is not installed)"))
-    return 0
+    return _report(results, results_path, passkey_markdown(results), plot_passkey, "passkey_by_distance.png")
 
 
 def beyond_window(results: dict, name: str, reference: str = "local+sinks") -> dict | None:

@@ -171,10 +171,10 @@ class RingCache:
         cache's shape by construction (the decoding layers' one-token step, under no_grad): the slot's k and v
         views take one copy each, with no shape check (`append` has them). Positions that are sinks still go
         through `append`."""
-        if self.seen < self.sinks or (self.max_positions is not None and self.seen >= self.max_positions):
+        slot = self.next_token_slot()
+        if slot is None:
             self.append(k, v)  # sink slots, or the refusal of one position too many
             return
-        slot = self.sinks + self.seen % self.capacity
         views = self._slot_views.get(slot)
         if views is None:
             views = self._slot_views[slot] = (self.k[:, :, slot:slot + 1], self.v[:, :, slot:slot + 1])

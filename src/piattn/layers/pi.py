@@ -110,20 +110,21 @@ class PiAttention(WindowedAttention):
             return None
         qp, fp = qkv._parameters, first._parameters
         w, b, gw, gb = qp["weight"], qp["bias"], fp["weight"], fp["bias"]
+        if b is None or gb is None:
+            return None
+        stamp = (w._version, b._version, gw._version, gb._version, w.data_ptr(), b.data_ptr(), gw.data_ptr(),
+                 gb.data_ptr())
         fold = self._fold
         if fold is not None:
-            made_from, stamp, folded = fold
+            made_from, made_stamp, folded = fold
             if (made_from[0] is w and made_from[1] is b and made_from[2] is gw and made_from[3] is gb
-                    and stamp == (w._version, b._version, gw._version, gb._version, w.data_ptr(), b.data_ptr(),
-                                  gw.data_ptr(), gb.data_ptr())):
+                    and made_stamp == stamp):
                 return folded
-        if (b is None or gb is None or len({(t.dtype, t.device) for t in (w, b, gw, gb)}) != 1
-                or w.numel() + gw.numel() > FOLD_MAX_ELEMENTS):
+        if len({(t.dtype, t.device) for t in (w, b, gw, gb)}) != 1 or w.numel() + gw.numel() > FOLD_MAX_ELEMENTS:
             return None
         with torch.no_grad():
             folded = (torch.cat([w, gw]), torch.cat([b, gb]), w.shape[0])
-        self._fold = ((w, b, gw, gb), (w._version, b._version, gw._version, gb._version, w.data_ptr(), b.data_ptr(),
-                                       gw.data_ptr(), gb.data_ptr()), folded)
+        self._fold = ((w, b, gw, gb), stamp, folded)
         return folded
 
     def _ring_projection(self, x: torch.Tensor, modules) -> tuple[torch.Tensor, int, torch.Tensor | None,

@@ -389,10 +389,9 @@ def pi_attention_fused_op(q, k, v, gate, *, window, period, causal, variant, pri
     runs on fake tensors). The call was checked by `backends.select`, the kernels' availability included."""
     if dropout_keep is None:
         dropout_p = 0.0
-    periods = [] if isinstance(period, int) else [int(p) for p in period]
-    settings = OpSettings(window=window, period=period if isinstance(period, int) else periods[0], causal=causal,
-                          variant=variant, prior=prior, logit_clamp=logit_clamp, eps=eps, scale=scale,
-                          dropout_p=dropout_p, sinks=sinks)
+    periods, settings = OpSettings.to_op(window=window, period=period, causal=causal, variant=variant, prior=prior,
+                                         logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p,
+                                         sinks=sinks)
     q, k, v = (x.contiguous() for x in (q, k, v))
     if gate is not None:
         gate = gate.to(q.dtype).contiguous()

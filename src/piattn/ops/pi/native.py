@@ -302,11 +302,16 @@ def _token_step_unchecked(proj: torch.Tensor, n_heads: int, kv_store: torch.Tens
                                log_priors[0], log_priors[1], gate_ptr, gate_sb, gate_sh, gate_st, n_hidden, w_ptr,
                                b_ptr, scale, float("inf") if logit_clamp is None else logit_clamp, eps, y.data_ptr(),
                                base + H * D * size, p_sb, fresh_slot, cos_ptr, sin_ptr, rope_f64))
-    if code:
-        if code == 5:
-            raise MemoryError("the compiled decoding step could not allocate its scratch rows")
-        raise ValueError(_ERRORS.get(code, f"the compiled decoding step failed with code {code}"))
+    _refuse(code)
     return y
+
+
+def _refuse(code: int) -> None:
+    """Raise what the C step's return code says it refused (nothing for 0: it ran)."""
+    if code == 5:
+        raise MemoryError("the compiled decoding step could not allocate its scratch rows")
+    if code:
+        raise ValueError(_ERRORS.get(code, f"the compiled decoding step failed with code {code}"))
 
 
 def applies(q: torch.Tensor, *tensors: torch.Tensor | None, n_slots: int) -> bool:
@@ -361,8 +366,5 @@ def _step(q, kv_store, slot, valid, kind, prior_mode, log_priors, gate, gate_wei
                                gate_st, n_hidden, w_ptr, b_ptr, scale,
                                float("inf") if logit_clamp is None else logit_clamp, eps, y.data_ptr(), 0, 0, 0, 0, 0,
                                0))
-    if code:
-        if code == 5:
-            raise MemoryError("the compiled decoding step could not allocate its scratch rows")
-        raise ValueError(_ERRORS.get(code, f"the compiled decoding step failed with code {code}"))
+    _refuse(code)
     return y

@@ -37,6 +37,15 @@ class OpSettings(NamedTuple):
         return Pattern(self.window, self.period, self.causal, self.sinks)
 
     @classmethod
+    def to_op(cls, *, period, **fields) -> "tuple[list[int], OpSettings]":
+        """What an operator with an `int[] periods` argument takes for a call of `period` (an int, or one per
+        query head) and the other fields: (periods, settings), periods empty for one period, else the per-head
+        ints with the first of them in the period field (an OpSettings field is one int). `from_op` reads them
+        back."""
+        periods = [] if isinstance(period, int) else [int(p) for p in period]
+        return periods, cls(period=periods[0] if periods else period, **fields)
+
+    @classmethod
     def from_op(cls, periods, settings) -> "OpSettings":
         """An operator's settings read back: `periods` (its `int[] periods` argument: empty for one period,
         else one per query head) replaces the period field."""

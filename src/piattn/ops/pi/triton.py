@@ -370,9 +370,8 @@ def pi_attention_triton_op(q, k, v, gate, *, window, period, causal, variant, pr
     (per-head periods as its `periods`, the one period of every head as `period`)."""
     q, k, v, gate, D = _kernel_inputs(q, k, v, gate)
     keep = None if dropout_keep is None else dropout_keep.contiguous()
-    periods = [] if isinstance(period, int) else [int(p) for p in period]
-    settings = OpSettings(window=window, period=period if isinstance(period, int) else periods[0], causal=causal,
-                          variant=variant, prior=prior, logit_clamp=logit_clamp, eps=eps, scale=scale,
-                          dropout_p=dropout_p, sinks=sinks)
+    periods, settings = OpSettings.to_op(window=window, period=period, causal=causal, variant=variant, prior=prior,
+                                         logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p,
+                                         sinks=sinks)
     y, _ = pi_triton_fwd(q, k, v, gate, keep, document_ids, periods, *settings)
     return _unpadded(y, D)
