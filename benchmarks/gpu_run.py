@@ -56,7 +56,11 @@ TAIL_LINES = 300
 # The six files of the first GPU run; `test_files` adds any other that touches CUDA.
 CUDA_TESTS = ("tests/ops/test_triton.py", "tests/ops/test_conformance.py", "tests/ops/test_features.py",
               "tests/ops/test_head_periods.py", "tests/ops/test_compile.py", "tests/ops/test_flex.py")
-SMOKE_TESTS = ("tests/ops/test_backends.py",)
+# The smoke run checks the step's plumbing (pytest under xdist, the junit file, the counts), not the suite:
+# three quick tests.
+SMOKE_TESTS = ("tests/ops/test_backends.py::test_auto_on_cpu_is_fused_then_torch_and_correct",
+               "tests/ops/test_backends.py::test_auto_on_a_simulated_gpu",
+               "tests/ops/test_backends.py::test_unknown_backend")
 FP32_TOL = dict(atol=2e-3, rtol=2e-3)  # triton and flex run fp32 dots as TF32 on a GPU
 
 
@@ -112,15 +116,16 @@ def test_files(root: Path = ROOT) -> list[str]:
     return list(dict.fromkeys([*CUDA_TESTS, *found]))
 
 
-def pytest_command(files: list[str], xml: Path) -> list[str]:
-    """pytest over files, not slow, with -n and --timeout where their plugins are importable. Verbose, so
-    that each test's outcome is in the log as it happens: a run killed at its budget (the junit file is
-    written only at the end) still tells which tests failed (`outcomes_from_log`)."""
+def pytest_command(files: list[str], xml: Path, *, workers: bool = True) -> list[str]:
+    """pytest over files, not slow, with -n (if `workers`) and --timeout where their plugins are importable.
+    Verbose, so that each test's outcome is in the log as it happens: a run killed at its budget (the junit
+    file is written only at the end) still tells which tests failed (`outcomes_from_log`, whose test reads
+    both xdist's and plain pytest's lines)."""
     cmd = [sys.executable, "-m", "pytest", "-v", "-m", "not slow", "-p", "no:cacheprovider",
            f"--junitxml={xml}", *files]
     if importlib.util.find_spec("pytest_benchmark"):
         cmd += ["-p", "no:benchmark"]  # the GPU image has it: one warning per xdist worker, nothing else
-    if importlib.util.find_spec("xdist"):
+    if workers and importlib.util.find_spec("xdist"):
         cmd += ["-n", str(min(16, os.cpu_count() or 1))]
     if importlib.util.find_spec("pytest_timeout"):
         cmd += ["--timeout", "90"]
@@ -190,7 +195,7 @@ def tests_step(smoke: bool, clock: Clock, out: Path) -> dict:
     files = list(SMOKE_TESTS) if smoke else test_files()
     xml, tail = out / "gpu_tests.xml", out / "gpu_tests_tail.log"
     xml.unlink(missing_ok=True)
-    cmd = pytest_command(files, xml)
+    cmd = pytest_command(files, xml, workers=not smoke)  # three smoke tests: starting workers would be most of it
     log(f"  {' '.join(cmd[2:])}")
     full_log = out / ".gpu_tests_full.log"
     code, seconds = run_killable(cmd, full_log, clock.left())

@@ -1,7 +1,8 @@
 """benchmarks/gpu_run.py end to end in its CPU smoke mode: every step runs and writes what the GPU run will.
 
 The real run needs a GPU and gets one try; this checks that each step runs through on a CPU (tiny shapes,
-a small pytest selection, the tiny GPT) and that the JSON has every key the report and the plot read.
+a small pytest selection, gpu_tune.py's smoke run, the tiny GPT) and that the JSON has every key the report
+and the plot read.
 """
 
 from __future__ import annotations
@@ -34,9 +35,15 @@ def test_gpu_run_smoke(tmp_path):
     cases = list(ET.parse(tmp_path / "gpu_tests.xml").getroot().iter("testcase"))
     assert tests["passed"] > 0 and tests["passed"] + tests["skipped"] + tests["failed"] + tests["errors"] == len(cases)
 
-    tune = steps["tune"]
+    tune = steps["tune"]  # gpu_tune.py's smoke run, inside this one: its own files and what the step keeps
     assert [r["mode"] for r in tune["head_periods"]] == ["fwd", "fwd+bwd"] and len(tune["best"]) == 1
-    assert json.loads((tmp_path / "gpu_tune.json").read_text())["shapes"][0]["rows"][0]["status"] == "ok"
+    tuned = json.loads((tmp_path / "gpu_tune.json").read_text())
+    rows = tuned["shapes"][0]["rows"]
+    assert rows[0]["rule"] and [r["status"] for r in rows] == ["ok", "ok"]
+    assert all(r["fwd_ms"] > 0 and r["bwd_ms"] > 0 for r in rows)
+    assert [r["mode"] for r in tuned["head_periods"]] == ["fwd", "fwd+bwd"]
+    assert all(r["one"] > 0 and r["heads"] > 0 for r in tuned["head_periods"])
+    assert "| tiles | fwd ms |" in (tmp_path / "gpu_tune.md").read_text()
 
     kernels = steps["kernels"]
     timed = {r["backend"] for r in kernels["rows"] if r.get("ms")}

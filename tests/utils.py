@@ -15,10 +15,11 @@ from piattn.ops.pi.backends import REGISTRY
 from piattn.ops.pi.pattern import GATED_VARIANTS
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# Costly: on a CPU triton runs in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1); on CUDA
-# flex compiles a kernel per shape and pattern (seconds each; on a CPU it runs uncompiled, see flex.py).
-# They run a core of each set of backend cases by default, the rest with -m slow.
-COSTLY = ("flex",) if DEVICE == "cuda" else ("triton",)
+# Costly: on a CPU triton runs in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1) and flex
+# uncompiled, forward only (see flex.py), neither the path a CPU user takes; on CUDA flex compiles a kernel per
+# shape and pattern (seconds each). They run a core of each set of backend cases by default (`make test`),
+# the rest with -m slow (`make test-slow`); on a GPU triton runs every case.
+COSTLY = ("flex",) if DEVICE == "cuda" else ("triton", "flex")
 # fp32 sums run in another order than the reference's (blocked dots vs. per-offset sums; 3xTF32 dots on a
 # GPU), and dα divides Σ dlogit by α or 1 - α (down to 0.02 in make_inputs), which scales that error up:
 # 1e-4 instead of TOLERANCES' 2e-5 for triton's fp32.

@@ -45,10 +45,13 @@ def step_kind(request, monkeypatch):
     return request.param
 
 
-def _child(code: str, tmp_path, **env) -> subprocess.CompletedProcess:
-    """Run `code` in a fresh interpreter (PIATTN_CACHE in tmp_path unless given)."""
+def _child(code: str, tmp_path, *, own_cache: bool = True, **env) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter: with PIATTN_CACHE in tmp_path (unless given), or, for a child that
+    tests no library folder (`own_cache=False`), the cache this process uses, whose kernels are built already
+    (a fresh folder costs a build of the fused kernels, ~15 s, the first time a model runs)."""
+    cache = {"PIATTN_CACHE": str(tmp_path)} if own_cache else {}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PIATTN_CACHE": str(tmp_path), **env})
+                          env={**os.environ, **cache, **env})
 
 
 def _one_line_value_error(call, match: str) -> None:
@@ -108,7 +111,7 @@ def test_a_cache_with_more_key_value_heads_than_query_heads_is_refused(tmp_path)
                 model(torch.zeros(1, 1, dtype=torch.long), cache)
         except ValueError as err:
             print("ValueError:", err)
-    """, tmp_path)
+    """, tmp_path, own_cache=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("ValueError: cache was made for batch 1 with 8 key/value heads of width 8, but "
                                   "this layer runs batch 1 with 1 of width 8")
@@ -285,10 +288,24 @@ def _library(tmp_path):
     return built[0]
 
 
-def _built(tmp_path):
-    done = _child(LOAD, tmp_path)
+@pytest.fixture(scope="session")
+def built_once(tmp_path_factory):
+    """A cache folder whose library a child process built and loaded: built once (seconds of C compiling)
+    for the tests below, each of which gets its own copy to tamper with."""
+    folder = tmp_path_factory.mktemp("built")
+    done = _child(LOAD, folder)
     assert done.returncode == 0 and done.stdout.strip() == "None", done.stderr[-2000:]
-    return _library(tmp_path)
+    _library(folder)
+    return folder
+
+
+@pytest.fixture
+def built_library(built_once, tmp_path):
+    """The library in `tmp_path`'s own private `native` folder (a copy of `built_once`'s, modes kept)."""
+    shutil.copytree(built_once / "native", tmp_path / "native")
+    path = _library(tmp_path)
+    assert stat.S_IMODE(os.stat(tmp_path / "native").st_mode) == 0o700 and _verified(path)
+    return path
 
 
 def _verified(path) -> bool:
@@ -299,17 +316,19 @@ def _verified(path) -> bool:
 
 @needs_cc
 def test_a_new_library_folder_is_private_and_the_library_carries_its_hash(tmp_path):
-    path = _built(tmp_path)
+    done = _child(LOAD, tmp_path)  # a fresh folder: this test builds its own
+    assert done.returncode == 0 and done.stdout.strip() == "None", done.stderr[-2000:]
+    path = _library(tmp_path)
     assert stat.S_IMODE(os.stat(tmp_path / "native").st_mode) == 0o700
     assert _verified(path)
 
 
 @needs_cc
 @pytest.mark.parametrize("left", [100, 0.5])
-def test_a_truncated_library_is_rebuilt_not_loaded(tmp_path, left):
+def test_a_truncated_library_is_rebuilt_not_loaded(tmp_path, built_library, left):
     """A build killed half-way or a full disk: before, loading half the library killed every later process
     with SIGBUS, and a stub of 100 bytes disabled the step for ever as 'could not build … set CC'."""
-    path = _built(tmp_path)
+    path = built_library
     data = path.read_bytes()
     path.write_bytes(data[:left if isinstance(left, int) else int(len(data) * left)])
     done = _child(LOAD, tmp_path)
@@ -343,9 +362,9 @@ def _plant(tmp_path, path, *, with_hash: bool) -> None:
 
 
 @needs_cc
-def test_a_library_the_build_did_not_write_is_never_run(tmp_path):
+def test_a_library_the_build_did_not_write_is_never_run(tmp_path, built_library):
     """Before: any library at the predictable name was loaded and its code ran."""
-    path = _built(tmp_path)
+    path = built_library
     _plant(tmp_path, path, with_hash=False)
     marker = tmp_path / "ran"
     done = _child(LOAD, tmp_path, PLANTED_MARKER=str(marker))
@@ -355,10 +374,10 @@ def test_a_library_the_build_did_not_write_is_never_run(tmp_path):
 
 
 @needs_cc
-def test_an_unloadable_library_with_a_good_hash_is_rebuilt(tmp_path):
+def test_an_unloadable_library_with_a_good_hash_is_rebuilt(tmp_path, built_library):
     """A verified library that still does not load (another machine's, a broken copy with its hash): rebuilt,
     not reported as a missing compiler."""
-    path = _built(tmp_path)
+    path = built_library
     path.write_bytes(b"not a shared library")
     path.with_name(path.name + ".sha256").write_text(__import__("hashlib").sha256(b"not a shared library").hexdigest())
     done = _child(LOAD, tmp_path)
@@ -368,10 +387,10 @@ def test_an_unloadable_library_with_a_good_hash_is_rebuilt(tmp_path):
 
 @needs_cc
 @pytest.mark.parametrize("mode", [0o777, 0o770])
-def test_a_folder_others_can_write_to_is_refused(tmp_path, mode):
+def test_a_folder_others_can_write_to_is_refused(tmp_path, built_library, mode):
     """A shared PIATTN_CACHE: another user could put a library and its hash there. Nothing is loaded from
     it, with a warning that says why; decoding runs in torch ops."""
-    path = _built(tmp_path)
+    path = built_library
     _plant(tmp_path, path, with_hash=True)
     os.chmod(tmp_path / "native", mode)
     marker = tmp_path / "ran"

@@ -70,11 +70,16 @@ def recording_backend(graphs: dict):
     return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Seconds of tracing each on a CPU, where `make test` runs one case of each backend and kind (a GPU runs all).
+SLOW = [pytest.mark.slow] if DEVICE == "cpu" else []
+
+
 @pytest.mark.parametrize(("kind", "backend", "dtype"), [
-    ("pi-adaptive", "torch", torch.float64), ("pi-adaptive", "auto", torch.float64),
-    ("pi-separate", "torch", torch.float64), ("pi-separate", "auto", torch.float64), ("local", "auto", torch.float64),
-    ("pi-features", "torch", torch.float64), ("pi-features", "auto", torch.float32),
-    ("pi-features", "fused", torch.float32)])
+    pytest.param("pi-adaptive", "torch", torch.float64, marks=SLOW), ("pi-adaptive", "auto", torch.float64),
+    ("pi-separate", "torch", torch.float64), pytest.param("pi-separate", "auto", torch.float64, marks=SLOW),
+    ("local", "auto", torch.float64), ("pi-features", "torch", torch.float64),
+    pytest.param("pi-features", "auto", torch.float32, marks=SLOW), ("pi-features", "fused", torch.float32)])
 def test_fullgraph_gpt_matches_eager(kind, backend, dtype):
     """One graph each way (fullgraph raises on any break), the operators in them, and eager's numbers. "auto"
     compiles to what it runs in eager: on a CPU "fused" (its operators), where its kernels build. Per-head
@@ -390,7 +395,6 @@ def test_inductor_gpt_matches_eager():
 
 needs_triton = pytest.mark.skipif("triton" not in BACKENDS,
                                   reason="backend 'triton' needs CUDA or TRITON_INTERPRET=1 set before import")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def triton_call(variant: str, features: bool, nan: bool = False):
@@ -414,7 +418,8 @@ def triton_call(variant: str, features: bool, nan: bool = False):
 
 @needs_triton
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter evaluates both sides of tl.where
-@pytest.mark.parametrize(("variant", "features"), [("adaptive", False), ("separate", True), ("union", True)])
+@pytest.mark.parametrize(("variant", "features"), [pytest.param("adaptive", False, marks=SLOW), ("separate", True),
+                                                   pytest.param("union", True, marks=SLOW)])
 def test_triton_backend_compiles_whole(variant, features):
     """"triton" as the operators piattn::pi_triton_fwd / _bwd: one graph each way, the same kernels as
     eager, so the same numbers exactly (sinks, documents, grouped-query k, v, dropout and padding included)."""
@@ -481,7 +486,7 @@ def test_auto_compiles_to_the_triton_operator_on_cuda():
     assert graphs["backward"][0].count("piattn.pi_triton_bwd") == 1
 
 
-@pytest.mark.parametrize("kind", ["pi-adaptive", "local"])
+@pytest.mark.parametrize("kind", ["pi-adaptive", pytest.param("local", marks=SLOW)])
 def test_documents_at_several_lengths(kind):
     """Packed documents compiled whole at a second length and back at the first (dynamo makes T symbolic
     at the second): each equals eager, logits and gradients. RoPE's table was sized by positions.max() (a

@@ -111,3 +111,26 @@ def test_a_build_says_so_and_a_reuse_does_not(source, capsys):
     assert "piattn: compiling answer.c (-O1 -fPIC -shared) into" in capsys.readouterr().err
     cbuild.load(source, _open, compiler=CC, base_flags=("-O1", "-fPIC", "-shared"))
     assert "compiling" not in capsys.readouterr().err
+
+
+AARCH64_CPUINFO = """processor\t: 0
+BogoMIPS\t: 243.75
+Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp
+CPU implementer\t: 0x41
+CPU architecture: 8
+CPU variant\t: 0x3
+CPU part\t: 0xd0c
+CPU revision\t: 1
+"""
+
+
+def test_the_cache_key_tells_aarch64_cpus_apart(monkeypatch):
+    """aarch64's /proc/cpuinfo has no "model name" or "flags" lines: a library built with -march=native on a
+    core with SVE must not be found by another core (SIGILL) in a shared cache folder."""
+    identities = []
+    for text in (AARCH64_CPUINFO, AARCH64_CPUINFO.replace("asimddp", "asimddp sve"),
+                 AARCH64_CPUINFO.replace("0xd0c", "0xd40")):
+        monkeypatch.setattr(cbuild, "_cpuinfo_lines", lambda text=text: text.splitlines())
+        identities.append(cbuild.cpu_identity())
+    assert len(set(identities)) == 3 and all(b"Features" in i for i in identities)
+    assert b"BogoMIPS" not in identities[0]  # a measured speed, not what the code is built for

@@ -20,6 +20,7 @@ import inspect
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -700,3 +701,26 @@ def test_a_level_this_cpu_lacks_is_the_backends_refusal(tmp_path):
     reason, flags = done.stdout.strip().splitlines()[-2:]
     assert "PIATTN_MARCH=x86-64-v2 needs CPU features this CPU lacks" in reason and "backend='torch'" in reason
     assert flags == "None" and not list(tmp_path.glob("native/*.so"))
+
+
+def test_every_exported_symbol_is_written_out_in_the_source():
+    """Each function the built library exports (nm -D) is defined by its own name in fused_cpu.c, not only
+    through the FN() macro of the kernels, and named in the contents index at the top: grep, ctags and a reader
+    find every entry point fused.py calls."""
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("no nm to list the library's symbols")
+    path = cbuild.library_path(fused.SOURCE, os.environ.get("CC") or "cc",
+                               (*fused._BASE_FLAGS, *fused.build_flags()))  # the library fused.py loaded
+    if not path.is_file():
+        pytest.skip(f"the fused library is not at {path}")
+    listed = subprocess.run([nm, "-D", "--defined-only", str(path)], capture_output=True, text=True, check=True)
+    exported = sorted(fields[2] for fields in map(str.split, listed.stdout.splitlines())
+                      if len(fields) == 3 and fields[1] in ("T", "W", "i"))
+    assert set(fused._FUNCTIONS.values()) <= set(exported), exported
+    source = fused.SOURCE.read_text()
+    index = source[:source.index("*/")]
+    not_defined = [name for name in exported if not re.search(rf"^\w[\w\s\*]*\b{re.escape(name)}\s*\(", source, re.M)]
+    not_indexed = [name for name in exported if not re.search(rf"\b{re.escape(name)}\b", index)]
+    assert not not_defined, f"exported but defined only through a macro: {not_defined}"
+    assert not not_indexed, f"exported but missing from the contents index: {not_indexed}"

@@ -10,6 +10,7 @@ import torch
 
 import piattn
 from piattn.config.pi import VARIANTS
+from piattn.ops.pi.pattern import document_bounds
 from utils import OUTPUT_NAMES, forward_backward, make_inputs
 
 pytestmark = [
@@ -42,7 +43,7 @@ def test_launchers_without_autograd(variant, features, period, nan_poison):
     y, *grads = forward_backward(q, k, v, gate, backend="triton", **kw, **extra)
     launch = tri.plan(q, **kw, scale=16**-0.5, dropout_p=0.0, dropout=False, **more)
     assert launch.meta["PER_HEAD"] == (not isinstance(period, int))
-    bounds = tri.document_bounds_int32(extra.get("document_ids"))
+    bounds = document_bounds(extra.get("document_ids"), torch.int32)
     with torch.no_grad():
         y2, stats = tri.triton_forward(q, k, v, gate, None, launch, bounds)
         dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(y)

@@ -12,6 +12,8 @@ launches each kernel once (a spy on the launches), never once per period group.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -57,9 +59,19 @@ def documents(ids) -> torch.Tensor:
     return torch.tensor([ids], device=DEVICE)
 
 
-@pytest.mark.parametrize("features", ("plain", "sinks+documents"))
-@pytest.mark.parametrize("causal", (True, False), ids=param_id)
-@pytest.mark.parametrize("variant", VARIANTS)
+def cases(names: str, values, core) -> tuple:
+    """parametrize's arguments over the product of `values` (one tuple per name); on a CPU the cases `core(*case)`
+    rejects are marked slow: each takes seconds in Triton's interpreter, and `make test` runs a core (a GPU
+    runs every case)."""
+    params = [pytest.param(*case, id="-".join(map(param_id, case)),
+                           marks=[pytest.mark.slow] if DEVICE == "cpu" and not core(*case) else [])
+              for case in itertools.product(*values)]
+    return names, params
+
+
+@pytest.mark.parametrize(*cases("variant,causal,features", (VARIANTS, (True, False), ("plain", "sinks+documents")),
+                                lambda variant, causal, features: causal and features == "plain"
+                                or variant == "adaptive" or (variant == "separate" and not causal)))
 def test_matches_reference(variant, causal, features, nan_poison):
     """fp32, grouped heads whose periods differ inside each group; two batch rows, or one with two sinks and
     three documents."""
@@ -80,10 +92,8 @@ EDGES = {
 }
 
 
-@pytest.mark.parametrize(("edge", "causal"), [
-    pytest.param(edge, causal, id=f"{edge}-{param_id(causal)}",
-                 marks=[pytest.mark.slow] if edge == "wide" and not causal else [])  # ~5 s in the interpreter
-    for edge in EDGES for causal in (True, False)])
+@pytest.mark.parametrize(*cases("edge,causal", (EDGES, (True, False)),
+                                lambda edge, causal: causal or edge in ("beyond-T", "window0")))
 def test_edge_periods(edge, causal, nan_poison):
     """Periods in the window, at and beyond T, window 0, T shorter than the periods, with a sink; two batch
     rows."""
@@ -92,8 +102,8 @@ def test_edge_periods(edge, causal, nan_poison):
                       causal=causal, variant="adaptive", **{**KW, "window": window}, sinks=1)
 
 
-@pytest.mark.parametrize("causal", (True, False), ids=param_id)
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize(*cases("variant,causal", (VARIANTS, (True, False)),
+                                lambda variant, causal: (variant, causal) in (("adaptive", True), ("separate", False))))
 def test_dropout_same_mask(variant, causal, nan_poison):
     """Equal seeds draw equal masks (`pi_attention` draws one per period group and hands the heads' masks
     over in one [B, H, T, S] tensor, head h's in its first slots): the triton call equals the reference,
@@ -107,9 +117,10 @@ def test_dropout_same_mask(variant, causal, nan_poison):
     assert (y - plain).abs().max() > 1e-3, "dropout must change the output"
 
 
-@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=param_id)
-@pytest.mark.parametrize("causal", (True, False), ids=param_id)
-@pytest.mark.parametrize("variant", ("adaptive", "separate"))
+@pytest.mark.parametrize(*cases("variant,causal,dtype", (("adaptive", "separate"), (True, False),
+                                                         (torch.bfloat16, torch.float16)),
+                                lambda variant, causal, dtype: (variant == "adaptive") == causal == (
+                                    dtype == torch.bfloat16)))
 def test_low_precision(variant, causal, dtype, nan_poison):
     """bf16 and fp16, D = 32, scores ≈ 4·N(0, 1) (some beyond the clamp of 5): the reference-error rule
     against the fp64 result of the same rounded inputs; results in the input dtype."""

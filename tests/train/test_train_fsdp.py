@@ -50,6 +50,7 @@ def test_fsdp_on_two_ranks_matches_one_process(fsdp_run, reference):
     assert_same_training(fsdp_run, reference)
 
 
+@pytest.mark.slow  # a combination of what the other tests cover one at a time; seconds of process groups
 def test_fsdp_over_a_sequence_group_matches_one_process(fsdp_sequence_parallel_run, reference):
     assert_same_training(fsdp_sequence_parallel_run, reference)
 
@@ -81,6 +82,7 @@ def test_an_fsdp_checkpoint_resumes_on_one_process_without_fsdp(fsdp_sequence_pa
     assert_same_training(run, reference)
 
 
+@pytest.mark.slow  # a combination of what the other tests cover one at a time; seconds of process groups
 def test_an_fsdp_checkpoint_resumes_under_ddp(fsdp_run, reference, corpus, tmp_path):
     """Written by 2 replicas with --fsdp, resumed by 2 replicas without it (DDP); (one process would take
     other batches per step and is refused, as without --fsdp)."""
@@ -92,6 +94,7 @@ def test_an_fsdp_checkpoint_resumes_under_ddp(fsdp_run, reference, corpus, tmp_p
     assert_same_training(run, reference)
 
 
+@pytest.mark.slow  # a combination of what the other tests cover one at a time; seconds of process groups
 def test_a_plain_checkpoint_resumes_under_fsdp(reference, corpus, tmp_path):
     """Written by 1 process, resumed by 2 ranks with --fsdp (one sequence group: still 1 replica)."""
     run = stopped_at(reference, 2, tmp_path / "run")

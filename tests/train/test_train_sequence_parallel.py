@@ -42,6 +42,7 @@ def test_two_ranks_per_sequence_match_one_process(sequence_parallel_run, referen
     assert_same_training(sequence_parallel_run, reference)
 
 
+@pytest.mark.slow  # a combination of what the other tests cover one at a time; seconds of process groups
 def test_two_replicas_of_two_ranks_per_sequence_match_one_process(two_by_two_run, reference):
     assert_same_training(two_by_two_run, reference)
     state = load_trainer_state(read_latest(two_by_two_run / "checkpoints"))

@@ -64,7 +64,7 @@ def document_positions(document_ids: torch.Tensor | None, T: int, device) -> tor
     position = torch.arange(T, device=device)[None]
     if document_ids is None:
         return position
-    start, _ = document_bounds(document_ids.to(device))
+    start, _ = document_bounds(document_ids, device=device)
     return position - start
 
 

@@ -25,6 +25,7 @@ import torch
 
 from ..layers import AttentionLayer, DenseAttention
 from ..layers.windowed import WindowedAttention
+from ..ops.pi.dtypes import accumulation_dtype
 from ..ops.pi.pattern import Pattern, document_bounds
 from ..ops.pi.weights import SlotWeights, pi_attention_weights, settings_pattern
 
@@ -90,7 +91,7 @@ def dense_rows(layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, rows: to
                document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q·kᵀ/√D) of the queries `rows` over every key (causal: keys ≤ the query; with documents: keys
     of the query's document) -> [B, H, R, T]."""
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(q.dtype)
     k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
     scores = q[:, :, rows].to(acc) @ k.to(acc).transpose(-1, -2) * q.shape[-1] ** -0.5
     T = k.shape[2]
@@ -115,7 +116,7 @@ def probe_columns(layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, x: to
         v = q.new_zeros(B, H_kv, T, D)
         v[:, :, c, torch.arange(len(c), device=q.device)] = 1.0
         p = layer.attend(q, k, v, x, **documents)[..., :len(c)]
-        yield c, p.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+        yield c, p.to(accumulation_dtype(q.dtype))
 
 
 def columns(layer: AttentionLayer, q: torch.Tensor, k: torch.Tensor, x: torch.Tensor, rows: torch.Tensor,

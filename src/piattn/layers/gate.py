@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..ops.pi.decode import gate_tail
+from ..ops.pi.dtypes import accumulation_dtype
 
 
 def gate_mlp(d_model: int, n_heads: int, hidden: int | None = None) -> nn.Sequential:
@@ -52,7 +53,7 @@ def gate_sigmoid(gate: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
     """
     if gate_hooked(gate):
         s = gate(x)
-        return s if s.dtype in (torch.float32, torch.float64) else s.float()
+        return s.to(accumulation_dtype(s.dtype))
     first, _, last, _ = gate._modules.values()
     return gate_tail(F.linear(x, first.weight, first.bias), last.weight, last.bias)
 

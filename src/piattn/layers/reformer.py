@@ -13,6 +13,7 @@ from torch import nn
 
 from ..checks import is_int
 from ..config import ModelConfig
+from ..ops.pi.dtypes import accumulation_dtype
 from .base import AttentionLayer
 
 # Reformer's logit for a token attending to itself: finite, unlike a mask, so a token with no other key
@@ -78,7 +79,7 @@ def lsh_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, buckets: to
         raise ValueError(f"buckets must have shape [B, H, R, T] = [{B}, {H}, R, {T}], got {tuple(buckets.shape)}")
     R, c = buckets.shape[2], bucket_size
     n_chunks = -(-T // c)
-    out_dtype, dtype = q.dtype, torch.promote_types(q.dtype, torch.float32)
+    out_dtype, dtype = q.dtype, accumulation_dtype(q.dtype)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
 
     positions = torch.arange(T, device=q.device)
@@ -174,7 +175,7 @@ class ReformerAttention(AttentionLayer):
         if self.rotary is not None:
             q = self.rotary(q, offset)
         # Normalised in fp32 at least: a bf16 sum of D squares loses the key's length.
-        return q, F.normalize(q.to(torch.promote_types(q.dtype, torch.float32)), dim=-1), v
+        return q, F.normalize(q.to(accumulation_dtype(q.dtype)), dim=-1), v
 
     def bucket_count(self, T: int) -> int:
         """Buckets per round for sequences of length T."""
@@ -189,7 +190,7 @@ class ReformerAttention(AttentionLayer):
             return torch.zeros(B, H, self.n_hashes, T, dtype=torch.long, device=k.device)
         generator = torch.Generator().manual_seed(self.seed)
         rotations = torch.randn(self.n_hashes, D, n // 2, generator=generator, dtype=torch.float64)
-        dtype = torch.promote_types(k.dtype, torch.float32)
+        dtype = accumulation_dtype(k.dtype)
         projected = torch.einsum("bhtd,rdn->bhrtn", k.to(dtype), rotations.to(k.device, dtype))
         return torch.cat([projected, -projected], -1).argmax(-1)
 

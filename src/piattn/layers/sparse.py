@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..checks import is_int
+from ..ops.pi.dtypes import accumulation_dtype
 
 # elements of one chunk's gathered k (or v) block [B, H, C, M, D] or scores [B, H, C, group, M]; bounds the
 # no-grad peak memory
@@ -71,7 +72,7 @@ def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index:
     pad = n_rows * group - Tq  # the last group may be short: pad it with queries that see nothing
     keep = F.pad(first_occurrences(per_query, valid), (0, 0, 0, pad)).view(n_rows, group, M)
     safe_index = index.masked_fill(~keep.any(1), 0)  # an in-range row for candidates no query counts
-    compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    compute_dtype = accumulation_dtype(q.dtype)
     q_groups = F.pad(q, (0, 0, 0, pad)).view(B, H, n_rows, group, D)
     outputs = []
     for start in range(0, n_rows, chunk_size):

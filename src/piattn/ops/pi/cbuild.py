@@ -145,12 +145,19 @@ def _cpuinfo_lines() -> list[str] | None:
         return None
 
 
+# The /proc/cpuinfo lines that say what -march=native compiles for: x86's model and flags; aarch64's
+# features and the core's identity (its cpuinfo has no "model name" or "flags" lines).
+CPU_IDENTITY_FIELDS = ("model name", "flags", "Features", "CPU implementer", "CPU architecture", "CPU variant",
+                       "CPU part", "CPU revision")
+
+
 def cpu_identity() -> bytes:
-    """What -march=native compiles for: the CPU's model and flags (Linux)."""
+    """What -march=native compiles for: the CPU's model and features (Linux), so that a library built for one
+    CPU is never loaded on another from a shared cache folder (SIGILL)."""
     lines = _cpuinfo_lines()
     if lines is None:
         return platform.processor().encode()
-    return "\n".join(sorted({line for line in lines if line.startswith(("model name", "flags"))})).encode()
+    return "\n".join(sorted({line for line in lines if line.startswith(CPU_IDENTITY_FIELDS)})).encode()
 
 
 # The x86-64 micro-architecture levels (the psABI's) that PIATTN_MARCH may name, each with the CPU features

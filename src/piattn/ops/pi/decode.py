@@ -30,6 +30,7 @@ from torch.nn import functional as F
 from ...checks import is_int
 from ...config.pi import GATED_VARIANTS, PI_DEFAULTS, check_pi_settings
 from . import native
+from .dtypes import accumulation_dtype
 from .pattern import Pattern, log_priors
 from .validate import _check_gate, check_qkv_tensors
 
@@ -205,7 +206,7 @@ def gate_tail(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) ->
     """The gate MLP after its first linear layer (Eq. app_gate): hidden [B, T, n_hidden] pre-activation ->
     σ(weight·GELU(hidden) + bias) [B, T, H], in at least fp32 (`piattn.layers.gate.gate_mlp`)."""
     s = F.linear(F.gelu(hidden), weight, bias).sigmoid_()
-    return s if s.dtype in (torch.float32, torch.float64) else s.float()
+    return s.to(accumulation_dtype(s.dtype))
 
 
 @functools.lru_cache(maxsize=64, typed=True)
@@ -404,7 +405,7 @@ def decode_gathered(q: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, valid: 
     g = H // H_kv
     R = B * H_kv * t
     out_dtype = q.dtype
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(q.dtype)
     # With one query (t = 1) the heads of a group are already adjacent: plain views, no transposes.
     q3 = q.reshape(R, g, D) if t == 1 else q.view(B, H_kv, g, t, D).transpose(2, 3).reshape(R, g, D)
     k3, v3 = kg.view(R, S, D), vg.view(R, S, D)

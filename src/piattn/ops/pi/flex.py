@@ -146,7 +146,7 @@ def _build_block_mask(pat: Pattern, T: int, document_ids: torch.Tensor | None, d
     full = pairs == block_size * block_size
     kv_num, kv_idx = _ordered((pairs > 0) & ~full)
     full_num, full_idx = _ordered(full)
-    start = None if document_ids is None else document_bounds(document_ids)[0]
+    start, _ = document_bounds(document_ids)
     return BlockMask.from_kv_blocks(
         kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
         mask_mod=_mask_mod(pat.window, pat.period, pat.causal, part, pat.sinks, start), seq_lengths=(T, T),

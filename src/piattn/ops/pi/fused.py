@@ -46,8 +46,9 @@ from pathlib import Path
 import torch
 
 from ...allocator import advise_huge_pages
-from . import cbuild, pattern
+from . import cbuild
 from .backends import refuse_double_backward
+from .pattern import document_bounds
 from .settings import OpSettings
 
 SOURCE = Path(__file__).with_name("fused_cpu.c")
@@ -170,14 +171,6 @@ def head_periods(period: int | tuple[int, ...], H: int) -> torch.Tensor:
     return periods
 
 
-def document_bounds(document_ids: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(start, end) int64 [B, T] of each position's document (`pattern.document_bounds`), or (None, None)."""
-    if document_ids is None:
-        return None, None
-    start, end = pattern.document_bounds(document_ids.cpu())
-    return start.contiguous(), end.contiguous()
-
-
 def _run(direction: str, q: torch.Tensor, k: torch.Tensor, settings: OpSettings, tensors: list,
          bounds: tuple = (None, None), keep: torch.Tensor | None = None) -> None:
     """Call the C kernel of `direction` on `tensors` (its buffers, in fused_cpu.c's order, before the periods,
@@ -236,7 +229,7 @@ def fused_forward(q, k, v, gate, settings: OpSettings, *, bounds=(None, None), k
     """q [B, H, T, D], k, v [B, H_kv, T, D], gate [B, H, T] or None, all contiguous CPU tensors of one dtype
     (fp32, fp64, bf16 or fp16) -> (y [B, H, T, D] in that dtype, stat [B, H, T, stats_per_row] fp64: the
     log-sum-exp in double, so that the backward's exp(z − lse) does not lose |lse|·2^-24 in fp32).
-    settings.period: an int or one per query head; bounds: `document_bounds(document_ids)`; keep:
+    settings.period: an int or one per query head; bounds: `document_bounds(document_ids, device="cpu")`; keep:
     `keep_bytes(dropout_keep)` or None (the weights are multiplied by keep / (1 − settings.dropout_p)). out:
     (y, stat) to write into instead of fresh tensors (a benchmark's way to time the kernel without first
     touches of new memory)."""
@@ -308,7 +301,8 @@ def pi_attention_fused(q, k, v, gate, *, window, period, causal, variant, prior,
     q, k, v = (x.contiguous() for x in (q, k, v))
     if gate is not None:
         gate = gate.to(q.dtype).contiguous()
-    return _FusedFunction.apply(q, k, v, gate, settings, *document_bounds(document_ids), keep_bytes(dropout_keep))
+    return _FusedFunction.apply(q, k, v, gate, settings, *document_bounds(document_ids, device="cpu"),
+                                keep_bytes(dropout_keep))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -337,8 +331,8 @@ def _contiguous(*tensors):
 def pi_fused_fwd(q, k, v, gate, dropout_keep, document_ids, periods, *settings) -> tuple[torch.Tensor, torch.Tensor]:
     """(y [B, H, T, D] in q's dtype, stat [B, H, T, stats_per_row] fp64): `fused_forward`."""
     q, k, v, gate = _contiguous(q, k, v, gate)
-    return fused_forward(q, k, v, gate, OpSettings.from_op(periods, settings), bounds=document_bounds(document_ids),
-                         keep=keep_bytes(dropout_keep))
+    return fused_forward(q, k, v, gate, OpSettings.from_op(periods, settings),
+                         bounds=document_bounds(document_ids, device="cpu"), keep=keep_bytes(dropout_keep))
 
 
 @pi_fused_fwd.register_fake
@@ -354,7 +348,7 @@ def pi_fused_bwd(dy, q, k, v, gate, dropout_keep, document_ids, stat, want_gate,
     """[dq, dk, dv], and dgate when `want_gate`, of `pi_fused_fwd` for the cotangent dy of its y."""
     dy, q, k, v, gate, stat = _contiguous(dy, q, k, v, gate, stat)
     grads = fused_backward(dy, q, k, v, gate, stat, OpSettings.from_op(periods, settings), want_dgate=want_gate,
-                           bounds=document_bounds(document_ids), keep=keep_bytes(dropout_keep))
+                           bounds=document_bounds(document_ids, device="cpu"), keep=keep_bytes(dropout_keep))
     return list(grads) if want_gate else list(grads[:3])
 
 

@@ -46,22 +46,27 @@
  *
  * The file includes itself once per precision (PI_REAL), so each kernel is written once as plain C.
  *
- * Contents. Every kernel below is named NAME and compiled as NAME_f32, NAME_bf16, NAME_f16 and NAME_f64
- * (FN(NAME), one per storage type: the suffix is PI_SUFFIX of each instantiation). Exported, the only
- * symbols fused.py calls:
- *   pi_fused_forward_f32, pi_fused_forward_bf16, pi_fused_forward_f16, pi_fused_forward_f64   (FN(pi_fused_forward))
- *   pi_fused_backward_f32, pi_fused_backward_bf16, pi_fused_backward_f16, pi_fused_backward_f64
- *                                                                                           (FN(pi_fused_backward))
- * Shared, once: return codes, pi_buffer, pi_call; pi_pattern_of / pi_patterns (a head's slot offsets);
- * pi_check_call, pi_check_buffer, pi_check_layout (the trust checks); pi_forward_blocks, pi_streaming; the
- * bf16 / fp16 conversions pi_bf16_to_f32, pi_f32_to_bf16, pi_f16_to_f32, pi_f32_to_f16; the instantiations.
- * Per precision, in order: vectors (load, store, splat, load_s, store_s, row_r, rows_s, put); reductions and
- * row arithmetic (sum_lanes, dot, dot2, weighted_sum, add2); slots (slot_rows, dropout_row); log and exp
- * (log_lanes, logs, log1, exp_lanes, exp_shifted, normalise); the logits (log_priors, logits); scratch; the
- * forward (forward_row_d, forward_block_d: rows in lanes; forward_row, forward_block); the backward
- * (backward_row_d, backward_row, backward_log_priors); the entry points pi_fused_forward, pi_fused_backward.
+ * Contents, in the file's order, each section under a comment "Section N" that grep finds:
+ * 1. Shared, once (the file read without PI_REAL): return codes, pi_buffer, pi_call; pi_pattern_of / pi_patterns
+ *    (a head's slot offsets); pi_check_call, pi_check_buffer, pi_check_layout (the trust checks);
+ *    pi_forward_blocks, pi_streaming; the bf16 / fp16 conversions pi_bf16_to_f32, pi_f32_to_bf16, pi_f16_to_f32,
+ *    pi_f32_to_f16.
+ * 2. The instantiations: the file includes itself with PI_SUFFIX f32, bf16, f16, f64.
+ * 3. The kernels of one precision (the file read with PI_REAL, after #else): every kernel there is named NAME
+ *    and compiled as the static NAME_f32, NAME_bf16, NAME_f16 and NAME_f64 (FN(NAME): the suffix is PI_SUFFIX
+ *    of each instantiation). In order: vectors (load, store, splat, load_s, store_s, row_r, rows_s,
+ *    put); reductions and row arithmetic (sum_lanes, dot, dot2, weighted_sum, add2); slots (slot_rows,
+ *    dropout_row); log and exp (log_lanes, logs, log1, exp_lanes, exp_shifted, normalise); the logits
+ *    (log_priors, logits); scratch; the forward (forward_row_d, forward_block_d: rows in lanes; forward_row,
+ *    forward_block); the backward (backward_row_d, backward_row, backward_log_priors); the bodies of the entry
+ *    points, forward and backward.
+ * 4. Exported entry points (the end of the file), the only symbols fused.py calls, each defined there by name
+ *    and calling forward_SUFFIX or backward_SUFFIX of section 3:
+ *      pi_fused_forward_f32, pi_fused_forward_bf16, pi_fused_forward_f16, pi_fused_forward_f64
+ *      pi_fused_backward_f32, pi_fused_backward_bf16, pi_fused_backward_f16, pi_fused_backward_f64
  */
 #ifndef PI_REAL
+/* Section 1: shared, once. */
 
 #include <math.h>
 #include <stddef.h>
@@ -233,16 +238,13 @@ static int64_t pi_forward_blocks(const pi_call *c) {
  * y's first lines are gone from the cache before anyone reads them anyway; a smaller y stays in cache for the
  * next operation. Every row must start on a vector boundary. */
 #define PI_STREAM_BYTES ((int64_t)32 << 20)
+#ifdef PI_STREAM_F32 /* only targets with streaming stores call it (aarch64 has none here) */
 static int pi_streaming(const pi_call *c, const float *y) {
-#ifdef PI_STREAM_F32
   const int64_t kv = c->B * c->H_kv * c->T * c->D, qy = c->B * c->H * c->T * c->D; /* each <= INT64_MAX / 4 */
   return (uintptr_t)y % PI_VECTOR_BYTES == 0 && c->D * (int64_t)sizeof(float) % PI_VECTOR_BYTES == 0 &&
          kv + qy > PI_STREAM_BYTES / 2 / (int64_t)sizeof(float);
-#else
-  (void)c, (void)y;
-  return 0;
-#endif
 }
+#endif
 
 static const int32_t pi_lane_index[8] = {0, 1, 2, 3, 4, 5, 6, 7};
 
@@ -305,6 +307,8 @@ static inline uint16_t pi_f32_to_f16(float f) {
   return (uint16_t)(o | (sign >> 16));
 }
 
+/* Section 2: the instantiations. */
+
 /* One instantiation per storage type: R the type the kernels compute and accumulate in, S the type of the
  * tensors they read and write (PI_STORAGE 0: S = R; 1: bf16 and 2: fp16 in uint16_t, computed in float). */
 #define PI_REAL float
@@ -347,8 +351,17 @@ static inline uint16_t pi_f32_to_f16(float f) {
 #define PI_LOG log
 #define PI_VECTOR_EXP 0
 #include __FILE__
+#undef PI_VECTOR_EXP
+#undef PI_SUFFIX
+#undef PI_STORAGE
+#undef PI_REAL
+#undef PI_LANES
+#undef PI_EXP
+#undef PI_LOG
+/* The exported entry points follow the kernels, at the end of the file (again without PI_REAL). */
 
 #else /* the kernels of one precision */
+/* Section 3: the kernels of one precision. */
 
 #define R PI_REAL
 #if PI_STORAGE
@@ -1181,7 +1194,10 @@ static void FN(backward_log_priors)(const pi_call *c, const S *gate, int64_t row
   FN(store)(lp + LANES, FN(logs)(FN(load)(lp + LANES)));
 }
 
-int FN(pi_fused_forward)(const pi_call *c, const pi_buffer *buf, int64_t n_buf) {
+/* The forward of this precision, the body of pi_fused_forward_SUFFIX (section 4). noinline, as the backward:
+ * compiled as it was when it was the exported function itself (inlined into its one caller, it would shift
+ * GCC's inlining of the helpers above), so the entry point is one jump to it. */
+static __attribute__((noinline)) int FN(forward)(const pi_call *c, const pi_buffer *buf, int64_t n_buf) {
   /* buf: q, k, v, gate, y, stat, periods [H] int64, doc_start, doc_end [B, T] int64 (both empty: none), keep
    * [B, H, T, keep_slots] uint8 (empty without dropout) */
   int err = pi_check_call(c);
@@ -1256,7 +1272,8 @@ int FN(pi_fused_forward)(const pi_call *c, const pi_buffer *buf, int64_t n_buf) 
   return failed ? PI_ERR_MEMORY : PI_OK;
 }
 
-int FN(pi_fused_backward)(const pi_call *c, const pi_buffer *buf, int64_t n_buf) {
+/* The backward of this precision, the body of pi_fused_backward_SUFFIX (section 4). */
+static __attribute__((noinline)) int FN(backward)(const pi_call *c, const pi_buffer *buf, int64_t n_buf) {
   /* buf: q, k, v, gate, dy, stat, dq, dk, dv, dgate (dgate empty: not wanted), periods [H] int64, doc_start,
    * doc_end [B, T] int64 (both empty: no documents), keep [B, H, T, keep_slots] uint8 (empty without dropout) */
   int err = pi_check_call(c);
@@ -1372,4 +1389,37 @@ int FN(pi_fused_backward)(const pi_call *c, const pi_buffer *buf, int64_t n_buf)
 #undef FN
 #undef LANES
 
+#endif /* the kernels of one precision */
+
+#ifndef PI_REAL
+/* Section 4: exported entry points, the only symbols fused.py calls (its _FUNCTIONS), one per direction and
+ * storage type, each written out by name. Each calls its precision's kernel, forward_SUFFIX or backward_SUFFIX
+ * (FN(forward), FN(backward) of section 3, static, noinline and called only here): the compiler makes each
+ * entry point one jump to it. */
+
+int pi_fused_forward_f32(const pi_call *c, const pi_buffer *buf, int64_t n_buf) {
+  return forward_f32(c, buf, n_buf);
+}
+int pi_fused_forward_bf16(const pi_call *c, const pi_buffer *buf, int64_t n_buf) {
+  return forward_bf16(c, buf, n_buf);
+}
+int pi_fused_forward_f16(const pi_call *c, const pi_buffer *buf, int64_t n_buf) {
+  return forward_f16(c, buf, n_buf);
+}
+int pi_fused_forward_f64(const pi_call *c, const pi_buffer *buf, int64_t n_buf) {
+  return forward_f64(c, buf, n_buf);
+}
+
+int pi_fused_backward_f32(const pi_call *c, const pi_buffer *buf, int64_t n_buf) {
+  return backward_f32(c, buf, n_buf);
+}
+int pi_fused_backward_bf16(const pi_call *c, const pi_buffer *buf, int64_t n_buf) {
+  return backward_bf16(c, buf, n_buf);
+}
+int pi_fused_backward_f16(const pi_call *c, const pi_buffer *buf, int64_t n_buf) {
+  return backward_f16(c, buf, n_buf);
+}
+int pi_fused_backward_f64(const pi_call *c, const pi_buffer *buf, int64_t n_buf) {
+  return backward_f64(c, buf, n_buf);
+}
 #endif

@@ -76,9 +76,20 @@ class Pattern:
         return slot_keys(self, T, device=device)[1][0]
 
 
-def document_bounds(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """document_ids [B, T] -> (start, end) [B, T] int64: the first position of each position's document and
-    one past its last. A document is a maximal run of equal ids."""
+def document_bounds(
+    document_ids: torch.Tensor | None, dtype: torch.dtype = torch.int64, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | tuple[None, None]:
+    """document_ids [B, T] -> (start, end), each [B, T], contiguous, of `dtype`: the first position of each
+    position's document and one past its last. A document is a maximal run of equal ids.
+
+    dtype: the index dtype (int64; the Triton kernels read int32). device: where the bounds are computed and
+    returned (None: document_ids' device; the C kernels of "fused" read CPU memory). document_ids None (no
+    documents) -> (None, None), which every backend takes as "one document per sequence".
+    """
+    if document_ids is None:
+        return None, None
+    if device is not None:
+        document_ids = document_ids.to(device)
     B, T = document_ids.shape
     pos = torch.arange(T, device=document_ids.device).expand(B, T)
     new = torch.ones_like(document_ids, dtype=torch.bool)
@@ -88,7 +99,7 @@ def document_bounds(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     last[:, :-1] = new[:, 1:]
     # end: flip, take the running minimum of the positions where a document ends, flip back.
     end = torch.where(last, pos + 1, T).flip(1).cummin(1).values.flip(1)
-    return start, end
+    return start.to(dtype).contiguous(), end.to(dtype).contiguous()
 
 
 def slot_keys(

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from .backends import refuse_double_backward
+from .dtypes import accumulation_dtype
 from .pattern import Pattern, log_priors, slot_keys
 from .settings import OpSettings
 from .validate import all_finite
@@ -383,11 +384,6 @@ def _gate_grad(d_logits, d_coef, a, variant, eps, n_first):
 def _chunk_addend(x, heads: slice, rows: slice):
     """A log-prior, float or [N, G, T] tensor, as an addend for the per-slot logits [n, G, ·, L] of a chunk."""
     return x if isinstance(x, float) else x[heads, :, rows].unsqueeze(-2)
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """What this backend computes in for inputs of `dtype`: fp64 for fp64, else fp32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def saved_layout(q: torch.Tensor, k: torch.Tensor, settings: OpSettings

@@ -130,22 +130,15 @@ def _or(t: torch.Tensor | None, stand_in: torch.Tensor) -> torch.Tensor:
     return stand_in if t is None else t
 
 
-def document_bounds_int32(document_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """document_ids [B, T] -> the (start, end) [B, T] int32 of each position's document, or None."""
-    if document_ids is None:
-        return None
-    return tuple(b.to(torch.int32).contiguous() for b in document_bounds(document_ids))
-
-
-def triton_forward(q, k, v, gate, keep, launch: Launch, bounds=None) -> tuple[torch.Tensor, torch.Tensor]:
+def triton_forward(q, k, v, gate, keep, launch: Launch, bounds=(None, None)) -> tuple[torch.Tensor, torch.Tensor]:
     """q [B, H, T, D], k, v [B, H_kv, T, D], gate [B, H, T] or None, keep uint8 [B, H, T, |U|] or None,
-    bounds (start, end) int32 [B, T] or None, all contiguous -> (y [B, H, T, D], stats fp32 [2, N, T]:
-    c_local, c_skip)."""
+    bounds (start, end) int32 [B, T] or (None, None) (`pattern.document_bounds`), all contiguous ->
+    (y [B, H, T, D], stats fp32 [2, N, T]: c_local, c_skip)."""
     B, H, T, D = q.shape
     out = torch.empty_like(q)
     stats = torch.empty(2, B * H, T, dtype=torch.float32, device=q.device)
     L = launch
-    start, end = (q, q) if bounds is None else bounds
+    start, end = (_or(b, q) for b in bounds)
     pi_fwd_kernel[L.grid](
         q, k, v, _or(gate, q), _or(keep, q), start, end, _or(L.periods, q), out, stats[0], stats[1],
         T, L.n_tiles, L.heads, L.group, L.window, L.period, L.scale, L.clamp, L.log_local, L.log_skip, L.eps,
@@ -154,7 +147,7 @@ def triton_forward(q, k, v, gate, keep, launch: Launch, bounds=None) -> tuple[to
     return out, stats
 
 
-def triton_backward(dy, q, k, v, gate, keep, stats, launch: Launch, *, want_dgate: bool, bounds=None):
+def triton_backward(dy, q, k, v, gate, keep, stats, launch: Launch, *, want_dgate: bool, bounds=(None, None)):
     """The gradients (dq, dk, dv, dgate or None) for the cotangent dy of `triton_forward`'s output."""
     B, H, T, D = q.shape
     N = B * H
@@ -165,7 +158,7 @@ def triton_backward(dy, q, k, v, gate, keep, stats, launch: Launch, *, want_dgat
     dgate = torch.empty(N, T, dtype=torch.float32, device=q.device) if want_dgate else None
     # Per sink slot: its dlogit and dropped weight, for the dK/dV of the sink keys, O(T·sinks) per head.
     sink_terms = torch.empty(2, N, T, L.sinks, dtype=torch.float32, device=q.device) if L.sinks else delta
-    start, end = (q, q) if bounds is None else bounds
+    start, end = (_or(b, q) for b in bounds)
     # Δ and the sink terms are written by the dQ kernel and read by the dK/dV kernel: stream order makes
     # them ready.
     pi_bwd_dq_kernel[L.grid](
@@ -183,7 +176,7 @@ def triton_backward(dy, q, k, v, gate, keep, stats, launch: Launch, *, want_dgat
 
 
 def triton_gradients(dy, q, k, v, gate, keep, document_ids, stats, launch: Launch, settings: OpSettings, *,
-                     want_dgate: bool, bounds=None):
+                     want_dgate: bool, bounds=(None, None)):
     """What both wrappers (`_PiAttentionTriton`, the operator `piattn::pi_triton_bwd`) run backward:
     `triton_backward`, or for a call with a non-finite input or cotangent the "torch" backend's gradients
     (document_ids [B, T] or None: for those).
@@ -203,8 +196,7 @@ class _PiAttentionTriton(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, gate, keep, start, end, document_ids, launch, settings):
-        bounds = None if start is None else (start, end)
-        out, stats = triton_forward(q, k, v, gate, keep, launch, bounds)
+        out, stats = triton_forward(q, k, v, gate, keep, launch, (start, end))
         ctx.save_for_backward(q, k, v, gate, keep, start, end, document_ids, stats)
         ctx.launch, ctx.settings = launch, settings
         return out
@@ -215,7 +207,7 @@ class _PiAttentionTriton(torch.autograd.Function):
         q, k, v, gate, keep, start, end, document_ids, stats = ctx.saved_tensors
         want_dgate = gate is not None and ctx.needs_input_grad[3]
         dq, dk, dv, dgate = triton_gradients(dy, q, k, v, gate, keep, document_ids, stats, ctx.launch, ctx.settings,
-                                             want_dgate=want_dgate, bounds=None if start is None else (start, end))
+                                             want_dgate=want_dgate, bounds=(start, end))
         return dq, dk, dv, dgate, None, None, None, None, None, None
 
 
@@ -289,7 +281,7 @@ def pi_attention_triton(q, k, v, gate, *, window, period, causal, variant, prior
     """
     q, k, v, gate, D = _kernel_inputs(q, k, v, gate)
     keep = None if dropout_keep is None else dropout_keep.contiguous().view(torch.uint8)
-    start, end = document_bounds_int32(document_ids) or (None, None)
+    start, end = document_bounds(document_ids, torch.int32)
     if not isinstance(period, int):
         period = tuple(int(p) for p in period)
     settings = OpSettings(window=window, period=period, causal=causal, variant=variant, prior=prior,
@@ -318,7 +310,7 @@ def pi_triton_fwd(q, k, v, gate, keep, document_ids, periods, *settings) -> tupl
     bool dropout mask [B, H, T, |U|] or None."""
     keep = None if keep is None else keep.view(torch.uint8)
     launch = _plan_for(q, k, keep, document_ids, OpSettings.from_op(periods, settings))
-    return triton_forward(q, k, v, gate, keep, launch, document_bounds_int32(document_ids))
+    return triton_forward(q, k, v, gate, keep, launch, document_bounds(document_ids, torch.int32))
 
 
 @pi_triton_fwd.register_fake
@@ -335,7 +327,7 @@ def pi_triton_bwd(dy, q, k, v, gate, keep, document_ids, stats, want_gate, perio
     settings = OpSettings.from_op(periods, settings)
     dq, dk, dv, dgate = triton_gradients(dy, q, k, v, gate, keep, document_ids, stats,
                                          _plan_for(q, k, keep, document_ids, settings), settings,
-                                         want_dgate=want_gate, bounds=document_bounds_int32(document_ids))
+                                         want_dgate=want_gate, bounds=document_bounds(document_ids, torch.int32))
     return [dq, dk, dv, dgate] if want_gate else [dq, dk, dv]
 
 

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from ...config.pi import PI_DEFAULTS, PiSettings
+from .dtypes import accumulation_dtype
 from .heads import period_groups
 from .pattern import Pattern, log_priors, slot_keys
 from .validate import check_arguments, gate_or_prior
@@ -75,7 +76,7 @@ def pi_attention_weights(
     if periods is None:
         return slot_weights(q, k, gate, layout, **formulation)
     B, H, T, _ = q.shape
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(q.dtype)
     weights = q.new_zeros(B, H, T, layout.n_slots, dtype=acc)
     key = torch.zeros(B, H, T, layout.n_slots, dtype=torch.long, device=q.device)
     valid = torch.zeros(B, H, T, layout.n_slots, dtype=torch.bool, device=q.device)
@@ -120,7 +121,7 @@ def slot_weights(
 ) -> SlotWeights:
     """The formulation, unchecked: q [B, H, T, D], k [B, H_kv, T, D], gate [B, H, T] or None, document_ids
     [B, T] or None -> `SlotWeights` (weights [B, H, T, |U|], key and valid [B, T, |U|])."""
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = accumulation_dtype(q.dtype)
     B, H, T, D = q.shape
     # Grouped-query attention: query head h reads key/value head h // (H // H_kv). Materialised here only.
     q, k = q.to(acc), k.repeat_interleave(H // k.shape[1], 1).to(acc)
