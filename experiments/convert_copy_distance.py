@@ -33,7 +33,6 @@ from convert_finetune import fine_tune, train_stream
 
 from piattn.analysis.copy_distance import (
     CLASSES,
-    attention_reach,
     compare_by_class,
     copy_classes,
     copy_lags,
@@ -45,6 +44,7 @@ from piattn.analysis.multiscale import design_periods
 from piattn.data.windows import evaluation_windows
 from piattn.integrations.hf import convert_to_pi, load_gguf_model
 from piattn.integrations.hf.evaluation import token_losses
+from piattn.layers import attention_class
 
 ARMS = ("local", "pi", "multiscale")
 """The converted arms (each with the sinks); "dense" is the original model, scored zero-shot only."""
@@ -100,8 +100,8 @@ def arm_reach(arm: str, args, n_head: int, max_lag: int):
     """The lags an arm reaches within `hops` hops (sinks are not a lag)."""
     if arm == "multiscale":
         return reach(args.window, multiscale_design(args, n_head).periods, max_lag)
-    return attention_reach("local" if arm == "local" else "pi", window=args.window, period=args.period,
-                           n_layer=args.hops, n_head=n_head, max_lag=max_lag)
+    settings = dict(window=args.window, period=args.period, n_layer=args.hops, n_head=n_head)
+    return attention_class("local" if arm == "local" else "pi").lag_reach(settings, max_lag)
 
 
 def loss_path(args, stage: str, arm: str) -> Path:

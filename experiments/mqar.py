@@ -43,7 +43,7 @@ from pathlib import Path
 from runs import train_and_test
 from tqdm import tqdm
 
-from piattn.analysis import attention_reach
+from piattn.layers import attention_class
 from piattn.models import GPTConfig
 from piattn.tasks.mqar import pairs_view, parse_pairs
 
@@ -158,10 +158,10 @@ def model_config(name: str, arm: Arm) -> GPTConfig:
 
 def served(name: str, arm: str) -> list[int]:
     """The key–query distances the arm serves in the setting: d with the key (d back) and its value (d - 1
-    back) both reachable within its layers (`attention_reach`). Sinks add pairs, not distances (`sink_pairs`)."""
+    back) both reachable within its layers (the reach its attention kind declares, `lag_reach`). Sinks add
+    pairs, not distances (`sink_pairs`)."""
     s, cfg = SETTINGS[name], model_config(name, ARMS[arm])
-    reach = attention_reach(cfg.attention, window=cfg.window, period=cfg.period if cfg.attention == "pi" else None,
-                            n_layer=s.layers, n_head=s.heads, max_lag=s.seq_len - 1).reachable
+    reach = attention_class(cfg.attention).lag_reach(cfg.to_dict(), s.seq_len - 1).reachable
     return [d for d in range(2, s.seq_len - 1) if reach[d] and reach[d - 1]]
 
 

@@ -18,9 +18,10 @@ touches both sides of a ratio alike.
 SmolLM2 knows positions up to `max_position_embeddings` (8192): a position whose timed steps would pass it
 is measured with a prompt that much shorter (8192 − 3 − steps tokens at "8K"); the table says so.
 
-Note: local + sinks is passkey.py's, made for examples of at most `context` = 1024 tokens: its period is
-the context (no key of such an example lies that far back), so at 2K and 8K positions it has a skip key
-1024 back and its ring holds 1025 positions a layer.
+local + sinks is built as a decoder deploys it, its period at the window (so its skip key is one of the
+window's and its ring holds W + 1 positions a layer); passkey.py's local has the period `context` instead,
+the same function on its examples of at most `context` tokens, but past that position it would read a skip
+key `context` back.
 
     python experiments/passkey_decode.py                          # 2K and 8K: ~10 min on one busy thread
     python experiments/passkey_decode.py --positions 1024 4096 --steps 64 --repeats 5
@@ -90,7 +91,13 @@ def build_arms(dense, settings: argparse.Namespace) -> dict:
     `settings` (the same conversion, the gates seeded alike; dense is `dense` itself)."""
     study = object.__new__(passkey.Study)  # Study.model reads .dense and .args only: skip loading the examples
     study.dense, study.args = dense, settings
-    return {arm: study.model(arm) for arm in passkey.ARMS}
+    arms = {arm: study.model(arm) for arm in passkey.ARMS}
+    # local + sinks as a decoder deploys it: the study's local has the period `context` (unused by its examples
+    # of at most `context` tokens), which past that position would add a skip key and a ring of context + 1
+    # positions; with the period at the window the skip key is one of the window's and the ring holds W + 1.
+    study.args = argparse.Namespace(**{**vars(settings), "context": settings.window})
+    arms["local"] = study.model("local")
+    return arms
 
 
 def prompt_lengths(positions: list[int], max_positions: int | None, steps: int) -> dict[int, int]:
@@ -222,10 +229,10 @@ def markdown(result: dict) -> str:
                 f"({result['max_position_embeddings']}): " + ", ".join(
                     f"{p:,} measured with a prompt of {t:,} tokens ({WARMUP} + {result['steps']} decoded after it)"
                     for p, t in capped.items()) + ".", ""]
-    if any(pos > s["context"] for pos in result["positions"]):
-        out += [f"local + sinks is passkey.py's, made for examples of at most {s['context']} tokens: its period is "
-                f"that context, so at the longer positions here it has a skip key {s['context']} back and its ring "
-                f"holds {s['context'] + 1} positions a layer.", ""]
+    out += [f"local + sinks as a decoder deploys it: its period at the window ({s['window']}), so its skip key is "
+            f"one of the window's and its ring holds {s['window'] + 1} positions a layer (passkey.py's local has "
+            f"the period {s['context']}: the same function on its examples, but past {s['context']} tokens it would "
+            "read a skip key that far back).", ""]
     out += ["| position | prompt tokens | arm | tok/s | cache bytes / sequence | cache MiB | ring positions / layer "
             "| prefill s |", "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:

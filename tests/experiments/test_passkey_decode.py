@@ -66,8 +66,8 @@ def test_every_arm_and_position_is_measured_with_its_own_cache(experiment, one_t
     # dense grows with the prompt; each π arm keeps its ring (largest period + 1) and 2 sinks at any length
     assert by[(300, "dense")]["cache_bytes"] == kv_bytes(300) and by[(32, "dense")]["cache_bytes"] == kv_bytes(32)
     assert by[(300, "dense")]["ring_positions"] is None
-    # local: period = context 64; π: 16; multi-scale: the design's periods, largest 12 and 52 in the two layers
-    rings = {"local": [65, 65], "pi": [17, 17], "multiscale": [13, 53]}
+    # local: period at its window 8 (ring W + 1); π: 16; multi-scale: the design's periods, largest 12 and 52
+    rings = {"local": [9, 9], "pi": [17, 17], "multiscale": [13, 53]}
     for arm, sizes in rings.items():
         assert by[(300, arm)]["ring_positions"] == sizes
         assert by[(300, arm)]["cache_bytes"] == sum(kv_bytes(n + 2, layers=1) for n in sizes)

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from piattn.analysis.copy_distance import Reach
 from piattn.config import GPTConfig, ModelConfig, TrainConfig
 from piattn.config.flags import Capability, flag_fields
 from piattn.config.training import SECTIONS
@@ -110,3 +111,61 @@ def test_an_unknown_capability_is_refused():
     with pytest.raises(ValueError, match=r"capability must be one of \['sequence_parallel', .*got 'colour'"):
         kinds_with("colour")
 
+
+
+def brute_reach(hops_of_layer, n_layer: int, max_lag: int) -> tuple[set[int], int]:
+    """(the lags 0 … max_lag a path of one hop per layer reaches, the longest path), summing the hop sets."""
+    lags, span = {0}, 0
+    for layer in range(n_layer):
+        hops = hops_of_layer(layer)
+        lags = {a + b for a in lags for b in hops if a + b <= max_lag}
+        span += max(hops)
+    return lags, span
+
+
+@pytest.mark.parametrize("model", [
+    dict(window=3, period=7, n_layer=2, n_head=2),
+    dict(window=2, period=[5, 9], n_layer=3, n_head=2),  # per head
+    dict(window=2, period=[[5, 9], [4, 13]], n_layer=2, n_head=2),  # per layer and head
+    dict(window=4, period=3, n_layer=2, n_head=1),  # the period inside the window
+])
+def test_the_kinds_that_declare_a_reach_reach_what_their_layers_read(model):
+    assert kinds_with("reach") == ("dense", "local", "pi")
+    max_lag = 40
+    period = model["period"]
+
+    def pi_hops(layer):
+        heads = period if isinstance(period, list) else [period]
+        heads = heads[layer] if isinstance(heads[0], list) else heads
+        return set(range(model["window"] + 1)) | set(heads)
+
+    hops = {"dense": lambda layer: set(range(max_lag + 1)),
+            "local": lambda layer: set(range(model["window"] + 1)),
+            "pi": pi_hops}
+    for name in kinds_with("reach"):
+        got = ATTENTION[name].lag_reach({**model, "sinks": 4}, max_lag)  # sinks are not a lag
+        lags, span = brute_reach(hops[name], model["n_layer"], max_lag)
+        assert set(got.reachable.nonzero().flatten().tolist()) == lags, name
+        assert got.span == (max_lag if name == "dense" else span), name
+
+
+def test_a_kind_without_a_declared_reach_is_refused_by_name(toy_kind):
+    class Reaching(ToyAttention):
+        @classmethod
+        def lag_reach(cls, model, max_lag):
+            return Reach(torch.arange(max_lag + 1) % model["window"] == 0, max_lag)
+
+    assert toy_kind not in kinds_with("reach")
+    for name in ("toy", "longformer", "bigbird", "reformer"):
+        with pytest.raises(ValueError) as err:
+            ATTENTION[name].lag_reach(dict(window=3, period=7, n_layer=2, n_head=2), 10)
+        assert str(err.value) == ("attention must be one of ['dense', 'local', 'pi'] (kinds whose reach is a fixed "
+                                  f"set of lags, which they declare: `lag_reach`), got '{name}', which declares none")
+    ATTENTION["reaching"] = Reaching
+    try:
+        assert kinds_with("reach") == ("dense", "local", "pi", "reaching")
+        assert Reaching.lag_reach(dict(window=3), 7).reachable.tolist() == [1, 0, 0, 1, 0, 0, 1, 0]
+        with pytest.raises(ValueError, match=r"one of \['dense', 'local', 'pi', 'reaching'\] .*got 'toy'"):
+            ToyAttention.lag_reach({}, 5)
+    finally:
+        del ATTENTION["reaching"]

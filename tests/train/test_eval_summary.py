@@ -3,7 +3,7 @@ units; bits per byte = loss / ln 2 for a byte-level model; accuracy by lag with 
 analysis says the model reaches marked), then where the JSON was written; `--json` keeps the JSON on stdout.
 
 The marks are checked against `reachability_mask`, the analysis by matrix powers over the run's actual
-sequence (sinks included), not against `attention_reach`, which the summary uses.
+sequence (sinks included), not against the reach each kind declares (`lag_reach`), which the summary uses.
 """
 
 from __future__ import annotations

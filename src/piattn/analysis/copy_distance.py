@@ -22,7 +22,9 @@ an int64 key; any n and vocabulary stays exact here (`_context_keys`), with no h
 Classes. Each distance is classed against two reach descriptions (`Reach`): the reference, local
 attention (window k = 5 in the evidence runs, L layers: lags 0 … k·L), and the kind under test (single π
 or multi-scale π, from `piattn.analysis.multiscale.reachable_lags`); `lag_classes` holds the table.
-The classes depend on the kind, so each kind gets its own codes over the same bytes.
+The classes depend on the kind, so each kind gets its own codes over the same bytes. A model's Reach is
+what its attention kind declares (`piattn.layers.AttentionLayer.lag_reach`, built from `reach`,
+`local_reach` and `full_reach` here): this module names no kind.
 
 Statistics. `compare_by_class` reports, per class, the byte count and the mean loss of a kind, and the
 paired difference (kind − reference) on the same bytes with a percentile bootstrap interval whose unit
@@ -39,7 +41,7 @@ from numbers import Real
 import torch
 
 from ..checks import is_int
-from .multiscale import layer_hops, periods_per_layer, reachable_lags
+from .multiscale import layer_hops, reachable_lags
 
 COPY_N = 4
 """The context length n used for the evidence runs (module docstring: why)."""
@@ -175,26 +177,10 @@ def local_reach(window: int, n_layer: int, max_lag: int) -> Reach:
     return reach(window, ((),) * _check_int("n_layer", n_layer, 0), max_lag)
 
 
-REACH_KINDS = ("dense", "local", "pi")
-"""Attention kinds whose reach is a fixed set of lags (`attention_reach`)."""
-
-
-def attention_reach(attention: str, *, window: int | None, period, n_layer: int, n_head: int,
-                    max_lag: int) -> Reach:
-    """The Reach over lags 0 … max_lag of a model's attention after its n_layer layers: dense reaches
-    every lag (span max_lag); local attention with window k lags 0 … k·n_layer; π its window plus the
-    skip periods (an int, n_head per-head ints, or n_layer lists of them: `periods_per_layer`).
-
-    Sinks are not a lag: a kind with sinks has the Reach of the same kind without them (what the sinks
-    add is the first tokens of the window, at every lag)."""
-    if attention == "dense":
-        return Reach(torch.ones(_check_int("max_lag", max_lag, 0) + 1, dtype=torch.bool), int(max_lag))
-    if attention == "local":
-        return local_reach(window, n_layer, max_lag)
-    if attention == "pi":
-        return reach(window, periods_per_layer(period, n_layer, n_head), max_lag)
-    raise ValueError(f"attention must be one of {list(REACH_KINDS)} (kinds whose reach is a fixed set of lags), "
-                     f"got {attention!r}")
+def full_reach(max_lag: int) -> Reach:
+    """The Reach of attention that reads every earlier key (dense): lags 0 … max_lag, span max_lag."""
+    max_lag = _check_int("max_lag", max_lag, 0)
+    return Reach(torch.ones(max_lag + 1, dtype=torch.bool), max_lag)
 
 
 def lag_classes(kind: Reach, local: Reach) -> torch.Tensor:

@@ -19,12 +19,12 @@ import torch
 from ..analysis.copy_distance import (
     CLASSES,
     COPY_N,
-    attention_reach,
     copy_classes,
     copy_lags,
     lag_classes,
     paired_class_stats,
 )
+from ..layers import attention_class
 from ..train import checkpoint as ckpt
 
 RESAMPLES = 1000
@@ -37,19 +37,17 @@ LAG = (f"the lag from the query predicting a target back to the token after the 
 
 
 def checkpoint_reach(folder: Path, flag: str, max_lag: int):
-    """(the Reach of the model in checkpoint `folder` over lags 0 … max_lag, its description)."""
+    """(the Reach of the model in checkpoint `folder` over lags 0 … max_lag, its description): the reach its
+    attention kind declares (`AttentionLayer.lag_reach`); a kind that declares none is refused."""
     model = ckpt.read_config(folder)["model"]
     kind = model.get("attention")
     try:
-        reach = attention_reach(kind, window=model.get("window"), period=model.get("period"),
-                                n_layer=model["n_layer"], n_head=model["n_head"], max_lag=max_lag)
+        layer = attention_class(kind)
+        reach = layer.lag_reach(model, max_lag)
     except ValueError as err:
         raise ValueError(f"{flag}: {folder}: {err}") from None
     described = {"checkpoint": str(folder), "attention": kind, "n_layer": model["n_layer"]}
-    if kind != "dense":
-        described["window"] = model.get("window")
-    if kind == "pi":
-        described["period"] = model.get("period")
+    described.update({s: model.get(s) for s in ("window", "period") if s in layer.model_settings()})
     if model.get("sinks"):
         described["sinks"] = model["sinks"]
     return reach, {**described, "span": reach.span, "reachable_lags": int(reach.reachable[1:].sum())}

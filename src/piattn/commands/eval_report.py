@@ -29,8 +29,9 @@ import math
 
 import torch
 
-from ..analysis.copy_distance import attention_reach
 from ..config import TrainConfig
+from ..layers import attention_class
+from ..tasks import config_class
 from ..tasks.mqar import pairs_view
 from ..tasks.recall import RecallTask
 from . import eval_copy
@@ -77,7 +78,7 @@ def metric_lines(result: dict, config: dict) -> list[str]:
 
 def tokenizer_kind(config: dict) -> str:
     """The tokenizer a language-model checkpoint was trained with ('byte', 'char' or 'bpe')."""
-    return TrainConfig.from_flat(config["train_args"]).data.tokenizer
+    return config_class().from_flat(config["train_args"]).data.tokenizer
 
 
 def language_model_lines(result: dict, tokenizer: str) -> list[str]:
@@ -96,7 +97,7 @@ def language_model_lines(result: dict, tokenizer: str) -> list[str]:
 
 def lag_table(result: dict, config: dict) -> list[str]:
     """Accuracy by lag (recall: every lag scored; reach: its one lag), '*' on the lags `reachable_lags` marks."""
-    cfg = TrainConfig.from_flat(config["train_args"])
+    cfg = config_class().from_flat(config["train_args"])
     accuracy, examples = lag_scores(result, cfg)
     reachable, legend = reachable_lags(config["model"], cfg, sorted(accuracy))
     return ["accuracy by lag", *accuracy_rows("lags", accuracy, examples, "examples", reachable), legend]
@@ -128,10 +129,10 @@ def reachable_lags(model: dict, cfg: TrainConfig, lags: list[int]) -> tuple[dict
     """({lag: whether the analysis says the query can read the answer at that lag}, the table's legend), or
     (None, why there are no marks).
 
-    `attention_reach` gives the lags the model's layers reach. A recall answer needs its marker as well (the
-    model finds the value by the marker beside it), so a recall lag counts only when both lags are reached,
-    as experiments/recall.py counts it; an MQAR distance d, when the key (d) and its value (d - 1) are.
-    Sinks: a key among the first `sinks` positions is read by every later query in one layer
+    The model's attention kind gives the lags its layers reach (`AttentionLayer.lag_reach`). A recall answer
+    needs its marker as well (the model finds the value by the marker beside it), so a recall lag counts only
+    when both lags are reached, as experiments/recall.py counts it; an MQAR distance d, when the key (d) and
+    its value (d - 1) are. Sinks: a key among the first `sinks` positions is read by every later query in one layer
     (`piattn.analysis.reachability`), and every sequence starts at position 0: in recall and reach the query
     is the last position, so a lag reaching a sink is marked; an MQAR query sits anywhere, so the sinks'
     pairs are named in the legend instead."""
@@ -139,9 +140,8 @@ def reachable_lags(model: dict, cfg: TrainConfig, lags: list[int]) -> tuple[dict
         return None, "no reachability marks: the analysis covers causal models, not --no-causal"
     seq_len = cfg.data.seq_len
     try:
-        reach = attention_reach(model["attention"], window=model.get("window"), period=model.get("period"),
-                                n_layer=model["n_layer"], n_head=model["n_head"], max_lag=seq_len - 1).reachable
-    except ValueError:  # longformer, bigbird, reformer: no fixed set of lags
+        reach = attention_class(model["attention"]).lag_reach(model, seq_len - 1).reachable
+    except ValueError:  # longformer, bigbird, reformer: they declare no fixed set of lags
         return None, f"no reachability marks: the analysis has no fixed reach for {model['attention']} attention"
     sinks = model.get("sinks") or 0
     task, note = cfg.task.task, ""
@@ -162,7 +162,7 @@ def reachable_lags(model: dict, cfg: TrainConfig, lags: list[int]) -> tuple[dict
 def mqar_tables(result: dict, config: dict) -> list[str]:
     """MQAR: accuracy by key–query distance (marked as `reachable_lags` marks), then by number of pairs, with
     the accuracy over the marked distances and over the others."""
-    cfg = TrainConfig.from_flat(config["train_args"])
+    cfg = config_class().from_flat(config["train_args"])
     accuracy = {int(k): v for k, v in result["accuracy_by_distance"].items()}
     queries = {int(k): v for k, v in result["queries_by_distance"].items()}
     reachable, legend = reachable_lags(config["model"], cfg, sorted(accuracy))

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from ..analysis.copy_distance import Reach
 from ..checks import is_int
 from ..config import ModelConfig
 from ..config.model import check_kv_heads
@@ -51,9 +53,14 @@ class AttentionLayer(nn.Module):
     `attend` calls `pi_operator` (which then exchanges halo rows with the other shards) says so with
     `sequence_parallel = True`. The other kinds refuse to run sharded.
 
+    Reach: a kind whose layers read a fixed set of lags (query back to key) declares it, `lag_reach`: the lags
+    a model of its layers reaches, which `piattn eval --by-copy-distance` and the reachability marks of
+    `piattn eval` ask the kind for. A kind that does not is refused there.
+
     Capabilities: each boolean class variable below is one, and so are incremental decoding (a kind that
-    sets `cache_capacity`) and the model settings a kind takes (`model_settings`); `has_capability` answers for
-    one class, and `kinds_with` says which registered kinds (`ATTENTION`) have one.
+    sets `cache_capacity`), a declared reach (`lag_reach`) and the model settings a kind takes
+    (`model_settings`); `has_capability` answers for one class, and `kinds_with` says which registered kinds
+    (`ATTENTION`) have one.
     """
 
     # True for kinds whose `attend` is exact on a shard (it calls `sharding.pi_operator`); see `forward`.
@@ -94,6 +101,20 @@ class AttentionLayer(nn.Module):
             return cls.declared_settings
         own = inspect.signature(cls).parameters.keys() - inspect.signature(AttentionLayer).parameters.keys()
         return frozenset(own & {f.name for f in dataclasses.fields(ModelConfig)})
+
+    @classmethod
+    def lag_reach(cls, model: Mapping[str, Any], max_lag: int) -> Reach:
+        """The lags 0 … max_lag a model of this kind's layers reaches, a query reading key i − d through a path
+        of one hop per layer (`piattn.analysis.copy_distance.Reach`, with the span of the longest path).
+
+        model: the model's settings by `ModelConfig` field (a checkpoint's config "model", `to_dict()`):
+        n_layer, n_head and the kind's own (window, period, …). A kind whose reach is a fixed set of lags
+        overrides this, asking the analysis for it (`reach`, `local_reach`, `full_reach`); sinks are not a
+        lag (they add the first tokens of the window at every lag). A kind that does not declares none: this
+        refuses it, naming the kinds that do."""
+        name = next((n for n, kind in ATTENTION.items() if kind is cls), cls.__name__)
+        raise ValueError(f"attention must be one of {list(kinds_with('reach'))} (kinds whose reach is a fixed set "
+                         f"of lags, which they declare: `lag_reach`), got {name!r}, which declares none")
 
     @classmethod
     def config_kwargs(cls, cfg: ModelConfig, layer: int) -> dict:
@@ -261,7 +282,7 @@ class AttentionLayer(nn.Module):
 # The capabilities `AttentionLayer` declares as boolean class variables (False unless a kind sets them).
 DECLARED = tuple(name for name, value in vars(AttentionLayer).items() if isinstance(value, bool))
 MODEL_SETTINGS = tuple(f.name for f in dataclasses.fields(ModelConfig))
-CAPABILITIES = (*DECLARED, "decoding", *MODEL_SETTINGS)
+CAPABILITIES = (*DECLARED, "decoding", "reach", *MODEL_SETTINGS)
 
 
 def check_capability(capability: str) -> None:
@@ -277,6 +298,8 @@ def has_capability(kind: type[AttentionLayer], capability: str) -> bool:
         return getattr(kind, capability)
     if capability == "decoding":
         return kind.cache_capacity is not AttentionLayer.cache_capacity
+    if capability == "reach":
+        return kind.lag_reach.__func__ is not AttentionLayer.lag_reach.__func__
     return capability in kind.model_settings()
 
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
+from ..analysis.copy_distance import Reach, full_reach
 from ..decoding.cache import GrowingCache
 from ..ops.pi.pattern import document_bounds
 from .base import AttentionLayer
@@ -21,6 +25,11 @@ class DenseAttention(AttentionLayer):
 
     grouped_query = True
     documents = True
+
+    @classmethod
+    def lag_reach(cls, model: Mapping[str, Any], max_lag: int) -> Reach:
+        """Every lag, in one layer (span max_lag)."""
+        return full_reach(max_lag)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor,
                document_ids: torch.Tensor | None = None) -> torch.Tensor:

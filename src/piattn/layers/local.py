@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+from ..analysis.copy_distance import Reach, local_reach
 from ..config import PI_DEFAULTS, ModelConfig, PiSettings
 from ..masks.local import check_window
 from .windowed import WindowedAttention
@@ -35,3 +39,8 @@ class LocalAttention(WindowedAttention):
     @classmethod
     def config_kwargs(cls, cfg: ModelConfig, layer: int) -> dict:
         return dict(window=cfg.window, logit_clamp=cfg.logit_clamp, sinks=cfg.sinks, backend=cfg.backend)
+
+    @classmethod
+    def lag_reach(cls, model: Mapping[str, Any], max_lag: int) -> Reach:
+        """Lags 0 … window·n_layer: one hop of 0 … window a layer (the model's period is not read)."""
+        return local_reach(model.get("window"), model["n_layer"], max_lag)

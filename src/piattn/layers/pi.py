@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..analysis.copy_distance import Reach, reach
+from ..analysis.multiscale import periods_per_layer
 from ..config import PI_DEFAULTS, ModelConfig, PiSettings
 from .gate import gate_hooked, gate_mlp, gate_values
 from .windowed import WindowedAttention, global_hooks
@@ -69,6 +72,13 @@ class PiAttention(WindowedAttention):
     @classmethod
     def config_kwargs(cls, cfg: ModelConfig, layer: int) -> dict:
         return dict(**cfg.pi_settings(layer).as_kwargs(), backend=cfg.backend)
+
+    @classmethod
+    def lag_reach(cls, model: Mapping[str, Any], max_lag: int) -> Reach:
+        """The window plus the skip periods: layer l hops 0 … window or any of its heads' periods (an int, n_head
+        per-head ints, or n_layer lists of them: `periods_per_layer`)."""
+        schedule = periods_per_layer(model.get("period"), model["n_layer"], model["n_head"])
+        return reach(model.get("window"), schedule, max_lag)
 
     def gate_values(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [B, T, d] -> α̃ [B, H, T] in [ε, 1 − ε] (Eq. app_gate), or None for ungated variants."""

@@ -5,6 +5,8 @@ A capability is one of:
 - a boolean class variable of `AttentionLayer` that a kind sets (`sequence_parallel`, `grouped_query`,
   `documents`, `ring_step`);
 - "decoding": the kind sets `cache_capacity`, so it decodes incrementally;
+- "reach": the kind declares the lags its layers reach (`lag_reach`), so the copy-distance classes and the
+  reachability marks of `piattn eval` can be asked of it;
 - a model setting it takes (a `ModelConfig` field such as "window", "sinks", "backend";
   `AttentionLayer.model_settings`).
 

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ...config.pi import PI_DEFAULTS
+from ...layers.gate import clip_gate
+from ...ops.pi.pattern import Pattern, log_priors, slot_keys
 
 CONFIGURATIONS = ("dense", "local", "local+sinks", "pi", "pi+sinks", "ms-pi", "ms-pi+sinks")
 """dense: the original model; local: window W only; pi: window W and the skip key π back; ms-pi: window W and
@@ -52,18 +54,18 @@ def configuration_pattern(name: str, *, window: int, period: int, sinks: int, co
 def pattern_mask(T: int, *, window: int, period: int, sinks: int, alpha: float, eps: float = PI_DEFAULTS.eps,
                  dtype=None) -> torch.Tensor:
     """[1, 1, T, T] additive mask: what the converted model's attention adds to the scores while its gate
-    outputs the constant α. Causal; key j of query i is local if i − window <= j <= i, else skip if
-    j = i − period, else sink if j < sinks; local and sink keys get log α̃, the skip key log(1 − α̃), with
-    α̃ = ε + (1 − 2ε)·α as the gate computes it; other keys −inf."""
-    a = eps + (1 - 2 * eps) * alpha
-    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
-    causal = j <= i
-    local = causal & (i - j <= window)
-    skip = causal & ~local & (i - j == period)
-    sink = causal & ~local & ~skip & (j < sinks)
+    outputs the constant α. Causal; key j of query i gets the log prior of the slot that reads it (`slot_keys`
+    of the operator's `Pattern`: local i − window … i, then the skip key i − period, then the sinks, a key in
+    one slot only), log α̃ for local and sink slots and log(1 − α̃) for the skip (`log_priors` of the
+    "adaptive" variant, ε-floored), α̃ the gate's clip of α (`clip_gate`); keys no slot reads −inf."""
+    pattern = Pattern(window, period, causal=True, sinks=sinks)
+    key, valid = (x[0] for x in slot_keys(pattern, T))  # [T, |U|]
+    gate = clip_gate(torch.tensor([[[alpha]]], dtype=torch.float64), eps)  # α̃ [1, 1, 1]
+    log_local, log_skip = (p.flatten() for p in log_priors("adaptive", gate, PI_DEFAULTS.prior, eps))
+    bias = torch.cat([log_local if is_local else log_skip for is_local in pattern.slot_is_local()])  # [|U|]
+    rows = torch.arange(T)[:, None].expand_as(key)
     mask = torch.full((T, T), float("-inf"), dtype=torch.float64)
-    mask[local | sink] = math.log(max(a, eps))
-    mask[skip] = math.log(max(1 - a, eps))
+    mask[rows[valid], key[valid]] = bias.expand_as(key)[valid]
     return mask.to(dtype or torch.float32)[None, None]
 
 
