@@ -17,8 +17,8 @@ from ...config.model import layer_period, resolve_periods
 from ...config.pi import PI_DEFAULTS, PiSettings
 from ...layers.base import AttentionLayer
 from ...layers.gate import gate_values
-from ...ops.pi import BACKENDS, pi_attention
-from ...ops.pi.decode import _compiled_rows, _decode_rows
+from ...ops.pi import BACKENDS, native, pi_attention
+from ...ops.pi.decode import _compiled_prior, _compiled_rows, _decode_rows, decode_gathered, ring_slots
 from ...ops.pi.heads import by_period
 from .padding import EMPTY, TEXT, document_ids, text_bounds
 
@@ -149,7 +149,9 @@ def pi_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """HF attention function: query [B, H, Tq, D], key/value [B, Hkv, Tk, D] -> ([B, Tq, H, D], None).
 
-    Tk > Tq when a cache supplied Tk − Tq earlier keys: those of the positions just before the queries.
+    Tk > Tq when a cache supplied Tk − Tq earlier keys: those of the positions just before the queries; but
+    after a PiCache layer's one-token update (its `stored_in_ring`), key/value are that layer's ring [B, Hkv,
+    size, D] in slot order, read by slot from the layer (`_ring_step`), or oldest first (`ordered()`).
     `attention_mask` is what `pi_attention_mask` returned: None, or the 2D padding mask [B, P] over all P
     positions so far. `dropout` is HF's (already 0 outside training); `scaling` is the module's score scale.
     The key/value heads go to the operator as they are (grouped-query attention is the operator's).
@@ -163,6 +165,17 @@ def pi_attention_forward(
     gate = _gate_values(module, pi)
     cache_layer = getattr(module, "_pi_cache_layer", None)
     module._pi_cache_layer = None  # don't keep the cache alive past its one use
+    if cache_layer is not None and cache_layer.stored_in_ring:
+        # A one-token step that the PiCache layer stored in place: key/value are its ring in slot order, not
+        # its positions oldest first (`PiCacheLayer`). The decoding step reads the ring by slot, copying
+        # nothing; any other path (padding, dropout, another backend, tracing) reads the positions oldest
+        # first, as from any cache (one copy of the ring).
+        if (attention_mask is None and not dropout and Tq == 1 and settings.backend in DECODE_BACKENDS
+                and not torch.compiler.is_compiling()):
+            y = _ring_step(settings.backend, pi, query, gate, D**-0.5 if scaling is None else scaling, cache_layer)
+            if y is not None:
+                return y.transpose(1, 2), None
+        key, value = cache_layer.ordered()
     bounds = None if attention_mask is None else text_bounds(attention_mask)
     p0 = _first_query_position(attention_mask, cache_layer, kwargs.get("position_ids"), key.shape[2], Tq)
     past = key.shape[2] - Tq
@@ -238,6 +251,61 @@ def _decode_step(backend: str, pi: PiSettings, query: torch.Tensor, key: torch.T
         return by_period(pi.periods, key.shape[1], run, [(query, 1), (gate, 1)], [(key, 1), (value, 1)])
     except _NotCompiled:
         return None
+
+
+def _ring_step(backend: str, pi: PiSettings, query: torch.Tensor, gate: torch.Tensor | None, scale: float,
+               layer) -> torch.Tensor | None:
+    """The rows [B, H, 1, D] of the one new query of a PiCache `layer` that has just stored its key in place,
+    read from the layer's storage `kv` [2, B, Hkv, sinks + size, D] (laid out as a `RingCache`'s: the sinks in
+    slots 0 … sinks − 1, position p in slot sinks + p mod capacity) through the slots `ring_slots` gives, as
+    the decoding layers read their ring: no copy of the ring. Called only without padding (the sink slots
+    then hold positions 0 … sinks − 1 of every row, as `ring_slots` reads them). None where `backend` is
+    "fused" and the compiled step does not take the call (the caller then runs the operator)."""
+    position = layer.cumulative_length - 1
+    if pi.periods is None:
+        return _ring_rows(backend, pi, pi.period, query, gate, scale, layer.kv, layer.capacity, position)
+    # Per-head periods: one step per distinct period over all the heads, each head's row taken from the step of
+    # its own period (each row is computed on its own, so it is the row of that head alone). Splitting the heads
+    # by period, as `_decode_step` does, would hand each group its key/value heads as a block of their own: a
+    # copy of the ring per step.
+    y = None
+    for period, heads in _period_heads(pi.periods, query.device):
+        y_p = _ring_rows(backend, pi, period, query, gate, scale, layer.kv, layer.capacity, position)
+        if y_p is None:
+            return None
+        y = y_p if y is None else torch.where(heads, y_p, y)
+    return y
+
+
+@functools.lru_cache(maxsize=64)
+def _period_heads(periods: tuple[int, ...], device: torch.device) -> tuple[tuple[int, torch.Tensor], ...]:
+    """(period, the heads that have it as a bool mask [1, H, 1, 1]) for each distinct period of `periods`."""
+    return tuple((p, torch.tensor([q == p for q in periods], device=device)[None, :, None, None])
+                 for p in sorted(set(periods)))
+
+
+def _ring_rows(backend: str, pi: PiSettings, period: int, query: torch.Tensor, gate: torch.Tensor | None,
+               scale: float, kv: torch.Tensor, capacity: int, position: int) -> torch.Tensor | None:
+    """`_decode_step`'s rows [B, H, 1, D] for one period, from the ring storage kv [2, B, Hkv, N, D]: the compiled
+    step (`native._rows_step_unchecked`, over the storage as it lies) where it applies; else, under "auto", one
+    gather of the slots' keys and values and the torch ops (`decode_gathered`), and None under "fused"."""
+    slot, valid, kind, n_local, n_skip = ring_slots(pi.window, period, pi.sinks, capacity, position, query.device)
+    compiled = _compiled_prior(pi.variant, gate, None, pi.prior, pi.eps)
+    if compiled is not None:
+        mode, extra = compiled
+        tensors = [x for x in extra.values() if isinstance(x, torch.Tensor)]
+        if native.applies(query, kv, *tensors, n_slots=kind.shape[0]):
+            y = native._rows_step_unchecked(query, kv, slot, valid, kind, prior_mode=mode, logit_clamp=pi.logit_clamp,
+                                            eps=pi.eps, scale=scale, **extra)
+            if y is not None:
+                return y
+    if backend != "auto":
+        return None
+    # Rows of a [2·B·Hkv, N, D] view gathered along N, as `decode._decode_ring` gathers a ring's.
+    two, B, Hkv, N, D = kv.shape
+    kg, vg = kv.reshape(two * B * Hkv, N, D).index_select(1, slot).view(two, B, Hkv, slot.shape[0], D).unbind(0)
+    return decode_gathered(query, kg, vg, valid, kind, n_local, n_skip, gate, variant=pi.variant, prior=pi.prior,
+                           logit_clamp=pi.logit_clamp, eps=pi.eps, scale=scale)
 
 
 def pi_attention_mask(*, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
