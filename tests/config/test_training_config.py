@@ -1,5 +1,5 @@
 """TrainConfig: every flag declared once, as a dataclass field, with its parser argument, checks and resume
-comparison generated from it."""
+comparison generated from it (with the flags the tasks declare: `piattn.tasks.config_class()`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ from piattn.config import PI_DEFAULTS, PiSettings, TrainConfig
 from piattn.config.flags import Capability, Registry, add_flags, check_flags, flag, flag_fields
 from piattn.config.training import RUN_DEFINING, SECTIONS, ModelFlags
 from piattn.layers import kinds_with
+from piattn.tasks import config_class
+
+CONFIG = config_class()  # the flags of every task and those the registered tasks declare
 
 REGISTRIES = {"attention": Registry(("dense", "local", "pi"), kinds_with), "task": ("lm", "reach"),
               "tokenizer": ("byte",), "backend": ("auto", "torch")}
@@ -19,15 +22,17 @@ REGISTRIES = {"attention": Registry(("dense", "local", "pi"), kinds_with), "task
 
 def parse(*argv) -> TrainConfig:
     parser = argparse.ArgumentParser()
-    TrainConfig.add_arguments(parser)
-    return TrainConfig.from_args(parser.parse_args(["--out", "run", *argv]))
+    CONFIG.add_arguments(parser)
+    return CONFIG.from_args(parser.parse_args(["--out", "run", *argv]))
 
 
-def test_every_field_is_one_flag_in_its_section_group():
+@pytest.mark.parametrize("config", [TrainConfig, CONFIG], ids=["every task", "with the tasks' own"])
+def test_every_field_is_one_flag_in_its_section_group(config):
     parser = argparse.ArgumentParser()
-    TrainConfig.add_arguments(parser)
+    config.add_arguments(parser)
     groups = {g.title: {a.dest for a in g._group_actions} for g in parser._action_groups}
-    for section, cls in SECTIONS.items():
+    assert config is TrainConfig or config.sections["data"] is not SECTIONS["data"]
+    for section, cls in config.sections.items():
         names = {f.name for f in dataclasses.fields(cls)}
         assert any(names == dests for dests in groups.values()), section
 
@@ -35,9 +40,9 @@ def test_every_field_is_one_flag_in_its_section_group():
 def test_flat_round_trip_and_unknown_keys():
     cfg = parse("--task", "reach", "--lag", "3", "--no-causal", "--lr", "0.01")
     assert cfg.task.causal is False and cfg.optim.lr == 0.01
-    assert TrainConfig.from_flat(cfg.to_flat()) == cfg
+    assert CONFIG.from_flat(cfg.to_flat()) == cfg
     with pytest.raises(ValueError, match=r"unknown training settings \['colour'\]"):
-        TrainConfig.from_flat({**cfg.to_flat(), "colour": "red"})
+        CONFIG.from_flat({**cfg.to_flat(), "colour": "red"})
 
 
 def test_resume_comparison_covers_what_defines_a_run_only():
@@ -90,7 +95,7 @@ def test_a_capability_scope_needs_the_registry_passed_in():
 
 def test_flags_scoped_by_a_capability_name_one_some_registered_kind_has():
     """A misspelt capability would be refused by the registry; one no kind has would refuse the flag always."""
-    scoped = {f.name: scope.name for cls in SECTIONS.values() for f, meta in flag_fields(cls)
+    scoped = {f.name: scope.name for cls in CONFIG.sections.values() for f, meta in flag_fields(cls)
               for scope in (meta.applies or {}).values() if isinstance(scope, Capability)}
     assert {"window", "n_kv_head", "sinks", "backend", "pack_documents", "sequence_parallel"} <= set(scoped)
     for name, capability in scoped.items():

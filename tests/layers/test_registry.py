@@ -10,11 +10,12 @@ import torch
 import torch.nn.functional as F
 
 from piattn.analysis.copy_distance import Reach
-from piattn.config import GPTConfig, ModelConfig, TrainConfig
+from piattn.config import GPTConfig, ModelConfig
 from piattn.config.flags import Capability, flag_fields
 from piattn.config.training import SECTIONS
 from piattn.layers import ATTENTION, AttentionLayer, attention_registry, kinds_with
 from piattn.models import GPT
+from piattn.tasks import config_class
 
 # Another valid value of each model setting a flag is scoped by, to see which kinds' config_kwargs read it.
 OTHER_VALUE = {"window": 40, "period": 7, "variant": "fixed", "prior": 0.3, "sinks": 2, "backend": "torch"}
@@ -57,7 +58,7 @@ def registries() -> dict:
 def test_a_registered_kind_gets_the_flags_of_its_capabilities(toy_kind):
     assert toy_kind in kinds_with("documents") and toy_kind in kinds_with("window")
     assert toy_kind not in kinds_with("grouped_query") + kinds_with("sinks") + kinds_with("decoding")
-    cfg = TrainConfig.from_flat({"attention": toy_kind, "window": 3, "pack_documents": True, "out": "run"})
+    cfg = config_class().from_flat({"attention": toy_kind, "window": 3, "pack_documents": True, "out": "run"})
     cfg.check(registries())
     assert "--window 3" in cfg.describe(registries=registries())
     for flag, value, message in (
@@ -65,7 +66,7 @@ def test_a_registered_kind_gets_the_flags_of_its_capabilities(toy_kind):
             ("n_kv_head", 2, "--n-kv-head applies to --attention dense / local / pi only, not 'toy'"),
             ("sequence_parallel", 2, "--sequence-parallel applies to --attention local / pi only, not 'toy'")):
         with pytest.raises(ValueError) as err:
-            TrainConfig.from_flat({"attention": toy_kind, flag: value, "out": "run"}).check(registries())
+            config_class().from_flat({"attention": toy_kind, flag: value, "out": "run"}).check(registries())
         assert str(err.value) == message
 
 

@@ -19,10 +19,11 @@ import torch
 
 from ..analysis.report import format_summary, plot_receptive_field, reach_summary
 from ..benchmarking import CHECK_TOLERANCE, error_vs_reference, machine_info, measure_isolated
-from ..config.training import DataFlags, ModelFlags, OptimFlags, RunFlags, TaskFlags, TrainConfig
+from ..config import TrainConfig
 from ..data.reach import reachable
 from ..ops.pi import BACKENDS
 from ..ops.pi.backends import REGISTRY
+from ..tasks import config_class
 from ..tasks.reach_setting import REACH
 from .common import child_threads, torch_threads
 from .train import train_config
@@ -90,13 +91,13 @@ def run(args: argparse.Namespace) -> int:
 
 def reach_config(attention: str, lag: int, steps: int, out: Path) -> TrainConfig:
     """The `piattn train --task reach` run of one demo cell."""
-    return TrainConfig(
-        model=ModelFlags(attention=attention, window=REACH["window"], n_layer=REACH["layers"], d_model=64, n_head=2,
-                         period=REACH["period"] if attention == "pi" else None, dropout=0.0),
-        data=DataFlags(seq_len=REACH["seq_len"]),
-        task=TaskFlags(task="reach", lag=lag, reach_vocab=REACH["vocab"]),
-        optim=OptimFlags(batch_size=32, steps=steps, lr=3e-3, min_lr=3e-4, warmup=20, weight_decay=0.0, seed=0),
-        run=RunFlags(out=str(out), eval_every=steps, eval_batches=0, save_every=0, device="cpu", progress=False))
+    return config_class().from_flat(dict(
+        attention=attention, window=REACH["window"], n_layer=REACH["layers"], d_model=64, n_head=2,
+        period=REACH["period"] if attention == "pi" else None, dropout=0.0,
+        seq_len=REACH["seq_len"],
+        task="reach", lag=lag, reach_vocab=REACH["vocab"],
+        batch_size=32, steps=steps, lr=3e-3, min_lr=3e-4, warmup=20, weight_decay=0.0, seed=0,
+        out=str(out), eval_every=steps, eval_batches=0, save_every=0, device="cpu", progress=False))
 
 
 def reach_runs(args: argparse.Namespace) -> list[dict]:

@@ -56,7 +56,7 @@ from ..config import PRECISIONS
 from ..data.examples import ExampleLoader
 from ..data.packing import SequenceLoader
 from ..data.text import normalize_split
-from ..tasks import LanguageModelTask, VisionLanguageTask, restore
+from ..tasks import LanguageModelTask, VisionLanguageTask, config_class, restore
 from ..tasks.classification import ClassificationTask
 from ..train import checkpoint as ckpt
 from ..train.distributed import DEVICES, DistContext, setup, teardown
@@ -134,7 +134,7 @@ def chosen_data(args: argparse.Namespace, folder: Path) -> str | None:
         if not args.data.strip():
             raise ValueError("--data must name a data source, got ''")
         return args.data
-    stored = saved_train_config(folder).data.data
+    stored = saved_train_config(folder, config_class()).data.data
     if stored in GENERATED or args.use_stored_data:
         return None
     shown = str(stored) if len(str(stored)) <= 120 else str(stored)[:120] + "…"

@@ -5,8 +5,9 @@
     piattn train --task listops --attention pi --seq-len 2000 --steps 5000 --out runs/listops-pi
     piattn train --task reach --attention local --window 2 --n-layer 2 --lag 8 --out runs/reach-local
 
-The flags are the fields of `piattn.config.TrainConfig` (sections model, data, task, optim, run); a flag
-given to a task or attention kind that ignores it is an error. Tasks: `piattn.tasks.TASKS`.
+The flags are the fields of `piattn.config.TrainConfig` (sections model, data, task, optim, run) with those
+the tasks declare (`piattn.tasks.config_class()`); a flag given to a task or attention kind that ignores it
+is an error. Tasks: `piattn.tasks.TASKS`.
 
     piattn train --out runs/pi-tiny --resume                 # the run's own settings, from its checkpoint
     piattn train --out runs/pi-tiny --resume --steps 4000    # extended: the LR follows the new schedule
@@ -36,19 +37,21 @@ from ..config.training import period_text
 from ..data.tokenizers import KINDS as TOKENIZER_KINDS
 from ..layers import attention_registry
 from ..ops.pi import BACKENDS
-from ..tasks import TASKS, task_class
+from ..tasks import TASKS, config_class, task_class
 from ..train.gates import condensed
 from ..train.loop import MicroStepHook, resumed_config, train
 from .common import add_threads_argument, torch_threads
 from .paths import output_folder
 
+# The configuration with the flags of every registered task.
+CONFIG = config_class()
 # The allowed values of flags whose choices are registries above `piattn.config`.
 REGISTRIES = {"attention": attention_registry(), "task": tuple(TASKS), "tokenizer": tuple(TOKENIZER_KINDS),
               "backend": BACKENDS}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    groups = TrainConfig.add_arguments(parser, REGISTRIES)
+    groups = CONFIG.add_arguments(parser, REGISTRIES)
     add_threads_argument(groups["run"])  # a property of this process, not of the run: not in TrainConfig
 
 
@@ -93,8 +96,8 @@ def train_config(cfg: TrainConfig, on_micro_step: MicroStepHook | None = None) -
 def config_of(args: argparse.Namespace) -> TrainConfig:
     """The configuration `piattn train` runs: the flags given, the defaults for the others; with --resume,
     the run's stored settings for the others (`resumed_config`)."""
-    cfg = TrainConfig.from_args(args)
-    return resumed_config(cfg, TrainConfig.given(args)) if cfg.run.resume else cfg
+    cfg = CONFIG.from_args(args)
+    return resumed_config(cfg, CONFIG.given(args)) if cfg.run.resume else cfg
 
 
 def summary_json(summary: dict) -> str:

@@ -9,6 +9,9 @@ A flag's scope may name a capability instead of listing values: `applies={"atten
 The registry of that field's values lives above the configuration: the caller passes it in `registries`, as a
 `Registry` whose `having` answers which values have a capability (asked at each check, so a kind registered
 later is covered). Nothing is lent to this module at import.
+
+A flag's help may take notes from the values of another field (`Notes`): `--seq-len`'s default, say, is each
+task's own, and each task says it; whoever knows those values renders them into the help (`render_notes`).
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ class Flag:
     help: the help text. low / high: inclusive bounds of a number (checked when the value is not None).
     above / below: exclusive bounds. choices: the allowed values, or the name of a registry the caller passes
     to `check` (its keys are only known above the config, e.g. the attention kinds). applies: field name ->
-    values of that field under which this flag means something ({"task": ("reach",)}), or a `Capability`
+    values of that field under which this flag means something ({"tokenizer": ("bpe",)}), or a `Capability`
     those values must have ({"attention": Capability("documents")}); given elsewhere it is an error.
-    defines_run: a resumed run must have the same value. required: no default.
+    defines_run: a resumed run must have the same value. required: no default. notes: how the help takes the
+    notes others add to it (`Notes`), in place of `{notes}` in `help`.
     """
 
     help: str
@@ -41,6 +45,30 @@ class Flag:
     applies: Mapping[str, tuple | Capability] | None = None
     defines_run: bool = True
     required: bool = False
+    notes: Notes | None = None
+
+
+@dataclass(frozen=True)
+class Notes:
+    """Where a flag's help takes the notes of others (the tasks' own defaults of `--seq-len`, say): `{notes}` in
+    its help becomes `before`, the notes joined by `between`, then `after`, or nothing when there are none."""
+
+    between: str
+    before: str = ""
+    after: str = ""
+
+
+def render_notes(notes: Notes, given: Iterable[tuple[str, str]]) -> str:
+    """The notes of (name, note) pairs as `Notes` places them: each note after the names that gave it, names
+    giving the same note together ("a, b and c 64") where the first of them stands."""
+    names_of: dict[str, list[str]] = {}
+    for name, note in given:
+        names_of.setdefault(note, []).append(name)
+    if not names_of:
+        return ""
+    parts = [(", ".join(names[:-1]) + " and " if len(names) > 1 else "") + names[-1] + note
+             for note, names in names_of.items()]
+    return notes.before + notes.between.join(parts) + notes.after
 
 
 def flag(default=None, help: str = "", **kwargs):
@@ -109,7 +137,7 @@ def _choices(meta: Flag, registries: Mapping[str, Iterable] | None) -> list | No
 def help_text(field: dataclasses.Field, meta: Flag) -> str:
     """The flag's help with its default appended, unless the text already says it, the flag is required, off
     unless given (False), or left to the task or model config (None, which the text explains)."""
-    text = meta.help
+    text = meta.help.replace("{notes}", "")  # notes not rendered (`render_notes`): none
     if meta.required or field.default is None or field.default is False or "default" in text.lower():
         return text
     return f"{text} (default: {'on' if field.default is True else field.default})"

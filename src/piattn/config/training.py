@@ -1,29 +1,34 @@
 """The configuration of a training run: five sections of flags (model, data, task, optim, run).
 
-Every `piattn train` flag is one field below; `piattn.config.flags` turns the fields into the argparse
-arguments, the range checks, the per-task and per-attention scope checks and the `--resume` comparison.
-A checkpoint stores the flat field dict (`to_flat`); field names are unique across sections. A flag scoped
-to attention kinds names the capability they need (`Capability`), never the kinds: the registry of
-attention kinds (`piattn.layers.registry`) answers which have it.
+Every `piattn train` flag is one field of a flags dataclass; `piattn.config.flags` turns the fields into the
+argparse arguments, the range checks, the per-task and per-attention scope checks and the `--resume`
+comparison. A checkpoint stores the flat field dict (`to_flat`); field names are unique across sections.
+
+The fields below are the common flags, which every configuration has; a flag only some tasks read is
+declared by those tasks (the `flags` of a `piattn.train.task.Task`: dataclasses of `flag` fields), and
+`TrainConfig.of(tasks)` is the configuration with them, each scoped to the tasks that declare it. This
+module names no task. A flag scoped to attention kinds names the capability they need (`Capability`), never
+the kinds: the registry of attention kinds (`piattn.layers.registry`) answers which have it; a common flag
+that only some tasks take (one the trainer reads: --cache-dir, --sequence-parallel) names a task
+capability, which the tasks answer (their `capabilities`).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import textwrap
+import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from ..checks import is_int
-from .flags import Capability, add_flags, applies, check_flags, flag, flag_fields, option_name
+from .flags import Capability, Notes, add_flags, applies, check_flags, flag, flag_fields, option_name, render_notes
 from .model import PERIOD_SCHEDULES, SIZES, ModelConfig
 from .pi import PI_DEFAULTS, VARIANTS
 
-# Task families whose flags only they read.
-CLASSIFICATION = ("listops", "pathfinder", "retrieval", "reach")
-# Tasks with fixed splits of examples, generated from --data-seed or read at most --train-size / --eval-size.
-FIXED_SPLITS = (*CLASSIFICATION, "vl-retrieval", "recall", "mqar")
 PRECISIONS = ("auto", "fp32", "bf16")
 
 
@@ -33,11 +38,10 @@ class ModelFlags:
     attention: str = flag("pi", "attention kind", choices="attention")
     window: int | None = flag(None, "local window k (default: the config's, 4)", low=0,
                               applies={"attention": Capability("window")})
-    period: str | None = flag(None, "π, the distance of the long-range key (default 16; vl-retrieval: the "
-                              "image's patches per row, so the skip key is the patch above / below); or one "
-                              "per head, '8,16,32,64'; or per layer, '5,6,7,8/9,14,19,24'; or a schedule: "
-                              "single[:N], geometric[:N] (N, 2N, 4N, ...) or cover[:N] (every lag up to N, "
-                              "default seq-len - 1)", applies={"attention": Capability("period")})
+    period: str | None = flag(None, "π, the distance of the long-range key (default 16{notes}); or one per head, "
+                              "'8,16,32,64'; or per layer, '5,6,7,8/9,14,19,24'; or a schedule: single[:N], "
+                              "geometric[:N] (N, 2N, 4N, ...) or cover[:N] (every lag up to N, default seq-len "
+                              "- 1)", applies={"attention": Capability("period")}, notes=Notes("; ", before="; "))
     variant: str | None = flag(None, "π-Attention fusion variant (default adaptive)", choices=VARIANTS,
                                applies={"attention": Capability("variant")})
     prior: float | None = flag(None, "the fixed local prior α of --variant fixed (default 0.5)", above=0, high=1,
@@ -101,85 +105,18 @@ def period_text(periods) -> str:
 
 @dataclass
 class DataFlags:
-    data: str | None = flag(None, "lm (required): a folder with train/ validation/ test/ text files, books:<dir>, "
-                            "wikitext:<dir>, hf:<name>; listops: a folder with LRA's basic_{train,val,test}.tsv "
-                            "(default: generated); retrieval (required): a folder with LRA's new_aan_pairs.*.tsv; "
-                            "vl-retrieval: shapes (default, generated), coco:DIR or flickr30k:DIR (Karpathy "
-                            "splits: DIR/dataset_coco.json or DIR/dataset_flickr30k.json and the images)")
-    tokenizer: str = flag("byte", "tokenizer kind", choices="tokenizer", applies={"task": ("lm",)})
-    vocab_size: int | None = flag(None, "BPE vocabulary size (required with --tokenizer bpe)", low=256,
-                                  applies={"task": ("lm",), "tokenizer": ("bpe",)})
-    seq_len: int | None = flag(None, "tokens per sequence (default: lm 1024, listops 2000, retrieval 4000 per "
-                               "text, pathfinder image-size², reach, recall and mqar 64, vl-retrieval (image-size / "
-                               "patch-size)², the image's patches)", low=1)
-    cross_documents: bool = flag(False, "let sequences span document boundaries", applies={"task": ("lm",)})
-    pack_documents: bool = flag(False, "pack documents back to back into full sequences, attention kept inside "
-                                "each document (document ids in the batch) and no target across a boundary",
-                                applies={"task": ("lm",), "attention": Capability("documents")})
+    # each task says what it reads (its `flag_notes`)
+    data: str | None = flag(None, "{notes}", notes=Notes("; "))
+    seq_len: int | None = flag(None, "tokens per sequence{notes}", low=1,
+                               notes=Notes(", ", before=" (default: ", after=")"))
     cache_dir: str | None = flag(None, "where tokenized corpora are cached (default: OUT/cache)",
-                                 defines_run=False, applies={"task": ("lm",)})
+                                 defines_run=False, applies={"task": Capability("cache")})
 
 
 @dataclass
 class TaskFlags:
-    task: str = flag("lm", "what to learn", choices="task")
-    train_size: int | None = flag(None, "training examples: generated (default 10000) or read at most (default "
-                                  "all)", low=1, applies={"task": FIXED_SPLITS})
-    eval_size: int | None = flag(None, "examples of the validation and of the test split: generated (default "
-                                 "1000) or read at most (default all); vl-retrieval: images", low=1,
-                                 applies={"task": FIXED_SPLITS})
-    data_seed: int = flag(0, "seed of generated splits (each split its own)", low=0,
-                          applies={"task": FIXED_SPLITS})
-    listops_min_len: int | None = flag(None, "fewest tokens of a generated ListOps expression (default "
-                                       "seq-len / 4 + 1)", low=1, applies={"task": ("listops",)})
-    listops_max_len: int | None = flag(None, "most tokens of a generated ListOps expression (default seq-len - 1)",
-                                       low=1, applies={"task": ("listops",)})
-    image_size: int | None = flag(None, "image side in pixels (default: pathfinder 32; vl-retrieval shapes 32, "
-                                  "coco / flickr30k 224)", low=1, applies={"task": ("pathfinder", "vl-retrieval")})
-    contour_length: int | None = flag(None, "Pathfinder paddles per target curve (LRA: 6, 9, 14; default 14)",
-                                      low=1, applies={"task": ("pathfinder",)})
-    lag: int | None = flag(None, "reach: positions from the answer to the query (required)", low=1,
-                           applies={"task": ("reach",)})
-    reach_vocab: int | None = flag(None, "reach: symbols in a sequence (default 8; chance 1/vocab)", low=2,
-                                   high=2**15 - 1, applies={"task": ("reach",)})
-    causal: bool | None = flag(None, "reach: a causal GPT read at the query (default) or, with --no-causal, a "
-                               "bidirectional Encoder", applies={"task": ("reach",)})
-    recall_symbols: int | None = flag(None, "recall: symbols of the filler and the values (default 8; chance "
-                                      "1/symbols)", low=2, high=2**15 - 3, applies={"task": ("recall",)})
-    lag_min: int | None = flag(None, "recall: the shortest lag from the value to the query (default: the "
-                               "least there is room for, 1 or 2)", low=1,
-                               applies={"task": ("recall",)})
-    lag_max: int | None = flag(None, "recall: the longest lag from the value to the query (default: the "
-                               "most there is room for, seq-len - 2 or - 1)",
-                               low=1, applies={"task": ("recall",)})
-    recall_order: str | None = flag(None, "recall: marker-value (default: the marker, then the value) or "
-                                    "value-marker (the marker right after the value; lags from 2)",
-                                    choices=("marker-value", "value-marker"), applies={"task": ("recall",)})
-    recall_loss: str | None = flag(None, "recall: where training asks for the value: query (the last position "
-                                   "only, default) or every (also every position lag-min … lag-max after it, each "
-                                   "at its own lag; evaluation always reads the query)", choices=("query", "every"),
-                                   applies={"task": ("recall",)})
-    mqar_pairs: str | None = flag(None, "mqar: key–value pairs per sequence: a count '8', a list '8,16,32,64' or "
-                                  "a range '8-64' (each example draws one; validation and test hold each equally "
-                                  "often); every count <= seq-len / 4 (default 8)", applies={"task": ("mqar",)})
-    mqar_keys: int | None = flag(None, "mqar: size of the key vocabulary, >= the most pairs (default 64)", low=1,
-                                 applies={"task": ("mqar",)})
-    mqar_values: int | None = flag(None, "mqar: size of the value vocabulary (default 64; chance 1/values)",
-                                   low=1, applies={"task": ("mqar",)})
-    mqar_distance: str | None = flag(None, "mqar: where each query sits from its key: uniform (default: anywhere "
-                                     "after the pairs) or distance bins 'LO-HI[,LO-HI...]' (each example draws one "
-                                     "bin for all its pairs; validation and test hold each equally often)",
-                                     applies={"task": ("mqar",)})
-    patch_size: int | None = flag(None, "vl-retrieval: side of an image patch in pixels, dividing --image-size "
-                                  "(default: shapes 4, coco / flickr30k 16)", low=1,
-                                  applies={"task": ("vl-retrieval",)})
-    caption_len: int | None = flag(None, "vl-retrieval: UTF-8 bytes kept of a caption (default 64)", low=1,
-                                   applies={"task": ("vl-retrieval",)})
-    embed_dim: int | None = flag(None, "vl-retrieval: width of the shared image-text space (default d-model)",
-                                 low=2, applies={"task": ("vl-retrieval",)})
-    text_attention: str | None = flag(None, "vl-retrieval: attention kind of the text tower (default dense; "
-                                      "--attention is the image tower's)", choices="attention",
-                                      applies={"task": ("vl-retrieval",)})
+    # the default: the first task of those the configuration is made with (`TrainConfig.of`)
+    task: str | None = flag(None, "what to learn", choices="task")
 
 
 @dataclass
@@ -216,8 +153,8 @@ class RunFlags:
     device: str = flag("auto", "auto, cpu, cuda or cuda:N", defines_run=False)
     sequence_parallel: int = flag(1, "ranks that share each sequence (under torchrun), each taking seq-len / N "
                                   "contiguous positions; the world size must be a multiple of N", low=1,
-                                  defines_run=False,
-                                  applies={"task": ("lm",), "attention": Capability("sequence_parallel")})
+                                  defines_run=False, applies={"task": Capability("sequence_parallel"),
+                                                              "attention": Capability("sequence_parallel")})
     fsdp: bool = flag(False, "shard weights, gradients and optimiser state over the processes (FSDP2) "
                       "instead of replicating them (DDP); checkpoints hold the full state as without it; "
                       "nothing to shard on one process", defines_run=False)
@@ -231,9 +168,29 @@ GROUP_TITLES = {"model": "model", "data": "data", "task": "tasks", "optim": "opt
                 "run": "run (may change on --resume)"}
 
 
+class DeclaresFlags(Protocol):
+    """What `TrainConfig.of` reads of a task (a `piattn.train.task.Task` class).
+
+    name: the --task value. flags: dataclasses of `flag` fields, the flags only the tasks that list the class
+    read (a class variable `section` names the section they join, default "task"). flag_notes: {field: note}
+    for the common flags that take notes (`Notes`), the note read after the task's name ("seq_len": " 64" ->
+    "NAME 64"). capabilities: the names of the task capabilities it has, which scope common flags
+    (`applies={"task": Capability(name)}`).
+    """
+
+    name: str
+    flags: tuple[type, ...]
+    flag_notes: Mapping[str, str]
+    capabilities: Iterable[str]
+
+
 @dataclass
 class TrainConfig:
-    """Every setting of a training run, by section. Build with `from_args`, `from_flat` or keywords."""
+    """Every setting of a training run, by section. Build with `from_args`, `from_flat` or keywords.
+
+    This class has the common flags only; `TrainConfig.of(tasks)` is the class with those the tasks declare
+    too (what `piattn train` parses, `piattn.tasks.config_class()`).
+    """
 
     model: ModelFlags = dataclasses.field(default_factory=ModelFlags)
     data: DataFlags = dataclasses.field(default_factory=DataFlags)
@@ -241,40 +198,65 @@ class TrainConfig:
     optim: OptimFlags = dataclasses.field(default_factory=OptimFlags)
     run: RunFlags = dataclasses.field(default_factory=RunFlags)
 
-    @staticmethod
-    def add_arguments(parser: argparse.ArgumentParser, registries: Mapping[str, Iterable] | None = None
+    # Class attributes, not fields: the flags dataclass of each section, the tasks whose flags they hold
+    # (none here; `of`), the section of each field, the fields that define a run.
+    sections = SECTIONS
+    tasks = ()
+    field_sections = {f.name: section for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+    run_defining = tuple(f.name for cls in SECTIONS.values() for f, meta in flag_fields(cls) if meta.defines_run)
+
+    @classmethod
+    def of(cls, tasks: Iterable[DeclaresFlags]) -> type[TrainConfig]:
+        """The configuration class with the flags these tasks declare, in their order: each flag a task lists
+        applies to the tasks that list its class, the flags scoped by a task capability to the tasks that have
+        it, the notes of the tasks fill the help of the flags that take notes, and the first task is --task's
+        default. The same tasks give the same class. ValueError for a flag declared twice or over a common
+        flag, a note no flag takes, or an unknown section."""
+        return _configuration(tuple(tasks))
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser, registries: Mapping[str, Iterable] | None = None
                       ) -> dict[str, argparse._ArgumentGroup]:
         """One argument group per section (returned by section name); `registries` as in `check`, for the
-        choices --help lists. A flag not given is absent from the parsed namespace (`given`)."""
-        groups = {section: parser.add_argument_group(GROUP_TITLES[section]) for section in SECTIONS}
-        for section, cls in SECTIONS.items():
-            add_flags(groups[section], cls, registries)
+        choices --help lists. A flag not given is absent from the parsed namespace (`given`); the namespace
+        records this class, whose flags `from_args` and `given` then read."""
+        groups = {section: parser.add_argument_group(GROUP_TITLES[section]) for section in cls.sections}
+        for section, flags in cls.sections.items():
+            add_flags(groups[section], flags, registries)
+        parser.set_defaults(**{_PARSED_BY: cls})
         return groups
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TrainConfig:
-        """The parsed flags, the defaults for those not given."""
-        return cls.from_flat(cls.given(args))
+        """The parsed flags, the defaults for those not given: a configuration of the class that added the
+        arguments (`add_arguments`) when it has this one's flags and more (the tasks' own, `of`)."""
+        return cls._parsed_by(args).from_flat(cls.given(args))
 
-    @staticmethod
-    def given(args: argparse.Namespace) -> dict:
-        """{field: value} of the flags given on the command line (those not given are absent from `args`)."""
-        return {k: v for k, v in vars(args).items() if k in _FIELD_SECTION}
+    @classmethod
+    def given(cls, args: argparse.Namespace) -> dict:
+        """{field: value} of the flags given on the command line (those not given are absent from `args`),
+        those of the class that added the arguments included."""
+        return {k: v for k, v in vars(args).items() if k in cls._parsed_by(args).field_sections}
+
+    @classmethod
+    def _parsed_by(cls, args: argparse.Namespace) -> type[TrainConfig]:
+        parser_class = getattr(args, _PARSED_BY, None)
+        return parser_class if isinstance(parser_class, type) and issubclass(parser_class, cls) else cls
 
     @classmethod
     def from_flat(cls, values: Mapping) -> TrainConfig:
         """From a flat {field: value} dict (a checkpoint's `train_args`); missing fields take defaults,
         unknown ones are a ValueError naming them."""
-        unknown = sorted(set(values) - set(_FIELD_SECTION))
+        unknown = sorted(set(values) - set(cls.field_sections))
         if unknown:
             raise ValueError(f"unknown training settings {unknown}")
-        parts = {section: {} for section in SECTIONS}
+        parts = {section: {} for section in cls.sections}
         for name, value in values.items():
-            parts[_FIELD_SECTION[name]][name] = value
-        return cls(**{section: SECTIONS[section](**kw) for section, kw in parts.items()})
+            parts[cls.field_sections[name]][name] = value
+        return cls(**{section: cls.sections[section](**kw) for section, kw in parts.items()})
 
     def to_flat(self) -> dict:
-        return {name: value for section in SECTIONS
+        return {name: value for section in self.sections
                 for name, value in dataclasses.asdict(getattr(self, section)).items()}
 
     def check(self, registries: Mapping[str, Iterable] | None = None) -> None:
@@ -285,13 +267,14 @@ class TrainConfig:
         """
         flat = self.to_flat()
         context = {**flat, "variant": flat["variant"] or PI_DEFAULTS.variant}
-        for section in SECTIONS:
+        for section in self.sections:
             check_flags(getattr(self, section), registries, context)
 
     def differences(self, other: TrainConfig) -> list[tuple[str, object, object]]:
         """(flag, my value, other's value) for each run-defining flag whose values differ."""
         mine, theirs = self.to_flat(), other.to_flat()
-        return [(option_name(name), mine[name], theirs[name]) for name in RUN_DEFINING if mine[name] != theirs[name]]
+        return [(option_name(name), mine[name], theirs[name]) for name in self.run_defining
+                if mine[name] != theirs[name]]
 
     def resumed_with(self, given: Mapping) -> TrainConfig:
         """This stored configuration of a run, continued with the flags `given` ({field: value}) by `--resume`.
@@ -301,11 +284,11 @@ class TrainConfig:
         """
         stored = self.to_flat()
         differing = [f"{option_name(name)}: stored {stored[name]!r}, given {value!r}"
-                     for name, value in given.items() if name in RUN_DEFINING and value != stored[name]]
+                     for name, value in given.items() if name in self.run_defining and value != stored[name]]
         if differing:
             raise ValueError("--resume continues the run with its stored settings; these differ: "
                              + "; ".join(differing) + " (drop them, or start a new run in another --out)")
-        return TrainConfig.from_flat({**stored, **given, "resume": True})
+        return type(self).from_flat({**stored, **given, "resume": True})
 
     def warnings(self) -> list[str]:
         """Settings that are allowed but probably not meant, one line each."""
@@ -321,7 +304,7 @@ class TrainConfig:
         flags left to it that apply to this attention kind; `registries` as in `check`)."""
         context = {**self.to_flat(), **({"variant": model.get("variant")} if model else {})}
         lines = []
-        for section, cls in SECTIONS.items():
+        for section, cls in self.sections.items():
             pairs = []
             for f, meta in flag_fields(cls):
                 value = getattr(getattr(self, section), f.name)
@@ -341,5 +324,74 @@ class TrainConfig:
         return "\n".join(lines)
 
 
-_FIELD_SECTION = {f.name: section for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
-RUN_DEFINING = tuple(f.name for cls in SECTIONS.values() for f, meta in flag_fields(cls) if meta.defines_run)
+RUN_DEFINING = TrainConfig.run_defining
+_PARSED_BY = "_train_config"  # the namespace attribute that holds the class that added the arguments
+
+
+def _field(name: str, hint, default, meta) -> tuple:
+    """A make_dataclass field spec of a flag."""
+    return name, hint, dataclasses.field(default=default, metadata={"flag": meta})
+
+
+@functools.cache
+def _configuration(tasks: tuple[DeclaresFlags, ...]) -> type[TrainConfig]:
+    """`TrainConfig.of`, one class per tuple of tasks."""
+    common = TrainConfig.field_sections
+    taking = {f.name for cls in SECTIONS.values() for f, meta in flag_fields(cls) if meta.notes is not None}
+    declared: dict[str, dict[str, tuple]] = {section: {} for section in SECTIONS}  # name -> (class, field, flag, tasks)
+    for task in tasks:
+        for flags in task.flags:
+            section = getattr(flags, "section", "task")
+            if section not in SECTIONS:
+                raise ValueError(f"{flags.__qualname__} of --task {task.name}: no section {section!r}, one of "
+                                 f"{list(SECTIONS)}")
+            for f, meta in flag_fields(flags):
+                if f.name in common:
+                    raise ValueError(f"{option_name(f.name)} of --task {task.name} is a common flag already")
+                if "task" in (meta.applies or {}):
+                    raise ValueError(f"{option_name(f.name)} of --task {task.name} names tasks: it applies to "
+                                     "those that list its class")
+                entry = declared[section].setdefault(f.name, (flags, f, meta, []))
+                if entry[0] is not flags:
+                    raise ValueError(f"{option_name(f.name)} is declared twice: in {entry[0].__qualname__} and in "
+                                     f"{flags.__qualname__} (--task {task.name})")
+                if task.name not in entry[3]:
+                    entry[3].append(task.name)
+        stray = sorted(set(task.flag_notes) - taking)
+        if stray:
+            raise ValueError(f"--task {task.name} has notes for {stray}, which take none (those that do: "
+                             f"{sorted(taking)})")
+    sections = {}
+    for section, base in SECTIONS.items():
+        hints = typing.get_type_hints(base)
+        fields = []
+        for f, meta in flag_fields(base):
+            bound = meta
+            if meta.notes is not None:
+                given = [(t.name, t.flag_notes[f.name]) for t in tasks if f.name in t.flag_notes]
+                notes = render_notes(meta.notes, given)
+                bound = dataclasses.replace(bound, help=meta.help.replace("{notes}", notes))
+            scope = (meta.applies or {}).get("task")
+            if isinstance(scope, Capability):
+                having = tuple(t.name for t in tasks if scope.name in t.capabilities)
+                bound = dataclasses.replace(bound, applies={**meta.applies, "task": having})
+            default = (tasks[0].name if tasks else None) if f.name == "task" else f.default
+            if bound is not meta or default != f.default:  # in its place among the common flags
+                fields.append(_field(f.name, hints[f.name], default, bound))
+        for name, (flags, f, meta, owners) in declared[section].items():
+            scoped = dataclasses.replace(meta, applies={"task": tuple(owners), **(meta.applies or {})})
+            fields.append(_field(name, typing.get_type_hints(flags)[name], f.default, scoped))
+        sections[section] = base
+        if fields:
+            sections[section] = dataclasses.make_dataclass(base.__name__, fields, bases=(base,))
+            sections[section].__module__ = __name__
+    names = {f.name: section for section, cls in sections.items() for f in dataclasses.fields(cls)}
+    configuration = dataclasses.make_dataclass(
+        "TrainConfig", [(section, cls, dataclasses.field(default_factory=cls)) for section, cls in sections.items()],
+        bases=(TrainConfig,),
+        namespace={"sections": sections, "tasks": tasks, "field_sections": names,
+                   "run_defining": tuple(f.name for cls in sections.values() for f, meta in flag_fields(cls)
+                                         if meta.defines_run),
+                   "__doc__": TrainConfig.__doc__})
+    configuration.__module__ = __name__
+    return configuration

@@ -1,4 +1,4 @@
-"""What a run learns: one file per task family, one registry of `--task` names.
+"""What a run learns: one file per task family, one registry of `--task` names, `TASKS`.
 
     lm            language modelling on packed text (lm.py)
     listops, pathfinder, retrieval
@@ -8,12 +8,15 @@
     mqar          multi-query associative recall, scored by key–query distance and pairs (mqar.py)
     vl-retrieval  image-text retrieval with a CLIP dual encoder, Recall@K (vl_retrieval.py, ranking.py)
 
-Every task implements `piattn.train.task.Task`, the interface the trainer uses.
+Every task implements `piattn.train.task.Task`, the interface the trainer uses, and declares the flags only
+it reads (`Task.flags`): `config_class()` is the training configuration with the flags of every task
+registered here. A new task is its module and its line in `TASKS`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from pathlib import Path
 
 from torch import nn
@@ -30,9 +33,17 @@ from .reach import ReachTask
 from .recall import RecallTask
 from .vl_retrieval import VisionLanguageTask
 
+# In this order the flags of several tasks list them ("--train-size applies to --task listops / pathfinder / …")
+# and the help their notes; the first is --task's default.
 TASKS: dict[str, type[Task]] = {
     task.name: task for task in (LanguageModelTask, ListOpsTask, PathfinderTask, RetrievalTask, ReachTask,
-                                 RecallTask, MQARTask, VisionLanguageTask)}
+                                 VisionLanguageTask, RecallTask, MQARTask)}
+
+
+def config_class(tasks: Mapping[str, type[Task]] | None = None) -> type[TrainConfig]:
+    """The training configuration with the flags `tasks` declare (default: the registered ones, `TASKS`):
+    `TrainConfig.of`, what `piattn train` parses and a checkpoint's settings are read with."""
+    return TrainConfig.of((TASKS if tasks is None else tasks).values())
 
 
 def task_class(name: str) -> type[Task]:
@@ -50,7 +61,7 @@ def restore(folder: Path, ctx: DistContext, *, data: str | None = None, batch_si
     Files go only where the user says: tokenized text to `cache_dir` or the run directory's cache/,
     never to a folder the checkpoint's config names.
     """
-    cfg = saved_train_config(folder)
+    cfg = saved_train_config(folder, config_class())
     if cache_dir is not None:
         writable_folder(Path(cache_dir), "--cache-dir")
     cfg = dataclasses.replace(
@@ -67,4 +78,4 @@ def restore(folder: Path, ctx: DistContext, *, data: str | None = None, batch_si
 
 
 __all__ = ["TASKS", "LanguageModelTask", "ListOpsTask", "MQARTask", "PathfinderTask", "ReachTask", "RecallTask",
-           "RetrievalTask", "Task", "VisionLanguageTask", "restore", "task_class"]
+           "RetrievalTask", "Task", "VisionLanguageTask", "config_class", "restore", "task_class"]

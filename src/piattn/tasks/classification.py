@@ -14,6 +14,7 @@ Every rank builds the same splits itself (generation is deterministic); training
 from __future__ import annotations
 
 from abc import abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -22,6 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..config import EncoderConfig, ModelConfig, TrainConfig
+from ..config.flags import flag
 from ..data.examples import ExampleLoader, Examples
 from ..data.text import normalize_split
 from ..models import Encoder
@@ -32,6 +34,26 @@ from ..train.task import Task, evaluation_sums, per_second
 GENERATED_TRAIN_SIZE = 10_000
 GENERATED_EVAL_SIZE = 1_000
 SPLIT_INDEX = {"train": 0, "validation": 1, "test": 2}
+
+
+@dataclass
+class SplitFlags:
+    """The flags of the tasks with fixed splits of examples, generated from --data-seed or read at most
+    --train-size / --eval-size (every task here, and vl-retrieval)."""
+
+    train_size: int | None = flag(None, "training examples: generated (default 10000) or read at most (default "
+                                  "all)", low=1)
+    eval_size: int | None = flag(None, "examples of the validation and of the test split: generated (default "
+                                 "1000) or read at most (default all); vl-retrieval: images", low=1)
+    data_seed: int = flag(0, "seed of generated splits (each split its own)", low=0)
+
+
+@dataclass
+class ImageFlags:
+    """The flag of the tasks on images."""
+
+    image_size: int | None = flag(None, "image side in pixels (default: pathfinder 32; vl-retrieval shapes 32, "
+                                  "coco / flickr30k 224)", low=1)
 
 
 def split_seed(data_seed: int, split: str) -> int:
@@ -66,6 +88,7 @@ class ClassificationTask(Task):
     """
 
     default_seq_len: ClassVar[int]  # --seq-len when it is not given
+    flags = (SplitFlags,)
 
     def __init__(self, cfg: TrainConfig, ctx: DistContext, config: ModelConfig):
         self.cfg, self.ctx, self.config = cfg, ctx, config

@@ -6,13 +6,16 @@ import dataclasses
 import functools
 import hashlib
 import math
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch.nn import functional as F
 
 from ..checks import is_int
 from ..config import GPTConfig, TrainConfig
+from ..config.flags import Capability, flag
 from ..data.packing import PackedSequences, SequenceLoader, load_corpus, tokenize_corpus
 from ..data.text import load_documents, source_fingerprint
 from ..data.tokenizers import load_tokenizer, make_tokenizer
@@ -65,6 +68,20 @@ def _files_digest(directory: Path) -> str:
     return digest.hexdigest()
 
 
+@dataclass
+class TextFlags:
+    """--task lm's flags of the data section."""
+
+    section: ClassVar[str] = "data"
+    tokenizer: str = flag("byte", "tokenizer kind", choices="tokenizer")
+    vocab_size: int | None = flag(None, "BPE vocabulary size (required with --tokenizer bpe)", low=256,
+                                  applies={"tokenizer": ("bpe",)})
+    cross_documents: bool = flag(False, "let sequences span document boundaries")
+    pack_documents: bool = flag(False, "pack documents back to back into full sequences, attention kept inside "
+                                "each document (document ids in the batch) and no target across a boundary",
+                                applies={"attention": Capability("documents")})
+
+
 class LanguageModelTask(Task):
     """Causal language modelling on packed text.
 
@@ -80,6 +97,10 @@ class LanguageModelTask(Task):
     """
 
     name = "lm"
+    flags = (TextFlags,)
+    flag_notes = {"data": " (required): a folder with train/ validation/ test/ text files, books:<dir>, "
+                          "wikitext:<dir>, hf:<name>", "seq_len": f" {LM_SEQ_LEN}"}
+    capabilities = frozenset({"cache", "sequence_parallel"})
 
     def __init__(self, cfg: TrainConfig, run_dir: Path, ctx: DistContext, tokenizer_dir: Path, config: GPTConfig):
         self.cfg, self.ctx, self.config = cfg, ctx, config

@@ -6,10 +6,27 @@ LRA release's files with `--data` (ListOps, Retrieval).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..config import TrainConfig
+from ..config.flags import flag
 from ..data import listops, pathfinder, retrieval
 from ..data.examples import Examples, compact
-from .classification import ClassificationTask, data_file, encoder_config, split_seed
+from .classification import ClassificationTask, ImageFlags, SplitFlags, data_file, encoder_config, split_seed
+
+
+@dataclass
+class ListOpsFlags:
+    listops_min_len: int | None = flag(None, "fewest tokens of a generated ListOps expression (default "
+                                       "seq-len / 4 + 1)", low=1)
+    listops_max_len: int | None = flag(None, "most tokens of a generated ListOps expression (default seq-len - 1)",
+                                       low=1)
+
+
+@dataclass
+class PathfinderFlags:
+    contour_length: int | None = flag(None, "Pathfinder paddles per target curve (LRA: 6, 9, 14; default 14)",
+                                      low=1)
 
 
 class ListOpsTask(ClassificationTask):
@@ -22,6 +39,9 @@ class ListOpsTask(ClassificationTask):
 
     name = "listops"
     default_seq_len = 2000
+    flags = (SplitFlags, ListOpsFlags)
+    flag_notes = {"data": ": a folder with LRA's basic_{train,val,test}.tsv (default: generated)",
+                  "seq_len": f" {default_seq_len}"}
     FILES = {"train": "basic_train.tsv", "validation": "basic_val.tsv", "test": "basic_test.tsv"}
 
     @classmethod
@@ -74,6 +94,8 @@ class PathfinderTask(ClassificationTask):
     """
 
     name = "pathfinder"
+    flags = (SplitFlags, ImageFlags, PathfinderFlags)
+    flag_notes = {"seq_len": " image-size²"}
     VOCAB_SIZE = 257
     DEFAULT_IMAGE_SIZE = 32
     DEFAULT_CONTOUR_LENGTH = 14
@@ -123,6 +145,8 @@ class RetrievalTask(ClassificationTask):
 
     name = "retrieval"
     default_seq_len = retrieval.MAX_LENGTH
+    flag_notes = {"data": " (required): a folder with LRA's new_aan_pairs.*.tsv",
+                  "seq_len": f" {default_seq_len} per text"}
     FILES = {"train": "new_aan_pairs.train.tsv", "validation": "new_aan_pairs.eval.tsv",
              "test": "new_aan_pairs.test.tsv"}
 

@@ -11,16 +11,18 @@ back, and its value, d - 1 back).
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
 
 from ..config import GPTConfig, TrainConfig
+from ..config.flags import flag
 from ..data import mqar
 from ..data.examples import ExampleLoader, Examples, compact
 from ..models import GPT
 from ..train.task import evaluation_sums, per_second
-from .classification import ClassificationTask, split_seed
+from .classification import ClassificationTask, SplitFlags, split_seed
 
 PAIRS_SYNTAX = "a count '8', a list '8,16,32,64' or a range '8-64' of integers >= 1"
 DISTANCE_SYNTAX = "'uniform' or distance bins 'LO-HI[,LO-HI...]' of integers, 1 <= LO <= HI"
@@ -56,6 +58,19 @@ def parse_distance(text: str) -> tuple[tuple[int, int] | None, ...]:
     return parsed
 
 
+@dataclass
+class MQARFlags:
+    mqar_pairs: str | None = flag(None, "mqar: key–value pairs per sequence: a count '8', a list '8,16,32,64' or "
+                                  "a range '8-64' (each example draws one; validation and test hold each equally "
+                                  "often); every count <= seq-len / 4 (default 8)")
+    mqar_keys: int | None = flag(None, "mqar: size of the key vocabulary, >= the most pairs (default 64)", low=1)
+    mqar_values: int | None = flag(None, "mqar: size of the value vocabulary (default 64; chance 1/values)",
+                                   low=1)
+    mqar_distance: str | None = flag(None, "mqar: where each query sits from its key: uniform (default: anywhere "
+                                     "after the pairs) or distance bins 'LO-HI[,LO-HI...]' (each example draws one "
+                                     "bin for all its pairs; validation and test hold each equally often)")
+
+
 class MQARTask(ClassificationTask):
     """MQAR: a causal `GPT` over keys + values + 1 ids (`mqar.vocab_size`), trained and scored at the queries.
 
@@ -67,6 +82,8 @@ class MQARTask(ClassificationTask):
 
     name = "mqar"
     default_seq_len = 64
+    flags = (SplitFlags, MQARFlags)
+    flag_notes = {"seq_len": f" {default_seq_len}"}
     DEFAULT_PAIRS = "8"
     DEFAULT_VOCAB = 64
 

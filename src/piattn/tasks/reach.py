@@ -6,11 +6,23 @@ through attention, which `piattn.analysis` predicts exactly.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..config import GPTConfig, TrainConfig
+from ..config.flags import flag
 from ..data import reach
 from ..data.examples import Examples, compact
 from ..models import GPT, Encoder
-from .classification import ClassificationTask, encoder_config, split_seed
+from .classification import ClassificationTask, SplitFlags, encoder_config, split_seed
+
+
+@dataclass
+class ReachFlags:
+    lag: int | None = flag(None, "reach: positions from the answer to the query (required)", low=1)
+    reach_vocab: int | None = flag(None, "reach: symbols in a sequence (default 8; chance 1/vocab)", low=2,
+                                   high=2**15 - 1)
+    causal: bool | None = flag(None, "reach: a causal GPT read at the query (default) or, with --no-causal, a "
+                               "bidirectional Encoder")
 
 
 class ReachTask(ClassificationTask):
@@ -26,6 +38,8 @@ class ReachTask(ClassificationTask):
 
     name = "reach"
     default_seq_len = 64
+    flags = (SplitFlags, ReachFlags)
+    flag_notes = {"seq_len": f" {default_seq_len}"}
     DEFAULT_VOCAB = 8
 
     @classmethod

@@ -7,15 +7,34 @@ lags its attention reaches, which `piattn.analysis` predicts.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.nn import functional as F
 
 from ..config import GPTConfig, TrainConfig
+from ..config.flags import flag
 from ..data import recall
 from ..data.examples import ExampleLoader, Examples, compact
 from ..models import GPT
 from ..train.task import evaluation_sums, per_second
-from .classification import ClassificationTask, split_seed
+from .classification import ClassificationTask, SplitFlags, split_seed
+
+
+@dataclass
+class RecallFlags:
+    recall_symbols: int | None = flag(None, "recall: symbols of the filler and the values (default 8; chance "
+                                      "1/symbols)", low=2, high=2**15 - 3)
+    lag_min: int | None = flag(None, "recall: the shortest lag from the value to the query (default: the "
+                               "least there is room for, 1 or 2)", low=1)
+    lag_max: int | None = flag(None, "recall: the longest lag from the value to the query (default: the "
+                               "most there is room for, seq-len - 2 or - 1)", low=1)
+    recall_order: str | None = flag(None, "recall: marker-value (default: the marker, then the value) or "
+                                    "value-marker (the marker right after the value; lags from 2)",
+                                    choices=("marker-value", "value-marker"))
+    recall_loss: str | None = flag(None, "recall: where training asks for the value: query (the last position "
+                                   "only, default) or every (also every position lag-min … lag-max after it, each "
+                                   "at its own lag; evaluation always reads the query)", choices=("query", "every"))
 
 
 class RecallTask(ClassificationTask):
@@ -29,6 +48,8 @@ class RecallTask(ClassificationTask):
 
     name = "recall"
     default_seq_len = 64
+    flags = (SplitFlags, RecallFlags)
+    flag_notes = {"seq_len": f" {default_seq_len}"}
     DEFAULT_SYMBOLS = 8
 
     @classmethod

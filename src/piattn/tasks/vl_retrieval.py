@@ -13,11 +13,13 @@ with --attention pi, π defaults to the patches per row, so the skip keys are th
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..config import TrainConfig
+from ..config.flags import flag
 from ..config.vision import VisionLanguageConfig
 from ..data import karpathy, shapes
 from ..data.images import normalize, pillow
@@ -27,7 +29,7 @@ from ..models.vision import DualEncoder, clip_loss
 from ..train.checkpoint import read_config
 from ..train.distributed import DistContext
 from ..train.task import Task, per_second
-from .classification import GENERATED_EVAL_SIZE, GENERATED_TRAIN_SIZE, split_seed
+from .classification import GENERATED_EVAL_SIZE, GENERATED_TRAIN_SIZE, ImageFlags, SplitFlags, split_seed
 from .ranking import retrieval_recalls
 
 # (image size, patch size) when not given: small for the generated shapes, ViT-B/16's for the datasets.
@@ -52,6 +54,17 @@ def image_sizes(cfg: TrainConfig) -> tuple[int, int]:
     return size, patch
 
 
+@dataclass
+class VisionLanguageFlags:
+    patch_size: int | None = flag(None, "vl-retrieval: side of an image patch in pixels, dividing --image-size "
+                                  "(default: shapes 4, coco / flickr30k 16)", low=1)
+    caption_len: int | None = flag(None, "vl-retrieval: UTF-8 bytes kept of a caption (default 64)", low=1)
+    embed_dim: int | None = flag(None, "vl-retrieval: width of the shared image-text space (default d-model)",
+                                 low=2)
+    text_attention: str | None = flag(None, "vl-retrieval: attention kind of the text tower (default dense; "
+                                      "--attention is the image tower's)", choices="attention")
+
+
 class VisionLanguageTask(Task):
     """A `DualEncoder` trained by batch InfoNCE on captioned images; metrics i2t_r1 … t2i_r10.
 
@@ -62,6 +75,11 @@ class VisionLanguageTask(Task):
     """
 
     name = "vl-retrieval"
+    flags = (SplitFlags, ImageFlags, VisionLanguageFlags)
+    flag_notes = {"data": ": shapes (default, generated), coco:DIR or flickr30k:DIR (Karpathy splits: "
+                          "DIR/dataset_coco.json or DIR/dataset_flickr30k.json and the images)",
+                  "seq_len": " (image-size / patch-size)², the image's patches",
+                  "period": ": the image's patches per row, so the skip key is the patch above / below"}
 
     def __init__(self, cfg: TrainConfig, ctx: DistContext, config: VisionLanguageConfig):
         self.cfg, self.ctx, self.config = cfg, ctx, config

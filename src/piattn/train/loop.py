@@ -108,17 +108,19 @@ def run_config(cfg: TrainConfig, task: Task, ctx: DistContext) -> dict:
             "world_size": ctx.world_size, "versions": {"piattn": piattn.__version__, "torch": torch.__version__}}
 
 
-def saved_train_config(checkpoint: Path) -> TrainConfig:
-    """The training settings a checkpoint was written with, ValueError naming its config.json if unreadable."""
+def saved_train_config(checkpoint: Path, config: type[TrainConfig]) -> TrainConfig:
+    """The training settings a checkpoint was written with, read as a `config` (the configuration class with
+    the flags of the tasks: `piattn.tasks.config_class()`, or a run's `type(cfg)`); ValueError naming its
+    config.json if unreadable."""
     try:
-        return TrainConfig.from_flat(ckpt.read_config(checkpoint)["train_args"])
+        return config.from_flat(ckpt.read_config(checkpoint)["train_args"])
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(f"{checkpoint / ckpt.CONFIG_FILE}: not a piattn training config ({err})") from None
 
 
 def _check_resumable(cfg: TrainConfig, checkpoint: Path) -> None:
     differing = [f"{flag}: stored {saved!r}, given {now!r}"
-                 for flag, saved, now in saved_train_config(checkpoint).differences(cfg)]
+                 for flag, saved, now in saved_train_config(checkpoint, type(cfg)).differences(cfg)]
     if differing:
         raise ValueError("--resume needs the settings the run started with; these differ: " + "; ".join(differing))
 
@@ -139,7 +141,7 @@ def resumed_config(cfg: TrainConfig, given: Mapping) -> TrainConfig:
     ValueError when --out holds no checkpoint, or a flag that defines the run is given another value.
     """
     out = Path(cfg.run.out)
-    return saved_train_config(_latest_to_resume(out)).resumed_with({**given, "out": cfg.run.out})
+    return saved_train_config(_latest_to_resume(out), type(cfg)).resumed_with({**given, "out": cfg.run.out})
 
 
 class Diverged(ValueError):
@@ -262,7 +264,7 @@ class Trainer:
         else:
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        steps, stored_steps = self.cfg.optim.steps, saved_train_config(self.resumed_from).optim.steps
+        steps, stored_steps = self.cfg.optim.steps, saved_train_config(self.resumed_from, type(self.cfg)).optim.steps
         if state["step"] > steps:
             raise ValueError(f"--steps {steps}: the run is at step {state['step']} already; give --steps >= "
                              f"{state['step']} (a larger value extends the run)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import ClassVar, Protocol
 
@@ -42,9 +42,20 @@ class Task(ABC):
     """One training objective: a model, its training batches, the loss of a batch, metrics of a split.
 
     `name` is the task's registry name (the `--task` flag); `model_config` is saved in every checkpoint.
+
+    The task declares its own flags (`TrainConfig.of` reads them): `flags`, dataclasses of
+    `piattn.config.flags.flag` fields, each field one flag that applies to the tasks listing its class (a class
+    variable `section` puts them in another section than "task": "data", "run", ...); `flag_notes`, what it
+    adds to the help of a common flag that takes notes ({"seq_len": " 64"} reads "... mqar 64"; "data":
+    what its --data takes); `capabilities`, the task capabilities that common flags are scoped by
+    ("sequence_parallel": its batches can be split along the sequence; "cache": it caches what it derives
+    from --data under --cache-dir).
     """
 
     name: ClassVar[str]
+    flags: ClassVar[tuple[type, ...]] = ()
+    flag_notes: ClassVar[Mapping[str, str]] = {}
+    capabilities: ClassVar[frozenset[str]] = frozenset()
 
     @classmethod
     @abstractmethod
