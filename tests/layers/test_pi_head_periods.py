@@ -4,10 +4,13 @@ full forward, the ring holds the largest period, schedules resolve, bad input is
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
 import piattn.layers.windowed as windowed_module
+import piattn.ops.pi.decode as decode_module
 from piattn.analysis.multiscale import SCHEDULES, schedule
 from piattn.config import PiSettings
 from piattn.config.model import PERIOD_SCHEDULES
@@ -58,24 +61,38 @@ def test_cached_decoding_equals_the_full_forward(variant):
         torch.testing.assert_close(torch.cat(pieces, 1), m(idx), rtol=0, atol=1e-5)
 
 
-def test_one_token_steps_take_the_ring_once_per_period(monkeypatch):
+def test_one_token_steps_take_the_ring_once_per_layer_and_its_step_once_per_period(monkeypatch):
+    """The layer hands `decode_ring` all its periods in one call; the ring step runs once per distinct period."""
     m = model()
     idx = torch.randint(0, 50, (1, 40), generator=torch.Generator().manual_seed(5))
     cache = m.init_cache(1)
-    calls = []
-    real = windowed_module.decode_ring
+    layer_calls, step_calls = [], []
+    real_ring, real_step = windowed_module.decode_ring, decode_module._decode_ring
 
-    def spy(*args, **kwargs):
-        calls.append(kwargs["period"])
-        return real(*args, **kwargs)
+    def ring_spy(*args, **kwargs):
+        layer_calls.append(kwargs["period"])
+        return real_ring(*args, **kwargs)
+
+    def step_spy(*args):
+        step_calls.append(args[6])  # the period, positional
+        return real_step(*args)
 
     with torch.no_grad():
         expected = m(idx)[:, -1]
         m(idx[:, :39], cache)
-        monkeypatch.setattr(windowed_module, "decode_ring", spy)
+        monkeypatch.setattr(windowed_module, "decode_ring", ring_spy)
+        monkeypatch.setattr(decode_module, "_decode_ring", step_spy)
         step = m(idx[:, 39:], cache)[:, -1]
-    assert calls == [2, 5, 9, 3, 7, 12, 30]
+    assert layer_calls == [tuple(p) for p in PERIODS]
+    assert step_calls == [2, 5, 9, 3, 7, 12, 30]
     torch.testing.assert_close(step, expected, rtol=0, atol=1e-5)
+
+
+def test_the_layer_does_not_group_heads_by_period():
+    """Heads are grouped by period in `piattn.ops.pi` alone (issue 38): the layer hands its periods on."""
+    source = inspect.getsource(windowed_module)
+    for grouping in ("by_period", "period_groups", "pi.heads import"):
+        assert grouping not in source, grouping
 
 
 def test_one_period_is_todays_model():

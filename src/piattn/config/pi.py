@@ -88,7 +88,7 @@ def head_periods(period) -> int | tuple[int, ...]:
 
 def check_pi_settings(*, window, period, variant, prior, logit_clamp, eps, sinks=0) -> None:
     """The range checks of `PiSettings` with one period, for callers that hold the values loose (the
-    operator itself, the decoding functions, which take one period)."""
+    operator itself and the decoding functions, which call this once per distinct period)."""
     if not is_int(window) or window < 0:
         raise ValueError(f"window must be an int >= 0, got {window!r}")
     if not is_int(period) or period < 1:

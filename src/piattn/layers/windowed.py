@@ -12,7 +12,6 @@ from torch.nn.modules import module as _module
 from ..config import PiSettings
 from ..decoding.cache import RingCache
 from ..ops.pi.decode import _decode_ring, _decode_rows, _decode_token, decode_ring
-from ..ops.pi.heads import by_period
 from .base import AttentionLayer
 from .sharding import active_shard, pi_operator
 
@@ -35,10 +34,11 @@ class WindowedAttention(AttentionLayer):
     `settings.sinks` fixed ones).
 
     `settings.period` may hold one period per query head (multi-scale π, n_heads of them): the forward
-    hands them to `pi_attention`, and the cached decoding paths (`attend_recent`, `attend_ring`) run their
-    one-period functions once per distinct period on that period's heads (`piattn.ops.pi.heads`), the
-    ring holding max(window, largest period) + 1 positions. Sequence-parallel, each period group runs its own
-    halo exchange (`piattn.parallel.sequence_parallel_pi_attention`).
+    hands them to `pi_attention`, and the cached decoding paths (`attend_recent`, `attend_ring`) to the
+    decoding functions (`_decode_rows`, `decode_ring`), which run once per distinct period on that period's
+    heads (`piattn.ops.pi.decode`), the ring holding max(window, largest period) + 1 positions.
+    Sequence-parallel, each period group runs its own halo exchange
+    (`piattn.parallel.sequence_parallel_pi_attention`).
 
     `settings` is what the operator runs with: whoever reads the layer's attention (`piattn.inspection`,
     through `piattn.ops.pi.weights.pi_attention_weights`) reads it here. `gate` is the gate MLP of the
@@ -178,45 +178,17 @@ class WindowedAttention(AttentionLayer):
 
     def attend_recent(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The last t rows of `attend` (causal, eval) from the t new rows' q, x and all N rows' k, v: one call
-        of the compiled step where it applies (`_decode_rows`), the gate's last layers included as in
-        `attend_ring`."""
+        of the compiled step where it applies (`_decode_rows`, which takes per-head periods itself), the gate's
+        last layers included as in `attend_ring`."""
         gate, gate_head = self.ring_gate(x)
-        if self.settings.periods is None:
-            return _decode_rows(q, k, v, gate, gate_head=gate_head, **self._decode_kwargs)
-
-        weight, bias = (None, None) if gate_head is None else gate_head
-        alpha = gate if gate_head is None else None
-
-        def run(period: int, q_g: torch.Tensor, alpha_g: torch.Tensor | None, weight_g: torch.Tensor | None,
-                bias_g: torch.Tensor | None, k_g: torch.Tensor, v_g: torch.Tensor) -> torch.Tensor:
-            head = None if gate_head is None else (weight_g, bias_g)
-            return _decode_rows(q_g, k_g, v_g, gate if head is not None else alpha_g, gate_head=head,
-                                **{**self._decode_kwargs, "period": period})
-
-        return by_period(self.settings.periods, k.shape[1], run, [(q, 1), (alpha, 1), (weight, 0), (bias, 0)],
-                         [(k, 1), (v, 1)])
+        return _decode_rows(q, k, v, gate, gate_head=gate_head, **self._decode_kwargs)
 
     def attend_ring(self, q: torch.Tensor, cache: RingCache, x: torch.Tensor) -> torch.Tensor:
-        """One new query's output [B, H, 1, D] read from the ring `cache` that already holds its key."""
+        """One new query's output [B, H, 1, D] read from the ring `cache` that already holds its key
+        (`decode_ring`, which takes per-head periods itself)."""
         gate, gate_head = self.ring_gate(x)
-        ring = dict(capacity=cache.capacity, position=cache.seen - 1)
-        if self.settings.periods is None:
-            return decode_ring(q, cache.kv, gate, gate_head=gate_head, **ring, **self._decode_kwargs)
-
-        # gate: α [B, H, 1] (heads on dim 1), or with gate_head the MLP's hidden layer, shared by all heads,
-        # whose last layer (weight [H, n_hidden], bias [H]) is cut to each period's heads instead.
-        weight, bias = (None, None) if gate_head is None else gate_head
-        alpha = gate if gate_head is None else None
-
-        def run(period: int, q_g: torch.Tensor, alpha_g: torch.Tensor | None, weight_g: torch.Tensor | None,
-                bias_g: torch.Tensor | None, kv_g: torch.Tensor) -> torch.Tensor:
-            head = None if gate_head is None else (weight_g, bias_g)
-            return decode_ring(q_g, kv_g, gate if head is not None else alpha_g, gate_head=head, **ring,
-                               **{**self._decode_kwargs, "period": period})
-
-        # The ring's heads are copied for the step unless the periods' order is the heads': O(capacity) a step.
-        return by_period(self.settings.periods, cache.kv.shape[2], run, [(q, 1), (alpha, 1), (weight, 0), (bias, 0)],
-                         [(cache.kv, 2)])
+        return decode_ring(q, cache.kv, gate, gate_head=gate_head, capacity=cache.capacity, position=cache.seen - 1,
+                           **self._decode_kwargs)
 
     def ring_gate(self, x: torch.Tensor) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
         """The gate arguments of `decode_ring` / `_decode_rows` for new tokens x [B, t, d]: (α̃ [B, H, t] or None,

@@ -18,6 +18,11 @@ from a ring cache (`decode_ring`) or a few read from a block of rows (`_decode_r
 one-query step in the same call). Both take the compiled step for a variant it declares where it applies
 (`native.applies`), else the torch ops; a variant the torch ops do not declare is refused with the reason,
 never run as another.
+
+Per-head periods (multi-scale π): `decode_ring` and `_decode_rows` also take `period` as a tuple of one period
+per query head, and run their one-period step once per distinct period on that period's heads
+(`_per_period`, through `heads.by_period`, as `pi_attention` does), the outputs in head order. `pi_decode`
+takes one period.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from ...checks import is_int
 from ...config.pi import GATED_VARIANTS, PI_DEFAULTS, check_pi_settings
 from . import native
 from .dtypes import accumulation_dtype
+from .heads import by_period
 from .pattern import Pattern, log_priors
 from .validate import _check_gate, check_qkv_tensors
 
@@ -137,7 +143,7 @@ def pi_decode(
 
 
 def _decode_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, *, window: int,
-                 period: int, variant: str, prior: float, logit_clamp: float | None, eps: float,
+                 period: int | tuple[int, ...], variant: str, prior: float, logit_clamp: float | None, eps: float,
                  scale: float, sinks: int = 0,
                  gate_head: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`pi_decode` without its argument checks, for callers whose inputs are right by construction (the
@@ -148,7 +154,15 @@ def _decode_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
 
     One call of the compiled step (`native._rows_step_unchecked`: the t queries each their own one-query step)
     where it applies (`_compiled_slot_rows`), else one gather for keys and values and `decode_gathered`.
+    With period a tuple of H per-head periods, that once per distinct period on its heads (`_per_period`).
     """
+    if isinstance(period, tuple):
+        def rows(p: int, q_g: torch.Tensor, gate_g: torch.Tensor | None, head_g, k_g: torch.Tensor,
+                 v_g: torch.Tensor) -> torch.Tensor:
+            return _decode_rows(q_g, k_g, v_g, gate_g, window=window, period=p, variant=variant, prior=prior,
+                                logit_clamp=logit_clamp, eps=eps, scale=scale, sinks=sinks, gate_head=head_g)
+
+        return _per_period(rows, period, q, gate, gate_head, [(k, 1), (v, 1)])
     t = q.shape[2]
     idx, valid, kind, n_local, n_skip = _slots(window, period, sinks, t, k.shape[2], q.device)
     y = _compiled_slot_rows(q, k, v, gate, gate_head, idx, valid, kind, variant, prior, logit_clamp, eps, scale)
@@ -161,6 +175,28 @@ def _decode_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
     vg = v.index_select(2, idx)
     return decode_gathered(q, kg, vg, valid, kind, n_local, n_skip, gate, variant=variant, prior=prior,
                            logit_clamp=logit_clamp, eps=eps, scale=scale, gate_is_sigmoid=gate_is_sigmoid)
+
+
+def _per_period(step, periods: tuple[int, ...], q: torch.Tensor, gate: torch.Tensor | None,
+                gate_head: tuple[torch.Tensor, torch.Tensor] | None,
+                per_kv: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+    """The decoding functions' one place that groups heads by period: step(period, q_g, gate_g, gate_head_g,
+    *per_kv_g) -> [B, H_g, …] once per distinct period on its query heads (`heads.by_period`), put back in
+    head order. q [B, H, …] and, without gate_head, the gate α [B, H, …] are cut along their heads; with
+    gate_head = (weight [H, n_hidden], bias [H]) the gate is the MLP's hidden layer, shared by every head,
+    and the gate head's rows are cut instead. per_kv: (tensor, dim) pairs holding the key/value heads along
+    dim (k and v, or a ring's storage)."""
+    weight, bias = (None, None) if gate_head is None else gate_head
+    alpha = gate if gate_head is None else None
+
+    def run(period: int, q_g: torch.Tensor, alpha_g: torch.Tensor | None, weight_g: torch.Tensor | None,
+            bias_g: torch.Tensor | None, *kv_g: torch.Tensor) -> torch.Tensor:
+        if gate_head is None:
+            return step(period, q_g, alpha_g, None, *kv_g)
+        return step(period, q_g, gate, (weight_g, bias_g), *kv_g)
+
+    x, dim = per_kv[0]
+    return by_period(periods, x.shape[dim], run, [(q, 1), (alpha, 1), (weight, 0), (bias, 0)], per_kv)
 
 
 def _compiled_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, *, window: int,
@@ -223,8 +259,8 @@ def _shape(x) -> str:
 
 
 def check_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | None, capacity: int, position: int,
-               window: int, period: int, variant: str, prior: float, logit_clamp: float | None, eps: float,
-               scale: float, sinks: int, gate_head: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+               window: int, period: int | tuple[int, ...], variant: str, prior: float, logit_clamp: float | None,
+               eps: float, scale: float, sinks: int, gate_head: tuple[torch.Tensor, torch.Tensor] | None) -> None:
     """The checks of `decode_ring`: a one-line ValueError naming the argument at the first inconsistency.
     Positional arguments: passing a dozen by keyword costs as much as half the checks.
 
@@ -232,8 +268,19 @@ def check_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | Non
     batch or another pattern would give wrong rows, or have its buffers read past their end), in plain
     comparisons of sizes: they run on every step of generation. The gate's values are not read (that
     would cost a device sync per step); a layer's gate is a sigmoid by construction.
+
+    period may be a tuple of one period per query head: each distinct one is checked, and the ring must
+    reach as far as the largest.
     """
-    _settings_checked(window, period, variant, prior, logit_clamp, eps, sinks)
+    periods = period if isinstance(period, tuple) else None
+    if periods is None:
+        _settings_checked(window, period, variant, prior, logit_clamp, eps, sinks)
+    else:
+        if len(periods) == 0:
+            raise ValueError("period must be an int >= 1 or one int >= 1 per query head, got ()")
+        for p in dict.fromkeys(periods):  # each distinct period once, in head order
+            _settings_checked(window, p, variant, prior, logit_clamp, eps, sinks)
+        period = max(periods)
     if not isinstance(scale, (int, float)) or not scale > 0:
         raise ValueError(f"scale must be a number > 0, got {scale!r}")
     if not is_int(position) or position < 0:
@@ -248,6 +295,8 @@ def check_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | Non
     if len(qs) != 4 or qs[2] != 1 or qs[1] < 1 or qs[3] < 1:
         raise ValueError(f"q must be a tensor [B, H, 1, D] with H, D >= 1, got {_shape(q)}")
     B, H, _, D = qs
+    if periods is not None and len(periods) != H:
+        raise ValueError(f"period has {len(periods)} entries; per-head periods need one per query head, H={H}")
     ks = kv_store.shape if isinstance(kv_store, torch.Tensor) else ()
     if len(ks) != 5 or ks[0] != 2 or ks[1] != B or ks[3] != sinks + capacity or ks[4] != D:
         raise ValueError(f"kv_store must be a ring cache's storage [2, B, H_kv, sinks + capacity, D] = "
@@ -281,8 +330,8 @@ def check_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | Non
 
 
 def decode_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | None, *, capacity: int, position: int,
-                window: int, period: int, variant: str, prior: float, logit_clamp: float | None, eps: float,
-                scale: float, sinks: int = 0,
+                window: int, period: int | tuple[int, ...], variant: str, prior: float, logit_clamp: float | None,
+                eps: float, scale: float, sinks: int = 0,
                 gate_head: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`_decode_rows` for one new query at `position`, read straight from a ring cache's storage.
 
@@ -291,7 +340,8 @@ def decode_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | No
     H); gate [B, H, 1] α or None. With gate_head = (weight [H, n_hidden], bias [H]), the last layer of the
     gate MLP (variant "adaptive" only), gate is instead the MLP's hidden pre-activation [B, 1, n_hidden]
     and α = ε + (1 − 2ε)·σ(weight·GELU(gate) + bias) is computed here (`gate_tail`). Inconsistent
-    arguments raise ValueError (`check_ring`).
+    arguments raise ValueError (`check_ring`). period may be a tuple of H per-head periods (capacity then
+    >= max(window, largest period) + 1): the step runs once per distinct period on its heads (`_per_period`).
 
     The step of generation: one call of the compiled C step (`native.ring_step`) where it applies (a variant
     of `native.PRIOR_MODES`, and see there), else one gather for keys and values and `decode_gathered`, with
@@ -299,6 +349,13 @@ def decode_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | No
     """
     check_ring(q, kv_store, gate, capacity, position, window, period, variant, prior, logit_clamp, eps, scale, sinks,
                gate_head)
+    if isinstance(period, tuple):
+        def step(p: int, q_g: torch.Tensor, gate_g: torch.Tensor | None, head_g, kv_g: torch.Tensor) -> torch.Tensor:
+            return _decode_ring(q_g, kv_g, gate_g, capacity, position, window, p, variant, prior, logit_clamp, eps,
+                                scale, sinks, head_g)
+
+        # The ring's heads are copied for the step unless the periods' order is the heads': O(capacity) a step.
+        return _per_period(step, period, q, gate, gate_head, [(kv_store, 2)])
     return _decode_ring(q, kv_store, gate, capacity, position, window, period, variant, prior, logit_clamp, eps,
                         scale, sinks, gate_head)
 
