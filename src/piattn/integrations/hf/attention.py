@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
+import weakref
 from dataclasses import dataclass
 from functools import cached_property
 from types import SimpleNamespace
@@ -66,18 +68,27 @@ class HFPiSettings:
     @classmethod
     def of(cls, config) -> HFPiSettings:
         """The settings in `config.pi_attention` (missing keys take their defaults), range-checked."""
+        # Read by every attention layer (and its PiCache's check) on every decoding step: the settings last
+        # resolved for this config object are returned at once while what resolved them is unchanged (`_remember`).
+        memo = _OF_MEMO.get(id(config))
+        if memo is not None and memo[0] is cls:
+            settings = memo[1](config)
+            if settings is not None:
+                return settings
         stored = getattr(config, "pi_attention", None)
         if stored is None:
             raise ValueError("config has no pi_attention settings: convert the model with convert_to_pi first")
-        # Read by every attention layer on every decoding step: resolved once per distinct content (the
-        # stored dict and the sizes that resolve it), a third of a small model's step otherwise.
+        # Resolved once per distinct content (the stored dict and the sizes that resolve it), a third of a small
+        # model's step otherwise.
         shape = (config.num_hidden_layers, config.num_attention_heads, getattr(config, "max_position_embeddings", None))
         try:
             key = (_frozen(dict(stored)), shape)
             hash(key)
         except TypeError:  # something unhashable stored: resolve it (and refuse it) every time
             return cls._of(dict(stored), config)
-        return _settings_of(cls, key)
+        settings = _settings_of(cls, key)
+        _remember(cls, config, stored, shape, settings)
+        return settings
 
     @classmethod
     def _of(cls, stored: dict, config) -> HFPiSettings:
@@ -125,6 +136,44 @@ def _frozen(x):
     return x
 
 
+# id(config) -> (the class asked, a check that returns the settings resolved for that config while they hold,
+# else None): `HFPiSettings.of`'s memo of the settings last resolved per config object, which a step reads without
+# freezing and hashing the stored dict again (8 µs, where reading one attribute of a transformers config is 1 µs).
+_OF_MEMO: dict[int, tuple] = {}
+
+
+def _remember(cls, config, stored, shape: tuple, settings: HFPiSettings) -> None:
+    """Remember `settings` as resolved from `stored` (config.pi_attention) and `shape` for `config`: valid while
+    the config object lives and holds that very dict, with the same content (a deep copy compared: a change in
+    place is seen), and the same sizes. Read from the config's own attributes (`__dict__`, past transformers'
+    per-attribute lookup); a config that keeps any of them elsewhere (an attribute_map alias) is not memoized."""
+    try:
+        attributes = object.__getattribute__(config, "__dict__")
+        ref = weakref.ref(config)
+    except (AttributeError, TypeError):
+        return
+    if attributes.get("pi_attention") is not stored or _sizes(attributes) != shape:
+        return
+    snapshot = copy.deepcopy(stored)
+
+    def valid(config) -> HFPiSettings | None:
+        if ref() is not config:
+            return None
+        d = object.__getattribute__(config, "__dict__")
+        held = d.get("pi_attention")
+        return settings if held is stored and held == snapshot and _sizes(d) == shape else None
+
+    if len(_OF_MEMO) >= 256:
+        _OF_MEMO.clear()
+    _OF_MEMO[id(config)] = (cls, valid)
+
+
+def _sizes(attributes: dict) -> tuple:
+    """The sizes that resolve the settings (as `HFPiSettings.of` reads them) from a config's `__dict__`."""
+    return (attributes.get("num_hidden_layers"), attributes.get("num_attention_heads"),
+            attributes.get("max_position_embeddings"))
+
+
 @functools.lru_cache(maxsize=64)
 def _settings_of(cls, key) -> HFPiSettings:
     stored, (n_layer, n_head, block_size) = key
@@ -164,7 +213,7 @@ def pi_attention_forward(
     B, H, Tq, D = query.shape
     gate = _gate_values(module, pi)
     cache_layer = getattr(module, "_pi_cache_layer", None)
-    module._pi_cache_layer = None  # don't keep the cache alive past its one use
+    _forget(module, "_pi_cache_layer")  # don't keep the cache alive past its one use
     if cache_layer is not None and cache_layer.stored_in_ring:
         # A one-token step that the PiCache layer stored in place: key/value are its ring in slot order, not
         # its positions oldest first (`PiCacheLayer`). The decoding step reads the ring by slot, copying
@@ -293,12 +342,12 @@ def _ring_rows(backend: str, pi: PiSettings, period: int, query: torch.Tensor, g
     compiled = _compiled_prior(pi.variant, gate, None, pi.prior, pi.eps)
     if compiled is not None:
         mode, extra = compiled
-        tensors = [x for x in extra.values() if isinstance(x, torch.Tensor)]
-        if native.applies(query, kv, *tensors, n_slots=kind.shape[0]):
-            y = native._rows_step_unchecked(query, kv, slot, valid, kind, prior_mode=mode, logit_clamp=pi.logit_clamp,
-                                            eps=pi.eps, scale=scale, **extra)
-            if y is not None:
-                return y
+        # None where the compiled step does not apply (`native.applies`, which it asks itself: asking first too
+        # would decide twice per step).
+        y = native._rows_step_unchecked(query, kv, slot, valid, kind, prior_mode=mode, logit_clamp=pi.logit_clamp,
+                                        eps=pi.eps, scale=scale, **extra)
+        if y is not None:
+            return y
     if backend != "auto":
         return None
     # Rows of a [2·B·Hkv, N, D] view gathered along N, as `decode._decode_ring` gathers a ring's.
@@ -390,5 +439,16 @@ def _gate_values(module: nn.Module, settings: PiSettings) -> torch.Tensor | None
     if x is None:
         raise ValueError("this attention module recorded no gate input; convert the model with convert_to_pi "
                          "(it adds the pre-hook that records it)")
-    module._pi_gate_input = None  # don't keep the activation alive past its one use
+    _forget(module, "_pi_gate_input")  # don't keep the activation alive past its one use
     return gate_values(module.pi_gate, x, settings.eps)
+
+
+def _forget(module: nn.Module, name: str) -> None:
+    """module.name = None for an attribute the pre-hook sets (a plain attribute: no parameter, buffer or
+    submodule of that name), without `nn.Module.__setattr__`'s lookups (2 µs, twice per layer and step)."""
+    attributes = getattr(module, "__dict__", None)
+    if (attributes is None or name in attributes.get("_parameters", ()) or name in attributes.get("_buffers", ())
+            or name in attributes.get("_modules", ())):
+        setattr(module, name, None)
+    else:
+        attributes[name] = None

@@ -213,7 +213,7 @@ class PiCache(Cache):
         super().__init__(layers=[PiCacheLayer(capacity, sinks) for capacity in capacities])
         # What it was made for: (layers, ring capacity per layer, sinks).
         self.made_for = (config.num_hidden_layers, capacities, sinks)
-        self._accepted = None  # (settings, layers) that `check` last accepted
+        self._accepted = None  # the settings that `check` last accepted
 
     def check(self, config) -> None:
         """Refuse (ValueError) a model this cache was not made for: another depth, a pattern reaching farther
@@ -221,10 +221,11 @@ class PiCache(Cache):
         index past the sink copies).
 
         Every layer asks on every step: settings it accepted last (`HFPiSettings.of` returns the same object
-        while the config's settings stay the same) are accepted at once, instead of working out every layer's
-        ring again (a millisecond per step of a 30-layer model)."""
-        accepted = (HFPiSettings.of(config), config.num_hidden_layers)
-        if accepted == self._accepted:
+        while the config's settings and sizes stay the same: the object is resolved for one number of layers)
+        are accepted at once, instead of working out every layer's ring again (a millisecond per step of a
+        30-layer model)."""
+        settings = HFPiSettings.of(config)
+        if settings is self._accepted:
             return
         capacities, sinks = _needs(config)
         layers, made, made_sinks = self.made_for
@@ -233,7 +234,7 @@ class PiCache(Cache):
             raise ValueError(f"cache was made for {layers} layers, rings of {_sizes(made)} positions and {made_sinks} "
                              f"sinks, but this model has {config.num_hidden_layers} layers and needs "
                              f"{_sizes(capacities)} positions and {sinks} sinks: make it with PiCache(model.config)")
-        self._accepted = accepted
+        self._accepted = settings
 
     @property
     def nbytes(self) -> int:
