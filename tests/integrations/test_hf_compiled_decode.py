@@ -18,6 +18,7 @@ import torch
 pytest.importorskip("transformers")
 
 from test_hf import randomize_gates, tiny_llama, tokens  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
 
 import piattn.integrations.hf.attention as hf_attention  # noqa: E402
 import piattn.ops.pi.native as native  # noqa: E402
@@ -200,3 +201,71 @@ def test_without_the_compiled_step_picache_and_model_decoding_still_run(tmp_path
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "disabled by PIATTN_NATIVE=0"
     assert "Warning" not in done.stderr.replace("FutureWarning", "")
+
+
+@pytest.fixture
+def step_priors(monkeypatch) -> list:
+    """(prior_mode, whether gate_weight was given, the gate's shape) of each call of the compiled step for a few
+    rows, which then runs as it would."""
+    seen = []
+    real = native._rows_step_unchecked
+
+    def spy(*args, prior_mode, gate=None, gate_weight=None, **kwargs):
+        seen.append((prior_mode, gate_weight is not None, None if gate is None else tuple(gate.shape)))
+        return real(*args, prior_mode=prior_mode, gate=gate, gate_weight=gate_weight, **kwargs)
+
+    monkeypatch.setattr(native, "_rows_step_unchecked", spy)
+    return seen
+
+
+def _dynamic_steps(model, ids: torch.Tensor) -> torch.Tensor:
+    """`_steps` of one token with a DynamicCache (the operator's path, α computed whole in torch ops)."""
+    cache = DynamicCache()
+    out = []
+    with torch.no_grad():
+        model(ids[:, :PROMPT], past_key_values=cache)
+        for t in range(PROMPT, ids.shape[1]):
+            out.append(model(ids[:, t:t + 1], past_key_values=cache).logits)
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", ["adaptive", "sinks", "per-head periods"])
+def test_adaptive_one_token_steps_hand_the_gate_hidden_layer_to_the_compiled_step(case, dtype, step_priors):
+    """A one-token PiCache step of an adaptive model hands the compiled step the gate MLP's hidden
+    pre-activation and its last layer (PRIOR_HIDDEN: GELU, linear, σ and clip in C), not α̃ computed in torch
+    ops; the logits equal the full forward's and DynamicCache's."""
+    model = _model(dtype, **CASES[case])
+    ids = tokens(2, TOTAL)
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits[:, PROMPT:]
+    dynamic = _dynamic_steps(model, ids)
+    step_priors.clear()
+    steps = _steps(model, ids, 1)
+    n_hidden = model.model.layers[0].self_attn.pi_gate[0].out_features
+    assert len(step_priors) == (TOTAL - PROMPT) * _groups(model)
+    assert set(step_priors) == {(native.PRIOR_HIDDEN, True, (2, 1, n_hidden))}
+    torch.testing.assert_close(steps, full, **TOL[dtype])
+    torch.testing.assert_close(steps, dynamic, **TOL[dtype])
+
+
+def test_a_hooked_gate_is_computed_whole_and_its_hooks_run(step_priors):
+    """A gate with a forward hook is called as a module on every step (its hook sees every token), and the
+    compiled step gets its α̃ (PRIOR_ALPHA); the logits are unchanged."""
+    model = _model(torch.float64, window=3, period=8, sinks=1)
+    ids = tokens(2, TOTAL)
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits[:, PROMPT:]
+    seen = []
+    gate = model.model.layers[1].self_attn.pi_gate
+    handle = gate.register_forward_hook(lambda module, args, out: seen.append(out.shape[1]))
+    try:
+        step_priors.clear()
+        steps = _steps(model, ids, 1)
+    finally:
+        handle.remove()
+    assert seen == [PROMPT] + [1] * (TOTAL - PROMPT)
+    layers = model.config.num_hidden_layers
+    assert [mode for mode, _, _ in step_priors].count(native.PRIOR_ALPHA) == TOTAL - PROMPT  # the hooked layer
+    assert [mode for mode, _, _ in step_priors].count(native.PRIOR_HIDDEN) == (TOTAL - PROMPT) * (layers - 1)
+    torch.testing.assert_close(steps, full, **TOL[torch.float64])

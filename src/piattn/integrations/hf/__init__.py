@@ -13,7 +13,9 @@ How it plugs in:
 - The gate reads the attention module's input x, but an HF attention function receives only q, k and v. A
   forward pre-hook on each attention module stores x on the module; the attention function takes it from
   there and computes α̃ = ε + (1 − 2ε)·σ(pi_gate(x)) itself, inside the autograd graph, as `PiAttention` does
-  (both with `piattn.layers.gate`).
+  (both with `piattn.layers.gate`); a one-token step through the compiled decoding step hands it the gate's
+  first linear layer's output and its last layer instead, and the C step finishes the gate (GELU, linear,
+  sigmoid, clip), as the GPT decoding layers do.
 - The operator settings (`piattn.config.PiSettings` and the backend, `HFPiSettings`) live in
   `config.pi_attention` (a dict), so they travel with save_pretrained; they are range-checked when a model
   is converted or loaded, and a refused conversion leaves the model as it was.

@@ -12,15 +12,16 @@ from types import SimpleNamespace
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 
 from ... import models as _models  # noqa: F401  (lends the period schedules to `resolve_periods`)
 from ...config.model import layer_period, resolve_periods
 from ...config.pi import PI_DEFAULTS, PiSettings
 from ...layers.base import AttentionLayer
-from ...layers.gate import gate_values
+from ...layers.gate import clip_gate, gate_hooked, gate_values
 from ...ops.pi import BACKENDS, native, pi_attention
-from ...ops.pi.decode import _compiled_prior, _compiled_rows, _decode_rows, decode_gathered, ring_slots
+from ...ops.pi.decode import _compiled_prior, _compiled_rows, _decode_rows, decode_gathered, gate_tail, ring_slots
 from ...ops.pi.heads import by_period
 from .padding import EMPTY, TEXT, document_ids, text_bounds
 
@@ -211,7 +212,8 @@ def pi_attention_forward(
     layer = getattr(module, "layer_idx", None)
     pi = settings.layer(layer)
     B, H, Tq, D = query.shape
-    gate = _gate_values(module, pi)
+    gate_input = _gate_input(module, pi)
+    gate = None
     cache_layer = getattr(module, "_pi_cache_layer", None)
     _forget(module, "_pi_cache_layer")  # don't keep the cache alive past its one use
     if cache_layer is not None and cache_layer.stored_in_ring:
@@ -221,10 +223,20 @@ def pi_attention_forward(
         # first, as from any cache (one copy of the ring).
         if (attention_mask is None and not dropout and Tq == 1 and settings.backend in DECODE_BACKENDS
                 and not torch.compiler.is_compiling()):
-            y = _ring_step(settings.backend, pi, query, gate, D**-0.5 if scaling is None else scaling, cache_layer)
+            # "adaptive": the gate's hidden pre-activation and last layer, which the compiled step finishes
+            # (GELU, linear, σ, clip) in the same call, as the decoding layers' `ring_gate` hands it.
+            hidden, head = _ring_gate(module, gate_input, pi)
+            if head is None:
+                gate = _gate_values(module, pi, gate_input)
+            y = _ring_step(settings.backend, pi, query, gate if head is None else hidden,
+                           D**-0.5 if scaling is None else scaling, cache_layer, head)
             if y is not None:
                 return y.transpose(1, 2), None
+            if head is not None:
+                gate = _gate_from_hidden(hidden, head, pi.eps)
         key, value = cache_layer.ordered()
+    if gate is None:
+        gate = _gate_values(module, pi, gate_input)
     bounds = None if attention_mask is None else text_bounds(attention_mask)
     p0 = _first_query_position(attention_mask, cache_layer, kwargs.get("position_ids"), key.shape[2], Tq)
     past = key.shape[2] - Tq
@@ -303,23 +315,29 @@ def _decode_step(backend: str, pi: PiSettings, query: torch.Tensor, key: torch.T
 
 
 def _ring_step(backend: str, pi: PiSettings, query: torch.Tensor, gate: torch.Tensor | None, scale: float,
-               layer) -> torch.Tensor | None:
+               layer, gate_head: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
     """The rows [B, H, 1, D] of the one new query of a PiCache `layer` that has just stored its key in place,
     read from the layer's storage `kv` [2, B, Hkv, sinks + size, D] (laid out as a `RingCache`'s: the sinks in
     slots 0 … sinks − 1, position p in slot sinks + p mod capacity) through the slots `ring_slots` gives, as
     the decoding layers read their ring: no copy of the ring. Called only without padding (the sink slots
     then hold positions 0 … sinks − 1 of every row, as `ring_slots` reads them). None where `backend` is
-    "fused" and the compiled step does not take the call (the caller then runs the operator)."""
+    "fused" and the compiled step does not take the call (the caller then runs the operator).
+
+    gate is α̃ [B, H, 1], or with gate_head = (weight [H, n_hidden], bias [H]) ("adaptive" only) the gate MLP's
+    hidden pre-activation [B, 1, n_hidden], which the compiled step finishes (`native.PRIOR_HIDDEN`); where it
+    does not take that call, α̃ is computed from it once (`_gate_from_hidden`) and the step runs on α̃."""
     position = layer.cumulative_length - 1
-    if pi.periods is None:
-        return _ring_rows(backend, pi, pi.period, query, gate, scale, layer.kv, layer.capacity, position)
+    periods = ((pi.period, None),) if pi.periods is None else _period_heads(pi.periods, query.device)
     # Per-head periods: one step per distinct period over all the heads, each head's row taken from the step of
     # its own period (each row is computed on its own, so it is the row of that head alone). Splitting the heads
     # by period, as `_decode_step` does, would hand each group its key/value heads as a block of their own: a
     # copy of the ring per step.
     y = None
-    for period, heads in _period_heads(pi.periods, query.device):
-        y_p = _ring_rows(backend, pi, period, query, gate, scale, layer.kv, layer.capacity, position)
+    for period, heads in periods:
+        y_p = _ring_rows(backend, pi, period, query, gate, scale, layer.kv, layer.capacity, position, gate_head)
+        if y_p is None and gate_head is not None:
+            gate, gate_head = _gate_from_hidden(gate, gate_head, pi.eps), None
+            y_p = _ring_rows(backend, pi, period, query, gate, scale, layer.kv, layer.capacity, position)
         if y_p is None:
             return None
         y = y_p if y is None else torch.where(heads, y_p, y)
@@ -334,12 +352,14 @@ def _period_heads(periods: tuple[int, ...], device: torch.device) -> tuple[tuple
 
 
 def _ring_rows(backend: str, pi: PiSettings, period: int, query: torch.Tensor, gate: torch.Tensor | None,
-               scale: float, kv: torch.Tensor, capacity: int, position: int) -> torch.Tensor | None:
+               scale: float, kv: torch.Tensor, capacity: int, position: int,
+               gate_head: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
     """`_decode_step`'s rows [B, H, 1, D] for one period, from the ring storage kv [2, B, Hkv, N, D]: the compiled
     step (`native._rows_step_unchecked`, over the storage as it lies) where it applies; else, under "auto", one
-    gather of the slots' keys and values and the torch ops (`decode_gathered`), and None under "fused"."""
+    gather of the slots' keys and values and the torch ops (`decode_gathered`), and None under "fused". With
+    gate_head (gate the gate's hidden pre-activation, `_ring_step`): the compiled step only, else None."""
     slot, valid, kind, n_local, n_skip = ring_slots(pi.window, period, pi.sinks, capacity, position, query.device)
-    compiled = _compiled_prior(pi.variant, gate, None, pi.prior, pi.eps)
+    compiled = _compiled_prior(pi.variant, gate, gate_head, pi.prior, pi.eps)
     if compiled is not None:
         mode, extra = compiled
         # None where the compiled step does not apply (`native.applies`, which it asks itself: asking first too
@@ -348,7 +368,7 @@ def _ring_rows(backend: str, pi: PiSettings, period: int, query: torch.Tensor, g
                                         eps=pi.eps, scale=scale, **extra)
         if y is not None:
             return y
-    if backend != "auto":
+    if backend != "auto" or gate_head is not None:
         return None
     # Rows of a [2·B·Hkv, N, D] view gathered along N, as `decode._decode_ring` gathers a ring's.
     two, B, Hkv, N, D = kv.shape
@@ -431,8 +451,9 @@ def _old_sinks(sinks: int, bounds, recent_start: int, key, value, cache_layer):
     return source_k.gather(2, g), source_v.gather(2, g), ok
 
 
-def _gate_values(module: nn.Module, settings: PiSettings) -> torch.Tensor | None:
-    """α̃ [B, H, Tq] from the input the pre-hook stored on `module`, or None for ungated variants."""
+def _gate_input(module: nn.Module, settings: PiSettings) -> torch.Tensor | None:
+    """The gate's input x [B, Tq, d] the pre-hook stored on `module` (forgotten there), or None for ungated
+    variants."""
     if not settings.gated:
         return None
     x = getattr(module, "_pi_gate_input", None)
@@ -440,7 +461,32 @@ def _gate_values(module: nn.Module, settings: PiSettings) -> torch.Tensor | None
         raise ValueError("this attention module recorded no gate input; convert the model with convert_to_pi "
                          "(it adds the pre-hook that records it)")
     _forget(module, "_pi_gate_input")  # don't keep the activation alive past its one use
-    return gate_values(module.pi_gate, x, settings.eps)
+    return x
+
+
+def _gate_values(module: nn.Module, settings: PiSettings, x: torch.Tensor | None) -> torch.Tensor | None:
+    """α̃ [B, H, Tq] from the gate input x (`_gate_input`), or None for ungated variants."""
+    return None if x is None else gate_values(module.pi_gate, x, settings.eps)
+
+
+def _ring_gate(module: nn.Module, x: torch.Tensor | None,
+               settings: PiSettings) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """For "adaptive" (which the compiled step can finish from the gate's hidden layer): (the gate MLP's hidden
+    pre-activation [B, Tq, n_hidden], (its last layer's weight [H, n_hidden], bias [H])), as `PiAttention.ring_gate`
+    gives them; (None, None) otherwise, and for a gate with hooks registered on it (computed whole, as a module,
+    by `gate_values`)."""
+    if x is None or settings.variant != "adaptive" or native.PRIOR_MODES.get("adaptive") is None:
+        return None, None
+    gate = module.pi_gate
+    if gate_hooked(gate):
+        return None, None
+    first, _, last, _ = gate._modules.values()
+    return F.linear(x, first.weight, first.bias), (last.weight, last.bias)
+
+
+def _gate_from_hidden(hidden: torch.Tensor, head: tuple[torch.Tensor, torch.Tensor], eps: float) -> torch.Tensor:
+    """α̃ [B, H, Tq] from `_ring_gate`'s (hidden, head): what `gate_values` gives from the gate's input."""
+    return clip_gate(gate_tail(hidden, *head), eps)
 
 
 def _forget(module: nn.Module, name: str) -> None:
