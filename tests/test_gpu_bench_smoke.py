@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -21,6 +23,7 @@ def _run(*args: str, timeout: int) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+@pytest.mark.slow  # a script run by hand on a GPU; `make gpu`'s own run is test_gpu_run_smoke.py
 def test_gpu_bench_smoke(tmp_path):
     proc = _run("benchmarks/gpu_bench.py", "--smoke", "--out", str(tmp_path), timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # a script run by hand on a GPU; `make gpu`'s own run is test_gpu_run_smoke.py
 def test_gpu_overhead_smoke(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "benchmarks/gpu_overhead.py", "--smoke", "--out", str(tmp_path)],
