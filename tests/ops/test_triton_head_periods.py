@@ -70,8 +70,9 @@ def cases(names: str, values, core) -> tuple:
 
 
 @pytest.mark.parametrize(*cases("variant,causal,features", (VARIANTS, (True, False), ("plain", "sinks+documents")),
-                                lambda variant, causal, features: causal and features == "plain"
-                                or variant == "adaptive" or (variant == "separate" and not causal)))
+                                lambda variant, causal, features: (variant, causal, features) in (
+                                    ("adaptive", True, "plain"), ("separate", False, "sinks+documents"),
+                                    ("union", True, "sinks+documents"), ("fixed", False, "plain"))))
 def test_matches_reference(variant, causal, features, nan_poison):
     """fp32, grouped heads whose periods differ inside each group; two batch rows, or one with two sinks and
     three documents."""
@@ -93,7 +94,8 @@ EDGES = {
 
 
 @pytest.mark.parametrize(*cases("edge,causal", (EDGES, (True, False)),
-                                lambda edge, causal: causal or edge in ("beyond-T", "window0")))
+                                lambda edge, causal: (edge, causal) in (("in-window", True), ("beyond-T", False),
+                                                                        ("window0", True), ("T1", False))))
 def test_edge_periods(edge, causal, nan_poison):
     """Periods in the window, at and beyond T, window 0, T shorter than the periods, with a sink; two batch
     rows."""
@@ -103,7 +105,7 @@ def test_edge_periods(edge, causal, nan_poison):
 
 
 @pytest.mark.parametrize(*cases("variant,causal", (VARIANTS, (True, False)),
-                                lambda variant, causal: (variant, causal) in (("adaptive", True), ("separate", False))))
+                                lambda variant, causal: (variant, causal) == ("separate", False)))
 def test_dropout_same_mask(variant, causal, nan_poison):
     """Equal seeds draw equal masks (`pi_attention` draws one per period group and hands the heads' masks
     over in one [B, H, T, S] tensor, head h's in its first slots): the triton call equals the reference,
@@ -119,8 +121,8 @@ def test_dropout_same_mask(variant, causal, nan_poison):
 
 @pytest.mark.parametrize(*cases("variant,causal,dtype", (("adaptive", "separate"), (True, False),
                                                          (torch.bfloat16, torch.float16)),
-                                lambda variant, causal, dtype: (variant == "adaptive") == causal == (
-                                    dtype == torch.bfloat16)))
+                                lambda variant, causal, dtype: (variant, causal, dtype) == (
+                                    "adaptive", True, torch.bfloat16)))
 def test_low_precision(variant, causal, dtype, nan_poison):
     """bf16 and fp16, D = 32, scores ≈ 4·N(0, 1) (some beyond the clamp of 5): the reference-error rule
     against the fp64 result of the same rounded inputs; results in the input dtype."""

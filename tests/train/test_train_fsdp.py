@@ -131,6 +131,7 @@ train_config(TrainConfig.from_args(parser.parse_args(sys.argv[2:])), on_micro_st
 """
 
 
+@pytest.mark.slow  # the crash test of one process, under FSDP: seconds of process groups
 def test_a_crash_under_fsdp_saves_nothing_and_names_the_latest_checkpoint(corpus, tmp_path):
     """Saving gathers from every rank, which could hang after a failure: the last periodic checkpoint
     (step 2) stays the latest, step 3 is not written."""

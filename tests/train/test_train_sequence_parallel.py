@@ -58,6 +58,7 @@ def test_a_sequence_parallel_checkpoint_resumes_on_one_process(sequence_parallel
     assert_same_training(run, reference)
 
 
+@pytest.mark.slow  # the refusal of test_train_sequence_parallel's layouts, after seconds of process groups
 def test_resume_refuses_another_data_parallel_size(two_by_two_run, corpus, tmp_path):
     """Written by 2 replicas × 2 ranks per sequence, a step took 2 × 1 sequences; one process with
     --batch-size 1 would take 1: the batches would differ, so the resume is refused (with the fix)."""

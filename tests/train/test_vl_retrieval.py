@@ -250,6 +250,7 @@ def test_importing_piattn_needs_no_pillow():
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
+@pytest.mark.slow  # two processes, as test_ddp.py for the language model
 def test_two_processes_train_and_validate(tmp_path):
     """torchrun, 2 CPU ranks: each trains on its half of the images; validation ranks the whole split."""
     out = tmp_path / "ddp"
