@@ -31,8 +31,9 @@ demo: $(DEMO_STAMP)
 	$(VENV)/bin/piattn demo
 
 # -n auto: one pytest worker per core (pytest-xdist); the suite's tests are independent of their order.
+# --dist loadgroup: a file marked xdist_group runs on one worker, so its costly module fixture runs once.
 test: $(TEST_STAMP)
-	$(PY) -m pytest -q -m "not slow" -n auto
+	$(PY) -m pytest -q -m "not slow" -n auto --dist loadgroup
 
 test-slow: $(TEST_STAMP)
 	$(PY) -m pytest -q -m "slow"
