@@ -54,8 +54,15 @@ def gate_sigmoid(gate: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
     if gate_hooked(gate):
         s = gate(x)
         return s.to(accumulation_dtype(s.dtype))
+    hidden, head = gate_hidden(gate, x)
+    return gate_tail(hidden, *head)
+
+
+def gate_hidden(gate: nn.Sequential, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """x [B, T, d] -> (the MLP's hidden pre-activation [B, T, n_hidden], (its last layer's weight [H, n_hidden],
+    bias [H])): the gate split where the decoding steps take it over (`gate_tail`: GELU, linear, σ)."""
     first, _, last, _ = gate._modules.values()
-    return gate_tail(F.linear(x, first.weight, first.bias), last.weight, last.bias)
+    return F.linear(x, first.weight, first.bias), (last.weight, last.bias)
 
 
 def clip_gate(s: torch.Tensor, eps: float) -> torch.Tensor:

@@ -12,7 +12,7 @@ from torch.nn import functional as F
 from ..analysis.copy_distance import Reach, reach
 from ..analysis.multiscale import periods_per_layer
 from ..config import PI_DEFAULTS, ModelConfig, PiSettings
-from .gate import gate_hooked, gate_mlp, gate_values
+from .gate import gate_hidden, gate_hooked, gate_mlp, gate_values
 from .windowed import WindowedAttention, global_hooks
 
 # The largest folded weight `folded_projection` makes (elements): the fold saves one op of a few microseconds,
@@ -91,8 +91,7 @@ class PiAttention(WindowedAttention):
         bias): the step finishes the gate itself (GELU, linear, σ, clip: in the compiled step, one call for
         all of it); a gate someone observes or hooks is computed whole here instead."""
         if self.settings.variant == "adaptive" and self._gate_observer is None and not gate_hooked(self.gate):
-            first, _, last, _ = self.gate._modules.values()
-            return F.linear(x, first.weight, first.bias), (last.weight, last.bias)
+            return gate_hidden(self.gate, x)
         return super().ring_gate(x)
 
     def folded_projection(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:

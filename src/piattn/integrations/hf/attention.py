@@ -12,14 +12,13 @@ from types import SimpleNamespace
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from transformers import AttentionInterface, AttentionMaskInterface
 
 from ... import models as _models  # noqa: F401  (lends the period schedules to `resolve_periods`)
 from ...config.model import layer_period, resolve_periods
 from ...config.pi import PI_DEFAULTS, PiSettings
 from ...layers.base import AttentionLayer
-from ...layers.gate import clip_gate, gate_hooked, gate_values
+from ...layers.gate import clip_gate, gate_hidden, gate_hooked, gate_values
 from ...ops.pi import BACKENDS, native, pi_attention
 from ...ops.pi.decode import _compiled_prior, _compiled_rows, _decode_rows, decode_gathered, gate_tail, ring_slots
 from ...ops.pi.heads import by_period
@@ -477,11 +476,9 @@ def _ring_gate(module: nn.Module, x: torch.Tensor | None,
     by `gate_values`)."""
     if x is None or settings.variant != "adaptive" or native.PRIOR_MODES.get("adaptive") is None:
         return None, None
-    gate = module.pi_gate
-    if gate_hooked(gate):
+    if gate_hooked(module.pi_gate):
         return None, None
-    first, _, last, _ = gate._modules.values()
-    return F.linear(x, first.weight, first.bias), (last.weight, last.bias)
+    return gate_hidden(module.pi_gate, x)
 
 
 def _gate_from_hidden(hidden: torch.Tensor, head: tuple[torch.Tensor, torch.Tensor], eps: float) -> torch.Tensor:
