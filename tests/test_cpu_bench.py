@@ -3,19 +3,17 @@ markdown (no timing is asserted)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
+
+from utils import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "cpu_bench.py"
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("cpu_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "cpu_bench")
 
 
 def test_floor_bytes_count_each_tensor_once():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import torch
 
 from piattn.benchmarking import machine_info
 from piattn.models import GPTConfig
+from utils import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "efficiency_bench.py"
 
@@ -26,10 +26,7 @@ def one_thread():
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("efficiency_bench", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "efficiency_bench")
 
 
 def test_plan_labels_and_skips_dense_dropout_beyond_the_limit():

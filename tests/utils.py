@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import random
 from pathlib import Path
@@ -244,3 +245,11 @@ def poisoned_input(t: torch.Tensor, p: int, value: str) -> torch.Tensor:
         row[1::2] = -float("inf")
         t[0, 0, p] = float("nan") if value == "nan" else row
     return t.requires_grad_()
+
+
+def load_script(path: Path, name: str):
+    """The module of a script (benchmarks/, experiments/) that is not a package, loaded from its file as `name`."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -4,7 +4,6 @@ model's max_position_embeddings, and the table and JSON written."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -13,37 +12,19 @@ import torch
 
 pytest.importorskip("transformers")
 
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from byte_llama import ByteTokenizer, tiny_llama  # noqa: E402
 
 from piattn.data.text import BOOK_SPLITS  # noqa: E402
+from utils import load_script  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "passkey_decode.py"
-LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 16
+LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 8  # byte_llama.tiny_llama
 PATTERN = ["--window", "8", "--period", "16", "--context", "64", "--sinks", "2"]  # passkey.py's options
 
 
 @pytest.fixture(scope="module")
 def experiment():
-    spec = importlib.util.spec_from_file_location("passkey_decode_experiment", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def tiny_llama(max_positions: int = 512) -> LlamaForCausalLM:
-    """2 layers, width 64, 4 query heads on 2 key/value heads of 16, 100 ids; seeded, fp32, eval mode."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
-                      num_key_value_heads=KV_HEADS, vocab_size=100, max_position_embeddings=max_positions,
-                      bos_token_id=None, eos_token_id=None, pad_token_id=None, attn_implementation="sdpa")
-    return LlamaForCausalLM(cfg).eval()
-
-
-class ByteTokenizer:
-    """Bytes as ids below 97 (the interface `filler_stream` uses)."""
-
-    def __call__(self, text: str, add_special_tokens: bool = True) -> dict:
-        return {"input_ids": [b % 97 for b in text.encode()]}
+    return load_script(SCRIPT, "passkey_decode_experiment")
 
 
 def kv_bytes(positions: int, layers: int = LAYERS) -> int:
@@ -52,7 +33,7 @@ def kv_bytes(positions: int, layers: int = LAYERS) -> int:
 
 
 def test_every_arm_and_position_is_measured_with_its_own_cache(experiment, one_thread):
-    models = experiment.build_arms(tiny_llama(), experiment.passkey.parse_args(PATTERN))
+    models = experiment.build_arms(tiny_llama(max_positions=512), experiment.passkey.parse_args(PATTERN))
     assert list(models) == ["dense", "local", "pi", "multiscale"]
     assert models["pi"].config.pi_attention["period"] == 16
     ids = torch.randint(0, 100, (300,), generator=torch.Generator().manual_seed(0))

@@ -3,7 +3,6 @@ records, exact resumption of an interrupted training run, and the summary."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -15,16 +14,14 @@ pytest.importorskip("transformers")
 from byte_llama import ByteTokenizer, tiny_llama  # noqa: E402
 
 from piattn.data.text import BOOK_SPLITS  # noqa: E402
+from utils import load_script  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "passkey.py"
 
 
 @pytest.fixture(scope="module")
 def experiment():
-    spec = importlib.util.spec_from_file_location("passkey_experiment", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "passkey_experiment")
 
 
 @pytest.fixture
