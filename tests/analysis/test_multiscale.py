@@ -22,6 +22,7 @@ from piattn.analysis.multiscale import (
     design_periods,
     gap_free_reach,
     geometric_periods,
+    lag_routes,
     layer_hops,
     min_depth_multi,
     periods_per_layer,
@@ -257,6 +258,52 @@ def test_no_layer_covers_nothing():
     assert design.periods == () and design.reach == 0 and design.uncovered == (1, 2, 3)
 
 
+# --- routes -------------------------------------------------------------------------------------------
+
+def brute_routes(window, periods, max_lag):
+    """[d]: hop sequences summing to d, one hop per layer from 0 … k or a head's period > k (by enumeration)."""
+    counts = [0] * (max_lag + 1)
+    for hops in itertools.product(*([*range(window + 1), *(p for p in heads if p > window)] for heads in periods)):
+        if sum(hops) <= max_lag:
+            counts[sum(hops)] += 1
+    return counts
+
+
+@settings(max_examples=60, deadline=None)
+@given(window=st.integers(0, 5), periods=st.integers(1, 3).flatmap(lambda h: st.lists(
+    st.lists(st.integers(1, 30), min_size=h, max_size=h), min_size=0, max_size=3)), max_lag=st.integers(0, 90))
+def test_lag_routes_count_every_hop_sequence(window, periods, max_lag):
+    routes = lag_routes(window, periods, max_lag)
+    assert routes.dtype == torch.int64 and routes.tolist() == brute_routes(window, periods, max_lag)
+    assert (routes > 0).tolist() == reachable_lags(window, periods, max_lag).tolist()
+
+
+def test_lag_routes_saturate_at_the_cap():
+    assert lag_routes(4, [[16, 16, 16, 16]] * 6, 60, cap=7).max().item() == 7
+    assert lag_routes(4, [[16, 16, 16, 16]] * 6, 60)[60].item() == brute_routes(4, [[16] * 4] * 6, 60)[60] > 7
+
+
+@pytest.mark.parametrize("window,n_layer,n_head,target,routes", [
+    (4, 4, 4, 63, 2), (4, 3, 4, 63, 2), (4, 4, 4, 255, 4), (2, 3, 2, 40, 2), (4, 3, 4, 95, 2)])
+def test_designer_gives_every_lag_the_routes_asked_or_says_how_many(window, n_layer, n_head, target, routes):
+    tight = design_periods(window, n_layer, n_head, target)
+    design = design_periods(window, n_layer, n_head, target, routes=routes)
+    fewest = min(brute_routes(window, design.periods, target)[1:])
+    assert design.covers and design.routes == fewest
+    assert tight.routes == min(brute_routes(window, tight.periods, target)[1:])
+    if fewest < routes:  # none of the ratios scanned has them: the most found, at least the tight design's
+        assert design.routes >= tight.routes
+    assert design.routes >= min(routes, tight.routes)
+
+
+def test_the_tight_design_of_the_recall_setting_leaves_one_route_and_two_routes_fix_it():
+    # 64 tokens, 4 layers of 4 heads, k = 4 (docs/results.md §7c): lags 60 … 63 have one route each
+    tight = design_periods(4, 4, 4, 63)
+    assert tight.routes == 1 and lag_routes(4, tight.periods, 63)[63].item() == 1
+    assert design_periods(4, 4, 4, 63, routes=2).periods == ((5, 6, 7, 8), (6, 8, 10, 12), (8, 12, 16, 20),
+                                                             (10, 16, 22, 28))
+
+
 # --- named schedules ---------------------------------------------------------------------------------
 
 def test_named_schedules():
@@ -323,6 +370,8 @@ def test_periods_per_layer_errors(periods, n_layer, n_head, message):
     (lambda: min_depth_multi(-2, 4, [[16]]), "a causal lag must be >= 0, got -2"),
     (lambda: design_periods(4, 4, 4, 0), "target must be an int >= 1, got 0"),
     (lambda: design_periods(4, 4, 0, 10), "n_head must be an int >= 1, got 0"),
+    (lambda: design_periods(4, 4, 4, 10, routes=0), "routes must be an int >= 1, got 0"),
+    (lambda: lag_routes(4, [[16]], 10, cap=0), "cap must be an int >= 1, got 0"),
 ])
 def test_argument_errors(call, message):
     with pytest.raises(ValueError, match=message):

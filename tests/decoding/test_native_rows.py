@@ -69,6 +69,23 @@ def test_compiled_rows_equal_the_full_operator_and_the_torch_ops(case, form, dty
     torch.testing.assert_close(compiled, torch_ops, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_compiled_rows_take_per_head_periods_whole(dtype, compiled_calls, monkeypatch):
+    """Per-head periods: one compiled call per distinct period (`decode._per_period`), rows equal to
+    `_decode_rows`' and the full operator's; where the step declines any one period's call, None for the whole."""
+    periods = (5, 2, 9, 5)  # 2 folds into the window: 4 slots a query, the others 5
+    q, k, v, gate, _, _ = _inputs(2, 4, 2, 8, 30, 3, dtype, seed=11)
+    kw = dict(window=3, period=periods, variant="adaptive", prior=0.3, logit_clamp=4.0, eps=EPS, sinks=1,
+              scale=8**-0.5)
+    compiled = _compiled_rows(q[:, :, -3:], k, v, gate[:, :, -3:], **kw)
+    assert compiled is not None and compiled_calls == [True] * 3
+    assert _decode_rows(q[:, :, -3:], k, v, gate[:, :, -3:], **kw).equal(compiled)
+    full = pi_attention(q, k, v, gate, causal=True, **kw)[:, :, -3:]
+    torch.testing.assert_close(compiled, full, **TOL[dtype])
+    monkeypatch.setattr(native, "MAX_SLOTS", 5)  # the period-2 group's 5 slots a query (with the sink) only
+    assert _compiled_rows(q[:, :, -3:], k, v, gate[:, :, -3:], **kw) is None
+
+
 @pytest.mark.parametrize("why", ["separate", "autograd", "bf16"])
 def test_what_the_compiled_step_does_not_take_runs_in_torch_ops(why, compiled_calls):
     dtype = torch.bfloat16 if why == "bf16" else torch.float32

@@ -316,7 +316,7 @@ def _fused_program(q, k, v, gate, dy, kw: dict) -> tuple[Program, dict[str, int]
     qb, kb, vb, gb = p.input(q), p.input(k), p.input(v), p.input(gate)
     y = p.output(q.shape, q.dtype)
     stat = p.output((B, H, T, fused.stats_per_row(variant)), torch.float64)
-    periods, sb, eb, keepb = (p.input(fused.head_periods(period, H)), p.input(start), p.input(end), p.input(keep))
+    periods, sb, eb, keepb = (p.input(fused.period_tensor(period, H)), p.input(start), p.input(end), p.input(keep))
     dyb = p.input(dy.to(q.dtype))
     grads = [p.output(q.shape, q.dtype), p.output(k.shape, k.dtype), p.output(v.shape, v.dtype),
              0 if gate is None else p.output(gate.shape, gate.dtype)]

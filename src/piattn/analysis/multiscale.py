@@ -46,6 +46,9 @@ SEARCH_BUDGET = 200_000
 REACH_BUDGET = 1 << 34
 # The balanced construction shrinks every layer's stride by the same ratio m / _RATIO_STEPS.
 _RATIO_STEPS = 256
+# design_periods(routes > 1) scans stride ratios while the route counts it computes, n_layer·(n_head + 2)
+# passes over target + 1 lags per ratio, stay below this many lag visits (about a second).
+ROUTES_BUDGET = 200_000_000
 
 
 # --- schedules -------------------------------------------------------------------------------------
@@ -230,6 +233,30 @@ def coverage_multi(window: int, schedule, max_lag: int) -> float:
     return reachable_lags(window, schedule, max_lag)[1:].float().mean().item()
 
 
+def lag_routes(window: int, schedule, max_lag: int, cap: int = 1 << 32) -> torch.Tensor:
+    """int64 [max_lag + 1]: [d] = the number of routes of lag d through the L layers, at most `cap`.
+
+    A route takes one hop per layer: a local offset 0 … k (one route each), or a head's skip period beyond
+    the window (one route per head: two heads with the same period are two routes, since either can learn
+    to carry it; a period <= k is a local key already counted). Reachable means at least one route
+    (`reachable_lags`); a lag with one route can be learned only by the one head per layer on it, which
+    is what makes a tight design slow to learn (docs/results.md §7c)."""
+    check_window(window)
+    max_lag = _check_lag("max_lag", max_lag)
+    _check_count("cap", cap, 1)
+    counts = np.zeros(max_lag + 1, dtype=np.int64)
+    counts[0] = 1
+    lags = np.arange(max_lag + 1)
+    for periods in _check_schedule(schedule):
+        prefix = np.concatenate(([0], np.cumsum(counts)))  # counts <= cap: no overflow below 2^31 lags
+        new = prefix[1:] - prefix[np.maximum(lags - window, 0)]  # the local offsets: counts[d − k … d]
+        for p in periods:
+            if window < p <= max_lag:
+                new[p:] += counts[:max_lag + 1 - p]
+        counts = np.minimum(new, cap)
+    return torch.from_numpy(counts)
+
+
 class ReachBudgetError(ValueError):
     """`gap_free_reach` stopped at REACH_BUDGET: the reach is longer than it measures."""
 
@@ -281,9 +308,9 @@ def _construct(window: int, n_layer: int, n_head: int, ratio: int) -> tuple[Sche
     return tuple(layers), reach
 
 
-def _balanced(window: int, n_layer: int, n_head: int, target: int) -> Schedule:
-    """The construction with the smallest common stride ratio whose reach is >= target (a binary search:
-    the reach grows with the ratio). Requires constructed_reach >= target, the reach at ratio 1."""
+def _balanced_ratio(window: int, n_layer: int, n_head: int, target: int) -> int:
+    """The smallest common stride ratio whose construction reaches >= target (a binary search: the reach
+    grows with the ratio). Requires constructed_reach >= target, the reach at ratio _RATIO_STEPS."""
     lo, hi = 1, _RATIO_STEPS
     while lo < hi:
         mid = (lo + hi) // 2
@@ -291,7 +318,31 @@ def _balanced(window: int, n_layer: int, n_head: int, target: int) -> Schedule:
             hi = mid
         else:
             lo = mid + 1
-    return _construct(window, n_layer, n_head, lo)[0]
+    return lo
+
+
+def _fewest_routes(window: int, schedule: Schedule, target: int) -> int:
+    """The fewest routes of any lag 1 … target (0: some lag is unreachable)."""
+    return int(lag_routes(window, schedule, target, cap=1 << 16)[1:].min())
+
+
+def _routed(window: int, n_layer: int, n_head: int, target: int, routes: int) -> Schedule:
+    """The construction with the smallest ratio, from the balanced one up, that gives every lag 1 … target
+    at least `routes` routes; where none does within ROUTES_BUDGET, the one with the most (smallest ratio
+    among equals). The route count is not monotone in the ratio (a longer reach can thin the middle lags),
+    hence a scan, not a search."""
+    per_ratio = n_layer * (n_head + 2) * (target + 1)
+    first = _balanced_ratio(window, n_layer, n_head, target)
+    last = min(_RATIO_STEPS, first + max(0, ROUTES_BUDGET // per_ratio - 1))
+    best, best_routes = None, -1
+    for ratio in range(first, last + 1):
+        periods = _construct(window, n_layer, n_head, ratio)[0]
+        fewest = _fewest_routes(window, periods, target)
+        if fewest >= routes:
+            return periods
+        if fewest > best_routes:
+            best, best_routes = periods, fewest
+    return best
 
 
 def _spread(bits: int, slack: int) -> int:
@@ -335,19 +386,21 @@ class Design:
     periods: the Schedule (L tuples of H periods); reach: its gap-free reach (every lag 1 … reach is
     reachable after all L layers, computed by `gap_free_reach`, not by the construction's formula);
     uncovered: the lags 1 … target it misses (empty when it covers the target); method: "construction"
-    (the proven one) or "search" (the greedy search did better; checked by `reachable_lags`)."""
+    (the proven one) or "search" (the greedy search did better; checked by `reachable_lags`); routes: the
+    fewest routes of any lag 1 … target (`lag_routes`; 0 when a lag is uncovered)."""
 
     periods: Schedule
     reach: int
     uncovered: tuple[int, ...]
     method: str
+    routes: int
 
     @property
     def covers(self) -> bool:
         return not self.uncovered
 
 
-def design_periods(window: int, n_layer: int, n_head: int, target: int) -> Design:
+def design_periods(window: int, n_layer: int, n_head: int, target: int, routes: int = 1) -> Design:
     """Per-layer head periods that reach every lag 1 … target within n_layer layers (window k, n_head = H).
 
     Construction. If the first l layers reach exactly the lags [0, R] and layer l puts its heads at
@@ -364,7 +417,12 @@ def design_periods(window: int, n_layer: int, n_head: int, target: int) -> Desig
     When R_L >= target, every layer's stride is shrunk by one common ratio ρ = m/256, s_l = ⌈ρ(R_l + 1)⌉,
     the smallest m that still reaches the target: all L layers share the work, no head reads beyond the
     target (no period exceeds max(target, k + H), checked in the tests) and the overlapping intervals
-    give most lags several paths. When R_L < target the construction runs at full stride, and if
+    give most lags several paths, but not the last ones: reached only through the longest hops, they may
+    have one route (`lag_routes`), which learns slowly (docs/results.md §7c). routes > 1 asks for at least
+    that many routes to every lag 1 … target: the ratio grows from the balanced one until every lag has
+    them (a scan, since the count is not monotone in the ratio; periods may then pass the target), or,
+    where none does within ROUTES_BUDGET, the ratio with the most. Design.routes says what was reached.
+    When R_L < target the construction runs at full stride, and if
     n_layer·n_head·(target + 1) <= SEARCH_BUDGET a greedy search (`_search`) is tried too and kept if it
     reaches further: the construction is not optimal (k = 2, H = 1, L = 2: it reaches 9, hops
     {0, 1, 2, 5} then {0, 1, 2, 8} reach 10), and neither is the search (k = 2, H = 2, L = 2: both stop at
@@ -375,10 +433,12 @@ def design_periods(window: int, n_layer: int, n_head: int, target: int) -> Desig
     _check_count("n_layer", n_layer, 0)
     _check_count("n_head", n_head, 1)
     _check_count("target", target, 1)
+    _check_count("routes", routes, 1)
     target = int(target)
     method = "construction"
     if constructed_reach(window, n_layer, n_head) >= target:
-        periods = _balanced(window, n_layer, n_head, target)
+        periods = (_routed(window, n_layer, n_head, target, routes) if routes > 1 else
+                   _construct(window, n_layer, n_head, _balanced_ratio(window, n_layer, n_head, target))[0])
     else:
         periods, full = _construct(window, n_layer, n_head, _RATIO_STEPS)
         if n_layer * n_head * (target + 1) <= SEARCH_BUDGET:
@@ -387,5 +447,5 @@ def design_periods(window: int, n_layer: int, n_head: int, target: int) -> Desig
                 periods, method = found, "search"
     lags = reachable_lags(window, periods, target)
     uncovered = tuple((~lags[1:]).nonzero().flatten().add(1).tolist())
-    return Design(periods, gap_free_reach(window, periods), uncovered, method)
+    return Design(periods, gap_free_reach(window, periods), uncovered, method, _fewest_routes(window, periods, target))
 

@@ -10,6 +10,7 @@ from torch.nn import functional as F
 from torch.nn.modules import module as _module
 
 from ..config import PiSettings
+from ..config.pi import per_head
 from ..decoding.cache import RingCache
 from ..ops.pi.decode import _decode_ring, _decode_rows, _decode_token, decode_ring
 from .base import AttentionLayer
@@ -55,9 +56,7 @@ class WindowedAttention(AttentionLayer):
                  dropout: float, rotary: bool, rope_base: float, backend: str):
         super().__init__(d_model, n_heads, n_kv_heads=n_kv_heads, causal=causal, dropout=dropout, rotary=rotary,
                          rope_base=rope_base)
-        if settings.periods is not None and len(settings.periods) != n_heads:
-            raise ValueError(f"period has {len(settings.periods)} entries; per-head periods need one per query "
-                             f"head, n_heads={n_heads}")
+        per_head(settings.period, n_heads, count="n_heads")  # ValueError unless one period or one per head
         self.settings = settings
         self.backend = backend
         self.gate: nn.Module | None = None

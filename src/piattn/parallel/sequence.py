@@ -16,8 +16,9 @@ import inspect
 import torch
 import torch.distributed as dist
 
+from ..config.pi import period_values
 from ..ops.pi import BACKENDS, pi_attention
-from ..ops.pi.heads import by_period
+from ..ops.pi.heads import operator_by_period
 from ..ops.pi.validate import check_arguments, check_qkv_tensors, head_periods
 from .plan import HaloPlan, Transfer
 
@@ -163,8 +164,8 @@ def plan_for(q: torch.Tensor, group=None, **pi_attention_kwargs) -> HaloPlan | t
     settings = {**OPERATOR_DEFAULTS, **pi_attention_kwargs}
     periods = head_periods(settings["period"], q)
     plans = tuple(HaloPlan(resolved[2], q.shape[2], settings["window"], p, settings["causal"])
-                  for p in ([periods] if isinstance(periods, int) else sorted(set(periods))))
-    return plans[0] if isinstance(periods, int) else plans
+                  for p in period_values(periods))
+    return plans if len(plans) > 1 else plans[0]  # per-head periods are at least two distinct ones
 
 
 def sequence_parallel_pi_attention(
@@ -184,7 +185,7 @@ def sequence_parallel_pi_attention(
         **pi_attention_kwargs: window, period, causal, variant, prior, logit_clamp, eps, scale, dropout_p,
             backend, as for `pi_attention`; every rank must pass the same (the backend may differ). period
             may give one period per query head (multi-scale π): the heads are grouped by period
-            (`piattn.ops.pi.heads.by_period`) and each group runs its own exchange of its key/value heads'
+            (`piattn.ops.pi.heads.operator_by_period`) and each group runs its own exchange of its key/value heads'
             rows (the plan of its period), so every group is exact and moves only the rows it reads.
 
     Returns:
@@ -209,7 +210,7 @@ def sequence_parallel_pi_attention(
         periods = head_periods(settings["period"], q)  # a tensor becomes a tuple: what is fingerprinted
         settings["period"] = periods
         checked = {n: x for n, x in settings.items() if n not in ("backend", "period")}
-        check_arguments(q, k, v, gate, period=periods if isinstance(periods, int) else min(periods), **checked)
+        check_arguments(q, k, v, gate, period=period_values(periods)[0], **checked)
         if settings["sinks"] or settings["document_ids"] is not None:
             # The exchange carries window and skip rows only: sink keys and documents would cross shards.
             raise ValueError("sequence_parallel_pi_attention supports neither sinks > 0 nor document_ids, got "
@@ -223,16 +224,12 @@ def sequence_parallel_pi_attention(
     device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
     _agree(shard, fingerprint, error, group, device)
 
-    periods = settings["period"]
-    if isinstance(periods, int):
-        return _sharded(q, k, v, gate, periods, settings, world, rank, group)
-
     def run(p: int, q_g: torch.Tensor, gate_g: torch.Tensor | None, k_g: torch.Tensor,
             v_g: torch.Tensor) -> torch.Tensor:
         return _sharded(q_g, k_g, v_g, gate_g, p, settings, world, rank, group)
 
     # Every rank has the same periods (the fingerprint agreed), so every rank runs the same exchanges in order.
-    return by_period(periods, k.shape[1], run, [(q, 1), (gate, 1)], [(k, 1), (v, 1)])
+    return operator_by_period(settings["period"], run, q, gate, k, v)
 
 
 def _sharded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, period: int,

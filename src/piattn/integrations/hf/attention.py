@@ -16,12 +16,11 @@ from transformers import AttentionInterface, AttentionMaskInterface
 
 from ... import models as _models  # noqa: F401  (lends the period schedules to `resolve_periods`)
 from ...config.model import layer_period, resolve_periods
-from ...config.pi import PI_DEFAULTS, PiSettings
+from ...config.pi import PI_DEFAULTS, PiSettings, per_head, period_values
 from ...layers.base import AttentionLayer
 from ...layers.gate import clip_gate, gate_hidden, gate_hooked, gate_values
 from ...ops.pi import BACKENDS, native, pi_attention
 from ...ops.pi.decode import _compiled_prior, _compiled_rows, _decode_rows, decode_gathered, gate_tail, ring_slots
-from ...ops.pi.heads import by_period
 from .padding import EMPTY, TEXT, document_ids, text_bounds
 
 ATTENTION_NAME = "pi_attention"
@@ -56,8 +55,7 @@ class HFPiSettings:
         period = pi.pop("period")
         base = PiSettings(**pi)  # every setting but the period checked (with the default period)
         n_layer, n_head = config.num_hidden_layers, config.num_attention_heads
-        resolved = resolve_periods(list(period) if isinstance(period, tuple) else period, window=base.window,
-                                   n_layer=n_layer, n_head=n_head,
+        resolved = resolve_periods(period, window=base.window, n_layer=n_layer, n_head=n_head,
                                    block_size=getattr(config, "max_position_embeddings", None) or 1)
         per_layer = not isinstance(resolved, int) and isinstance(resolved[0], list)
         settings = cls(dataclasses.replace(base, period=layer_period(resolved, 0)), backend,
@@ -111,12 +109,7 @@ class HFPiSettings:
 
     def as_dict(self) -> dict:
         """What `config.pi_attention` holds (the period as `resolve_periods` stores it)."""
-        period = self.pi.period
-        if self.layer_periods is not None:
-            period = [list(heads) for heads in self.layer_periods]
-        elif not isinstance(period, int):
-            period = list(period)
-        return {**self.pi.as_kwargs(), "period": period, "backend": self.backend}
+        return {**self.pi.as_kwargs(), "period": _listed(self.layer_periods or self.pi.period), "backend": self.backend}
 
     @property
     def reach(self) -> int:
@@ -125,6 +118,11 @@ class HFPiSettings:
 
     def operator_kwargs(self, layer: int | None = None) -> dict:
         return dict(**self.layer(layer).as_kwargs(), causal=True, backend=self.backend)
+
+
+def _listed(x):
+    """A settings value as `config.pi_attention` stores it: tuples as lists, at any depth."""
+    return [_listed(v) for v in x] if isinstance(x, tuple) else x
 
 
 def _frozen(x):
@@ -285,32 +283,15 @@ def pi_attention_forward(
 DECODE_BACKENDS = ("auto", "fused")
 
 
-class _NotCompiled(Exception):
-    """A period group the compiled step does not take, under an explicit "fused"."""
-
-
 def _decode_step(backend: str, pi: PiSettings, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  gate: torch.Tensor | None, scale: float) -> torch.Tensor | None:
     """The rows [B, H, Tq, D] of the Tq queries at the end of the block key/value [B, Hkv, N, D] (the sinks the
     recent keys no longer hold, then the recent positions: as `RingCache.recent`, read as one text without
     changing any row, since every local and skip key of a query lies in the recent positions and the sinks
-    lie farther back in both); None where `backend` is "fused" and the compiled step does not take the call."""
+    lie farther back in both); None where `backend` is "fused" and the compiled step does not take the call.
+    Per-head periods go to the decoding function whole: it groups the heads itself."""
     rows = _decode_rows if backend == "auto" else _compiled_rows
-    kw = dict(**pi.as_kwargs(), scale=scale)
-    if pi.periods is None:
-        return rows(query, key, value, gate, **kw)
-
-    def run(period: int, q_g: torch.Tensor, gate_g: torch.Tensor | None, k_g: torch.Tensor,
-            v_g: torch.Tensor) -> torch.Tensor:
-        y = rows(q_g, k_g, v_g, gate_g, **{**kw, "period": period})
-        if y is None:
-            raise _NotCompiled
-        return y
-
-    try:
-        return by_period(pi.periods, key.shape[1], run, [(query, 1), (gate, 1)], [(key, 1), (value, 1)])
-    except _NotCompiled:
-        return None
+    return rows(query, key, value, gate, **pi.as_kwargs(), scale=scale)
 
 
 def _ring_step(backend: str, pi: PiSettings, query: torch.Tensor, gate: torch.Tensor | None, scale: float,
@@ -326,11 +307,11 @@ def _ring_step(backend: str, pi: PiSettings, query: torch.Tensor, gate: torch.Te
     hidden pre-activation [B, 1, n_hidden], which the compiled step finishes (`native.PRIOR_HIDDEN`); where it
     does not take that call, α̃ is computed from it once (`_gate_from_hidden`) and the step runs on α̃."""
     position = layer.cumulative_length - 1
-    periods = ((pi.period, None),) if pi.periods is None else _period_heads(pi.periods, query.device)
+    periods = _period_heads(pi.period, query.shape[1], query.device)
     # Per-head periods: one step per distinct period over all the heads, each head's row taken from the step of
     # its own period (each row is computed on its own, so it is the row of that head alone). Splitting the heads
-    # by period, as `_decode_step` does, would hand each group its key/value heads as a block of their own: a
-    # copy of the ring per step.
+    # by period, as `_decode_rows` does for `_decode_step`, would hand each group its key/value heads as a block
+    # of their own: a copy of the ring per step.
     y = None
     for period, heads in periods:
         y_p = _ring_rows(backend, pi, period, query, gate, scale, layer.kv, layer.capacity, position, gate_head)
@@ -344,10 +325,13 @@ def _ring_step(backend: str, pi: PiSettings, query: torch.Tensor, gate: torch.Te
 
 
 @functools.lru_cache(maxsize=64)
-def _period_heads(periods: tuple[int, ...], device: torch.device) -> tuple[tuple[int, torch.Tensor], ...]:
-    """(period, the heads that have it as a bool mask [1, H, 1, 1]) for each distinct period of `periods`."""
+def _period_heads(period: int | tuple[int, ...], H: int,
+                  device: torch.device) -> tuple[tuple[int, torch.Tensor], ...]:
+    """(period, the heads that have it as a bool mask [1, H, 1, 1]) for each distinct period of a layer's
+    `PiSettings.period` over its H query heads, increasing (one period: one entry, every head)."""
+    periods = per_head(period, H)
     return tuple((p, torch.tensor([q == p for q in periods], device=device)[None, :, None, None])
-                 for p in sorted(set(periods)))
+                 for p in period_values(period))
 
 
 def _ring_rows(backend: str, pi: PiSettings, period: int, query: torch.Tensor, gate: torch.Tensor | None,

@@ -19,10 +19,10 @@ one-query step in the same call). Both take the compiled step for a variant it d
 (`native.applies`), else the torch ops; a variant the torch ops do not declare is refused with the reason,
 never run as another.
 
-Per-head periods (multi-scale π): `decode_ring` and `_decode_rows` also take `period` as a tuple of one period
-per query head, and run their one-period step once per distinct period on that period's heads
-(`_per_period`, through `heads.by_period`, as `pi_attention` does), the outputs in head order. `pi_decode`
-takes one period.
+Per-head periods (multi-scale π): `decode_ring`, `_decode_rows` and `_compiled_rows` also take `period` as a
+tuple of one period per query head, and run their one-period step once per distinct period on that period's
+heads (`_per_period`, through `heads.by_period`, as `pi_attention` does), the outputs in head order; their
+callers hand them per-head periods whole. `pi_decode` takes one period.
 """
 
 from __future__ import annotations
@@ -199,12 +199,32 @@ def _per_period(step, periods: tuple[int, ...], q: torch.Tensor, gate: torch.Ten
     return by_period(periods, x.shape[dim], run, [(q, 1), (alpha, 1), (weight, 0), (bias, 0)], per_kv)
 
 
+class _NotCompiled(Exception):
+    """A period group that the compiled step does not take (`_compiled_rows`)."""
+
+
 def _compiled_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, *, window: int,
-                   period: int, variant: str, prior: float, logit_clamp: float | None, eps: float, scale: float,
-                   sinks: int = 0, gate_head: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
-    """`_decode_rows` through the compiled step alone: its rows, or None where that step does not apply (a
-    variant outside `native.PRIOR_MODES`, or what `native.applies` refuses). For a caller that asked for
-    compiled code explicitly and must say so rather than run torch ops in its place."""
+                   period: int | tuple[int, ...], variant: str, prior: float, logit_clamp: float | None, eps: float,
+                   scale: float, sinks: int = 0,
+                   gate_head: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+    """`_decode_rows` through the compiled step alone: its rows [B, H, t, D], or None where that step does not
+    apply (a variant outside `native.PRIOR_MODES`, or what `native.applies` refuses). For a caller that asked
+    for compiled code explicitly and must say so rather than run torch ops in its place. With period a tuple
+    of H per-head periods, once per distinct period on its heads (`_per_period`), and None where the step
+    does not take any one of them: the caller then runs the whole call another way, never half of it."""
+    if isinstance(period, tuple):
+        def rows(p: int, q_g: torch.Tensor, gate_g: torch.Tensor | None, head_g, k_g: torch.Tensor,
+                 v_g: torch.Tensor) -> torch.Tensor:
+            y = _compiled_rows(q_g, k_g, v_g, gate_g, window=window, period=p, variant=variant, prior=prior,
+                               logit_clamp=logit_clamp, eps=eps, scale=scale, sinks=sinks, gate_head=head_g)
+            if y is None:
+                raise _NotCompiled  # out of `by_period`'s loop and cat: no group's rows are of use then
+            return y
+
+        try:
+            return _per_period(rows, period, q, gate, gate_head, [(k, 1), (v, 1)])
+        except _NotCompiled:
+            return None
     idx, valid, kind, _, _ = _slots(window, period, sinks, q.shape[2], k.shape[2], q.device)
     return _compiled_slot_rows(q, k, v, gate, gate_head, idx, valid, kind, variant, prior, logit_clamp, eps, scale)
 

@@ -163,7 +163,7 @@ def _buffer(t: torch.Tensor | None) -> _Buffer:
     return _Buffer(None, 0) if t is None else _Buffer(t.data_ptr() or None, t.numel())
 
 
-def head_periods(period: int | tuple[int, ...], H: int) -> torch.Tensor:
+def period_tensor(period: int | tuple[int, ...], H: int) -> torch.Tensor:
     """The period of each of the H query heads, int64 [H]: an int is H copies."""
     periods = torch.tensor([period] * H if isinstance(period, int) else list(period), dtype=torch.int64)
     if periods.shape != (H,):
@@ -177,7 +177,7 @@ def _run(direction: str, q: torch.Tensor, k: torch.Tensor, settings: OpSettings,
     the document bounds and the dropout keep mask, which this adds)."""
     B, H, T, D = q.shape
     clamp = settings.logit_clamp
-    tensors = [*tensors, head_periods(settings.period, H), *bounds, keep]
+    tensors = [*tensors, period_tensor(settings.period, H), *bounds, keep]
     call = _Call(B=B, H=H, H_kv=k.shape[1], T=T, D=D, window=settings.window, sinks=settings.sinks,
                  causal=int(settings.causal), variant=VARIANT_CODES[settings.variant], has_clamp=int(clamp is not None),
                  threads=torch.get_num_threads(), clamp=0.0 if clamp is None else clamp, prior=settings.prior,

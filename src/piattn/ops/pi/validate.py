@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ...checks import is_int
-from ...config.pi import GATED_VARIANTS, check_pi_settings
-from ...config.pi import head_periods as config_head_periods
+from ...config.pi import GATED_VARIANTS, canonical_period, check_pi_settings, per_head
 
 SUPPORTED_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -69,10 +67,8 @@ def head_periods(period, q: torch.Tensor) -> int | tuple[int, ...]:
         if period.device != q.device:
             raise ValueError(f"period must be on the device of q ({q.device}), got {period.device}")
         period = period.tolist()
-    periods = config_head_periods(period)
-    if not is_int(period) and len(period) != H:
-        raise ValueError(f"period has {len(period)} entries; per-head periods need one per query head, H={H}")
-    return periods
+    per_head(period, H)  # ValueError for a count other than H: `per_head` is that check's one home
+    return canonical_period(period)
 
 
 def check_kv_heads(q, k, v) -> None:
