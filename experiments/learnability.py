@@ -73,7 +73,8 @@ def paired_cover(s: Setting) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(p for p in layer for _ in range(2)) for layer in half)
 
 
-# Arm -> (attention, the schedule builder or None for dense). Ablation arms vary one thing of "cover".
+# Arm -> the schedule builder (None: dense). Ablation arms vary one thing of "cover": its periods, or a
+# training flag (ARM_FLAGS).
 ARMS = {
     "dense": None,
     "pi": lambda s: periods_per_layer(s.period, s.layers, s.heads),
@@ -81,7 +82,11 @@ ARMS = {
     "cover-r2": lambda s: cover(s, routes=2),  # every lag at least 2 routes
     "cover-x2": lambda s: cover(s, 2 * (s.seq_len - 1)),  # designed for twice the longest lag: more routes
     "cover-paired": paired_cover,
+    "cover-warmup": cover,
+    "cover-lr1e-3": cover,
 }
+# Training flags an arm sets beside the common ones (later flags win in argparse).
+ARM_FLAGS = {"cover-warmup": ["--warmup", "400"], "cover-lr1e-3": ["--lr", "1e-3", "--min-lr", "1e-4"]}
 
 
 def schedule_of(name: str, arm: str):
@@ -123,6 +128,7 @@ def train_argv(name: str, arm: str, seed: int, folder: Path) -> list[str]:
             "--warmup", str(WARMUP), "--dropout", "0", "--weight-decay", "0", "--eval-every", str(EVERY),
             "--save-every", "0", "--log-every", str(EVERY), "--seed", str(seed), "--device", "cpu", "--no-progress",
             "--out", str(folder)]
+    argv += ARM_FLAGS.get(arm, [])
     periods = schedule_of(name, arm)
     if periods is None:
         return argv + ["--attention", "dense"]
@@ -262,7 +268,8 @@ def plot(results: Results, path: Path) -> None:
     if not names:
         return
     fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 3.8), squeeze=False)
-    colours = dict(zip(ARMS, ("black", "tab:blue", "tab:orange", "tab:purple", "tab:green", "tab:red"), strict=True))
+    colours = dict(zip(ARMS, ("black", "tab:blue", "tab:orange", "tab:purple", "tab:green", "tab:red", "tab:brown",
+                              "tab:pink"), strict=True))
     for ax, name in zip(axes[0], names, strict=True):
         for r in results.done.values():
             if r["setting"] != name:

@@ -619,10 +619,12 @@ LOW_EXACT = [{"round trip": True, "rounding": True}] * 2
 
 
 def _check_in(tmp_path, setup="", **env):
-    """Run CHECK in a fresh interpreter with its own PIATTN_CACHE: (its report, its stderr)."""
+    """Run CHECK in a fresh interpreter with its own PIATTN_CACHE (tmp_path; None: the user's cache, where a
+    library built before is reused): (its report, its stderr)."""
     script = CHECK.format(setup=setup, low=inspect.getsource(low_precision_exact))
+    cache = {} if tmp_path is None else {"PIATTN_CACHE": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          check=True, env={**os.environ, "PIATTN_CACHE": str(tmp_path), **env})
+                          check=True, env={**os.environ, **cache, **env})
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 
 
@@ -649,13 +651,14 @@ def _runnable(level: str) -> bool:
     pytest.param("x86-64-v3", marks=pytest.mark.slow),  # AVX2
     pytest.param("x86-64-v4", marks=pytest.mark.slow),  # AVX-512
 ])
-def test_pinned_instruction_set_builds_and_computes_the_same(tmp_path, level):
+def test_pinned_instruction_set_builds_and_computes_the_same(level):
     """PIATTN_MARCH=level builds that instruction set alone (its own library in the cache) and matches the
     reference, output and gradients, in fp64; its bf16 and fp16 conversions are torch's (below x86-64-v3, no
-    F16C: the portable conversions)."""
+    F16C: the portable conversions). In the user's cache, as a user's pinned build is: the build (20 s of
+    compiler) runs once per machine and source, and its key keeps it apart from the -march=native library."""
     if not _runnable(level):
         pytest.skip(f"this CPU cannot run {level}")
-    out, _ = _check_in(tmp_path, PIATTN_MARCH=level)
+    out, _ = _check_in(None, PIATTN_MARCH=level)
     assert out["reason"] is None and out["flags"] == [f"-march={level}", "-fopenmp"], out
     assert out["worst"] < 1e-10 and out["low"] == LOW_EXACT, out
 
