@@ -36,6 +36,7 @@ import piattn  # noqa: E402
 from gpu_bench import Setup, copy_bandwidth, event_ms, floor_bytes, make_inputs  # noqa: E402
 from piattn.benchmarking import command_line, save_results  # noqa: E402
 from piattn.ops.pi import triton as triton_backend  # noqa: E402
+from piattn.ops.pi.settings import OpSettings  # noqa: E402
 
 OP = dict(window=4, period=16, causal=True, variant="adaptive", prior=0.5, logit_clamp=20.0, eps=1e-4)
 HEAD_PERIODS = [8, 16, 32, 64, 128, 256, 512, 1024] * 2
@@ -61,7 +62,8 @@ def time_config(xs, cfg, timer, expected=None) -> tuple[dict, list | None]:
     saved = triton_backend._tiles
     triton_backend._tiles = lambda D, halo, elem: cfg
     try:
-        launch = triton_backend.plan(q, **OP, scale=q.shape[-1] ** -0.5, dropout_p=0.0, dropout=False)
+        settings = OpSettings(**OP, scale=q.shape[-1] ** -0.5, dropout_p=0.0, sinks=0)
+        launch = triton_backend.plan(q, settings, dropout=False)
         y, stats = triton_backend.triton_forward(q, k, v, gate, None, launch)
         got = [y, *triton_backend.triton_backward(dy, q, k, v, gate, None, stats, launch, want_dgate=True)]
         if expected is not None:

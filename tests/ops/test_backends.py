@@ -13,7 +13,7 @@ import torch
 
 import piattn
 from piattn.config.pi import VARIANTS
-from piattn.ops.pi.backends import AUTO_ORDER, REGISTRY, Backend, select
+from piattn.ops.pi.backends import AUTO_ORDER, REGISTRY, Backend, by_keywords, select
 from piattn.ops.pi.validate import SUPPORTED_DTYPES
 from utils import DEVICE, assert_close, make_inputs
 
@@ -29,7 +29,7 @@ def test_backends_lists_auto_then_what_this_install_runs():
 def test_every_backend_loads_its_function():
     for name in piattn.BACKENDS[1:]:
         fn = REGISTRY[name].load()
-        assert callable(fn) and fn.__name__ == f"pi_attention_{name}"
+        assert callable(fn) and fn.__name__ == f"run_{name}"
 
 
 def test_auto_on_cpu_is_fused_then_torch_and_correct():
@@ -187,8 +187,8 @@ def test_a_backend_whose_probe_refuses_is_skipped_by_auto_and_refused_by_name(fu
     with pytest.raises(ValueError, match="backend 'fused' cannot run this call .*its C kernels do not build"):
         piattn.pi_attention(q, k, v, gate, backend="fused")
     with pytest.raises(ValueError, match="backend 'fused' cannot run this call: its C kernels do not build"):
-        REGISTRY["fused"].load()(q, k, v, gate, window=4, period=8, causal=True, variant="adaptive", prior=0.5,
-                                 logit_clamp=20.0, eps=1e-4, scale=0.3)
+        by_keywords(REGISTRY["fused"].load())(q, k, v, gate, window=4, period=8, causal=True, variant="adaptive",
+                                              prior=0.5, logit_clamp=20.0, eps=1e-4, scale=0.3)
 
 
 def test_a_probe_is_asked_last_and_only_when_needed(fused_unbuildable):

@@ -15,9 +15,9 @@ from piattn import BACKENDS, pi_attention
 from piattn.models import GPT, GPTConfig
 from piattn.ops.pi import fused
 from piattn.ops.pi.backends import select
-from piattn.ops.pi.compiled import pi_attention_bwd, pi_attention_fwd, pi_attention_torch_op
+from piattn.ops.pi.compiled import pi_attention_bwd, pi_attention_fwd, run_torch_op
 from piattn.ops.pi.settings import OpSettings
-from piattn.ops.pi.torch import pi_attention_torch, saved_layout, slot_plan, torch_backward, torch_forward
+from piattn.ops.pi.torch import run_torch, saved_layout, slot_plan, torch_backward, torch_forward
 from utils import make_inputs
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_dynamo")
@@ -271,8 +271,8 @@ def test_the_function_and_the_operators_run_the_plain_functions(case):
         want = torch_backward(dy, q, k, v, gate, keep, slots, saved, settings, want_dgate=gate is not None)
     assert list(saved) == list(saved_layout(q, k, settings))
     leaves = [t for t in (q, k, v, gate) if t is not None]
-    for run in (pi_attention_torch, pi_attention_torch_op):
-        got = run(q, k, v, gate, dropout_keep=keep, document_ids=docs, **settings._asdict())
+    for run in (run_torch, run_torch_op):
+        got = run(q, k, v, gate, settings, keep, docs)
         assert torch.equal(got, y), run.__name__
         for a, b in zip(torch.autograd.grad(got, leaves, dy), want[:len(leaves)], strict=True):
             assert torch.equal(a, b), run.__name__

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import piattn
 from piattn.config.pi import GATED_VARIANTS, VARIANTS
-from piattn.ops.pi.backends import REGISTRY
+from piattn.ops.pi.backends import REGISTRY, by_keywords
 from utils import (
     DEVICE,
     LOOSER,
@@ -223,8 +223,8 @@ def _bad_rows(x: torch.Tensor) -> set[int]:
 def _call(backend, q, k, v, gate, **kw):
     """The backend function itself: `pi_attention` rejects a NaN gate before any backend sees it."""
     D = q.shape[-1]
-    return REGISTRY[backend].load()(q, k, v, gate, prior=0.3, eps=1e-6, scale=D**-0.5, dropout_keep=None,
-                                    dropout_p=0.0, **kw)
+    return by_keywords(REGISTRY[backend].load())(q, k, v, gate, prior=0.3, eps=1e-6, scale=D**-0.5,
+                                                 dropout_keep=None, dropout_p=0.0, **kw)
 
 
 
@@ -380,7 +380,7 @@ def test_window_clamped_same_results(backend, variant, causal, window, period, T
             n_slots = len(range(-window, (0 if causal else window) + 1)) + (
                 0 if period <= window else 1 if causal else 2)
             keep = torch.rand(1, 2, T, n_slots) >= dropout_p
-        return REGISTRY["reference"].load()(
+        return by_keywords(REGISTRY["reference"].load())(
             q, k, v, gate, prior=0.3, logit_clamp=None, eps=1e-6, scale=8**-0.5, dropout_keep=keep,
             dropout_p=dropout_p, **{**kw, "variant": variant})
 
@@ -400,7 +400,7 @@ def test_huge_window_runs_clamped(monkeypatch):
     apply = torch_backend.PiAttentionFunction.apply
 
     def spy(*args):
-        seen.append(args[4:6])  # window, period
+        seen.append((args[4].window, args[4].period))  # args[4]: the OpSettings
         return apply(*args)
 
     monkeypatch.setattr(torch_backend.PiAttentionFunction, "apply", spy)

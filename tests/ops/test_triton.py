@@ -11,6 +11,7 @@ import torch
 import piattn
 from piattn.config.pi import VARIANTS
 from piattn.ops.pi.pattern import document_bounds
+from piattn.ops.pi.settings import OpSettings
 from utils import OUTPUT_NAMES, forward_backward, make_inputs
 
 pytestmark = [
@@ -39,9 +40,10 @@ def test_launchers_without_autograd(variant, features, period, nan_poison):
         k, v = (t.detach()[:, :1].requires_grad_() for t in (k, v))
         ids = torch.tensor([[0] * 6 + [1] * 14], device=DEVICE)
         extra = dict(sinks=2, document_ids=ids)
-        more = dict(sinks=2, kv_heads=1, documents=True)
+        more = dict(kv_heads=1, documents=True)
     y, *grads = forward_backward(q, k, v, gate, backend="triton", **kw, **extra)
-    launch = tri.plan(q, **kw, scale=16**-0.5, dropout_p=0.0, dropout=False, **more)
+    settings = OpSettings(**kw, scale=16**-0.5, dropout_p=0.0, sinks=extra.get("sinks", 0))
+    launch = tri.plan(q, settings, dropout=False, **more)
     assert launch.meta["PER_HEAD"] == (not isinstance(period, int))
     bounds = document_bounds(extra.get("document_ids"), torch.int32)
     with torch.no_grad():

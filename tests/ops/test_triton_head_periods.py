@@ -19,7 +19,7 @@ import torch
 
 import piattn
 from piattn.config.pi import VARIANTS
-from piattn.ops.pi.backends import REGISTRY
+from piattn.ops.pi.backends import REGISTRY, by_keywords
 from piattn.ops.pi.settings import OpSettings
 from utils import (
     DEVICE,
@@ -138,7 +138,7 @@ def test_equal_periods_are_the_int_launch(nan_poison):
     """The backend function given a tuple of equal periods launches the one-period kernels: bit for bit the
     int call, forward and every gradient."""
     inputs = inputs_of(4, 2, 30, 16, "adaptive")
-    fn = REGISTRY["triton"].load()
+    fn = by_keywords(REGISTRY["triton"].load())
     kw = dict(KW, window=3, causal=False, variant="adaptive", scale=0.25, dropout_keep=None, dropout_p=0.0, sinks=1)
     dy = torch.randn(1, 4, 30, 16, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     runs = []

@@ -1,7 +1,8 @@
 """`pi_attention`: the public operator, its argument checks and the choice of backend.
 
-Every backend is a function with the signature of `reference.pi_attention_reference`; they differ in
-how they compute, never in what. What each can run is declared in `backends.py`.
+`pi_attention` checks a call and builds its one `OpSettings`; every backend is a function of the tensors
+and those settings (`backends.BackendRun`); they differ in how they compute, never in what. What each can
+run is declared in `backends.py`.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ from collections.abc import Sequence
 import torch as _torch
 
 from ...config.pi import PI_DEFAULTS
-from .backends import AUTO_ORDER, REGISTRY, select
-from .compiled import is_symbolic, pi_attention_torch_op
-from .fused import pi_attention_fused_op
+from .backends import AUTO_ORDER, REGISTRY, BackendRun, select
+from .compiled import is_symbolic, run_torch_op
+from .fused import run_fused_op
 from .heads import by_period, period_groups
 from .pattern import Pattern
-from .reference import pi_attention_reference
+from .reference import run_reference
+from .settings import OpSettings
 from .validate import all_finite, check_arguments, check_qkv_tensors, gate_or_prior, head_periods
 from .weights import SlotWeights, pi_attention_weights  # noqa: F401 (public: piattn.pi_attention_weights)
 
@@ -99,31 +101,30 @@ def pi_attention(
         variant=variant, prior=prior, logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p,
         sinks=sinks, document_ids=document_ids,
     )
-    settings = dict(window=window, causal=causal, variant=variant, prior=prior, logit_clamp=logit_clamp, eps=eps,
-                    scale=scale, dropout_p=dropout_p, sinks=sinks, document_ids=document_ids, backend=backend)
-    if isinstance(periods, int):
-        return _pi_attention(q, k, v, gate, period=periods, **settings)
-    if REGISTRY[_chosen(q, k, v, gate, **settings)].per_head_periods:
-        # One call with every head's period (the backend declares it takes them).
-        return _pi_attention(q, k, v, gate, period=periods, **settings)
+    # The one settings object of the call, handed down to the backend (`backends.BackendRun`).
+    settings = OpSettings(window=window, period=periods, causal=causal, variant=variant, prior=prior,
+                          logit_clamp=logit_clamp, eps=eps, scale=q.shape[-1] ** -0.5 if scale is None else scale,
+                          dropout_p=dropout_p, sinks=sinks)
+    if isinstance(periods, int) or REGISTRY[_chosen(q, k, v, gate, settings, document_ids, backend)].per_head_periods:
+        # One call, with every head's period where the backend declares it takes them.
+        return _pi_attention(q, k, v, gate, settings, document_ids, backend)
 
     def run(p: int, q_g: _torch.Tensor, gate_g: _torch.Tensor | None, k_g: _torch.Tensor,
             v_g: _torch.Tensor) -> _torch.Tensor:
-        return _pi_attention(q_g, k_g, v_g, gate_g, period=p, **settings)
+        return _pi_attention(q_g, k_g, v_g, gate_g, settings._replace(period=p), document_ids, backend)
 
     return by_period(periods, k.shape[1], run, [(q, 1), (gate, 1)], [(k, 1), (v, 1)])
 
 
-def _chosen(q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor, gate: _torch.Tensor | None, *, causal: bool,
-            variant: str, dropout_p: float, sinks: int, document_ids: _torch.Tensor | None, backend: str,
-            **_) -> str:
+def _chosen(q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor, gate: _torch.Tensor | None, settings: OpSettings,
+            document_ids: _torch.Tensor | None, backend: str) -> str:
     """The name of the backend that runs a checked call."""
     H, D = q.shape[1], q.shape[-1]
     inputs = (q, k, v) if gate is None else (q, k, v, gate)
     needs_grad = _torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
-    features = {name for name, used in (("sinks", sinks > 0), ("documents", document_ids is not None),
+    features = {name for name, used in (("sinks", settings.sinks > 0), ("documents", document_ids is not None),
                                         ("gqa", k.shape[1] != H)) if used}
-    call = (q.device, q.dtype, D, needs_grad, dropout_p, frozenset(features), variant)
+    call = (q.device, q.dtype, D, needs_grad, settings.dropout_p, frozenset(features), settings.variant)
     chosen = _backend_name(backend, *call, _torch.compiler.is_compiling())
     if not REGISTRY[chosen].contains_nonfinite and not is_symbolic(q) and not all_finite(*inputs):
         # flex's tiles multiply a masked key's value by a weight of 0 (0·NaN = NaN), which would carry a bad
@@ -134,36 +135,29 @@ def _chosen(q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor, gate: _torch.T
     return chosen
 
 
-def _pi_attention(q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor, gate: _torch.Tensor | None, *, window: int,
-                  period: int | tuple[int, ...], causal: bool, variant: str, prior: float, logit_clamp: float | None,
-                  eps: float, scale: float | None, dropout_p: float, sinks: int, document_ids: _torch.Tensor | None,
-                  backend: str) -> _torch.Tensor:
-    """`pi_attention` on checked arguments and one period (or, for a backend with `per_head_periods`, one per
-    query head): the backend's choice, the dropout mask, the call."""
+def _pi_attention(q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor, gate: _torch.Tensor | None,
+                  settings: OpSettings, document_ids: _torch.Tensor | None, backend: str) -> _torch.Tensor:
+    """`pi_attention` on checked settings of one period (or, for a backend with `per_head_periods`, one per
+    query head): the backend's choice, the pattern made usable for T, the dropout mask, the call."""
     B, H, T, D = q.shape
-    chosen = _chosen(q, k, v, gate, causal=causal, variant=variant, dropout_p=dropout_p, sinks=sinks,
-                     document_ids=document_ids, backend=backend)
-    if not isinstance(period, int):  # each head's pattern made usable as one period's is
-        used = [usable_pattern(Pattern(window, p, causal, sinks), T) for p in period]
-        keep = None if dropout_p == 0 else _head_masks(period, k.shape[1], q, window, causal, sinks, dropout_p)
-        return _backend_function(chosen, q)(
-            q, k, v, gate, window=used[0].window, period=tuple(u.period for u in used), causal=causal,
-            variant=variant, prior=prior, logit_clamp=logit_clamp, eps=eps, scale=D**-0.5 if scale is None else scale,
-            dropout_keep=keep, dropout_p=dropout_p, sinks=used[0].sinks, document_ids=document_ids)
-    asked = Pattern(window, period, causal, sinks)
+    chosen = _chosen(q, k, v, gate, settings, document_ids, backend)
+    run = _backend_function(chosen, q)
+    s = settings
+    if not isinstance(s.period, int):  # each head's pattern made usable as one period's is
+        used = [usable_pattern(Pattern(s.window, p, s.causal, s.sinks), T) for p in s.period]
+        keep = None if s.dropout_p == 0 else _head_masks(s, k.shape[1], q)
+        return run(q, k, v, gate, s._replace(window=used[0].window, period=tuple(u.period for u in used),
+                                             sinks=used[0].sinks), keep, document_ids)
+    asked = s.pattern
     used = usable_pattern(asked, T)
     keep = None
-    if dropout_p > 0:
+    if s.dropout_p > 0:
         # One mask layout for every backend, so that equal seeds give equal results across backends; drawn
         # for the pattern asked for, so that clamping it changes no result.
-        keep = _torch.rand(B, H, T, asked.n_slots, device=q.device) >= dropout_p
+        keep = _torch.rand(B, H, T, asked.n_slots, device=q.device) >= s.dropout_p
         if used != asked:
             keep = _slots_of(keep, asked, used)
-    return _backend_function(chosen, q)(
-        q, k, v, gate, window=used.window, period=used.period, causal=causal, variant=variant, prior=prior,
-        logit_clamp=logit_clamp, eps=eps, scale=D**-0.5 if scale is None else scale,
-        dropout_keep=keep, dropout_p=dropout_p, sinks=used.sinks, document_ids=document_ids,
-    )
+    return run(q, k, v, gate, s._replace(window=used.window, period=used.period, sinks=used.sinks), keep, document_ids)
 
 
 # What runs inside torch.compile, and where q has no values (meta and fake tensors): "torch", "fused" and
@@ -172,11 +166,11 @@ def _pi_attention(q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor, gate: _t
 # so that no other install pays for importing triton). "fused"'s probe (its C library) is asked while
 # tracing, its answer a constant of the graph (`backends._probe`). "flex" builds its block mask with
 # data-dependent shapes: under torch.compile "auto" picks from these only.
-_SYMBOLIC = {"torch": pi_attention_torch_op, "fused": pi_attention_fused_op, "reference": pi_attention_reference}
+_SYMBOLIC: dict[str, BackendRun] = {"torch": run_torch_op, "fused": run_fused_op, "reference": run_reference}
 if REGISTRY["triton"].available():
-    from .triton import pi_attention_triton_op
+    from .triton import run_triton_op
 
-    _SYMBOLIC["triton"] = pi_attention_triton_op
+    _SYMBOLIC["triton"] = run_triton_op
 COMPILABLE = tuple(_SYMBOLIC)
 _COMPILE_ORDER = {device: tuple(n for n in order if n in COMPILABLE) for device, order in AUTO_ORDER.items()}
 
@@ -197,7 +191,7 @@ def _backend_name(requested: str, device: _torch.device, dtype: _torch.dtype, he
                   auto_order=_COMPILE_ORDER if compiling else AUTO_ORDER).name
 
 
-def _backend_function(name: str, q: _torch.Tensor):
+def _backend_function(name: str, q: _torch.Tensor) -> BackendRun:
     """The function of backend `name`. Where q holds no values (torch.compile, meta and fake tensors),
     "torch" and "triton" are their custom operators (`piattn::pi_attention_fwd`, `piattn::pi_triton_fwd`);
     in eager, the autograd.Functions they wrap (the same computation: the operator's dispatch would add about
@@ -227,19 +221,18 @@ def usable_pattern(pattern: Pattern, T: int) -> Pattern:
     return Pattern(window, period, pattern.causal, sinks)
 
 
-def _head_masks(periods: tuple[int, ...], n_kv_heads: int, q: _torch.Tensor, window: int, causal: bool, sinks: int,
-                dropout_p: float) -> _torch.Tensor:
-    """The dropout keep masks of per-head periods, drawn as `by_period` draws them (one per period group, in
-    increasing period, laid out for the group's usable pattern), so that a seed gives every backend the same
-    masks; in one tensor [B, H, T, S]: head h's mask in the first slots of its row (S the most any head has,
-    the rest kept)."""
+def _head_masks(settings: OpSettings, n_kv_heads: int, q: _torch.Tensor) -> _torch.Tensor:
+    """The dropout keep masks of per-head periods (settings.period a tuple), drawn as `by_period` draws them
+    (one per period group, in increasing period, laid out for the group's usable pattern), so that a seed
+    gives every backend the same masks; in one tensor [B, H, T, S]: head h's mask in the first slots of its
+    row (S the most any head has, the rest kept)."""
     B, H, T, _ = q.shape
-    groups = [(p, heads, usable_pattern(Pattern(window, p, causal, sinks), T)) for p, heads, _ in
-              period_groups(periods, n_kv_heads)]
+    groups = [(p, heads, usable_pattern(settings._replace(period=p).pattern, T)) for p, heads, _ in
+              period_groups(settings.period, n_kv_heads)]
     keep = _torch.ones(B, H, T, max(used.n_slots for _, _, used in groups), dtype=_torch.bool, device=q.device)
     for p, heads, used in groups:
-        asked = Pattern(window, p, causal, sinks)
-        mask = _torch.rand(B, len(heads), T, asked.n_slots, device=q.device) >= dropout_p
+        asked = settings._replace(period=p).pattern
+        mask = _torch.rand(B, len(heads), T, asked.n_slots, device=q.device) >= settings.dropout_p
         if used != asked:
             mask = _slots_of(mask, asked, used)
         keep[:, heads, :, :used.n_slots] = mask

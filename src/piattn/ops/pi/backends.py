@@ -5,6 +5,10 @@ gradients, dropout and optional features it supports. `Backend.refusal` turns th
 verdict on one concrete call, and `select` uses it both for `backend="auto"` (the first backend of
 `AUTO_ORDER` that can run the call) and to explain why an explicitly named backend cannot. The backend
 functions themselves check nothing.
+
+The contract every backend function keeps, written once: `BackendRun`, a call's tensors and its one
+`OpSettings` (built by `piattn.pi_attention`). `by_keywords` gives any of them the settings as keywords, the
+form tests, benchmarks and docs call a backend in directly.
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ import importlib.util
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
+from .settings import OpSettings
 from .validate import SUPPORTED_DTYPES
 
 # Triton runs on the CPU only in its interpreter, which must be switched on before triton is imported.
@@ -32,6 +38,36 @@ def refuse_double_backward(backend: str) -> None:
             f"double backward (create_graph=True) is not supported by backend {backend!r}; "
             f"backend='reference' (plain autograd) supports it"
         )
+
+
+class BackendRun(Protocol):
+    """A backend function: q [B, H, T, D], k, v [B, H_kv, T, D] (H_kv divides H), gate [B, H, T] or None,
+    settings (settings.period a tuple only for a backend with `per_head_periods`), dropout_keep bool
+    [B, H, T, |U|] in the contract's slot order or None (none: no dropout), document_ids [B, T] or None
+    -> [B, H, T, D] in q's dtype. With per-head periods dropout_keep is [B, H, T, S], head h's mask, in the
+    layout of its own pattern, in its first slots."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None,
+                 settings: OpSettings, dropout_keep: torch.Tensor | None = None,
+                 document_ids: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+def by_keywords(run: BackendRun) -> Callable[..., torch.Tensor]:
+    """`run` called with its settings as keywords: f(q, k, v, gate, *, window, period, causal, variant, prior,
+    logit_clamp, eps, scale, dropout_keep=None, dropout_p=0.0, sinks=0, document_ids=None, **options), options
+    passed on (flex's block_size). period: an int, or one per query head (any sequence of ints); without a
+    keep mask there is no dropout, as in the reference (dropout_p is then 0)."""
+
+    def call(q, k, v, gate, *, window, period, causal, variant, prior, logit_clamp, eps, scale, dropout_keep=None,
+             dropout_p=0.0, sinks=0, document_ids=None, **options):
+        settings = OpSettings(window=window, period=period if isinstance(period, int) else tuple(map(int, period)),
+                              causal=causal, variant=variant, prior=prior, logit_clamp=logit_clamp, eps=eps,
+                              scale=scale, dropout_p=0.0 if dropout_keep is None else dropout_p, sinks=sinks)
+        return run(q, k, v, gate, settings, dropout_keep, document_ids, **options)
+
+    call.__name__ = call.__qualname__ = f"{run.__name__}_by_keywords"
+    call.__doc__ = f"`{run.__name__}` with its settings as keywords (`backends.by_keywords`)."
+    return call
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -68,7 +104,7 @@ class Backend:
 
     name: str
     module: str  # submodule of piattn.ops.pi
-    function: str  # with the signature of `reference.pi_attention_reference`
+    function: str  # a `BackendRun`
     variants: frozenset[str] = frozenset()
     dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES
     devices: tuple[str, ...] | None = None
@@ -152,16 +188,16 @@ REGISTRY: dict[str, Backend] = {
     b.name: b
     for b in (
         # The ground truth: a loop over offsets, O(T·|U|·D) memory.
-        Backend("reference", "reference", "pi_attention_reference", variants=PAPER_VARIANTS, features=ALL_FEATURES,
+        Backend("reference", "reference", "run_reference", variants=PAPER_VARIANTS, features=ALL_FEATURES,
                 contains_nonfinite=True),
         # Blocked matrix products with a hand-written backward; any device torch runs on. With a non-finite
         # input it goes slot by slot (`all_finite`), so that a bad value stays in the rows that read it.
-        Backend("torch", "torch", "pi_attention_torch", variants=PAPER_VARIANTS, features=ALL_FEATURES,
+        Backend("torch", "torch", "run_torch", variants=PAPER_VARIANTS, features=ALL_FEATURES,
                 contains_nonfinite=True),
         # Fused kernels; tl.dot has no fp64, and D is padded to a power of two of at most 256. Per-head periods
         # in one launch of each kernel (each program reads its query head's period).
         Backend(
-            "triton", "triton", "pi_attention_triton", variants=PAPER_VARIANTS, dtypes=_LOW_AND_FP32,
+            "triton", "triton", "run_triton", variants=PAPER_VARIANTS, dtypes=_LOW_AND_FP32,
             devices=("cuda", "cpu") if TRITON_INTERPRET else ("cuda",), max_head_dim=256, requires=("triton",),
             note="" if TRITON_INTERPRET else " (set TRITON_INTERPRET=1 before importing triton for its CPU "
                                              "interpreter)", features=ALL_FEATURES,
@@ -171,12 +207,12 @@ REGISTRY: dict[str, Backend] = {
         # Fused C kernels for the CPU (fused_cpu.c, compiled on first use): fp32 and fp64, and bf16 and fp16 read
         # and written as such, computed in fp32; per-head periods in one call. Where the library cannot be built
         # or loaded (no C compiler, PIATTN_NATIVE=0) its probe refuses every call with the reason.
-        Backend("fused", "fused", "pi_attention_fused", variants=PAPER_VARIANTS,
+        Backend("fused", "fused", "run_fused", variants=PAPER_VARIANTS,
                 dtypes=(torch.float32, torch.float64, torch.bfloat16, torch.float16), devices=("cpu",),
                 features=ALL_FEATURES, contains_nonfinite=True, per_head_periods=True, probe="unavailable"),
         # torch's FlexAttention: no fp64 kernels, no CPU backward, no per-slot dropout mask.
         Backend(
-            "flex", "flex", "pi_attention_flex", variants=PAPER_VARIANTS, dtypes=_LOW_AND_FP32,
+            "flex", "flex", "run_flex", variants=PAPER_VARIANTS, dtypes=_LOW_AND_FP32,
             devices=("cpu", "cuda"), forward_only_on=("cpu",), dropout=False,
             requires=("torch.nn.attention.flex_attention",), features=ALL_FEATURES,
         ),

@@ -4,7 +4,7 @@
 CUDA, C++ on CPU) and skips every key block that the block mask leaves empty. The π pattern is very
 sparse (|U| = window + 2 keys per causal query) while flex works in tiles of `block_size` × `block_size`,
 so most of the computed scores are thrown away: the smaller the block, the less waste, down to the
-smallest tile the kernel accepts (see `pi_attention_flex`'s `block_size`).
+smallest tile the kernel accepts (see `run_flex`'s `block_size`).
 
     mask_mod : key offset kv - q in {-window … 0} ∪ {-period} (causal), {-window … window} ∪ {±period},
                or kv among the first `sinks` keys of q's document (causal: kv <= q); with documents,
@@ -37,7 +37,9 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from ...masks import local_mask, pi_mask, skip_mask
+from .backends import by_keywords
 from .pattern import Pattern, document_bounds, log_priors, slot_keys
+from .settings import OpSettings
 
 DEFAULT_BLOCK_SIZE = 128  # flex's own default tile
 # Distinct shapes, dtypes and patterns each compile one kernel; dynamo's default limit (8) would send
@@ -193,34 +195,19 @@ def _kernel_options(device: torch.device, block_size: int) -> dict | None:
     return dict.fromkeys(tiles, block_size)
 
 
-def pi_attention_flex(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    gate: torch.Tensor | None,
-    *,
-    window: int,
-    period: int,
-    causal: bool,
-    variant: str,
-    prior: float,
-    logit_clamp: float | None,
-    eps: float,
-    scale: float,
-    dropout_keep: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    sinks: int = 0,
-    document_ids: torch.Tensor | None = None,
-    block_size: int = DEFAULT_BLOCK_SIZE,
-) -> torch.Tensor:
+def run_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, settings: OpSettings,
+             dropout_keep: torch.Tensor | None = None, document_ids: torch.Tensor | None = None, *,
+             block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
     """π-Attention through FlexAttention with sparse tiles of `block_size` rows and columns.
 
-    q, k, v [B, H, T, D] (fp32, bf16 or fp16), gate [B, H, T] or None -> [B, H, T, D]. Arguments as in
-    `pi_attention_reference`, without dropout (dropout_keep must be None). On CUDA, a block_size below
-    128 also sets the kernel's own tiles to it; Triton's matrix products need at least 16, the smallest
+    q, k, v [B, H, T, D] (fp32, bf16 or fp16), gate [B, H, T] or None -> [B, H, T, D]: the contract,
+    `backends.BackendRun` (one period), without dropout (dropout_keep must be None). On CUDA, a block_size
+    below 128 also sets the kernel's own tiles to it; Triton's matrix products need at least 16, the smallest
     block size to try. `pi_attention` checks the limits declared in `backends.py` before it calls here; a
     direct caller must keep to them (on CPU: no gradients, the inputs are detached).
     """
+    window, period, causal, sinks = settings.window, settings.period, settings.causal, settings.sinks
+    variant = settings.variant
     if dropout_keep is not None:  # a contract, not a user error: pi_attention never sends flex a mask
         raise ValueError("backend 'flex' applies no dropout mask; call it with dropout_keep=None")
     if q.device.type == "cpu":
@@ -228,17 +215,17 @@ def pi_attention_flex(
         q, k, v = q.detach(), k.detach(), v.detach()
     T = q.shape[2]
     options = _kernel_options(q.device, block_size)
-    pat = Pattern(window, period, causal, sinks)
+    pat = settings.pattern
 
     def run(part: str, priors: torch.Tensor | None = None) -> torch.Tensor:
         if document_ids is None:
             mask = block_mask(T, window, period, causal, q.device, block_size, part, sinks)
         else:
             mask = _build_block_mask(pat, T, document_ids, q.device, block_size, part)
-        mod = _score_mod(window, period, logit_clamp, priors)
+        mod = _score_mod(window, period, settings.logit_clamp, priors)
         with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
             return _flex_kernel(q.device)(
-                q, k, v, score_mod=mod, block_mask=mask, scale=scale, kernel_options=options,
+                q, k, v, score_mod=mod, block_mask=mask, scale=settings.scale, kernel_options=options,
                 enable_gqa=k.shape[1] != q.shape[1],
             )
 
@@ -246,13 +233,16 @@ def pi_attention_flex(
         return _separate(run, gate, pat, T, document_ids).to(q.dtype)
     if variant == "union":
         return run("all")
-    log_local, log_skip = log_priors(variant, None if gate is None else gate.float(), prior, eps)
+    log_local, log_skip = log_priors(variant, None if gate is None else gate.float(), settings.prior, settings.eps)
     if variant == "adaptive":
         return run("all", torch.stack([log_local, log_skip], -1))
     # "fixed": one prior pair for every query, copied out so that the kernel of "adaptive" (compiled for
     # contiguous priors) serves it too.
     pair = torch.tensor([log_local, log_skip], dtype=torch.float32, device=q.device)
     return run("all", pair.expand(*q.shape[:3], 2).contiguous())
+
+
+pi_attention_flex = by_keywords(run_flex)
 
 
 def _separate(run, gate: torch.Tensor, pat: Pattern, T: int, document_ids: torch.Tensor | None) -> torch.Tensor:

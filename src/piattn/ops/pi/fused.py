@@ -47,7 +47,8 @@ import torch
 
 from ...allocator import advise_huge_pages
 from . import cbuild
-from .backends import refuse_double_backward
+from .backends import by_keywords, refuse_double_backward
+from .operators import register_pair
 from .pattern import document_bounds
 from .settings import OpSettings
 
@@ -280,36 +281,34 @@ def _refusal(q: torch.Tensor) -> str | None:
     return None
 
 
-def pi_attention_fused(q, k, v, gate, *, window, period, causal, variant, prior, logit_clamp, eps, scale,
-                       dropout_keep=None, dropout_p=0.0, sinks=0, document_ids=None):
-    """Same contract as `pi_attention_reference`: q [B, H, T, D], k, v [B, H_kv, T, D], gate [B, H, T] or None
-    -> [B, H, T, D] in q's dtype. period: an int, or one per query head; then dropout_keep (when given) is
-    [B, H, T, S] with head h's mask, in the layout of its own pattern (`Pattern(window, π_h, causal,
-    sinks)`), in its first slots. Refuses (ValueError) what it does not implement, and every call where the
-    compiled kernels are unavailable (`unavailable`)."""
+def run_fused(q, k, v, gate, settings: OpSettings, dropout_keep=None, document_ids=None):
+    """The contract, `backends.BackendRun`: q [B, H, T, D], k, v [B, H_kv, T, D], gate [B, H, T] or None ->
+    [B, H, T, D] in q's dtype; settings.period an int or one per query head. Refuses (ValueError) what it
+    does not implement, and every call where the compiled kernels are unavailable (`unavailable`)."""
     reason = _refusal(q) or unavailable()
     if reason is not None:
         raise ValueError(f"backend 'fused' cannot run this call: {reason}")
-    if dropout_keep is None:
-        dropout_p = 0.0  # as in the reference: no mask, no dropout
-    if not isinstance(period, int):
-        period = tuple(int(p) for p in period)
-    settings = OpSettings(window=window, period=period, causal=causal, variant=variant, prior=prior,
-                          logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p, sinks=sinks)
     # Cast and copied outside the Function, so that autograd takes the gradients back to the callers' layout
     # and dtype.
-    q, k, v = (x.contiguous() for x in (q, k, v))
-    if gate is not None:
-        gate = gate.to(q.dtype).contiguous()
+    q, k, v, gate = _kernel_inputs(q, k, v, gate)
     return _FusedFunction.apply(q, k, v, gate, settings, *document_bounds(document_ids, device="cpu"),
                                 keep_bytes(dropout_keep))
 
 
+pi_attention_fused = by_keywords(run_fused)
+
+
+def _kernel_inputs(q, k, v, gate):
+    """q, k, v contiguous and the gate in q's dtype, contiguous, as the kernels read them."""
+    q, k, v = (x.contiguous() for x in (q, k, v))
+    return q, k, v, None if gate is None else gate.to(q.dtype).contiguous()
+
+
 # ---------------------------------------------------------------------------------------------------------
-# torch.compile: the same kernels as the custom operators piattn::pi_fused_fwd / piattn::pi_fused_bwd (modelled on
-# `compiled.py`), one opaque node each way; the forward's per-row statistics leave it as an output, so that
-# AOTAutograd keeps them for the backward graph. A ctypes call cannot be traced: without the operators dynamo
-# would break the graph there.
+# torch.compile: the same kernels as the custom operators piattn::pi_fused_fwd / piattn::pi_fused_bwd
+# (`operators.register_pair`), one opaque node each way; the forward's per-row statistics leave it as an
+# output, so that AOTAutograd keeps them for the backward graph. A ctypes call cannot be traced: without the
+# operators dynamo would break the graph there.
 #
 #   piattn::pi_fused_fwd (q, k, v, gate, dropout_keep, document_ids, periods, settings…) -> (y, stat)
 #   piattn::pi_fused_bwd (dy, q, k, v, gate, dropout_keep, document_ids, stat, want_gate, periods, settings…)
@@ -317,77 +316,39 @@ def pi_attention_fused(q, k, v, gate, *, window, period, causal, variant, prior,
 #
 # periods: one per query head, or empty for `settings.period` in every head (an OpSettings field is one int).
 
-_FWD_SCHEMA = (f"(Tensor q, Tensor k, Tensor v, Tensor? gate, Tensor? dropout_keep, Tensor? document_ids, "
-               f"int[] periods, {OpSettings.schema()}) -> (Tensor, Tensor)")
-_BWD_SCHEMA = (f"(Tensor dy, Tensor q, Tensor k, Tensor v, Tensor? gate, Tensor? dropout_keep, Tensor? document_ids, "
-               f"Tensor stat, bool want_gate, int[] periods, {OpSettings.schema()}) -> Tensor[]")
-
 
 def _contiguous(*tensors):
     return [None if t is None else t.contiguous() for t in tensors]
 
 
-@torch.library.custom_op("piattn::pi_fused_fwd", mutates_args=(), schema=_FWD_SCHEMA)
-def pi_fused_fwd(q, k, v, gate, dropout_keep, document_ids, periods, *settings) -> tuple[torch.Tensor, torch.Tensor]:
+def _op_forward(q, k, v, gate, dropout_keep, document_ids, settings: OpSettings):
     """(y [B, H, T, D] in q's dtype, stat [B, H, T, stats_per_row] fp64): `fused_forward`."""
     q, k, v, gate = _contiguous(q, k, v, gate)
-    return fused_forward(q, k, v, gate, OpSettings.from_op(periods, settings),
-                         bounds=document_bounds(document_ids, device="cpu"), keep=keep_bytes(dropout_keep))
+    return fused_forward(q, k, v, gate, settings, bounds=document_bounds(document_ids, device="cpu"),
+                         keep=keep_bytes(dropout_keep))
 
 
-@pi_fused_fwd.register_fake
-def _(q, k, v, gate, dropout_keep, document_ids, periods, *settings):
+def _op_forward_fake(q, k, v, gate, dropout_keep, document_ids, settings: OpSettings):
     B, H, T, _ = q.shape
-    rows = stats_per_row(OpSettings(*settings).variant)
-    return q.new_empty(q.shape), q.new_empty((B, H, T, rows), dtype=torch.float64)
+    return q.new_empty(q.shape), q.new_empty((B, H, T, stats_per_row(settings.variant)), dtype=torch.float64)
 
 
-@torch.library.custom_op("piattn::pi_fused_bwd", mutates_args=(), schema=_BWD_SCHEMA)
-def pi_fused_bwd(dy, q, k, v, gate, dropout_keep, document_ids, stat, want_gate, periods,
-                 *settings) -> list[torch.Tensor]:
+def _op_backward(dy, q, k, v, gate, dropout_keep, document_ids, stat, want_gate, settings: OpSettings):
     """[dq, dk, dv], and dgate when `want_gate`, of `pi_fused_fwd` for the cotangent dy of its y."""
     dy, q, k, v, gate, stat = _contiguous(dy, q, k, v, gate, stat)
-    grads = fused_backward(dy, q, k, v, gate, stat, OpSettings.from_op(periods, settings), want_dgate=want_gate,
+    grads = fused_backward(dy, q, k, v, gate, stat, settings, want_dgate=want_gate,
                            bounds=document_bounds(document_ids, device="cpu"), keep=keep_bytes(dropout_keep))
     return list(grads) if want_gate else list(grads[:3])
 
 
-@pi_fused_bwd.register_fake
-def _(dy, q, k, v, gate, dropout_keep, document_ids, stat, want_gate, periods, *settings):
-    grads = [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)]
-    return grads + [gate.new_empty(gate.shape)] if want_gate else grads
+pi_fused_fwd, pi_fused_bwd = register_pair("pi_fused", "fused", forward=_op_forward, forward_fake=_op_forward_fake,
+                                           backward=_op_backward, saved="Tensor stat")
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, gate, keep, docs, periods, *settings = inputs
-    ctx.periods, ctx.settings = periods, settings
-    ctx.save_for_backward(q, k, v, gate, keep, docs, output[1])
-    ctx.mark_non_differentiable(output[1])
-
-
-def _backward(ctx, dy, _stat_grad):
-    refuse_double_backward("fused")
-    q, k, v, gate, keep, docs, stat = ctx.saved_tensors
-    want_gate = gate is not None and ctx.needs_input_grad[3]
-    grads = pi_fused_bwd(dy, q, k, v, gate, keep, docs, stat, want_gate, ctx.periods, *ctx.settings)
-    # One gradient per input of pi_fused_fwd: q, k, v, gate, then dropout_keep, document_ids, periods, settings.
-    return (*grads[:3], grads[3] if want_gate else None) + (None,) * (3 + len(ctx.settings))
-
-
-pi_fused_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-def pi_attention_fused_op(q, k, v, gate, *, window, period, causal, variant, prior, logit_clamp, eps, scale,
-                          dropout_keep=None, dropout_p=0.0, sinks=0, document_ids=None):
-    """`pi_attention_fused` through the operator `piattn::pi_fused_fwd`: what torch.compile captures (and what
-    runs on fake tensors). The call was checked by `backends.select`, the kernels' availability included."""
-    if dropout_keep is None:
-        dropout_p = 0.0
-    periods, settings = OpSettings.to_op(window=window, period=period, causal=causal, variant=variant, prior=prior,
-                                         logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p,
-                                         sinks=sinks)
-    q, k, v = (x.contiguous() for x in (q, k, v))
-    if gate is not None:
-        gate = gate.to(q.dtype).contiguous()
-    y, _ = pi_fused_fwd(q, k, v, gate, dropout_keep, document_ids, periods, *settings)
+def run_fused_op(q, k, v, gate, settings: OpSettings, dropout_keep=None, document_ids=None):
+    """The contract, `backends.BackendRun`, through the operator `piattn::pi_fused_fwd`: what torch.compile
+    captures (and what runs on fake tensors). The call was checked by `backends.select`, the kernels'
+    availability included."""
+    periods, settings = settings.to_op()
+    y, _ = pi_fused_fwd(*_kernel_inputs(q, k, v, gate), dropout_keep, document_ids, periods, *settings)
     return y

@@ -14,15 +14,19 @@ from .pattern import Pattern
 
 # The schema type of each field's annotation, as torch.library.infer_schema writes it. (No `from __future__
 # import annotations` in this module: the annotations must stay types, not strings.)
-_SCHEMA_TYPES = {int: "SymInt", bool: "bool", str: "str", float: "float", float | None: "float?"}
+# The period field crosses as one int: per-head periods travel beside it as the operator's `int[] periods`
+# (`to_op`, `from_op`).
+_SCHEMA_TYPES = {int: "SymInt", int | tuple[int, ...]: "SymInt", bool: "bool", str: "str", float: "float",
+                 float | None: "float?"}
 
 
 class OpSettings(NamedTuple):
-    """The contract's keyword arguments (`reference.pi_attention_reference`) that are neither tensors nor
-    the dropout mask: see `piattn.pi_attention` for their meaning (scale is never None here)."""
+    """A checked call's settings besides its tensors, built once by `piattn.pi_attention` and handed to the
+    backend (`backends.BackendRun`): see `pi_attention` for their meaning. scale is never None here; period
+    is one int, or a tuple of one int per query head for a backend that takes them (`per_head_periods`)."""
 
     window: int
-    period: int
+    period: int | tuple[int, ...]
     causal: bool
     variant: str
     prior: float
@@ -36,14 +40,13 @@ class OpSettings(NamedTuple):
     def pattern(self) -> Pattern:
         return Pattern(self.window, self.period, self.causal, self.sinks)
 
-    @classmethod
-    def to_op(cls, *, period, **fields) -> "tuple[list[int], OpSettings]":
-        """What an operator with an `int[] periods` argument takes for a call of `period` (an int, or one per
-        query head) and the other fields: (periods, settings), periods empty for one period, else the per-head
-        ints with the first of them in the period field (an OpSettings field is one int). `from_op` reads them
-        back."""
-        periods = [] if isinstance(period, int) else [int(p) for p in period]
-        return periods, cls(period=periods[0] if periods else period, **fields)
+    def to_op(self) -> "tuple[list[int], OpSettings]":
+        """What an operator with an `int[] periods` argument takes for these settings: (periods, settings),
+        periods empty for one period, else the per-head ints with the first of them in the period field (an
+        operator's period argument is one int). `from_op` reads them back."""
+        if isinstance(self.period, int):
+            return [], self
+        return list(self.period), self._replace(period=self.period[0])
 
     @classmethod
     def from_op(cls, periods, settings) -> "OpSettings":

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends import refuse_double_backward
+from .backends import by_keywords, refuse_double_backward
 from .dtypes import accumulation_dtype
 from .pattern import Pattern, log_priors, slot_keys
 from .settings import OpSettings
@@ -507,12 +507,10 @@ def torch_backward(dy, q, k, v, gate, dropout_keep, slots: _Slots, saved: dict[s
 
 class PiAttentionFunction(torch.autograd.Function):
     """Autograd around `torch_forward` and `torch_backward`. Arguments: q, k, v, gate (differentiable), the
-    `OpSettings` fields in their order, the dropout keep mask and the slot plan (`pi_attention_torch`)."""
+    `OpSettings`, the dropout keep mask and the slot plan (`run_torch`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, gate, *args):
-        *fields, dropout_keep, slots = args
-        settings = OpSettings(*fields)
+    def forward(ctx, q, k, v, gate, settings: OpSettings, dropout_keep, slots):
         y, saved = torch_forward(q, k, v, gate, dropout_keep, slots, settings)
         ctx.save_for_backward(q, k, v, gate, dropout_keep, *saved.values())
         # Neither inputs nor outputs: kept on ctx as they are.
@@ -526,7 +524,7 @@ class PiAttentionFunction(torch.autograd.Function):
         saved = dict(zip(ctx.saved_names, kept, strict=True))
         grads = torch_backward(dy, q, k, v, gate, dropout_keep, ctx.slots, saved, ctx.settings,
                                want_dgate=ctx.needs_input_grad[3])
-        return grads + (None,) * (len(OpSettings._fields) + 2)
+        return grads + (None, None, None)
 
 
 def _keep_multiplier(keep: torch.Tensor | None, p: float, dtype: torch.dtype, order: list[int] | None,
@@ -542,9 +540,9 @@ def _keep_multiplier(keep: torch.Tensor | None, p: float, dtype: torch.dtype, or
     return keep.transpose(-1, -2).to(dtype) / (1 - p)
 
 
-def pi_attention_torch(q, k, v, gate, *, window, period, causal, variant, prior, logit_clamp, eps, scale,
-                       dropout_keep, dropout_p, sinks=0, document_ids=None):
-    """Same contract as `pi_attention_reference`."""
-    settings = OpSettings(window=window, period=period, causal=causal, variant=variant, prior=prior,
-                          logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p, sinks=sinks)
-    return PiAttentionFunction.apply(q, k, v, gate, *settings, dropout_keep, slot_plan(q, k, document_ids, settings))
+def run_torch(q, k, v, gate, settings: OpSettings, dropout_keep=None, document_ids=None):
+    """The contract, `backends.BackendRun` (one period), through `PiAttentionFunction`."""
+    return PiAttentionFunction.apply(q, k, v, gate, settings, dropout_keep, slot_plan(q, k, document_ids, settings))
+
+
+pi_attention_torch = by_keywords(run_torch)

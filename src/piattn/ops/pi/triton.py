@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from .backends import refuse_double_backward
+from .backends import by_keywords, refuse_double_backward
 from .heads import period_groups
+from .operators import register_pair
 from .pattern import Pattern, document_bounds, log_priors
 from .settings import OpSettings
 from .torch import slot_plan, torch_backward, torch_forward
@@ -87,15 +88,17 @@ def _periods_on(periods: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(periods, dtype=torch.int32, device=device)
 
 
-def plan(q: torch.Tensor, *, window, period, causal, variant, prior, logit_clamp, eps, scale, dropout_p,
-         dropout: bool, sinks: int = 0, kv_heads: int | None = None, documents: bool = False) -> Launch:
-    """The launch configuration for q [B, H, T, D] (D a power of two >= 16); period: an int, or one per query
-    head (H ints); dropout: a keep mask is passed (with per-head periods [B, H, T, N_SLOTS], head h's slots
+def plan(q: torch.Tensor, settings: OpSettings, *, dropout: bool, kv_heads: int | None = None,
+         documents: bool = False) -> Launch:
+    """The launch configuration for q [B, H, T, D] (D a power of two >= 16); settings.period: an int, or one
+    per query head (H ints); dropout: a keep mask is passed (with per-head periods [B, H, T, N_SLOTS], head h's slots
     first, N_SLOTS the most any head has); kv_heads: H_kv (None: H); documents: document bounds are passed.
 
     Per-head periods launch PER_HEAD kernels with N_SKIP the most skip slots any head has, unless every head
     has the same pattern (equal periods, or none beyond the window): then the one-period kernels run."""
     B, H, T, D = q.shape
+    window, period, causal, sinks = settings.window, settings.period, settings.causal, settings.sinks
+    variant, prior, eps, logit_clamp = settings.variant, settings.prior, settings.eps, settings.logit_clamp
     kv_heads = H if kv_heads is None else kv_heads
     periods = (period,) if isinstance(period, int) else tuple(int(p) for p in period)
     # The pattern with the most slots (N_SKIP, N_SLOTS): any head's with a skip beyond the window.
@@ -118,9 +121,9 @@ def plan(q: torch.Tensor, *, window, period, causal, variant, prior, logit_clamp
     n_tiles = triton.cdiv(T, block_t)
     return Launch(
         window=window, period=0 if per_head else pat.period,
-        periods=_periods_on(periods, q.device) if per_head else None, mode=mode, eps=eps, scale=scale,
+        periods=_periods_on(periods, q.device) if per_head else None, mode=mode, eps=eps, scale=settings.scale,
         clamp=0.0 if logit_clamp is None else float(logit_clamp), log_local=log_local, log_skip=log_skip,
-        keep_scale=1.0 / (1.0 - dropout_p), sinks=sinks, heads=H, group=H // kv_heads, n_tiles=n_tiles,
+        keep_scale=1.0 / (1.0 - settings.dropout_p), sinks=sinks, heads=H, group=H // kv_heads, n_tiles=n_tiles,
         grid=(B * H * n_tiles,), grid_kv=(B * kv_heads * n_tiles,), meta=meta,
     )
 
@@ -261,17 +264,14 @@ def _unpadded(y: torch.Tensor, D: int) -> torch.Tensor:
 def _plan_for(q, k, keep, document_ids, settings: OpSettings) -> Launch:
     """`plan` for kernel inputs q, k (`_kernel_inputs`), the uint8 keep mask or None and document_ids or None;
     settings.period an int or one per query head."""
-    return plan(q, **settings._asdict(), dropout=keep is not None, kv_heads=k.shape[1],
-                documents=document_ids is not None)
+    return plan(q, settings, dropout=keep is not None, kv_heads=k.shape[1], documents=document_ids is not None)
 
 
-def pi_attention_triton(q, k, v, gate, *, window, period, causal, variant, prior, logit_clamp, eps, scale,
-                        dropout_keep, dropout_p, sinks=0, document_ids=None):
-    """Same contract as `pi_attention_reference`: q [B, H, T, D], k, v [B, H_kv, T, D] -> [B, H, T, D] in
-    q's dtype, with sinks, documents and grouped-query attention (no repeated k, v: each program of a
-    query head reads its key/value head). period: an int, or one per query head (one launch of each kernel,
-    `plan`); then dropout_keep (when given) is [B, H, T, S] with head h's mask, in the slot layout of its own
-    pattern (`Pattern(window, π_h, causal, sinks)`), in its first slots.
+def run_triton(q, k, v, gate, settings: OpSettings, dropout_keep=None, document_ids=None):
+    """The contract, `backends.BackendRun`: q [B, H, T, D], k, v [B, H_kv, T, D] -> [B, H, T, D] in q's
+    dtype, with sinks, documents and grouped-query attention (no repeated k, v: each program of a query head
+    reads its key/value head). settings.period: an int, or one per query head (one launch of each kernel,
+    `plan`).
 
     fp32, bf16 and fp16 inputs, head dims up to 256 (`backends.py` declares this); scores, softmax and
     outputs accumulate in fp32 (fp32 inputs: 3xTF32 dots, about fp32-accurate). `tl.dot` needs a
@@ -282,88 +282,54 @@ def pi_attention_triton(q, k, v, gate, *, window, period, causal, variant, prior
     q, k, v, gate, D = _kernel_inputs(q, k, v, gate)
     keep = None if dropout_keep is None else dropout_keep.contiguous().view(torch.uint8)
     start, end = document_bounds(document_ids, torch.int32)
-    if not isinstance(period, int):
-        period = tuple(int(p) for p in period)
-    settings = OpSettings(window=window, period=period, causal=causal, variant=variant, prior=prior,
-                          logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p, sinks=sinks)
     launch = _plan_for(q, k, keep, document_ids, settings)
     return _unpadded(_PiAttentionTriton.apply(q, k, v, gate, keep, start, end, document_ids, launch, settings), D)
 
 
-# The backend as PyTorch custom operators, what runs inside torch.compile (and on meta and fake tensors):
-# one opaque node each way, the kernels launched as in eager. The settings are `OpSettings`' fields, in its
-# order (`settings.py`); the launch plan is rebuilt from them. periods: one per query head, or empty for
-# `settings.period` in every head (an OpSettings field is one int), as for "fused"'s operators.
+pi_attention_triton = by_keywords(run_triton)
+
+
+# The backend as PyTorch custom operators (`operators.register_pair`), what runs inside torch.compile (and on
+# meta and fake tensors): one opaque node each way, the kernels launched as in eager. The settings are
+# `OpSettings`' fields, in its order (`settings.py`); the launch plan is rebuilt from them. periods: one per
+# query head, or empty for `settings.period` in every head (an OpSettings field is one int), as for "fused"'s
+# operators.
 #
 #     piattn::pi_triton_fwd (q, k, v, gate, keep, document_ids, periods, settings…) -> (y, stats)
 #     piattn::pi_triton_bwd (dy, q, k, v, gate, keep, document_ids, stats, want_gate, periods, settings…) -> grads
 
-_FWD_SCHEMA = (f"(Tensor q, Tensor k, Tensor v, Tensor? gate, Tensor? keep, Tensor? document_ids, "
-               f"int[] periods, {OpSettings.schema()}) -> (Tensor, Tensor)")
-_BWD_SCHEMA = (f"(Tensor dy, Tensor q, Tensor k, Tensor v, Tensor? gate, Tensor? keep, Tensor? document_ids, "
-               f"Tensor stats, bool want_gate, int[] periods, {OpSettings.schema()}) -> Tensor[]")
-
-
-@torch.library.custom_op("piattn::pi_triton_fwd", mutates_args=(), schema=_FWD_SCHEMA)
-def pi_triton_fwd(q, k, v, gate, keep, document_ids, periods, *settings) -> tuple[torch.Tensor, torch.Tensor]:
+def _op_forward(q, k, v, gate, keep, document_ids, settings: OpSettings):
     """(y [B, H, T, D], stats fp32 [2, B·H, T]) for q, k, v as `_kernel_inputs` leaves them and keep the
     bool dropout mask [B, H, T, |U|] or None."""
     keep = None if keep is None else keep.view(torch.uint8)
-    launch = _plan_for(q, k, keep, document_ids, OpSettings.from_op(periods, settings))
+    launch = _plan_for(q, k, keep, document_ids, settings)
     return triton_forward(q, k, v, gate, keep, launch, document_bounds(document_ids, torch.int32))
 
 
-@pi_triton_fwd.register_fake
-def _(q, k, v, gate, keep, document_ids, periods, *settings):
+def _op_forward_fake(q, k, v, gate, keep, document_ids, settings: OpSettings):
     B, H, T, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((2, B * H, T), dtype=torch.float32)
 
 
-@torch.library.custom_op("piattn::pi_triton_bwd", mutates_args=(), schema=_BWD_SCHEMA)
-def pi_triton_bwd(dy, q, k, v, gate, keep, document_ids, stats, want_gate, periods,
-                  *settings) -> list[torch.Tensor]:
+def _op_backward(dy, q, k, v, gate, keep, document_ids, stats, want_gate, settings: OpSettings):
     """[dq, dk, dv], and dgate when `want_gate`, of `pi_triton_fwd` for the cotangent dy of its y."""
     keep = None if keep is None else keep.view(torch.uint8)
-    settings = OpSettings.from_op(periods, settings)
     dq, dk, dv, dgate = triton_gradients(dy, q, k, v, gate, keep, document_ids, stats,
                                          _plan_for(q, k, keep, document_ids, settings), settings,
                                          want_dgate=want_gate, bounds=document_bounds(document_ids, torch.int32))
     return [dq, dk, dv, dgate] if want_gate else [dq, dk, dv]
 
 
-@pi_triton_bwd.register_fake
-def _(dy, q, k, v, gate, keep, document_ids, stats, want_gate, periods, *settings):
-    grads = [q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)]
-    return grads + [gate.new_empty(gate.shape)] if want_gate else grads
+pi_triton_fwd, pi_triton_bwd = register_pair("pi_triton", "triton", forward=_op_forward,
+                                             forward_fake=_op_forward_fake, backward=_op_backward,
+                                             saved="Tensor stats", keep="keep")
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, gate, keep, docs, periods, *settings = inputs
-    ctx.periods, ctx.settings = periods, settings
-    ctx.save_for_backward(q, k, v, gate, keep, docs, output[1])
-    ctx.mark_non_differentiable(output[1])
-
-
-def _backward(ctx, dy, _stats_grad):
-    refuse_double_backward("triton")
-    q, k, v, gate, keep, docs, stats = ctx.saved_tensors
-    want_gate = gate is not None and ctx.needs_input_grad[3]
-    grads = pi_triton_bwd(dy, q, k, v, gate, keep, docs, stats, want_gate, ctx.periods, *ctx.settings)
-    # One gradient per input of pi_triton_fwd: q, k, v, gate, then keep, document_ids, periods and the settings.
-    return (*grads[:3], grads[3] if want_gate else None) + (None,) * (3 + len(ctx.settings))
-
-
-pi_triton_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-def pi_attention_triton_op(q, k, v, gate, *, window, period, causal, variant, prior, logit_clamp, eps, scale,
-                           dropout_keep, dropout_p, sinks=0, document_ids=None):
-    """`pi_attention_triton` through the operator `piattn::pi_triton_fwd`: what torch.compile captures
-    (per-head periods as its `periods`, the one period of every head as `period`)."""
+def run_triton_op(q, k, v, gate, settings: OpSettings, dropout_keep=None, document_ids=None):
+    """The contract, `backends.BackendRun`, through the operator `piattn::pi_triton_fwd`: what torch.compile
+    captures (per-head periods as its `periods`, the one period of every head as `period`)."""
     q, k, v, gate, D = _kernel_inputs(q, k, v, gate)
     keep = None if dropout_keep is None else dropout_keep.contiguous()
-    periods, settings = OpSettings.to_op(window=window, period=period, causal=causal, variant=variant, prior=prior,
-                                         logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p,
-                                         sinks=sinks)
+    periods, settings = settings.to_op()
     y, _ = pi_triton_fwd(q, k, v, gate, keep, document_ids, periods, *settings)
     return _unpadded(y, D)
