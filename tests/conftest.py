@@ -17,13 +17,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
-def pytest_collection_modifyitems(config, items):
-    """The tests marked `long` first, the rest in their order (a stable sort). With one worker per core (`make
-    test`), a test of tens of seconds that starts last leaves the other workers idle until it ends; started
-    first, the short tests fill in around it."""
-    items.sort(key=lambda item: item.get_closest_marker("long") is None)
-
-
 @pytest.fixture
 def nan_poison(monkeypatch):
     """Make fresh allocations NaN-filled, so an element a kernel forgets to write cannot pass a test."""

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
-
 from piattn.cli import main
 
 
-@pytest.mark.long
 def test_demo_runs_and_reports(tmp_path, capsys):
     assert main(["demo", "--lengths", "256", "--backends", "reference", "torch", "--out", str(tmp_path),
                  "--lags", "3", "8", "--reach-steps", "3"]) == 0
@@ -22,7 +19,6 @@ def test_demo_runs_and_reports(tmp_path, capsys):
     assert len(rows) == 1 and "error" not in rows[0]
 
 
-@pytest.mark.long
 def test_a_backend_that_cannot_run_here_is_said_not_timed(tmp_path, capsys, monkeypatch):
     """"fused" refused (as on a machine without a C compiler): the demo says why and times the others."""
     from piattn.ops.pi import backends

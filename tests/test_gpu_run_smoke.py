@@ -14,12 +14,9 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.long
 def test_gpu_run_smoke(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "PYTHONUNBUFFERED": "1"}
     # --model-s: the model step's default budget is 0 (measured in the first GPU session), not in the smoke run.

@@ -24,7 +24,7 @@ from piattn.models import GPT, GPTConfig
 from piattn.ops.pi.decode import decode_ring, pi_decode
 
 # One pytest worker runs this file (make test: --dist loadgroup): `built_once` builds its library once.
-pytestmark = [pytest.mark.long, pytest.mark.xdist_group("decode_trust")]
+pytestmark = pytest.mark.xdist_group("decode_trust")
 
 HAS_CC = shutil.which(os.environ.get("CC") or "cc") is not None
 needs_cc = pytest.mark.skipif(not HAS_CC, reason="no C compiler ($CC or cc) to build the compiled decoding step")

@@ -21,8 +21,6 @@ from piattn.models import GPT, GPTConfig
 from piattn.ops.pi import pi_attention
 from piattn.ops.pi.decode import decode_ring
 
-pytestmark = pytest.mark.long  # seconds per test: run first (tests/conftest.py)
-
 TOL = {torch.float32: dict(rtol=2e-5, atol=2e-6), torch.float64: dict(rtol=1e-12, atol=1e-12)}
 EPS = 1e-3  # large enough that the clip of the gate changes the rows
 

@@ -11,8 +11,6 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.long  # seconds per test: run first (tests/conftest.py)
-
 NO_KERNELS = """
 import json, warnings, torch
 warnings.simplefilter("always")

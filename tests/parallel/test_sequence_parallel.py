@@ -16,8 +16,7 @@ from sp_jobs import needed_positions
 from piattn import pi_attention
 from piattn.parallel import HaloPlan, plan_for, sequence_parallel_pi_attention
 
-pytestmark = [pytest.mark.long,
-              pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed"),
+pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed"),
               # one pytest worker runs this file (make test: --dist loadgroup), so that its module fixture's
               # process group is started once, not once per worker
               pytest.mark.xdist_group("test_sequence_parallel")]

@@ -18,8 +18,7 @@ from sp_jobs import needed_positions
 from piattn.ops.pi.heads import period_groups
 from piattn.parallel import HaloPlan, plan_for
 
-pytestmark = [pytest.mark.long,
-              pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed"),
+pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed"),
               # one pytest worker runs this file (make test: --dist loadgroup), so that its module fixture's
               # process group is started once, not once per worker
               pytest.mark.xdist_group("test_sequence_parallel_head_periods")]

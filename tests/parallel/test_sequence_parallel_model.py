@@ -15,8 +15,7 @@ from sp_harness import run_ranks
 
 from piattn.layers.sharding import active_shard, pi_operator, sequence_parallel
 
-pytestmark = [pytest.mark.long,
-              pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed"),
+pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed"),
               # one pytest worker runs this file (make test: --dist loadgroup), so that its module fixture's
               # process group is started once, not once per worker
               pytest.mark.xdist_group("test_sequence_parallel_model")]

@@ -297,7 +297,6 @@ def _reach_accuracy(tmp_path, attention: str, lag: int) -> float:
     return next(r["accuracy"] for r in read_metrics(out) if r["split"] == "validation")
 
 
-@pytest.mark.long
 def test_reach_separates_local_and_pi_where_the_analysis_says(tmp_path):
     """Lag 8: one π hop for π-Attention, beyond k·L for local, which stays at chance."""
     assert not reach.reachable(8, 2, None, 2) and reach.reachable(8, 2, 8, 2)

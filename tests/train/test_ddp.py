@@ -19,8 +19,7 @@ from piattn.cli import main
 from piattn.train.metrics import read_metrics
 from utils import write_word_corpus
 
-pytestmark = [pytest.mark.long,
-              pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")]
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
 
 
 def write_corpus(root):

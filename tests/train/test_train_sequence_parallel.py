@@ -19,8 +19,7 @@ from piattn.cli import main
 from piattn.commands.train import train_config
 from piattn.train.checkpoint import load_trainer_state, read_latest
 
-pytestmark = [pytest.mark.long,
-              pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed"),
+pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed"),
               # one pytest worker runs this file (make test: --dist loadgroup), so that its module fixture's
               # process group is started once, not once per worker
               pytest.mark.xdist_group("test_train_sequence_parallel")]
