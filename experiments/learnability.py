@@ -212,17 +212,18 @@ class Results:
 
 # --- report ------------------------------------------------------------------------------------------
 
-def median_or_none(values: list[int | None], budget: int) -> float | None:
-    """The median with a run that never learned counted as after the budget (None if that is the median)."""
-    ranked = sorted(budget + 1 if v is None else v for v in values)
-    m = statistics.median(ranked)
+def median_or_none(values: list[int | None], budget: int) -> int | None:
+    """The upper median (of an even count, the larger middle value: a run that never learned has no value to
+    average), with a run that never learned counted as after the budget; None if that is the median."""
+    m = statistics.median_high(budget + 1 if v is None else v for v in values)
     return None if m > budget else m
 
 
 def table(results: Results) -> str:
     lines = [f"Steps-to-learn: first validation step (every {EVERY}) with accuracy ≥ {LEARNED} over the lags; "
              "'common' = the lags single π reaches (every arm reaches them), 'own' = the arm's reachable lags; "
-             "— = not within the budget. Median counts a run that never learned as after the budget.", ""]
+             "— = not within the budget. Median: the upper median, a run that never learned counted as after the "
+             "budget.", ""]
     for name, s in SETTINGS.items():
         rows = [r for r in results.done.values() if r["setting"] == name]
         if not rows:
