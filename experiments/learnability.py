@@ -30,6 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from runs import write_json
 from tqdm import tqdm
 
 from piattn.analysis import design_periods, min_depth_multi, periods_per_layer
@@ -204,10 +205,7 @@ class Results:
 
     def add(self, record: dict) -> None:
         self.done[record["key"]] = record
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = self.path.with_suffix(".tmp")
-        temporary.write_text(json.dumps({"settings": self.settings, "runs": list(self.done.values())}) + "\n")
-        os.replace(temporary, self.path)
+        write_json(self.path, {"settings": self.settings, "runs": list(self.done.values())})
 
 
 # --- report ------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from runs import train_and_test
+from runs import train_and_test, write_json
 from tqdm import tqdm
 
 from piattn.layers import attention_class
@@ -276,10 +276,7 @@ class Results:
 
     def add(self, record: dict) -> None:
         self.done[record["key"]] = record
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = self.path.with_suffix(".tmp")
-        temporary.write_text(json.dumps({"task": TASK, "runs": list(self.done.values())}, indent=1) + "\n")
-        os.replace(temporary, self.path)
+        write_json(self.path, {"task": TASK, "runs": list(self.done.values())})
 
 
 def resolved(run: Run, done: dict[str, dict]) -> float | None:

@@ -27,3 +27,11 @@ def train_and_test(run: Path, train_argv: list[str], eval_argv: list[str] = ()) 
                        stdout=subprocess.DEVNULL, env=env)
         print(f"{run.name}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     return json.loads(next(run.glob("eval/*_test.json")).read_text())
+
+
+def write_json(path: Path, data) -> None:
+    """`data` as JSON at `path`, through a temporary file renamed over it: never a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(data, indent=1) + "\n")
+    os.replace(temporary, path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -251,5 +252,6 @@ def load_script(path: Path, name: str):
     """The module of a script (benchmarks/, experiments/) that is not a package, loaded from its file as `name`."""
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # as an import does: a dataclass looks its module up there
     spec.loader.exec_module(module)
     return module
