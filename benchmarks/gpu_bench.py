@@ -71,7 +71,7 @@ class Setup:
             self.nan_shape = (1, 2, 256, 32)
             self.modes = ("fwd",)
             self.sdpa = SDPBackend.MATH
-            self.warmup, self.repeats, self.copy_bytes = 1, 3, 64 << 20
+            self.warmup, self.repeats, self.copy_bytes = 1, 1, 64 << 20  # checks the plumbing, times nothing
             self.flex_probe = (16,)
         else:
             self.grid = GRID

@@ -49,9 +49,11 @@ def _peak_mib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
 
 
-def _median_ms(fn, device: torch.device, repeats: int) -> float:
-    """Median wall time of fn() in ms over `repeats` calls, after one warm-up call (which compiles)."""
-    fn()
+def _median_ms(fn, device: torch.device, repeats: int, warm: bool = False) -> float:
+    """Median wall time of fn() in ms over `repeats` calls, after one warm-up call (which compiles) unless
+    fn has run already (warm)."""
+    if not warm:
+        fn()
     times = []
     for _ in range(repeats):
         _sync(device)
@@ -84,7 +86,7 @@ def time_train(plan: ModelPlan, model: GPT, idx: torch.Tensor) -> dict:
     model.train()
     step()  # AdamW's state exists from here on: the peak below includes it, as in training
     _reset_peak(plan.device)
-    ms = _median_ms(step, plan.device, plan.repeats)
+    ms = _median_ms(step, plan.device, plan.repeats, warm=True)
     return dict(ms=ms, peak_mib=_peak_mib(plan.device))
 
 

@@ -225,7 +225,7 @@ class KernelPlan:
         # kernels rather than the launch (B 1 was host-bound in the first runs: benchmarks/results/gpu_run.md).
         # One B per run: the report's rows are keyed by dtype, D, T and mode.
         self.BHD = ((8, 16, 64), (8, 16, 128)) if cuda else ((1, 4, 16),)
-        self.T = (4096, 8192, 16384, 32768) if cuda else (64, 128)
+        self.T = (4096, 8192, 16384, 32768) if cuda else (64,)
         self.check_shape = (2, 4, 1000, 64) if cuda else (1, 4, 80, 16)
         self.modes = ("fwd", "fwd+bwd")
         self.flex_probe = gb.FLEX_PROBE if cuda else (16,)

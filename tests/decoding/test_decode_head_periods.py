@@ -8,9 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from piattn.config import PI_DEFAULTS
 from piattn.decoding.cache import RingCache
 from piattn.ops.pi import pi_attention
-from piattn.ops.pi.decode import _decode_rows, decode_ring, gate_tail
+from piattn.ops.pi.decode import _decode_rows, decode_ring, decode_settings, gate_tail
+from piattn.ops.pi.settings import OpSettings
 
 PERIODS = (5, 2, 9, 5)  # 2 folds into the window; heads 0 and 3 share a period across key/value groups
 SETTINGS = dict(window=3, prior=0.3, logit_clamp=4.0, eps=1e-4)
@@ -23,6 +25,12 @@ def _inputs(N: int, H_kv: int, seed: int):
     v = torch.randn(2, H_kv, N, 8, generator=g, dtype=torch.float64)
     gate = 0.01 + 0.98 * torch.rand(2, 4, N, generator=g, dtype=torch.float64)
     return q, k, v, gate
+
+
+def _settings(*, scale, **pi) -> OpSettings:
+    """The decoding functions' settings for `pi_attention`'s keywords `pi` (the defaults for the rest), built
+    as-is: the functions check them."""
+    return decode_settings(PI_DEFAULTS, scale)._replace(**pi)
 
 
 def _ring(k: torch.Tensor, v: torch.Tensor, sinks: int) -> RingCache:
@@ -42,12 +50,12 @@ def test_per_head_periods_equal_the_full_operator(variant, H_kv, sinks):
         q, k, v, gate = _inputs(N, H_kv, seed=N + 10 * H_kv)
         full = pi_attention(q, k, v, gate if gated else None, causal=True, period=PERIODS, **kw)
         for t in {1, min(3, N)}:
-            rows = _decode_rows(q[:, :, -t:], k, v, gate[:, :, -t:] if gated else None, period=PERIODS,
-                                scale=8**-0.5, **kw)
+            rows = _decode_rows(q[:, :, -t:], k, v, gate[:, :, -t:] if gated else None,
+                                _settings(period=PERIODS, scale=8**-0.5, **kw))
             torch.testing.assert_close(rows, full[:, :, -t:], rtol=1e-12, atol=1e-12, msg=f"rows t={t} N={N}")
         cache = _ring(k, v, sinks)
-        ring = decode_ring(q[:, :, -1:], cache.kv, gate[:, :, -1:] if gated else None, capacity=cache.capacity,
-                           position=N - 1, period=PERIODS, scale=8**-0.5, **kw)
+        ring = decode_ring(q[:, :, -1:], cache.kv, gate[:, :, -1:] if gated else None,
+                           _settings(period=PERIODS, scale=8**-0.5, **kw), capacity=cache.capacity, position=N - 1)
         torch.testing.assert_close(ring, full[:, :, -1:], rtol=1e-12, atol=1e-12, msg=f"ring N={N}")
 
 
@@ -60,13 +68,15 @@ def test_per_head_periods_cut_the_gate_head_per_period():
     weight, bias = torch.randn(4, 6, generator=g, dtype=torch.float64), torch.randn(4, generator=g, dtype=torch.float64)
     eps = SETTINGS["eps"]
     alpha = eps + (1 - 2 * eps) * gate_tail(hidden, weight, bias).transpose(1, 2)  # α as the step computes it
-    kw = dict(SETTINGS, variant="adaptive", period=PERIODS, scale=8**-0.5)
-    rows = _decode_rows(q[:, :, -3:], k, v, hidden, gate_head=(weight, bias), **kw)
-    torch.testing.assert_close(rows, _decode_rows(q[:, :, -3:], k, v, alpha, **kw), rtol=1e-12, atol=1e-12)
+    settings = _settings(**SETTINGS, variant="adaptive", period=PERIODS, scale=8**-0.5)
+    rows = _decode_rows(q[:, :, -3:], k, v, hidden, settings, gate_head=(weight, bias))
+    torch.testing.assert_close(rows, _decode_rows(q[:, :, -3:], k, v, alpha, settings), rtol=1e-12, atol=1e-12)
     cache = _ring(k, v, 0)
-    ring = dict(capacity=cache.capacity, position=19, **kw)
-    torch.testing.assert_close(decode_ring(q[:, :, -1:], cache.kv, hidden[:, -1:], gate_head=(weight, bias), **ring),
-                               decode_ring(q[:, :, -1:], cache.kv, alpha[:, :, -1:], **ring), rtol=1e-12, atol=1e-12)
+    ring = dict(capacity=cache.capacity, position=19)
+    torch.testing.assert_close(decode_ring(q[:, :, -1:], cache.kv, hidden[:, -1:], settings, gate_head=(weight, bias),
+                                           **ring),
+                               decode_ring(q[:, :, -1:], cache.kv, alpha[:, :, -1:], settings, **ring), rtol=1e-12,
+                               atol=1e-12)
 
 
 @pytest.mark.parametrize("period, message", [
@@ -78,5 +88,5 @@ def test_bad_per_head_periods_are_a_one_line_value_error(period, message):
     q, k, v, _ = _inputs(40, 2, seed=0)
     cache = _ring(k, v, 0)
     with pytest.raises(ValueError, match=message):
-        decode_ring(q[:, :, -1:], cache.kv, None, capacity=cache.capacity, position=39, period=period,
-                    variant="union", scale=1.0, **{k: v for k, v in SETTINGS.items()})
+        decode_ring(q[:, :, -1:], cache.kv, None, _settings(period=period, variant="union", scale=1.0, **SETTINGS),
+                    capacity=cache.capacity, position=39)

@@ -19,9 +19,11 @@ import pytest
 import torch
 
 import piattn.ops.pi.native as native
+from piattn.config import PI_DEFAULTS
 from piattn.decoding.cache import RingCache
 from piattn.models import GPT, GPTConfig
-from piattn.ops.pi.decode import decode_ring, pi_decode
+from piattn.ops.pi import decode
+from piattn.ops.pi.decode import decode_settings, pi_decode
 
 # One pytest worker runs this file (make test: --dist loadgroup): `built_once` builds its library once.
 pytestmark = pytest.mark.xdist_group("decode_trust")
@@ -55,6 +57,13 @@ def _child(code: str, tmp_path, *, own_cache: bool = True, **env) -> subprocess.
     cache = {"PIATTN_CACHE": str(tmp_path)} if own_cache else {}
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300,
                           env={**os.environ, **cache, **env})
+
+
+def decode_ring(q, kv_store, gate, *, capacity, position, gate_head=None, scale, **settings):
+    """`decode.decode_ring` with its settings spelled as keywords, as the cases here write them (built as given:
+    decode_ring checks them)."""
+    return decode.decode_ring(q, kv_store, gate, decode_settings(PI_DEFAULTS, scale)._replace(**settings),
+                              capacity=capacity, position=position, gate_head=gate_head)
 
 
 def _one_line_value_error(call, match: str) -> None:

@@ -14,7 +14,7 @@ import piattn.ops.pi.native as native
 from piattn.config.pi import GATED_VARIANTS, VARIANTS
 from piattn.decoding.cache import RingCache
 from piattn.models import GPT, GPTConfig
-from piattn.ops.pi.decode import decode_ring, pi_decode
+from piattn.ops.pi.decode import decode_ring, decode_settings, pi_decode
 
 
 def test_every_variant_has_a_decoding_step_that_declares_it():
@@ -77,17 +77,18 @@ def _ring_case(variant: str):
     cache.append(k, v)
     q = torch.randn(B, H, 1, D, generator=g)
     gate = 0.1 + 0.8 * torch.rand(B, H, 1, generator=g) if variant in GATED_VARIANTS else None
-    kw = dict(capacity=cache.capacity, position=cache.seen - 1, window=2, period=5, variant=variant, prior=0.3,
-              logit_clamp=None, eps=1e-4, scale=D**-0.5)
-    return q, cache.kv, gate, kw, (k, v)
+    settings = decode_settings(pi_config.PI_DEFAULTS, D**-0.5)._replace(window=2, period=5, variant=variant,
+                                                                        prior=0.3, logit_clamp=None, eps=1e-4)
+    kw = dict(capacity=cache.capacity, position=cache.seen - 1)
+    return q, cache.kv, gate, settings, kw, (k, v)
 
 
 def test_a_variant_the_compiled_step_does_not_declare_runs_in_torch_ops(monkeypatch, handed_to_the_compiled_step):
-    q, kv, gate, kw, _ = _ring_case("union")
-    declared = decode_ring(q, kv, gate, **kw)
+    q, kv, gate, settings, kw, _ = _ring_case("union")
+    declared = decode_ring(q, kv, gate, settings, **kw)
     monkeypatch.setattr(native, "PRIOR_MODES", {"fixed": native.PRIOR_CONST})
     handed_to_the_compiled_step.clear()
-    y = decode_ring(q, kv, gate, **kw)
+    y = decode_ring(q, kv, gate, settings, **kw)
     assert handed_to_the_compiled_step == []
     torch.testing.assert_close(y, declared, rtol=2e-6, atol=2e-7)
 
@@ -95,10 +96,10 @@ def test_a_variant_the_compiled_step_does_not_declare_runs_in_torch_ops(monkeypa
 def test_a_variant_the_torch_ops_do_not_declare_is_refused(monkeypatch):
     """"separate" without its torch-ops declaration: no step runs it, and both ways of decoding say so."""
     monkeypatch.setattr(decode, "TORCH_OPS_VARIANTS", decode.TORCH_OPS_VARIANTS - {"separate"})
-    q, kv, gate, kw, (k, v) = _ring_case("separate")
+    q, kv, gate, settings, kw, (k, v) = _ring_case("separate")
     reason = r"no decoding step runs variant 'separate': torch ops run adaptive, fixed, union; the compiled step"
     with pytest.raises(ValueError, match=reason):
-        decode_ring(q, kv, gate, **kw)
+        decode_ring(q, kv, gate, settings, **kw)
     with pytest.raises(ValueError, match=reason):
         pi_decode(q, k, v, gate, window=2, period=5, variant="separate")
 
@@ -107,11 +108,11 @@ def test_a_variant_no_step_declares_is_refused_not_run_as_another(monkeypatch):
     """A variant added to the settings but to no step's declaration is refused; before the declarations the
     ring step ran it as "union" in the compiled step, and `pi_decode` in torch ops."""
     monkeypatch.setattr(pi_config, "VARIANTS", (*VARIANTS, "novel"))
-    q, kv, _, kw, (k, v) = _ring_case("novel")
+    q, kv, _, settings, kw, (k, v) = _ring_case("novel")
     reason = r"no decoding step runs variant 'novel'"
     try:
         with pytest.raises(ValueError, match=reason):
-            decode_ring(q, kv, None, **kw)
+            decode_ring(q, kv, None, settings, **kw)
         with pytest.raises(ValueError, match=reason):
             pi_decode(q, k, v, None, window=2, period=5, variant="novel")
     finally:

@@ -10,9 +10,11 @@ import pytest
 import torch
 
 import piattn.ops.pi.native as native
+from piattn.config import PI_DEFAULTS
 from piattn.models import GPT, GPTConfig
 from piattn.ops.pi import pi_attention
-from piattn.ops.pi.decode import _compiled_rows, _decode_rows, gate_tail
+from piattn.ops.pi.decode import _compiled_rows, _decode_rows, decode_settings, gate_tail
+from piattn.ops.pi.settings import OpSettings
 
 TOL = {torch.float32: dict(rtol=2e-5, atol=2e-6), torch.float64: dict(rtol=1e-12, atol=1e-12)}
 EPS = 1e-3
@@ -23,6 +25,12 @@ pytestmark = pytest.mark.usefixtures("native_step_built")
 
 def _torch_ops(monkeypatch):
     monkeypatch.setattr(native, "_state", {"functions": None, "reason": "switched off by the test"})
+
+
+def _settings(*, scale, **pi) -> OpSettings:
+    """The decoding functions' settings for `pi_attention`'s keywords `pi` (the defaults for the rest), built
+    as-is: the functions check them."""
+    return decode_settings(PI_DEFAULTS, scale)._replace(**pi)
 
 
 CASES = [  # B, H, H_kv, D, N, t, window, period, sinks
@@ -58,14 +66,14 @@ def test_compiled_rows_equal_the_full_operator_and_the_torch_ops(case, form, dty
               scale=D**-0.5)
     step_gate = None if variant != "adaptive" else hidden if form == "hidden" else gate[:, :, -t:]
     gate_head = head if form == "hidden" else None
-    compiled = _compiled_rows(q[:, :, -t:], k, v, step_gate, gate_head=gate_head, **kw)
+    compiled = _compiled_rows(q[:, :, -t:], k, v, step_gate, _settings(**kw), gate_head=gate_head)
     assert compiled is not None and compiled.shape == (B, H, t, D)
-    assert _decode_rows(q[:, :, -t:], k, v, step_gate, gate_head=gate_head, **kw).equal(compiled)
+    assert _decode_rows(q[:, :, -t:], k, v, step_gate, _settings(**kw), gate_head=gate_head).equal(compiled)
     assert compiled_calls == [True, True]
     full = pi_attention(q, k, v, gate if variant == "adaptive" else None, causal=True, **kw)[:, :, -t:]
     torch.testing.assert_close(compiled, full, **TOL[dtype])
     _torch_ops(monkeypatch)
-    torch_ops = _decode_rows(q[:, :, -t:], k, v, step_gate, gate_head=gate_head, **kw)
+    torch_ops = _decode_rows(q[:, :, -t:], k, v, step_gate, _settings(**kw), gate_head=gate_head)
     torch.testing.assert_close(compiled, torch_ops, **TOL[dtype])
 
 
@@ -77,13 +85,13 @@ def test_compiled_rows_take_per_head_periods_whole(dtype, compiled_calls, monkey
     q, k, v, gate, _, _ = _inputs(2, 4, 2, 8, 30, 3, dtype, seed=11)
     kw = dict(window=3, period=periods, variant="adaptive", prior=0.3, logit_clamp=4.0, eps=EPS, sinks=1,
               scale=8**-0.5)
-    compiled = _compiled_rows(q[:, :, -3:], k, v, gate[:, :, -3:], **kw)
+    compiled = _compiled_rows(q[:, :, -3:], k, v, gate[:, :, -3:], _settings(**kw))
     assert compiled is not None and compiled_calls == [True] * 3
-    assert _decode_rows(q[:, :, -3:], k, v, gate[:, :, -3:], **kw).equal(compiled)
+    assert _decode_rows(q[:, :, -3:], k, v, gate[:, :, -3:], _settings(**kw)).equal(compiled)
     full = pi_attention(q, k, v, gate, causal=True, **kw)[:, :, -3:]
     torch.testing.assert_close(compiled, full, **TOL[dtype])
     monkeypatch.setattr(native, "MAX_SLOTS", 5)  # the period-2 group's 5 slots a query (with the sink) only
-    assert _compiled_rows(q[:, :, -3:], k, v, gate[:, :, -3:], **kw) is None
+    assert _compiled_rows(q[:, :, -3:], k, v, gate[:, :, -3:], _settings(**kw)) is None
 
 
 @pytest.mark.parametrize("why", ["separate", "autograd", "bf16"])
@@ -94,8 +102,8 @@ def test_what_the_compiled_step_does_not_take_runs_in_torch_ops(why, compiled_ca
         q.requires_grad_(True)
     variant = "separate" if why == "separate" else "adaptive"
     kw = dict(window=3, period=8, variant=variant, prior=0.3, logit_clamp=4.0, eps=EPS, sinks=1, scale=8**-0.5)
-    assert _compiled_rows(q[:, :, -3:], k, v, gate[:, :, -3:], **kw) is None
-    y = _decode_rows(q[:, :, -3:], k, v, gate[:, :, -3:], **kw)
+    assert _compiled_rows(q[:, :, -3:], k, v, gate[:, :, -3:], _settings(**kw)) is None
+    y = _decode_rows(q[:, :, -3:], k, v, gate[:, :, -3:], _settings(**kw))
     assert compiled_calls == []
     full = pi_attention(q.detach().float(), k.float(), v.float(), gate.float(), causal=True, **kw)[:, :, -3:]
     torch.testing.assert_close(y.detach().float(), full, **({} if dtype == torch.float32 else

@@ -16,10 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import piattn.ops.pi.native as native
+from piattn.config import PI_DEFAULTS
 from piattn.decoding.cache import RingCache
 from piattn.models import GPT, GPTConfig
 from piattn.ops.pi import pi_attention
-from piattn.ops.pi.decode import decode_ring
+from piattn.ops.pi.decode import decode_ring, decode_settings
 
 TOL = {torch.float32: dict(rtol=2e-5, atol=2e-6), torch.float64: dict(rtol=1e-12, atol=1e-12)}
 EPS = 1e-3  # large enough that the clip of the gate changes the rows
@@ -55,14 +56,16 @@ def _case(B, H, H_kv, D, N, window, period, sinks, dtype, seed):
     return q, k, v, cache, gate, (hidden, weight, bias)
 
 
-def _step(q, cache, gate, head, *, variant, form, **kw):
-    """decode_ring of the last query; form "alpha" passes α, "hidden" the gate MLP's hidden layer."""
+def _step(q, cache, gate, head, *, variant, form, scale, **kw):
+    """decode_ring of the last query; form "alpha" passes α, "hidden" the gate MLP's hidden layer; kw the other
+    settings (`pi_attention`'s keywords, the defaults for the rest)."""
+    op = decode_settings(PI_DEFAULTS, scale)._replace(variant=variant, **kw)  # (`settings` is hypothesis')
     if form == "hidden":
-        return decode_ring(q[:, :, -1:], cache.kv, head[0], capacity=cache.capacity, position=cache.seen - 1,
-                           variant=variant, gate_head=head[1:], **kw)
+        return decode_ring(q[:, :, -1:], cache.kv, head[0], op, capacity=cache.capacity, position=cache.seen - 1,
+                           gate_head=head[1:])
     gated = variant in ("adaptive", "separate")
-    return decode_ring(q[:, :, -1:], cache.kv, gate[:, :, -1:] if gated else None,
-                       capacity=cache.capacity, position=cache.seen - 1, variant=variant, **kw)
+    return decode_ring(q[:, :, -1:], cache.kv, gate[:, :, -1:] if gated else None, op, capacity=cache.capacity,
+                       position=cache.seen - 1)
 
 
 FORMS = [("union", "alpha"), ("fixed", "alpha"), ("adaptive", "alpha"), ("adaptive", "hidden")]

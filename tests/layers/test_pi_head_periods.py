@@ -70,11 +70,11 @@ def test_one_token_steps_take_the_ring_once_per_layer_and_its_step_once_per_peri
     real_ring, real_step = windowed_module.decode_ring, decode_module._decode_ring
 
     def ring_spy(*args, **kwargs):
-        layer_calls.append(kwargs["period"])
+        layer_calls.append(args[3].period)  # the settings, positional after q, kv_store, gate
         return real_ring(*args, **kwargs)
 
     def step_spy(*args):
-        step_calls.append(args[6])  # the period, positional
+        step_calls.append(args[5].period)  # the settings, positional after q, kv_store, gate, capacity, position
         return real_step(*args)
 
     with torch.no_grad():

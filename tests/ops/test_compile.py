@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from piattn import BACKENDS, pi_attention
 from piattn.models import GPT, GPTConfig
 from piattn.ops.pi import fused
-from piattn.ops.pi.backends import select
+from piattn.ops.pi.backends import constant_under_compile, select
 from piattn.ops.pi.compiled import pi_attention_bwd, pi_attention_fwd, run_torch_op
 from piattn.ops.pi.settings import OpSettings
 from piattn.ops.pi.torch import run_torch, saved_layout, slot_plan, torch_backward, torch_forward
@@ -527,3 +527,18 @@ def test_compiling_a_model_warns_of_no_ignored_cache(fresh_dynamo):
         warnings.simplefilter("always")
         torch.compile(model, backend="aot_eager", fullgraph=True)(torch.randint(0, 32, (1, 16)))
     assert not [str(w.message) for w in caught if "lru_cache" in str(w.message)]
+
+
+def test_the_constant_marker_is_the_public_decorators():
+    """`constant_under_compile` sets on a function what `torch.compiler.assume_constant_result` sets (without
+    importing Dynamo): if a torch release changes how the decorator marks, this fails before the compiled
+    calls of the backends' probes do."""
+    def public():
+        return 1
+
+    def ours():
+        return 1
+
+    torch.compiler.assume_constant_result(public)
+    constant_under_compile(ours)
+    assert vars(public) == vars(ours) and vars(ours)

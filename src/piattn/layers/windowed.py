@@ -12,7 +12,7 @@ from torch.nn.modules import module as _module
 from ..config import PiSettings
 from ..config.pi import per_head
 from ..decoding.cache import RingCache
-from ..ops.pi.decode import _decode_ring, _decode_rows, _decode_token, decode_ring
+from ..ops.pi.decode import _decode_ring, _decode_rows, _decode_token, decode_ring, decode_settings
 from .base import AttentionLayer
 from .sharding import active_shard, pi_operator
 
@@ -60,19 +60,18 @@ class WindowedAttention(AttentionLayer):
         self.settings = settings
         self.backend = backend
         self.gate: nn.Module | None = None
-        # The decoding functions' settings (no causal, no backend; the scale spelled out), once rather than per step.
-        self._decode_kwargs = dict(**settings.as_kwargs(), scale=self.head_dim**-0.5)
+        # The decoding functions' settings (an `OpSettings`: causal, no dropout, the scale spelled out), once
+        # rather than per step.
+        self._decode_settings = decode_settings(settings, self.head_dim**-0.5)
         self._gate_observer: Callable[[torch.Tensor], None] | None = None
-        # `_ring_forward`'s fixed arguments of `_decode_ring` (window … sinks, positional), or None where the layer
-        # takes the general path (`AttentionLayer.forward`): a period per head, or a subclass that overrides a
-        # method of that path (its override is then what runs).
+        # `_ring_forward`'s settings (those of `_decode_token` and `_decode_ring`, which take one period), or None
+        # where the layer takes the general path (`AttentionLayer.forward`): a period per head, or a subclass that
+        # overrides a method of that path (its override is then what runs).
         kind = type(self)
         lean = (settings.periods is None and kind.heads is AttentionLayer.heads
                 and kind.attend_cached is AttentionLayer.attend_cached
                 and kind.attend_ring is WindowedAttention.attend_ring)
-        self._ring_settings = None if not lean else (settings.window, settings.period, settings.variant,
-                                                     settings.prior, settings.logit_clamp, settings.eps,
-                                                     self.head_dim**-0.5, settings.sinks)
+        self._ring_settings = self._decode_settings if lean else None
         self._ring_capacity = settings.reach + 1  # `cache_capacity()` of a causal layer
         # Whether `ring_gate` is this package's (a subclass's own is always asked): then a layer without a gate
         # has no gate arguments, and `_ring_projection` does not ask. `PiAttention` sets it for its own.
@@ -127,7 +126,7 @@ class WindowedAttention(AttentionLayer):
         B = x.shape[0]
         H, H_kv, D = self.n_heads, self.n_kv_heads, self.head_dim
         settings = self._ring_settings
-        cache.check(batch_size=B, n_heads=H_kv, head_dim=D, capacity=self._ring_capacity, sinks=settings[7])
+        cache.check(batch_size=B, n_heads=H_kv, head_dim=D, capacity=self._ring_capacity, sinks=settings.sinks)
         modules = self._modules  # submodules read once (each `self.name` of a module is a __getattr__ call)
         proj, n, gate, gate_head = self._ring_projection(x, modules)
         rotary = modules.get("rotary")  # None is kept as a plain attribute, not a module
@@ -136,7 +135,7 @@ class WindowedAttention(AttentionLayer):
         if fresh_slot is not None:
             rotation = None if rotary is None else (*rotary._table(position + 1, x.device), position)
             y = _decode_token(proj, H, cache.kv, gate, gate_head, fresh_slot, rotation, cache.capacity, position,
-                              *settings)
+                              settings)
             if y is not None:
                 cache.token_stored()
                 return modules["out"](y.view(B, 1, H * D))
@@ -147,7 +146,7 @@ class WindowedAttention(AttentionLayer):
         if rotary is not None:  # as `heads` does, at the cache's position
             qk = rotary.rotate(qk, *rotary.cos_sin(1, position, None, x.device))
         cache.append_token(qk[:, :, H:].transpose(1, 2), v.transpose(1, 2))
-        y = _decode_ring(qk[:, :, :H].transpose(1, 2), cache.kv, gate, cache.capacity, position, *settings,
+        y = _decode_ring(qk[:, :, :H].transpose(1, 2), cache.kv, gate, cache.capacity, position, settings,
                          gate_head)
         return modules["out"](y.reshape(B, 1, H * D))
 
@@ -180,14 +179,14 @@ class WindowedAttention(AttentionLayer):
         of the compiled step where it applies (`_decode_rows`, which takes per-head periods itself), the gate's
         last layers included as in `attend_ring`."""
         gate, gate_head = self.ring_gate(x)
-        return _decode_rows(q, k, v, gate, gate_head=gate_head, **self._decode_kwargs)
+        return _decode_rows(q, k, v, gate, self._decode_settings, gate_head=gate_head)
 
     def attend_ring(self, q: torch.Tensor, cache: RingCache, x: torch.Tensor) -> torch.Tensor:
         """One new query's output [B, H, 1, D] read from the ring `cache` that already holds its key
         (`decode_ring`, which takes per-head periods itself)."""
         gate, gate_head = self.ring_gate(x)
-        return decode_ring(q, cache.kv, gate, gate_head=gate_head, capacity=cache.capacity, position=cache.seen - 1,
-                           **self._decode_kwargs)
+        return decode_ring(q, cache.kv, gate, self._decode_settings, capacity=cache.capacity,
+                           position=cache.seen - 1, gate_head=gate_head)
 
     def ring_gate(self, x: torch.Tensor) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
         """The gate arguments of `decode_ring` / `_decode_rows` for new tokens x [B, t, d]: (α̃ [B, H, t] or None,

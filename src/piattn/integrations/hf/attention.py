@@ -16,11 +16,21 @@ from transformers import AttentionInterface, AttentionMaskInterface
 
 from ... import models as _models  # noqa: F401  (lends the period schedules to `resolve_periods`)
 from ...config.model import layer_period, resolve_periods
-from ...config.pi import PI_DEFAULTS, PiSettings, per_head, period_values
+from ...config.pi import PI_DEFAULTS, PiSettings
 from ...layers.base import AttentionLayer
 from ...layers.gate import clip_gate, gate_hidden, gate_hooked, gate_values
 from ...ops.pi import BACKENDS, native, pi_attention
-from ...ops.pi.decode import _compiled_prior, _compiled_rows, _decode_rows, decode_gathered, gate_tail, ring_slots
+from ...ops.pi.decode import (
+    _compiled_prior,
+    _compiled_rows,
+    _decode_rows,
+    decode_gathered,
+    decode_settings,
+    gate_tail,
+    per_period_masked,
+    ring_slots,
+)
+from ...ops.pi.settings import OpSettings
 from .padding import EMPTY, TEXT, document_ids, text_bounds
 
 ATTENTION_NAME = "pi_attention"
@@ -291,7 +301,7 @@ def _decode_step(backend: str, pi: PiSettings, query: torch.Tensor, key: torch.T
     lie farther back in both); None where `backend` is "fused" and the compiled step does not take the call.
     Per-head periods go to the decoding function whole: it groups the heads itself."""
     rows = _decode_rows if backend == "auto" else _compiled_rows
-    return rows(query, key, value, gate, **pi.as_kwargs(), scale=scale)
+    return rows(query, key, value, gate, decode_settings(pi, scale))
 
 
 def _ring_step(backend: str, pi: PiSettings, query: torch.Tensor, gate: torch.Tensor | None, scale: float,
@@ -307,48 +317,39 @@ def _ring_step(backend: str, pi: PiSettings, query: torch.Tensor, gate: torch.Te
     hidden pre-activation [B, 1, n_hidden], which the compiled step finishes (`native.PRIOR_HIDDEN`); where it
     does not take that call, α̃ is computed from it once (`_gate_from_hidden`) and the step runs on α̃."""
     position = layer.cumulative_length - 1
-    periods = _period_heads(pi.period, query.shape[1], query.device)
+    kv, capacity = layer.kv, layer.capacity
+
     # Per-head periods: one step per distinct period over all the heads, each head's row taken from the step of
-    # its own period (each row is computed on its own, so it is the row of that head alone). Splitting the heads
-    # by period, as `_decode_rows` does for `_decode_step`, would hand each group its key/value heads as a block
-    # of their own: a copy of the ring per step.
-    y = None
-    for period, heads in periods:
-        y_p = _ring_rows(backend, pi, period, query, gate, scale, layer.kv, layer.capacity, position, gate_head)
-        if y_p is None and gate_head is not None:
-            gate, gate_head = _gate_from_hidden(gate, gate_head, pi.eps), None
-            y_p = _ring_rows(backend, pi, period, query, gate, scale, layer.kv, layer.capacity, position)
-        if y_p is None:
-            return None
-        y = y_p if y is None else torch.where(heads, y_p, y)
-    return y
+    # its own period (`per_period_masked`, which says why the heads are not split by period here).
+    def rows(one: OpSettings) -> torch.Tensor | None:
+        nonlocal gate, gate_head
+        y = _ring_rows(backend, one, query, gate, kv, capacity, position, gate_head)
+        if y is None and gate_head is not None:
+            gate, gate_head = _gate_from_hidden(gate, gate_head, one.eps), None
+            y = _ring_rows(backend, one, query, gate, kv, capacity, position)
+        return y
+
+    return per_period_masked(rows, decode_settings(pi, scale), query.shape[1], query.device)
 
 
-@functools.lru_cache(maxsize=64)
-def _period_heads(period: int | tuple[int, ...], H: int,
-                  device: torch.device) -> tuple[tuple[int, torch.Tensor], ...]:
-    """(period, the heads that have it as a bool mask [1, H, 1, 1]) for each distinct period of a layer's
-    `PiSettings.period` over its H query heads, increasing (one period: one entry, every head)."""
-    periods = per_head(period, H)
-    return tuple((p, torch.tensor([q == p for q in periods], device=device)[None, :, None, None])
-                 for p in period_values(period))
-
-
-def _ring_rows(backend: str, pi: PiSettings, period: int, query: torch.Tensor, gate: torch.Tensor | None,
-               scale: float, kv: torch.Tensor, capacity: int, position: int,
+def _ring_rows(backend: str, settings: OpSettings, query: torch.Tensor, gate: torch.Tensor | None, kv: torch.Tensor,
+               capacity: int, position: int,
                gate_head: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
-    """`_decode_step`'s rows [B, H, 1, D] for one period, from the ring storage kv [2, B, Hkv, N, D]: the compiled
-    step (`native._rows_step_unchecked`, over the storage as it lies) where it applies; else, under "auto", one
-    gather of the slots' keys and values and the torch ops (`decode_gathered`), and None under "fused". With
-    gate_head (gate the gate's hidden pre-activation, `_ring_step`): the compiled step only, else None."""
-    slot, valid, kind, n_local, n_skip = ring_slots(pi.window, period, pi.sinks, capacity, position, query.device)
-    compiled = _compiled_prior(pi.variant, gate, gate_head, pi.prior, pi.eps)
+    """`_decode_step`'s rows [B, H, 1, D] for settings of one period, from the ring storage kv [2, B, Hkv, N, D]:
+    the compiled step (`native._rows_step_unchecked`, over the storage as it lies) where it applies; else, under
+    "auto", one gather of the slots' keys and values and the torch ops (`decode_gathered`), and None under
+    "fused". With gate_head (gate the gate's hidden pre-activation, `_ring_step`): the compiled step only, else
+    None."""
+    slot, valid, kind, n_local, n_skip = ring_slots(settings.window, settings.period, settings.sinks, capacity,
+                                                    position, query.device)
+    compiled = _compiled_prior(settings, gate, gate_head)
     if compiled is not None:
         mode, extra = compiled
         # None where the compiled step does not apply (`native.applies`, which it asks itself: asking first too
         # would decide twice per step).
-        y = native._rows_step_unchecked(query, kv, slot, valid, kind, prior_mode=mode, logit_clamp=pi.logit_clamp,
-                                        eps=pi.eps, scale=scale, **extra)
+        y = native._rows_step_unchecked(query, kv, slot, valid, kind, prior_mode=mode,
+                                        logit_clamp=settings.logit_clamp, eps=settings.eps, scale=settings.scale,
+                                        **extra)
         if y is not None:
             return y
     if backend != "auto" or gate_head is not None:
@@ -356,8 +357,7 @@ def _ring_rows(backend: str, pi: PiSettings, period: int, query: torch.Tensor, g
     # Rows of a [2·B·Hkv, N, D] view gathered along N, as `decode._decode_ring` gathers a ring's.
     two, B, Hkv, N, D = kv.shape
     kg, vg = kv.reshape(two * B * Hkv, N, D).index_select(1, slot).view(two, B, Hkv, slot.shape[0], D).unbind(0)
-    return decode_gathered(query, kg, vg, valid, kind, n_local, n_skip, gate, variant=pi.variant, prior=pi.prior,
-                           logit_clamp=pi.logit_clamp, eps=pi.eps, scale=scale)
+    return decode_gathered(query, kg, vg, valid, kind, n_local, n_skip, gate, settings)
 
 
 def pi_attention_mask(*, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:

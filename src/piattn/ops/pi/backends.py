@@ -70,11 +70,21 @@ def by_keywords(run: BackendRun) -> Callable[..., torch.Tensor]:
     return call
 
 
+def constant_under_compile(fn: Callable) -> Callable:
+    """`torch.compiler.assume_constant_result`, without importing Dynamo: that decorator imports
+    `torch._dynamo` (1.3 s, half of `import piattn`, in every process that never compiles) to set one
+    attribute on `fn`, which Dynamo reads when it meets a call of fn while tracing. Set here directly;
+    tests/ops/test_compile.py checks that the public decorator sets the same, and that a compiled call
+    keeps the answer as a constant."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-@torch.compiler.assume_constant_result
+@constant_under_compile
 def _installed(module: str) -> bool:
     """Whether `module` can be imported. Under torch.compile dynamo calls it rather than tracing it (torch
     2.11's dynamo refuses to trace importlib's find_spec) and keeps the answer as a constant of the graph."""
@@ -171,7 +181,7 @@ def _load(module: str, function: str) -> Callable:
     return getattr(importlib.import_module(f"{__package__}.{module}"), function)
 
 
-@torch.compiler.assume_constant_result
+@constant_under_compile
 def _probe(module: str, function: str) -> str | None:
     """A backend's probe (`Backend.probe`). Under torch.compile dynamo does not trace it (the import, a
     compiler run, ctypes): it calls it while tracing and keeps the answer as a constant of the graph."""

@@ -19,25 +19,34 @@ one-query step in the same call). Both take the compiled step for a variant it d
 (`native.applies`), else the torch ops; a variant the torch ops do not declare is refused with the reason,
 never run as another.
 
-Per-head periods (multi-scale π): `decode_ring`, `_decode_rows` and `_compiled_rows` also take `period` as a
-tuple of one period per query head, and run their one-period step once per distinct period on that period's
-heads (`_per_period`, through `heads.by_period`, as `pi_attention` does), the outputs in head order; their
-callers hand them per-head periods whole. `pi_decode` takes one period.
+The call's settings travel as one `OpSettings` (`settings.py`, the type `pi_attention` hands its backends),
+with causal True, dropout_p 0.0 and the scale resolved: `pi_decode` builds it from its keywords once, a
+decoding layer or the Hugging Face attention from its `PiSettings` (`decode_settings`) once per layer and
+scale, and every function below takes it whole.
+
+Per-head periods (multi-scale π): `decode_ring`, `_decode_rows` and `_compiled_rows` also take settings whose
+period is a tuple of one period per query head, and run their one-period step once per distinct period on
+that period's heads (`_per_period`, through `heads.by_period`, as `pi_attention` does), the outputs in head
+order; their callers hand them per-head periods whole. A step that must read the key/value heads where they
+lie runs once per period on every head and keeps each head's own rows (`per_period_masked`). `pi_decode`
+takes one period.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch.nn import functional as F
 
 from ...checks import is_int
-from ...config.pi import GATED_VARIANTS, PI_DEFAULTS, check_pi_settings
+from ...config.pi import GATED_VARIANTS, PI_DEFAULTS, PiSettings, check_pi_settings
 from . import native
 from .dtypes import accumulation_dtype
 from .heads import by_period
 from .pattern import Pattern, log_priors
+from .settings import OpSettings
 from .validate import _check_gate, check_qkv_tensors
 
 # The variants `decode_gathered` computes ("separate" included: two softmaxes, mixed by α).
@@ -137,35 +146,44 @@ def pi_decode(
     if scale is not None and not scale > 0:
         raise ValueError(f"scale must be > 0 or None (None means 1/sqrt(D)), got {scale!r}")
     _check_gate(q, gate, variant)
-    return _decode_rows(q, k, v, gate, window=window, period=period, variant=variant, prior=prior,
-                        logit_clamp=logit_clamp, eps=eps, sinks=sinks,
-                        scale=q.shape[3]**-0.5 if scale is None else scale)
+    settings = OpSettings(window=window, period=period, causal=True, variant=variant, prior=prior,
+                          logit_clamp=logit_clamp, eps=eps, scale=q.shape[3]**-0.5 if scale is None else scale,
+                          dropout_p=0.0, sinks=sinks)
+    return _decode_rows(q, k, v, gate, settings)
 
 
-def _decode_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, *, window: int,
-                 period: int | tuple[int, ...], variant: str, prior: float, logit_clamp: float | None, eps: float,
-                 scale: float, sinks: int = 0,
-                 gate_head: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+@functools.lru_cache(maxsize=256)
+def decode_settings(pi: PiSettings, scale: float) -> OpSettings:
+    """The settings the decoding functions take for a layer's `PiSettings` (checked when it was made) and its
+    score scale: causal, no dropout (decoding runs in eval), `pi`'s period as it is (one int, or one per query
+    head). Built once per layer and scale (remembered here for callers that ask per step)."""
+    return OpSettings(causal=True, scale=scale, dropout_p=0.0, **pi.as_kwargs())
+
+
+def _decode_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None,
+                 settings: OpSettings, *, gate_head: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`pi_decode` without its argument checks, for callers whose inputs are right by construction (the
-    decoding layers: a step is a few dozen small ops, and the checks would be a third of them).
+    decoding layers: a step is a few dozen small ops, and the checks would be a third of them), with the call's
+    `settings` (causal, no dropout, the scale resolved; `decode_settings`).
 
     With gate_head = (weight [H, n_hidden], bias [H]) (variant "adaptive" only), gate is the gate MLP's hidden
     pre-activation [B, t, n_hidden] and α = ε + (1 − 2ε)·σ(weight·GELU(gate) + bias), as in `decode_ring`.
 
     One call of the compiled step (`native._rows_step_unchecked`: the t queries each their own one-query step)
     where it applies (`_compiled_slot_rows`), else one gather for keys and values and `decode_gathered`.
-    With period a tuple of H per-head periods, that once per distinct period on its heads (`_per_period`).
+    With settings.period a tuple of H per-head periods, that once per distinct period on its heads
+    (`_per_period`).
     """
-    if isinstance(period, tuple):
-        def rows(p: int, q_g: torch.Tensor, gate_g: torch.Tensor | None, head_g, k_g: torch.Tensor,
+    if isinstance(settings.period, tuple):
+        def rows(s: OpSettings, q_g: torch.Tensor, gate_g: torch.Tensor | None, head_g, k_g: torch.Tensor,
                  v_g: torch.Tensor) -> torch.Tensor:
-            return _decode_rows(q_g, k_g, v_g, gate_g, window=window, period=p, variant=variant, prior=prior,
-                                logit_clamp=logit_clamp, eps=eps, scale=scale, sinks=sinks, gate_head=head_g)
+            return _decode_rows(q_g, k_g, v_g, gate_g, s, gate_head=head_g)
 
-        return _per_period(rows, period, q, gate, gate_head, [(k, 1), (v, 1)])
+        return _per_period(rows, settings, q, gate, gate_head, [(k, 1), (v, 1)])
     t = q.shape[2]
-    idx, valid, kind, n_local, n_skip = _slots(window, period, sinks, t, k.shape[2], q.device)
-    y = _compiled_slot_rows(q, k, v, gate, gate_head, idx, valid, kind, variant, prior, logit_clamp, eps, scale)
+    idx, valid, kind, n_local, n_skip = _slots(settings.window, settings.period, settings.sinks, t, k.shape[2],
+                                               q.device)
+    y = _compiled_slot_rows(q, k, v, gate, gate_head, idx, valid, kind, settings)
     if y is not None:
         return y
     gate_is_sigmoid = gate_head is not None
@@ -173,65 +191,101 @@ def _decode_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
         gate = gate_tail(gate, *gate_head).transpose(1, 2)
     kg = k.index_select(2, idx)
     vg = v.index_select(2, idx)
-    return decode_gathered(q, kg, vg, valid, kind, n_local, n_skip, gate, variant=variant, prior=prior,
-                           logit_clamp=logit_clamp, eps=eps, scale=scale, gate_is_sigmoid=gate_is_sigmoid)
+    return decode_gathered(q, kg, vg, valid, kind, n_local, n_skip, gate, settings, gate_is_sigmoid=gate_is_sigmoid)
 
 
-def _per_period(step, periods: tuple[int, ...], q: torch.Tensor, gate: torch.Tensor | None,
+def _per_period(step, settings: OpSettings, q: torch.Tensor, gate: torch.Tensor | None,
                 gate_head: tuple[torch.Tensor, torch.Tensor] | None,
                 per_kv: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
-    """The decoding functions' one place that groups heads by period: step(period, q_g, gate_g, gate_head_g,
-    *per_kv_g) -> [B, H_g, …] once per distinct period on its query heads (`heads.by_period`), put back in
-    head order. q [B, H, …] and, without gate_head, the gate α [B, H, …] are cut along their heads; with
-    gate_head = (weight [H, n_hidden], bias [H]) the gate is the MLP's hidden layer, shared by every head,
-    and the gate head's rows are cut instead. per_kv: (tensor, dim) pairs holding the key/value heads along
-    dim (k and v, or a ring's storage)."""
+    """The decoding functions' one place that groups heads by period: step(settings_g, q_g, gate_g, gate_head_g,
+    *per_kv_g) -> [B, H_g, …] once per distinct period of settings.period (a tuple of one per query head) on its
+    query heads (`heads.by_period`), settings_g the settings with that one period, put back in head order.
+    q [B, H, …] and, without gate_head, the gate α [B, H, …] are cut along their heads; with gate_head =
+    (weight [H, n_hidden], bias [H]) the gate is the MLP's hidden layer, shared by every head, and the gate
+    head's rows are cut instead. per_kv: (tensor, dim) pairs holding the key/value heads along dim (k and v, or
+    a ring's storage)."""
     weight, bias = (None, None) if gate_head is None else gate_head
     alpha = gate if gate_head is None else None
 
     def run(period: int, q_g: torch.Tensor, alpha_g: torch.Tensor | None, weight_g: torch.Tensor | None,
             bias_g: torch.Tensor | None, *kv_g: torch.Tensor) -> torch.Tensor:
+        one = settings._replace(period=period)
         if gate_head is None:
-            return step(period, q_g, alpha_g, None, *kv_g)
-        return step(period, q_g, gate, (weight_g, bias_g), *kv_g)
+            return step(one, q_g, alpha_g, None, *kv_g)
+        return step(one, q_g, gate, (weight_g, bias_g), *kv_g)
 
     x, dim = per_kv[0]
-    return by_period(periods, x.shape[dim], run, [(q, 1), (alpha, 1), (weight, 0), (bias, 0)], per_kv)
+    return by_period(settings.period, x.shape[dim], run, [(q, 1), (alpha, 1), (weight, 0), (bias, 0)], per_kv)
+
+
+def per_period_masked(step: Callable[[OpSettings], torch.Tensor | None], settings: OpSettings, n_heads: int,
+                      device: torch.device) -> torch.Tensor | None:
+    """step(settings_p) -> rows [B, H, …] of all n_heads query heads (or None), once per distinct period p of
+    settings.period (increasing; settings_p the settings with that one period), each head's rows taken from the
+    step of its own period: [B, H, …], or None as soon as one step gives None. One period: one step, as it is.
+
+    For a step that reads key/value heads where they lie (the Hugging Face `PiCache` ring step,
+    `integrations/hf/attention._ring_step`): grouping heads by period (`_per_period`) would hand each group its
+    key/value heads as a block of their own, a copy of the ring per step; each row is computed on its own, so a
+    head's row of its period's step is the row of that head alone. The decoding functions' other place that
+    splits heads by period (with `_per_period`)."""
+    y = None
+    for one, heads in _period_masks(settings, n_heads, device):
+        y_p = step(one)
+        if y_p is None:
+            return None
+        y = y_p if y is None else torch.where(heads, y_p, y)
+    return y
+
+
+@functools.lru_cache(maxsize=64)
+def _period_masks(settings: OpSettings, n_heads: int,
+                  device: torch.device) -> tuple[tuple[OpSettings, torch.Tensor | None], ...]:
+    """(the settings with one period, the heads that have it as a bool mask [1, H, 1, 1]) for each distinct
+    period of settings.period over n_heads query heads, increasing; one period: ((settings, None),)."""
+    periods = settings.period
+    if not isinstance(periods, tuple):
+        return ((settings, None),)
+    if len(periods) != n_heads:
+        raise ValueError(f"period has {len(periods)} entries; per-head periods need one per query head, H={n_heads}")
+    return tuple((settings._replace(period=p),
+                  torch.tensor([h == p for h in periods], device=device)[None, :, None, None])
+                 for p in sorted(set(periods)))
 
 
 class _NotCompiled(Exception):
     """A period group that the compiled step does not take (`_compiled_rows`)."""
 
 
-def _compiled_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, *, window: int,
-                   period: int | tuple[int, ...], variant: str, prior: float, logit_clamp: float | None, eps: float,
-                   scale: float, sinks: int = 0,
+def _compiled_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None,
+                   settings: OpSettings, *,
                    gate_head: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
     """`_decode_rows` through the compiled step alone: its rows [B, H, t, D], or None where that step does not
     apply (a variant outside `native.PRIOR_MODES`, or what `native.applies` refuses). For a caller that asked
-    for compiled code explicitly and must say so rather than run torch ops in its place. With period a tuple
-    of H per-head periods, once per distinct period on its heads (`_per_period`), and None where the step
-    does not take any one of them: the caller then runs the whole call another way, never half of it."""
-    if isinstance(period, tuple):
-        def rows(p: int, q_g: torch.Tensor, gate_g: torch.Tensor | None, head_g, k_g: torch.Tensor,
+    for compiled code explicitly and must say so rather than run torch ops in its place. With settings.period
+    a tuple of H per-head periods, once per distinct period on its heads (`_per_period`), and None where the
+    step does not take any one of them: the caller then runs the whole call another way, never half of it."""
+    if isinstance(settings.period, tuple):
+        def rows(s: OpSettings, q_g: torch.Tensor, gate_g: torch.Tensor | None, head_g, k_g: torch.Tensor,
                  v_g: torch.Tensor) -> torch.Tensor:
-            y = _compiled_rows(q_g, k_g, v_g, gate_g, window=window, period=p, variant=variant, prior=prior,
-                               logit_clamp=logit_clamp, eps=eps, scale=scale, sinks=sinks, gate_head=head_g)
+            y = _compiled_rows(q_g, k_g, v_g, gate_g, s, gate_head=head_g)
             if y is None:
                 raise _NotCompiled  # out of `by_period`'s loop and cat: no group's rows are of use then
             return y
 
         try:
-            return _per_period(rows, period, q, gate, gate_head, [(k, 1), (v, 1)])
+            return _per_period(rows, settings, q, gate, gate_head, [(k, 1), (v, 1)])
         except _NotCompiled:
             return None
-    idx, valid, kind, _, _ = _slots(window, period, sinks, q.shape[2], k.shape[2], q.device)
-    return _compiled_slot_rows(q, k, v, gate, gate_head, idx, valid, kind, variant, prior, logit_clamp, eps, scale)
+    idx, valid, kind, _, _ = _slots(settings.window, settings.period, settings.sinks, q.shape[2], k.shape[2],
+                                    q.device)
+    return _compiled_slot_rows(q, k, v, gate, gate_head, idx, valid, kind, settings)
 
 
-def _compiled_prior(variant: str, gate: torch.Tensor | None, gate_head, prior: float,
-                    eps: float) -> tuple[int, dict] | None:
-    """(prior mode, its arguments) of the compiled step for `variant`, or None for one it does not declare."""
+def _compiled_prior(settings: OpSettings, gate: torch.Tensor | None, gate_head) -> tuple[int, dict] | None:
+    """(prior mode, its arguments) of the compiled step for settings.variant, or None for one it does not
+    declare."""
+    variant = settings.variant
     mode = native.PRIOR_MODES.get(variant)
     if mode is None:
         return None
@@ -240,13 +294,12 @@ def _compiled_prior(variant: str, gate: torch.Tensor | None, gate_head, prior: f
     if mode == native.PRIOR_ALPHA:
         return mode, dict(gate=gate)
     if mode == native.PRIOR_CONST:
-        return mode, dict(log_priors=log_priors(variant, None, prior, eps))
+        return mode, dict(log_priors=log_priors(variant, None, settings.prior, settings.eps))
     return mode, {}
 
 
-def _compiled_slot_rows(q, k, v, gate, gate_head, idx, valid, kind, variant, prior, logit_clamp, eps,
-                        scale) -> torch.Tensor | None:
-    compiled = _compiled_prior(variant, gate, gate_head, prior, eps)
+def _compiled_slot_rows(q, k, v, gate, gate_head, idx, valid, kind, settings: OpSettings) -> torch.Tensor | None:
+    compiled = _compiled_prior(settings, gate, gate_head)
     if compiled is None:
         return None
     mode, extra = compiled
@@ -255,7 +308,8 @@ def _compiled_slot_rows(q, k, v, gate, gate_head, idx, valid, kind, variant, pri
         return None  # decided before stacking keys and values, which only the compiled step reads
     # The step reads keys and values from one contiguous [2, B, H_kv, N, D] block, as from a ring cache's storage.
     return native._rows_step_unchecked(q, torch.stack([k, v]), idx, valid, kind, prior_mode=mode,
-                                       logit_clamp=logit_clamp, eps=eps, scale=scale, **extra)
+                                       logit_clamp=settings.logit_clamp, eps=settings.eps, scale=settings.scale,
+                                       **extra)
 
 
 def gate_tail(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -269,7 +323,8 @@ def gate_tail(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) ->
 def _settings_checked(window, period, variant, prior, logit_clamp, eps, sinks) -> None:
     """`check_pi_settings`, once per distinct setting: a layer passes the same ones on every step of generation.
     Positional (a keyword call costs four times as much to look up) and typed (True and 1 are equal keys,
-    but only 1 is a valid window)."""
+    but only 1 is a valid window): the fields of an `OpSettings` one by one, since a tuple key would compare
+    True and 1 equal again."""
     check_pi_settings(window=window, period=period, variant=variant, prior=prior, logit_clamp=logit_clamp, eps=eps,
                       sinks=sinks)
 
@@ -279,8 +334,7 @@ def _shape(x) -> str:
 
 
 def check_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | None, capacity: int, position: int,
-               window: int, period: int | tuple[int, ...], variant: str, prior: float, logit_clamp: float | None,
-               eps: float, scale: float, sinks: int, gate_head: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+               settings: OpSettings, gate_head: tuple[torch.Tensor, torch.Tensor] | None) -> None:
     """The checks of `decode_ring`: a one-line ValueError naming the argument at the first inconsistency.
     Positional arguments: passing a dozen by keyword costs as much as half the checks.
 
@@ -289,9 +343,17 @@ def check_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | Non
     comparisons of sizes: they run on every step of generation. The gate's values are not read (that
     would cost a device sync per step); a layer's gate is a sigmoid by construction.
 
-    period may be a tuple of one period per query head: each distinct one is checked, and the ring must
+    settings: an `OpSettings` with causal True and dropout_p 0 (`decode_settings`), each field range-checked.
+    Its period may be a tuple of one period per query head: each distinct one is checked, and the ring must
     reach as far as the largest.
     """
+    if type(settings) is not OpSettings:
+        raise ValueError(f"settings must be an OpSettings (`decode_settings` builds one from a PiSettings), got "
+                         f"{type(settings).__name__}")
+    window, period, causal, variant, prior, logit_clamp, eps, scale, dropout_p, sinks = settings
+    if causal is not True or dropout_p != 0:
+        raise ValueError(f"decoding is causal and without dropout: settings must have causal=True and "
+                         f"dropout_p=0.0, got causal={causal!r}, dropout_p={dropout_p!r}")
     periods = period if isinstance(period, tuple) else None
     if periods is None:
         _settings_checked(window, period, variant, prior, logit_clamp, eps, sinks)
@@ -349,47 +411,46 @@ def check_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | Non
         raise ValueError(f"gate must be on the device of q ({q.device}), got {gate.device}")
 
 
-def decode_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | None, *, capacity: int, position: int,
-                window: int, period: int | tuple[int, ...], variant: str, prior: float, logit_clamp: float | None,
-                eps: float, scale: float, sinks: int = 0,
+def decode_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | None, settings: OpSettings, *,
+                capacity: int, position: int,
                 gate_head: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`_decode_rows` for one new query at `position`, read straight from a ring cache's storage.
 
     q [B, H, 1, D]; kv_store [2, B, H_kv, sinks + capacity, D], keys then values, of a `RingCache` that
     already holds the new key (layout in `ring_slots`; capacity >= max(window, period) + 1, H_kv dividing
-    H); gate [B, H, 1] α or None. With gate_head = (weight [H, n_hidden], bias [H]), the last layer of the
-    gate MLP (variant "adaptive" only), gate is instead the MLP's hidden pre-activation [B, 1, n_hidden]
-    and α = ε + (1 − 2ε)·σ(weight·GELU(gate) + bias) is computed here (`gate_tail`). Inconsistent
-    arguments raise ValueError (`check_ring`). period may be a tuple of H per-head periods (capacity then
+    H); gate [B, H, 1] α or None; settings the call's `OpSettings` (causal, no dropout, the scale resolved:
+    `decode_settings`). With gate_head = (weight [H, n_hidden], bias [H]), the last layer of the gate MLP
+    (variant "adaptive" only), gate is instead the MLP's hidden pre-activation [B, 1, n_hidden] and
+    α = ε + (1 − 2ε)·σ(weight·GELU(gate) + bias) is computed here (`gate_tail`). Inconsistent arguments raise
+    ValueError (`check_ring`). settings.period may be a tuple of H per-head periods (capacity then
     >= max(window, largest period) + 1): the step runs once per distinct period on its heads (`_per_period`).
 
     The step of generation: one call of the compiled C step (`native.ring_step`) where it applies (a variant
     of `native.PRIOR_MODES`, and see there), else one gather for keys and values and `decode_gathered`, with
     no reordering of the ring and no concatenation with the new row.
     """
-    check_ring(q, kv_store, gate, capacity, position, window, period, variant, prior, logit_clamp, eps, scale, sinks,
-               gate_head)
-    if isinstance(period, tuple):
-        def step(p: int, q_g: torch.Tensor, gate_g: torch.Tensor | None, head_g, kv_g: torch.Tensor) -> torch.Tensor:
-            return _decode_ring(q_g, kv_g, gate_g, capacity, position, window, p, variant, prior, logit_clamp, eps,
-                                scale, sinks, head_g)
+    check_ring(q, kv_store, gate, capacity, position, settings, gate_head)
+    if isinstance(settings.period, tuple):
+        def step(s: OpSettings, q_g: torch.Tensor, gate_g: torch.Tensor | None, head_g,
+                 kv_g: torch.Tensor) -> torch.Tensor:
+            return _decode_ring(q_g, kv_g, gate_g, capacity, position, s, head_g)
 
         # The ring's heads are copied for the step unless the periods' order is the heads': O(capacity) a step.
-        return _per_period(step, period, q, gate, gate_head, [(kv_store, 2)])
-    return _decode_ring(q, kv_store, gate, capacity, position, window, period, variant, prior, logit_clamp, eps,
-                        scale, sinks, gate_head)
+        return _per_period(step, settings, q, gate, gate_head, [(kv_store, 2)])
+    return _decode_ring(q, kv_store, gate, capacity, position, settings, gate_head)
 
 
 def _decode_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | None, capacity: int, position: int,
-                 window: int, period: int, variant: str, prior: float, logit_clamp: float | None, eps: float,
-                 scale: float, sinks: int, gate_head: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    """`decode_ring` without `check_ring`, its arguments positional, for the decoding layers' one-token step
-    (`WindowedAttention`), whose arguments are right by construction: q and the gate come from the layer's own
-    projections, kv_store is the storage of a cache that `RingCache.check` accepted for the layer (batch,
-    key/value heads, head width, a ring reaching as far as the pattern reads, its sinks) and that has just
-    stored the new key, position is the cache's, and the settings are the layer's, checked when it was made."""
+                 settings: OpSettings, gate_head: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """`decode_ring` without `check_ring`, its arguments positional and settings of one period, for the decoding
+    layers' one-token step (`WindowedAttention`), whose arguments are right by construction: q and the gate come
+    from the layer's own projections, kv_store is the storage of a cache that `RingCache.check` accepted for the
+    layer (batch, key/value heads, head width, a ring reaching as far as the pattern reads, its sinks) and that
+    has just stored the new key, position is the cache's, and the settings are the layer's, checked when it was
+    made (`decode_settings`, built once per layer)."""
+    window, period, _, variant, prior, logit_clamp, eps, scale, _, sinks = settings
     slot, valid, kind, n_local, n_skip = ring_slots(window, period, sinks, capacity, position, q.device)
-    compiled = _compiled_prior(variant, gate, gate_head, prior, eps)
+    compiled = _compiled_prior(settings, gate, gate_head)
     if compiled is not None:
         mode, extra = compiled
         # Unchecked: check_ring (or the layer's cache check) covered what ring_step's own checks would, and the
@@ -407,15 +468,13 @@ def _decode_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | N
     two, B, H_kv, N, D = kv_store.shape
     kg, vg = kv_store.reshape(two * B * H_kv, N, D).index_select(1, slot).view(two, B, H_kv, slot.shape[0],
                                                                                 D).unbind(0)
-    return decode_gathered(q, kg, vg, valid, kind, n_local, n_skip, gate, variant=variant, prior=prior,
-                           logit_clamp=logit_clamp, eps=eps, scale=scale, gate_is_sigmoid=gate_is_sigmoid)
+    return decode_gathered(q, kg, vg, valid, kind, n_local, n_skip, gate, settings, gate_is_sigmoid=gate_is_sigmoid)
 
 
 def _decode_token(proj: torch.Tensor, n_heads: int, kv_store: torch.Tensor, gate: torch.Tensor | None,
                   gate_head: tuple[torch.Tensor, torch.Tensor] | None, fresh_slot: int,
-                  rotation: tuple[torch.Tensor, torch.Tensor, int] | None, capacity: int, position: int, window: int,
-                  period: int, variant: str, prior: float, logit_clamp: float | None, eps: float, scale: float,
-                  sinks: int) -> torch.Tensor | None:
+                  rotation: tuple[torch.Tensor, torch.Tensor, int] | None, capacity: int, position: int,
+                  settings: OpSettings) -> torch.Tensor | None:
     """A decoding layer's whole one-token step in one call of the compiled step (`native._token_step_unchecked`):
     the new token at `position` stored in ring row `fresh_slot` (its key rotated by `rotation`), then its query
     (rotated) read over the ring as `_decode_ring` reads it. y [B, H, 1, D], or None where the compiled step does
@@ -423,7 +482,9 @@ def _decode_token(proj: torch.Tensor, n_heads: int, kv_store: torch.Tensor, gate
 
     proj [B, 1, P]: the new token's q (n_heads heads), k, v columns, then, with gate None and gate_head given,
     the gate MLP's hidden pre-activation (a projection folded with the gate's first linear); otherwise gate and
-    gate_head as in `decode_ring`. Unchecked, for `WindowedAttention` (see `_decode_ring`)."""
+    gate_head as in `decode_ring`; settings of one period, as `_decode_ring` takes them. Unchecked, for
+    `WindowedAttention` (see `_decode_ring`)."""
+    window, period, _, variant, prior, logit_clamp, eps, scale, _, sinks = settings
     mode = native.PRIOR_MODES.get(variant)
     if mode is None:
         return None
@@ -456,8 +517,7 @@ def _prior_rows(kind: torch.Tensor, floor: float, dtype: torch.dtype) -> tuple[t
 
 
 def decode_gathered(q: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, valid: torch.Tensor | None,
-                    kind: torch.Tensor, n_local: int, n_skip: int, gate: torch.Tensor | None, *, variant: str,
-                    prior: float, logit_clamp: float | None, eps: float, scale: float,
+                    kind: torch.Tensor, n_local: int, n_skip: int, gate: torch.Tensor | None, settings: OpSettings, *,
                     gate_is_sigmoid: bool = False) -> torch.Tensor:
     """The rows of `_decode_rows` from the keys and values each query reads, already gathered.
 
@@ -465,7 +525,8 @@ def decode_gathered(q: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, valid: 
     key where the slot reads nothing); valid [t, S] bool or None (every slot reads a key); kind [S] int64,
     0 for the local prior (local and sink slots), 1 for the skip prior; gate [B, H, t] or None: α, or
     with gate_is_sigmoid (variant "adaptive" only) the σ whose clip ε + (1 − 2ε)·σ is α (`gate_tail`: the
-    clip then costs no op of its own).
+    clip then costs no op of its own); settings the call's `OpSettings` of one period (its variant, prior,
+    logit_clamp, eps and scale are read here; the slots already say which keys the pattern reads).
     Returns [B, H, t, D] in the dtype of q.
 
     Laid out as R = B·H_kv·t batched products of the g = H / H_kv query heads of a group against the S
@@ -473,6 +534,7 @@ def decode_gathered(q: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor, valid: 
     the fixed cost of each op, not by its arithmetic. A variant outside `TORCH_OPS_VARIANTS` raises
     ValueError.
     """
+    _, _, _, variant, prior, logit_clamp, eps, scale, _, _ = settings
     if variant not in TORCH_OPS_VARIANTS:
         raise ValueError(f"no decoding step runs variant {variant!r}: torch ops run "
                          f"{', '.join(sorted(TORCH_OPS_VARIANTS))}; the compiled step runs "

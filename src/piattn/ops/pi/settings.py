@@ -23,7 +23,9 @@ _SCHEMA_TYPES = {int: "SymInt", int | tuple[int, ...]: "SymInt", bool: "bool", s
 class OpSettings(NamedTuple):
     """A checked call's settings besides its tensors, built once by `piattn.pi_attention` and handed to the
     backend (`backends.BackendRun`): see `pi_attention` for their meaning. scale is never None here; period
-    is one int, or a tuple of one int per query head for a backend that takes them (`per_head_periods`)."""
+    is one int, or a tuple of one int per query head for a backend that takes them (`per_head_periods`).
+    The decoding functions (`decode.py`) take one too, causal and without dropout: `pi_decode` builds it from
+    its keywords, a layer from its `PiSettings` (`decode.decode_settings`)."""
 
     window: int
     period: int | tuple[int, ...]
