@@ -11,6 +11,7 @@ import torch
 
 import piattn.ops.pi.native as native
 from piattn.config import PI_DEFAULTS
+from piattn.config.pi import period_tuple
 from piattn.models import GPT, GPTConfig
 from piattn.ops.pi import pi_attention
 from piattn.ops.pi.decode import _compiled_rows, _decode_rows, decode_settings, gate_tail
@@ -138,8 +139,7 @@ def test_model_steps_of_a_few_tokens_go_through_the_compiled_step(name, n, compi
         full = model(idx)
         cache = model.init_cache(2)
         steps = torch.cat([model(idx[:, t:t + n], cache) for t in range(0, idx.shape[1], n)], 1)
-    periods = model.blocks[0].attn.settings.periods
-    groups = 1 if periods is None else len(set(periods))
+    groups = len(set(period_tuple(model.blocks[0].attn.settings.period)))
     assert compiled_calls and all(compiled_calls)
     assert len(compiled_calls) == -(-idx.shape[1] // n) * len(model.blocks) * groups
     torch.testing.assert_close(steps, full, rtol=1e-10, atol=1e-10)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
 import torch
 
 import piattn
@@ -96,3 +97,22 @@ def test_document_bounds():
     # ids given as a view (a column slice): the bounds are still contiguous, as the kernels read them
     view = torch.cat([ids, ids], 1)[:, ::2]
     assert all(t.is_contiguous() for t in document_bounds(view, torch.int32))
+
+
+def test_a_period_is_spread_over_the_heads_in_one_place():
+    """One function turns a period setting into one period per query head (`validate.head_periods`): the
+    operator's entry, the layers, inspection and sequence parallelism ask it; no other module keeps a copy."""
+    names = {"head_periods", "per_head", "period_values", "layer_period"}
+    defined = [(path, node.name) for path, tree in _trees() for node in ast.walk(tree)
+               if isinstance(node, ast.FunctionDef) and node.name in names]
+    assert defined == [("ops/pi/validate.py", "head_periods")]
+
+
+def test_head_periods():
+    from piattn.ops.pi.validate import head_periods
+
+    assert head_periods(16, 4) == (16, 16, 16, 16)
+    assert head_periods([8, 16, 8, 16], 4) == head_periods(torch.tensor([8, 16, 8, 16]), 4) == (8, 16, 8, 16)
+    assert head_periods((6, 6), 2) == (6, 6)
+    with pytest.raises(ValueError, match="period has 3 entries; per-head periods need one per query head, n_heads=4"):
+        head_periods((3, 8, 5), 4, count="n_heads")

@@ -115,6 +115,7 @@ def test_plan_for_gives_one_plan_per_distinct_period(monkeypatch):
     plans = plan_for(q, window=1, period=(11, 2, 11), causal=True)
     assert plans == (HaloPlan(4, 4, 1, 2, True), HaloPlan(4, 4, 1, 11, True))
     assert [p.gapped for p in plans] == [False, True]
-    assert plan_for(q, window=1, period=(5, 5, 5)) == HaloPlan(4, 4, 1, 5, True)  # equal entries: one period
+    assert plan_for(q, window=1, period=(5, 5, 5)) == (HaloPlan(4, 4, 1, 5, True),)  # equal entries: one period
+    assert plan_for(q, window=1, period=5) == (HaloPlan(4, 4, 1, 5, True),)
     with pytest.raises(ValueError, match="period has 2 entries"):
         plan_for(q, period=(2, 5))

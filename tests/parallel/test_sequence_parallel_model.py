@@ -13,6 +13,7 @@ import pytest
 import torch
 from sp_harness import run_ranks
 
+from piattn.config import PiSettings
 from piattn.layers.sharding import active_shard, pi_operator, sequence_parallel
 
 pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed"),
@@ -73,6 +74,6 @@ def test_without_a_group_the_context_changes_nothing():
                for i in range(3))
     with sequence_parallel(None) as shard:
         assert shard is None and active_shard() is None
-        y = pi_operator(q, k, v, window=2, period=5, variant="union")
+        y = pi_operator(q, k, v, None, PiSettings(window=2, period=5, variant="union"))
     from piattn import pi_attention
     assert torch.equal(y, pi_attention(q, k, v, window=2, period=5, variant="union"))

@@ -108,8 +108,14 @@ class ModelConfig:
     def pi_settings(self, layer: int) -> PiSettings:
         """The π-Attention operator settings of layer `layer` (checked on construction): its period is an int,
         or a tuple of n_head per-head periods."""
-        return PiSettings(window=self.window, period=layer_period(self.period, layer), variant=self.variant,
-                          prior=self.prior, logit_clamp=self.logit_clamp, eps=self.gate_eps, sinks=self.sinks)
+        return PiSettings(**self.pi_kwargs(layer))
+
+    def pi_kwargs(self, layer: int) -> dict:
+        """`pi_settings(layer)`'s fields by name, as the layers' constructors take them (`PiAttention`): the
+        n_head periods of that layer (`periods_per_layer` reads every stored form)."""
+        return dict(window=self.window, period=periods_per_layer(self.period, self.n_layer, self.n_head)[layer],
+                    variant=self.variant, prior=self.prior, logit_clamp=self.logit_clamp, eps=self.gate_eps,
+                    sinks=self.sinks)
 
     @classmethod
     def from_name(cls, name: str, **overrides):
@@ -146,11 +152,11 @@ def resolve_periods(period, *, window: int, n_layer: int, n_head: int, block_siz
     (`design_periods`: every lag up to N reachable through the layers), N defaulting to block_size − 1,
     the longest lag a sequence of the model has. One-line ValueError naming `period` for anything else.
     """
-    if is_int(period):
-        return period
-    if not isinstance(period, (str, list, tuple)):
+    if not is_int(period) and not isinstance(period, (str, list, tuple)):
         raise ValueError(f"period must be an int, a list of n_head ints, a list of n_layer lists of n_head ints "
                          f"or a schedule name ({', '.join(PERIOD_SCHEDULES)}), got {period!r}")
+    if is_int(period) and period < 1:
+        raise ValueError(f"period must be an int >= 1, got {period!r}")
     if isinstance(period, str):
         name, _, arg = period.partition(":")
         if name not in PERIOD_SCHEDULES or (arg and not arg.isdigit()):
@@ -163,19 +169,11 @@ def resolve_periods(period, *, window: int, n_layer: int, n_head: int, block_siz
         except ValueError as e:
             raise ValueError(f"period {period!r}: {e}") from None
     else:
-        resolved = periods_per_layer(list(period), n_layer, n_head)
+        resolved = periods_per_layer(period, n_layer, n_head)
     layers = [list(heads) for heads in resolved]
     if all(heads == layers[0] for heads in layers):
         return layers[0][0] if len(set(layers[0])) == 1 else layers[0]
     return layers
-
-
-def layer_period(period, layer: int) -> int | list:
-    """Layer `layer`'s period in a period stored as `resolve_periods` returns it: the int, the n_head ints,
-    or that layer's list of n_head ints."""
-    if is_int(period):
-        return period
-    return period[layer] if isinstance(period[0], (list, tuple)) else period
 
 
 @dataclass

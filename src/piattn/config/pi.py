@@ -44,12 +44,7 @@ class PiSettings:
     def check(self) -> None:
         """ValueError naming the setting and what it allows, for the first one out of range."""
         fields = self.as_kwargs()
-        check_pi_settings(period=period_values(canonical_period(fields.pop("period")))[0], **fields)
-
-    @property
-    def periods(self) -> tuple[int, ...] | None:
-        """The per-head periods, or None when every head shares `period` (an int)."""
-        return None if is_int(self.period) else self.period
+        check_pi_settings(period=period_tuple(fields.pop("period"))[0], **fields)
 
     @property
     def gated(self) -> bool:
@@ -60,7 +55,7 @@ class PiSettings:
     def reach(self) -> int:
         """How far back a causal query looks: besides its document's first `sinks` keys, it reads no key
         older than i − max(window, period) (the largest period, with one per head)."""
-        return max(self.window, period_values(self.period)[-1])
+        return max(self.window, *period_tuple(self.period))
 
     def as_kwargs(self) -> dict:
         # A shallow dict, not dataclasses.asdict: asdict deep-copies each value, which torch 2.11's dynamo
@@ -69,37 +64,28 @@ class PiSettings:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
-def canonical_period(period) -> int | tuple[int, ...]:
-    """The canonical (stored) form of a period setting: an int, or a tuple of per-head ints with at least two
-    distinct values (a sequence of equal entries becomes their int). ValueError naming `period` for anything
-    else; the range of an int is `check_pi_settings`'s, and the head count is the caller's (the layer's, the
-    operator's)."""
+def period_tuple(period) -> tuple[int, ...]:
+    """A period setting's entries, in head order: (period,) for an int (as given), a sequence's ints as a
+    tuple. ValueError naming `period` for anything else; the range of an int is `check_pi_settings`'s, and
+    the head count is the operator's (`piattn.ops.pi.validate.head_periods`, which also spreads an int over
+    the heads)."""
     if is_int(period):
-        return period
+        return (period,)
     allowed = "an int >= 1 or a sequence of ints >= 1, one per query head"
     if not isinstance(period, Sequence) or isinstance(period, (str, bytes)) or len(period) == 0:
         raise ValueError(f"period must be {allowed}; got {period!r}")
     for h, p in enumerate(period):
         if not is_int(p) or p < 1:
             raise ValueError(f"period[{h}] must be an int >= 1, got {p!r}; period must be {allowed}")
-    periods = tuple(int(p) for p in period)
+    return tuple(int(p) for p in period)
+
+
+def canonical_period(period) -> int | tuple[int, ...]:
+    """The canonical (stored) form of a period setting: an int, or a tuple of per-head ints with at least two
+    distinct values (a sequence of equal entries becomes their int). ValueError naming `period` for anything
+    else (`period_tuple`)."""
+    periods = period_tuple(period)
     return periods[0] if len(set(periods)) == 1 else periods
-
-
-def per_head(period, n_head: int, *, count: str = "H") -> tuple[int, ...]:
-    """Any period setting (`canonical_period`'s forms) -> one period per query head, n_head ints (an int is
-    n_head copies). ValueError naming `period` for what `canonical_period` refuses, and for a sequence of
-    other than n_head entries (`count`: the caller's name of its head count)."""
-    periods = canonical_period(period)
-    if not is_int(period) and len(period) != n_head:  # the entries given, before equal ones become their int
-        raise ValueError(f"period has {len(period)} entries; per-head periods need one per query head, "
-                         f"{count}={n_head}")
-    return (periods,) * n_head if is_int(periods) else periods
-
-
-def period_values(period: int | tuple[int, ...]) -> tuple[int, ...]:
-    """The distinct periods of a canonical period setting (`canonical_period`), increasing: (π,) for one."""
-    return (period,) if is_int(period) else tuple(sorted(set(period)))
 
 
 def check_pi_settings(*, window, period, variant, prior, logit_clamp, eps, sinks=0) -> None:

@@ -24,7 +24,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..checks import is_int
+import numpy as np
+
 from .flags import Capability, Notes, add_flags, applies, check_flags, flag, flag_fields, option_name, render_notes
 from .model import PERIOD_SCHEDULES, SIZES, ModelConfig
 from .pi import PI_DEFAULTS, VARIANTS
@@ -61,7 +62,7 @@ class ModelFlags:
     dropout: float = flag(0.1, "residual, attention and FFN dropout", low=0, below=1)
 
     def __post_init__(self):
-        if is_int(self.period):  # a checkpoint written before --period took text stores an int
+        if self.period is not None:  # a checkpoint written before --period took text stores an int
             self.period = str(self.period)
 
     def model_fields(self) -> dict:
@@ -96,11 +97,8 @@ def parse_period(text: str) -> int | list | str:
 def period_text(periods) -> str:
     """Periods in the syntax `piattn train --period` takes, `parse_period`'s inverse: an int (every head), a
     list of ints (one per head, every layer alike: '8,16,32,64') or per-layer lists ('5,6,7,8/9,14,19,24')."""
-    if isinstance(periods, int):
-        return str(periods)
-    if periods and isinstance(periods[0], (list, tuple)):
-        return "/".join(",".join(map(str, heads)) for heads in periods)
-    return ",".join(map(str, periods))
+    layers = np.atleast_2d(np.asarray(periods)).tolist()  # every form as layers of heads: [[16]], [[8, 16]]
+    return "/".join(",".join(map(str, heads)) for heads in layers)
 
 
 @dataclass

@@ -30,11 +30,11 @@ import inspect
 import torch
 from torch import nn
 
-from ..config.pi import per_head
 from ..layers import ATTENTION, AttentionLayer
 from ..layers.sharding import active_shard
 from ..ops.pi.heads import period_groups
 from ..ops.pi.pattern import document_bounds
+from ..ops.pi.validate import head_periods
 from . import probes
 
 RESIDUAL_MIX = 0.5  # Ã = RESIDUAL_MIX·A + (1 − RESIDUAL_MIX)·I
@@ -93,7 +93,7 @@ class _LayerSums:
         period: the layer's (an int, or one per head)."""
         B, H, T = gate.shape
         if self.skip_prior is None:
-            self.skip_prior_heads = {p: heads for p, heads, _ in period_groups(per_head(period, H), H)}
+            self.skip_prior_heads = {p: heads for p, heads, _ in period_groups(head_periods(period, H), H)}
             self.skip_prior = {p: torch.zeros(p, dtype=torch.float64) for p in self.skip_prior_heads}
             self.skip_prior_count = {p: torch.zeros(p, dtype=torch.float64) for p in self.skip_prior_heads}
         g = gate.double() * mask[:, None, :]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ..analysis.multiscale import periods_per_layer
 from .probes import KEY_CLASSES
 
 CLASS_COLOURS = {"local": "#4c72b0", "skip": "#dd8452", "sink": "#55a868", "all": "#8c8c8c"}
@@ -101,13 +102,10 @@ def plot_skip_prior_by_phase(runs: list[tuple[str, dict]], out: str | Path) -> P
     return out
 
 
-def _periods(period) -> set[int]:
-    """The distinct periods of a model config's `period` (an int, per-head ints or per-layer lists)."""
-    if isinstance(period, int):
-        return {period}
-    if isinstance(period, (list, tuple)):
-        return set().union(*(_periods(p) for p in period)) if period else set()
-    return set()
+def _periods(model: dict) -> set[int]:
+    """The distinct periods of a report's model settings (its `period` in any stored form, read for its
+    n_layer layers of n_head heads by `periods_per_layer`)."""
+    return {p for heads in periods_per_layer(model.get("period"), model["n_layer"], model["n_head"]) for p in heads}
 
 
 def _phase_lines(entry: dict) -> list[tuple[str, list]]:
@@ -155,7 +153,7 @@ def plot_token_flow(runs: list[tuple[str, dict]], out: str | Path) -> Path:
             ax.set_facecolor("#f2f2f2")
             ax.set_yticks(range(L))
             if report.get("model", {}).get("attention") == "pi":
-                marks = {sign * mult * period for period in _periods(report["model"].get("period"))
+                marks = {sign * mult * period for period in _periods(report["model"])
                          for mult in range(1, L + 1) for sign in ((-1,) if flow["causal"] else (-1, 1))}
                 for d in sorted(marks):
                     if offsets[0] <= d <= offsets[-1]:

@@ -71,7 +71,7 @@ class PiAttention(WindowedAttention):
 
     @classmethod
     def config_kwargs(cls, cfg: ModelConfig, layer: int) -> dict:
-        return dict(**cfg.pi_settings(layer).as_kwargs(), backend=cfg.backend)
+        return dict(**cfg.pi_kwargs(layer), backend=cfg.backend)
 
     @classmethod
     def lag_reach(cls, model: Mapping[str, Any], max_lag: int) -> Reach:

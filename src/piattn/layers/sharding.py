@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..config import PiSettings
 from ..ops.pi import pi_attention
 from ..parallel import sequence_parallel_pi_attention
 
@@ -81,11 +82,14 @@ def sequence_parallel(group):
             _OPEN -= 1
 
 
-def pi_operator(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None = None,
-                **kwargs) -> torch.Tensor:
-    """`pi_attention(q, k, v, gate, **kwargs)`, or, inside `sequence_parallel(group)`, the same operator
-    on the sequence whose shard q, k, v [B, H, S, D] are (`sequence_parallel_pi_attention` over group)."""
+def pi_operator(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, settings: PiSettings,
+                **call) -> torch.Tensor:
+    """`pi_attention(q, k, v, gate, **call)` with the operator settings `settings` (a layer's `PiSettings`,
+    handed over whole: its one conversion to `pi_attention`'s keywords is here), or, inside
+    `sequence_parallel(group)`, the same operator on the sequence whose shard q, k, v [B, H, S, D] are
+    (`sequence_parallel_pi_attention` over group). call: the keywords that are not settings (causal,
+    dropout_p, document_ids, backend, scale)."""
     shard = active_shard()
     if shard is None:
-        return pi_attention(q, k, v, gate, **kwargs)
-    return sequence_parallel_pi_attention(q, k, v, gate, group=shard.group, **kwargs)
+        return pi_attention(q, k, v, gate, **settings.as_kwargs(), **call)
+    return sequence_parallel_pi_attention(q, k, v, gate, group=shard.group, **settings.as_kwargs(), **call)

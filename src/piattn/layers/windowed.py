@@ -9,10 +9,11 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.modules import module as _module
 
+from ..checks import is_int
 from ..config import PiSettings
-from ..config.pi import per_head
 from ..decoding.cache import RingCache
 from ..ops.pi.decode import _decode_ring, _decode_rows, _decode_token, decode_ring, decode_settings
+from ..ops.pi.validate import head_periods
 from .base import AttentionLayer
 from .sharding import active_shard, pi_operator
 
@@ -56,7 +57,7 @@ class WindowedAttention(AttentionLayer):
                  dropout: float, rotary: bool, rope_base: float, backend: str):
         super().__init__(d_model, n_heads, n_kv_heads=n_kv_heads, causal=causal, dropout=dropout, rotary=rotary,
                          rope_base=rope_base)
-        per_head(settings.period, n_heads, count="n_heads")  # ValueError unless one period or one per head
+        head_periods(settings.period, n_heads, count="n_heads")  # ValueError unless one period or one per head
         self.settings = settings
         self.backend = backend
         self.gate: nn.Module | None = None
@@ -65,10 +66,11 @@ class WindowedAttention(AttentionLayer):
         self._decode_settings = decode_settings(settings, self.head_dim**-0.5)
         self._gate_observer: Callable[[torch.Tensor], None] | None = None
         # `_ring_forward`'s settings (those of `_decode_token` and `_decode_ring`, which take one period), or None
-        # where the layer takes the general path (`AttentionLayer.forward`): a period per head, or a subclass that
-        # overrides a method of that path (its override is then what runs).
+        # where the layer takes the general path (`AttentionLayer.forward`): a period per head (kept: that fast
+        # path's compiled step takes one period), or a subclass that overrides a method of that path (its
+        # override is then what runs).
         kind = type(self)
-        lean = (settings.periods is None and kind.heads is AttentionLayer.heads
+        lean = (is_int(settings.period) and kind.heads is AttentionLayer.heads
                 and kind.attend_cached is AttentionLayer.attend_cached
                 and kind.attend_ring is WindowedAttention.attend_ring)
         self._ring_settings = self._decode_settings if lean else None
@@ -171,8 +173,8 @@ class WindowedAttention(AttentionLayer):
                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, H, T, D], k, v [B, H_kv, T, D], x [B, T, d] (the gate's input), document_ids [B, T] or None
         -> [B, H, T, D]."""
-        return pi_operator(q, k, v, self.observed_gate(x), causal=self.causal, dropout_p=self.attention_dropout,
-                           document_ids=document_ids, backend=self.backend, **self.settings.as_kwargs())
+        return pi_operator(q, k, v, self.observed_gate(x), self.settings, causal=self.causal,
+                           dropout_p=self.attention_dropout, document_ids=document_ids, backend=self.backend)
 
     def attend_recent(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The last t rows of `attend` (causal, eval) from the t new rows' q, x and all N rows' k, v: one call

@@ -16,7 +16,6 @@ import inspect
 import torch
 import torch.distributed as dist
 
-from ..config.pi import period_values
 from ..ops.pi import BACKENDS, pi_attention
 from ..ops.pi.heads import operator_by_period
 from ..ops.pi.validate import check_arguments, check_qkv_tensors, head_periods
@@ -155,17 +154,17 @@ class _HaloExchange(torch.autograd.Function):
         return dk, dv, None, None, None
 
 
-def plan_for(q: torch.Tensor, group=None, **pi_attention_kwargs) -> HaloPlan | tuple[HaloPlan, ...] | None:
-    """The exchange plan a call with this local shard would use (None where the plain operator runs); with
-    per-head periods one plan per distinct period, in increasing period (the call runs one exchange each)."""
+def plan_for(q: torch.Tensor, group=None, **pi_attention_kwargs) -> tuple[HaloPlan, ...] | None:
+    """The exchange plans a call with this local shard would use, one per distinct period of its heads in
+    increasing period (the call runs one exchange each; one plan for one period), or None where the plain
+    operator runs."""
     resolved = _resolve_group(group)
     if resolved is None or resolved[2] == 1:
         return None
     settings = {**OPERATOR_DEFAULTS, **pi_attention_kwargs}
-    periods = head_periods(settings["period"], q)
-    plans = tuple(HaloPlan(resolved[2], q.shape[2], settings["window"], p, settings["causal"])
-                  for p in period_values(periods))
-    return plans if len(plans) > 1 else plans[0]  # per-head periods are at least two distinct ones
+    periods = head_periods(settings["period"], q.shape[1], device=q.device)
+    return tuple(HaloPlan(resolved[2], q.shape[2], settings["window"], p, settings["causal"])
+                 for p in sorted(set(periods)))
 
 
 def sequence_parallel_pi_attention(
@@ -207,10 +206,11 @@ def sequence_parallel_pi_attention(
     error, shard, fingerprint = None, 0, 0
     try:  # local checks first, but the verdict is shared, so that a bad rank cannot leave others waiting
         check_qkv_tensors(q, k, v)
-        periods = head_periods(settings["period"], q)  # a tensor becomes a tuple: what is fingerprinted
+        # One period per query head (a tensor becomes a tuple): what is fingerprinted and grouped.
+        periods = head_periods(settings["period"], q.shape[1], device=q.device)
         settings["period"] = periods
         checked = {n: x for n, x in settings.items() if n not in ("backend", "period")}
-        check_arguments(q, k, v, gate, period=period_values(periods)[0], **checked)
+        check_arguments(q, k, v, gate, period=min(periods), **checked)
         if settings["sinks"] or settings["document_ids"] is not None:
             # The exchange carries window and skip rows only: sink keys and documents would cross shards.
             raise ValueError("sequence_parallel_pi_attention supports neither sinks > 0 nor document_ids, got "

@@ -15,7 +15,8 @@ from torch import nn
 from transformers import AttentionInterface, AttentionMaskInterface
 
 from ... import models as _models  # noqa: F401  (lends the period schedules to `resolve_periods`)
-from ...config.model import layer_period, resolve_periods
+from ...analysis.multiscale import periods_per_layer
+from ...config.model import resolve_periods
 from ...config.pi import PI_DEFAULTS, PiSettings
 from ...layers.base import AttentionLayer
 from ...layers.gate import clip_gate, gate_hidden, gate_hooked, gate_values
@@ -67,9 +68,8 @@ class HFPiSettings:
         n_layer, n_head = config.num_hidden_layers, config.num_attention_heads
         resolved = resolve_periods(period, window=base.window, n_layer=n_layer, n_head=n_head,
                                    block_size=getattr(config, "max_position_embeddings", None) or 1)
-        per_layer = not isinstance(resolved, int) and isinstance(resolved[0], list)
-        settings = cls(dataclasses.replace(base, period=layer_period(resolved, 0)), backend,
-                       tuple(tuple(heads) for heads in resolved) if per_layer else None)
+        layers = periods_per_layer(resolved, n_layer, n_head)  # n_layer tuples of n_head periods
+        settings = cls(dataclasses.replace(base, period=layers[0]), backend, layers if len(set(layers)) > 1 else None)
         settings.layers  # noqa: B018  (checks every layer's settings)
         return settings
 

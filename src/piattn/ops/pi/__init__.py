@@ -95,17 +95,19 @@ def pi_attention(
     """
     check_qkv_tensors(q, k, v)
     variant, gate = gate_or_prior(q, gate, variant, prior)
-    periods = head_periods(period, q)
+    # The period's one normalisation: one int per query head, whatever form it was given in.
+    periods = head_periods(period, q.shape[1], device=q.device)
     check_arguments(
-        q, k, v, gate, window=window, period=periods if isinstance(periods, int) else periods[0], causal=causal,
-        variant=variant, prior=prior, logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p,
-        sinks=sinks, document_ids=document_ids,
+        q, k, v, gate, window=window, period=periods[0], causal=causal, variant=variant, prior=prior,
+        logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p, sinks=sinks, document_ids=document_ids,
     )
-    # The one settings object of the call, handed down to the backend (`backends.BackendRun`).
-    settings = OpSettings(window=window, period=periods, causal=causal, variant=variant, prior=prior,
-                          logit_clamp=logit_clamp, eps=eps, scale=q.shape[-1] ** -0.5 if scale is None else scale,
-                          dropout_p=dropout_p, sinks=sinks)
-    if isinstance(periods, int) or REGISTRY[_chosen(q, k, v, gate, settings, document_ids, backend)].per_head_periods:
+    # The one settings object of the call, handed down to the backend (`backends.BackendRun`): heads that all
+    # share a period run as the one-period call exactly.
+    one = len(set(periods)) == 1
+    settings = OpSettings(window=window, period=periods[0] if one else periods, causal=causal, variant=variant,
+                          prior=prior, logit_clamp=logit_clamp, eps=eps,
+                          scale=q.shape[-1] ** -0.5 if scale is None else scale, dropout_p=dropout_p, sinks=sinks)
+    if one or REGISTRY[_chosen(q, k, v, gate, settings, document_ids, backend)].per_head_periods:
         # One call, with every head's period where the backend declares it takes them.
         return _pi_attention(q, k, v, gate, settings, document_ids, backend)
 

@@ -66,12 +66,13 @@ def by_period(periods: tuple[int, ...], n_kv_heads: int, run: Callable[..., torc
     return y.index_select(1, inverse.to(y.device))
 
 
-def operator_by_period(periods: int | tuple[int, ...], run: Callable[..., torch.Tensor], q: torch.Tensor,
+def operator_by_period(periods: tuple[int, ...], run: Callable[..., torch.Tensor], q: torch.Tensor,
                        gate: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """run(period, q_g, gate_g, k_g, v_g) -> [B, H_g, T, D] for an operator's call: on every head at once for
-    one period (an int), else once per period group (`by_period`), [B, H, T, D] in head order. q [B, H, T, D],
-    gate [B, H, T] or None, k and v [B, H_kv, T, D]; periods as `validate.head_periods` returns them. For
-    the operators built on `pi_attention` (sequence parallelism), so that they group heads here, not apart."""
-    if isinstance(periods, int):
-        return run(periods, q, gate, k, v)
+    """run(period, q_g, gate_g, k_g, v_g) -> [B, H_g, T, D] for an operator's call: on every head at once where
+    they share one period, else once per period group (`by_period`), [B, H, T, D] in head order. q [B, H, T, D],
+    gate [B, H, T] or None, k and v [B, H_kv, T, D]; periods one per query head, as `validate.head_periods`
+    returns them. For the operators built on `pi_attention` (sequence parallelism), so that they group heads
+    here, not apart."""
+    if len(set(periods)) == 1:
+        return run(periods[0], q, gate, k, v)
     return by_period(periods, k.shape[1], run, [(q, 1), (gate, 1)], [(k, 1), (v, 1)])

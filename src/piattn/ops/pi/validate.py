@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ...config.pi import GATED_VARIANTS, canonical_period, check_pi_settings, per_head
+from ...checks import is_int
+from ...config.pi import GATED_VARIANTS, check_pi_settings, period_tuple
 
 SUPPORTED_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -50,25 +51,31 @@ def check_arguments(
     check_document_ids(document_ids, q)
 
 
-def head_periods(period, q: torch.Tensor) -> int | tuple[int, ...]:
-    """`pi_attention`'s period -> an int (one period for every head) or a tuple of H ints (one per query
-    head of q [B, H, T, D]), each >= 1. A sequence or tensor whose entries are all equal becomes their int,
-    so that it takes exactly the path of one period. ValueError naming `period` otherwise.
+def head_periods(period, n_heads: int, *, device: torch.device | None = None, count: str = "H") -> tuple[int, ...]:
+    """A period setting -> one period per query head, a tuple of n_heads ints: the one form every period takes
+    on its way to the backends (`piattn.pi_attention` normalises its `period` here once, and the layers,
+    inspection and sequence parallelism ask the same). An int is n_heads copies of itself (its range is
+    `check_pi_settings`'s); a sequence or 1-D integer tensor gives its entries, n_heads of them. ValueError
+    naming `period` otherwise (`count`: the caller's name of its head count).
 
-    A tensor must be 1-D, integer and on q's device; reading its values is a host sync (and, under
-    torch.compile, a graph break: pass a tuple there).
+    A tensor must be 1-D, integer and on `device` (q's, where given); reading its values is a host sync (and,
+    under torch.compile, a graph break: pass a tuple there).
     """
-    H = q.shape[1]
     if isinstance(period, torch.Tensor):
         if period.dim() != 1 or period.is_floating_point() or period.is_complex() or period.dtype == torch.bool:
             raise ValueError(f"period must be an int >= 1 or one int >= 1 per query head (a sequence or 1-D "
-                             f"integer tensor of length H={H}); got a tensor of shape {tuple(period.shape)} and "
-                             f"dtype {period.dtype}")
-        if period.device != q.device:
-            raise ValueError(f"period must be on the device of q ({q.device}), got {period.device}")
+                             f"integer tensor of length {count}={n_heads}); got a tensor of shape "
+                             f"{tuple(period.shape)} and dtype {period.dtype}")
+        if device is not None and period.device != device:
+            raise ValueError(f"period must be on the device of q ({device}), got {period.device}")
         period = period.tolist()
-    per_head(period, H)  # ValueError for a count other than H: `per_head` is that check's one home
-    return canonical_period(period)
+    periods = period_tuple(period)
+    if is_int(period):
+        return periods * n_heads
+    if len(periods) != n_heads:
+        raise ValueError(f"period has {len(periods)} entries; per-head periods need one per query head, "
+                         f"{count}={n_heads}")
+    return periods
 
 
 def check_kv_heads(q, k, v) -> None:

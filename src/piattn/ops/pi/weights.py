@@ -13,11 +13,11 @@ from typing import NamedTuple
 
 import torch
 
-from ...config.pi import PI_DEFAULTS, PiSettings
+from ...config.pi import PI_DEFAULTS, PiSettings, period_tuple
 from .dtypes import accumulation_dtype
 from .heads import period_groups
 from .pattern import Pattern, log_priors, slot_keys
-from .validate import check_arguments, gate_or_prior
+from .validate import check_arguments, gate_or_prior, head_periods
 
 
 class SlotWeights(NamedTuple):
@@ -62,18 +62,15 @@ def pi_attention_weights(
         raise ValueError(f"settings must be a piattn.config.PiSettings, got {type(settings).__name__}")
     variant, gate = gate_or_prior(q, gate, settings.variant, settings.prior)
     settings = dataclasses.replace(settings, variant=variant)
-    periods = settings.periods
     # v plays no part in the weights; k stands in for it, so that the operator's one check covers the call.
     check_arguments(q, k, k, gate, causal=causal, scale=scale, dropout_p=0.0, document_ids=document_ids,
-                    **{**settings.as_kwargs(), "period": settings.period if periods is None else min(periods)})
-    if periods is not None and len(periods) != q.shape[1]:
-        raise ValueError(f"period has {len(periods)} entries; per-head periods need one per query head, "
-                         f"H={q.shape[1]}")
+                    **{**settings.as_kwargs(), "period": min(period_tuple(settings.period))})
+    periods = head_periods(settings.period, q.shape[1])
     formulation = dict(variant=settings.variant, prior=settings.prior, logit_clamp=settings.logit_clamp,
                        eps=settings.eps, scale=q.shape[-1] ** -0.5 if scale is None else scale,
                        document_ids=document_ids)
     layout = settings_pattern(settings, causal)
-    if periods is None:
+    if len(set(periods)) == 1:
         return slot_weights(q, k, gate, layout, **formulation)
     B, H, T, _ = q.shape
     acc = accumulation_dtype(q.dtype)
@@ -102,8 +99,7 @@ def _widen(x: torch.Tensor, at: int, n: int) -> torch.Tensor:
 def settings_pattern(settings: PiSettings, causal: bool) -> Pattern:
     """The slots of U(i) under `settings`, in the order of `pi_attention_weights`' last dimension (with
     per-head periods, the pattern of the largest: every head's slots have the same key classes)."""
-    period = settings.period if settings.periods is None else max(settings.periods)
-    return Pattern(settings.window, period, causal, settings.sinks)
+    return Pattern(settings.window, max(period_tuple(settings.period)), causal, settings.sinks)
 
 
 def slot_weights(
