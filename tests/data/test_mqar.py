@@ -14,8 +14,9 @@ def test_hand_checked_layout_with_explicit_distances():
     for row in range(3):
         a, b = out["tokens"][row, 0].item(), out["tokens"][row, 2].item()
         assert {a, b} == {0, 1}
-        # pair 0 at 0–1, pair 1 at 2–3; query 0 at 0 + 5 = 5, query 1 at 2 + 6 = 8, each followed by its value
-        assert out["tokens"][row].tolist() == [a, 2, b, 2, 3, a, 2, 3, b, 2, 3, 3]
+        # pair 0 at 0–1, pair 1 at 2–3; query 0 at 0 + 5 = 5, query 1 at 2 + 6 = 8, the answer never written
+        # after a query (filler there: a later query must not see which pairs were answered)
+        assert out["tokens"][row].tolist() == [a, 2, b, 2, 3, a, 3, 3, b, 3, 3, 3]
         assert out["targets"][row].tolist() == [IGNORE] * 5 + [2, IGNORE, IGNORE, 2, IGNORE, IGNORE, IGNORE]
         assert out["distance"][row].tolist() == [-1] * 5 + [5, -1, -1, 6, -1, -1, -1]
     assert out["n_pairs"] == 2 and vocab_size(2, 1) == 4
@@ -27,7 +28,7 @@ def test_hand_checked_queries_in_the_other_order():
     tokens, targets = out["tokens"], out["targets"]
     for row in range(50):
         a, va, b, vb = tokens[row, :4].tolist()
-        assert tokens[row].tolist() == [a, va, b, vb, b, vb, 5, 5, a, va, 5, 5]
+        assert tokens[row].tolist() == [a, va, b, vb, b, 5, 5, 5, a, 5, 5, 5]
         assert targets[row].tolist() == [IGNORE] * 4 + [vb] + [IGNORE] * 3 + [va] + [IGNORE] * 3
     assert out["distance"][0].tolist() == [-1] * 4 + [2] + [-1] * 3 + [8] + [-1] * 3
     assert (tokens[:, 1] != tokens[:, 3]).any()  # values are drawn per pair, not one per sequence
@@ -37,7 +38,7 @@ def test_hand_checked_bin_that_leaves_one_placement():
     # seq_len 8, 2 pairs, bin (4, 4): pair 0 queried at 4, pair 1 at 6, nothing else fits
     out = batch(2, n_examples=2, seq_len=8, n_pairs=2, key_vocab=5, value_vocab=5, distance_bin=(4, 4))
     for row in out["tokens"].tolist():
-        assert row[4:] == row[:4]
+        assert row[4:] == [row[0], 10, row[2], 10]  # the keys again, the filler (5 + 5) after each
     assert out["distance"][0].tolist() == [-1, -1, -1, -1, 4, -1, 4, -1]
     assert out["targets"][0].tolist() == [IGNORE] * 4 + [out["tokens"][0, 1].item(), IGNORE,
                                                          out["tokens"][0, 3].item(), IGNORE]
@@ -55,7 +56,8 @@ def check_example(tokens: list[int], targets: list[int], distance: list[int], n_
     query_cells = set()
     for p in scored:
         pair = keys.index(tokens[p])
-        assert p >= 2 * n_pairs and targets[p] == values[pair] == tokens[p + 1]
+        assert p >= 2 * n_pairs and targets[p] == values[pair]
+        assert tokens[p + 1] == key_vocab + value_vocab  # the answer is never written after its query
         assert distance[p] == p - 2 * pair and bin_[0] <= distance[p] <= bin_[1]
         assert not query_cells & {p, p + 1}  # queries do not overlap
         query_cells |= {p, p + 1}

@@ -80,7 +80,9 @@ def test_the_loss_is_the_cross_entropy_at_the_queries_only():
 
 
 class Oracle(nn.Module):
-    """Logits that predict the next token everywhere but at `wrong` ((row, position) pairs: the filler there)."""
+    """Logits of an exact recaller (at each position, the token that followed the first earlier occurrence of
+    the current token; the next token where there is none) everywhere but at `wrong` ((row, position) pairs:
+    the filler there)."""
 
     def __init__(self, vocab: int, wrong: list[tuple[int, int]]):
         super().__init__()
@@ -88,6 +90,11 @@ class Oracle(nn.Module):
 
     def forward(self, idx):
         answer = idx.roll(-1, dims=1)
+        for row in range(idx.shape[0]):
+            for position in range(idx.shape[1]):
+                earlier = (idx[row, :position] == idx[row, position]).nonzero()
+                if len(earlier):
+                    answer[row, position] = idx[row, earlier[0, 0] + 1]
         for row, position in self.wrong:
             answer[row, position] = self.vocab - 1
         return 5.0 * F.one_hot(answer, self.vocab).float()

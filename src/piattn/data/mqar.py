@@ -9,11 +9,14 @@ quantity that decides whether π-attention (a local window plus one key π posit
 One sequence of length T = seq_len, with N = n_pairs and pair i = (key k_i, value v_i):
 
     tokens[2i], tokens[2i + 1]      k_i, v_i for every i < N: the pairs fill positions [0, 2N)
-    tokens[q_i], tokens[q_i + 1]    k_i, v_i again: pair i's query at q_i in [2N, T - 2]; the value follows
-                                    the query so the sequence reads as ordinary next-token text (Zoology
-                                    leaves that position to the filler: here a later query also sees the
-                                    pairs asked before it again, never its own answer, each key being
-                                    asked once)
+    tokens[q_i]                     k_i again: pair i's query at q_i in [2N, T - 2], each key asked once;
+                                    q_i + 1 is kept free (filler): no query starts there, and the answer v_i
+                                    is never written into the sequence after a query, as in Zoology, where
+                                    the position after a query holds its label only. (Until 2026-11-28 it
+                                    held v_i: later queries then saw which pairs had been answered, and the
+                                    models learned to answer with the value of a pair not yet asked, which
+                                    needs no key matching and scores H_N / N = 0.52 at N = 4, 0.34 at 8 —
+                                    the plateau dense attention sat on; docs/results.md §7b.)
     every other position            the filler id
 
 Ids: keys 0 … key_vocab - 1 (distinct within a sequence), values key_vocab … key_vocab + value_vocab - 1
@@ -21,7 +24,8 @@ Ids: keys 0 … key_vocab - 1 (distinct within a sequence), values key_vocab …
 `vocab_size(key_vocab, value_vocab)` = key_vocab + value_vocab + 1 input ids.
 
 Targets follow `piattn.data.recall`: targets[p] is what the logits at position p must predict, so the answer
-sits at the query itself, targets[q_i] = v_i (= tokens[q_i + 1]), and every other position holds IGNORE (-100,
+sits at the query itself, targets[q_i] = v_i (never a token of the sequence after q_i), and every other position
+holds IGNORE (-100,
 the default ignore_index of `torch.nn.functional.cross_entropy`). Pair i's distance is q_i - 2i.
 """
 
@@ -78,8 +82,8 @@ def _check_bin(distance_bin: object, seq_len: int) -> tuple[int, int]:
     _check_int("distance_bin lo", lo, 1)
     _check_int("distance_bin hi", hi, lo)
     if hi > seq_len - 2:
-        raise ValueError(f"distance_bin hi must be <= seq_len - 2 = {seq_len - 2} (the query and its value must "
-                         f"fit in the sequence), got {hi}")
+        raise ValueError(f"distance_bin hi must be <= seq_len - 2 = {seq_len - 2} (the query and the free position "
+                         f"after it must fit in the sequence), got {hi}")
     return lo, hi
 
 
@@ -162,9 +166,10 @@ def _explicit_queries(distances: Sequence[int] | torch.Tensor, n_examples: int, 
                          f"2 * n_pairs = {2 * n_pairs}")
     if (queries > seq_len - 2).any():
         raise ValueError(f"distances put a query past the end: pair i's query 2i + distance must be <= "
-                         f"seq_len - 2 = {seq_len - 2} (its value follows it)")
+                         f"seq_len - 2 = {seq_len - 2} (the position after it is kept free)")
     if (queries.sort(dim=1).values.diff(dim=1) < 2).any():
-        raise ValueError("distances make two queries overlap: each query takes two positions (key, value)")
+        raise ValueError("distances make two queries overlap: each query takes two positions (its key, then "
+                         "a free one)")
     return queries
 
 
@@ -176,7 +181,7 @@ def _assemble(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, s
     pairs = 2 * torch.arange(n_pairs)
     tokens = torch.full((n_examples, seq_len), filler, dtype=torch.int64)
     tokens[:, pairs], tokens[:, pairs + 1] = keys, values
-    tokens[rows, queries], tokens[rows, queries + 1] = keys, values
+    tokens[rows, queries] = keys  # the answer is the target only, never a token after the query
     targets = torch.full_like(tokens, IGNORE)
     targets[rows, queries] = values
     distance = torch.full_like(tokens, -1)
