@@ -47,7 +47,7 @@ from .dtypes import accumulation_dtype
 from .heads import by_period
 from .pattern import Pattern, log_priors
 from .settings import OpSettings
-from .validate import _check_gate, check_qkv_tensors
+from .validate import _check_gate, check_qkv_tensors, head_periods
 
 # The variants `decode_gathered` computes ("separate" included: two softmaxes, mixed by α).
 TORCH_OPS_VARIANTS = frozenset({"union", "separate", "fixed", "adaptive"})
@@ -243,11 +243,9 @@ def _period_masks(settings: OpSettings, n_heads: int,
                   device: torch.device) -> tuple[tuple[OpSettings, torch.Tensor | None], ...]:
     """(the settings with one period, the heads that have it as a bool mask [1, H, 1, 1]) for each distinct
     period of settings.period over n_heads query heads, increasing; one period: ((settings, None),)."""
-    periods = settings.period
-    if not isinstance(periods, tuple):
+    if not isinstance(settings.period, tuple):
         return ((settings, None),)
-    if len(periods) != n_heads:
-        raise ValueError(f"period has {len(periods)} entries; per-head periods need one per query head, H={n_heads}")
+    periods = head_periods(settings.period, n_heads)  # ValueError unless one per query head
     return tuple((settings._replace(period=p),
                   torch.tensor([h == p for h in periods], device=device)[None, :, None, None])
                  for p in sorted(set(periods)))
