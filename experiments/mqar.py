@@ -447,12 +447,13 @@ def tables(done: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(done: dict[str, dict], path: Path, width: int = 8) -> None:
-    """Accuracy by key–query distance (bins of `width`, pooled over seeds) per arm, one panel per setting."""
+def plot(done: dict[str, dict], path: Path) -> None:
+    """Accuracy by key–query distance (bins of T / 16, pooled over seeds) per arm, one panel per setting."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import ScalarFormatter
 
     names = [n for n in SETTINGS if any(final_runs(done, n, arm) for arm in ARMS)]
     if not names:
@@ -461,6 +462,7 @@ def plot(done: dict[str, dict], path: Path, width: int = 8) -> None:
     fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 3.8), squeeze=False)
     for ax, name in zip(axes[0], names, strict=True):
         s = SETTINGS[name]
+        width = max(2, s.seq_len // 16)
         edges = list(range(2, s.seq_len - 1, width))
         for arm in ARMS:
             rows = final_runs(done, name, arm)
@@ -479,6 +481,9 @@ def plot(done: dict[str, dict], path: Path, width: int = 8) -> None:
                 ax.axvline(max(reach) + 0.5, color=line.get_color(), ls=":", lw=0.8)
         ax.axhline(chance, color="grey", ls="--", lw=0.8, label="chance")
         ax.set_xscale("log")
+        ax.set_xticks([t for t in (2, 4, 8, 16, 32, 64, 128, 256, 512) if t < s.seq_len])
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(plt.NullFormatter())
         ax.set_ylim(0, 1.05)
         ax.set_xlabel(f"key–query distance (bins of {width})")
         ax.set_title(f"{name}: T {s.seq_len}, {s.layers} layers, d {s.d_model}", fontsize=9)
