@@ -87,7 +87,7 @@ class Arm:
 # steps with 2 and 4 pairs (lr 1e-3, seed 0), so the study keeps uniform placement and reads accuracy by
 # distance from the test split.
 TASK = dict(keys=16, values=16, batch=64, train_size=20_000, eval_size=1_000, warmup=100, min_lr_ratio=0.1)
-# Steps: a main-setting run takes about 5 minutes on one thread beside another job (see --plan).
+# Steps: a main-setting run took 500–670 s on one thread, three runs sharing the 2 cores (see --plan).
 SETTINGS = {
     "main": Setting(seq_len=64, layers=2, d_model=64, steps=4000),
     "layers4": Setting(seq_len=64, layers=4, d_model=64, steps=4000),
@@ -108,8 +108,8 @@ SEEDS = (0, 1, 2)
 VALIDATIONS = 10  # validation points per run, for steps-to-learn
 LEARNED = 0.9
 # One-thread seconds per training step (forward, backward, AdamW) of the main setting at batch 64 on the 2-core
-# machine with another run beside it, per attention kind; the other settings scale (`cost`).
-SECONDS_PER_STEP = {"dense": 0.075, "local": 0.075, "pi": 0.075}
+# machine, three runs sharing it, per attention kind (alike at 64 tokens); the other settings scale (`cost`).
+SECONDS_PER_STEP = {"dense": 0.14, "local": 0.125, "pi": 0.125}
 # Seconds per run beside the steps: two processes starting, the splits generated, ten validations and the test
 # evaluation.
 OVERHEAD = 30.0
