@@ -88,9 +88,12 @@ ARMS = {
     "cover-paired": paired_cover,
     "cover-warmup": cover,
     "cover-lr1e-3": cover,
+    "cover-union": cover,
 }
-# Training flags an arm sets beside the common ones (later flags win in argparse).
-ARM_FLAGS = {"cover-warmup": ["--warmup", "400"], "cover-lr1e-3": ["--lr", "1e-3", "--min-lr", "1e-4"]}
+# Flags an arm sets beside the common ones, placed last (later flags win in argparse). cover-union drops the
+# gate (one softmax over local and skip keys): is the gate's learned prior what holds some seeds back?
+ARM_FLAGS = {"cover-warmup": ["--warmup", "400"], "cover-lr1e-3": ["--lr", "1e-3", "--min-lr", "1e-4"],
+             "cover-union": ["--variant", "union"]}
 
 
 def schedule_of(name: str, arm: str):
@@ -132,12 +135,13 @@ def train_argv(name: str, arm: str, seed: int, folder: Path) -> list[str]:
             "--warmup", str(WARMUP), "--dropout", "0", "--weight-decay", "0", "--eval-every", str(EVERY),
             "--save-every", "0", "--log-every", str(EVERY), "--seed", str(seed), "--device", "cpu", "--no-progress",
             "--out", str(folder)]
-    argv += ARM_FLAGS.get(arm, [])
     periods = schedule_of(name, arm)
     if periods is None:
-        return argv + ["--attention", "dense"]
-    return argv + ["--attention", "pi", "--window", str(s.window), "--period", period_text([list(p) for p in periods]),
-                   "--variant", "adaptive"]
+        argv += ["--attention", "dense"]
+    else:
+        argv += ["--attention", "pi", "--window", str(s.window), "--period",
+                 period_text([list(p) for p in periods]), "--variant", "adaptive"]
+    return argv + ARM_FLAGS.get(arm, [])
 
 
 def accuracy_over(record: dict, lags: list[int]) -> float:
@@ -271,7 +275,7 @@ def plot(results: Results, path: Path) -> None:
         return
     fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 3.8), squeeze=False)
     colours = dict(zip(ARMS, ("black", "tab:blue", "tab:orange", "tab:purple", "tab:green", "tab:red", "tab:brown",
-                              "tab:pink"), strict=True))
+                              "tab:pink", "tab:olive"), strict=True))
     for ax, name in zip(axes[0], names, strict=True):
         for r in results.done.values():
             if r["setting"] != name:

@@ -72,4 +72,6 @@ def test_each_arm_trains_what_it_says(lrn, tmp_path):
     warm = config(lrn.train_argv("T64-L4", "cover-warmup", 0, tmp_path))
     slow = config(lrn.train_argv("T64-L4", "cover-lr1e-3", 0, tmp_path))
     assert warm.optim.warmup == 400 and slow.optim.lr == 1e-3 and slow.optim.min_lr == 1e-4
-    assert warm.model.period == cover.model.period == slow.model.period
+    union = config(lrn.train_argv("T64-L4", "cover-union", 0, tmp_path))
+    assert union.model.variant == "union" and union.optim.lr == lrn.LR
+    assert warm.model.period == cover.model.period == slow.model.period == union.model.period
