@@ -249,16 +249,14 @@ def table(results: Results) -> str:
                   "| arm | periods | fewest routes (common / own lags) | seeds | common: steps per seed | "
                   "median | π arm | / π's | learned ≤ 2× π's median | own: median |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
-
-        def median_of(arm: str) -> int | None:
-            return median_or_none([r["steps_to_learn"]["common"] for r in rows if r["arm"] == arm], s.steps)
-
+        medians = {arm: median_or_none([r["steps_to_learn"]["common"] for r in rows if r["arm"] == arm], s.steps)
+                   for arm in {r["arm"] for r in rows}}
         for arm in ARMS:
             mine = sorted((r for r in rows if r["arm"] == arm), key=lambda r: r["seed"])
             if not mine:
                 continue
-            reference = pi_reference(arm) if any(r["arm"] == pi_reference(arm) for r in rows) else "pi"
-            pi_median = median_of(reference) if any(r["arm"] == reference for r in rows) else None
+            reference = pi_reference(arm) if pi_reference(arm) in medians else "pi"
+            pi_median = medians.get(reference)
             common = [r["steps_to_learn"]["common"] for r in mine]
             own = [r["steps_to_learn"]["own"] for r in mine]
             med = median_or_none(common, s.steps)

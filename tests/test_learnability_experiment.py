@@ -75,3 +75,13 @@ def test_each_arm_trains_what_it_says(lrn, tmp_path):
     union = config(lrn.train_argv("T64-L4", "cover-union", 0, tmp_path))
     assert union.model.variant == "union" and union.optim.lr == lrn.LR
     assert warm.model.period == cover.model.period == slow.model.period == union.model.period
+
+
+def test_schedule_ablations_are_judged_against_single_pi_trained_alike(lrn, tmp_path):
+    assert lrn.pi_reference("cover-warmup") == "pi-warmup" and lrn.pi_reference("cover-lr1e-3") == "pi-lr1e-3"
+    assert lrn.pi_reference("cover-union") == "pi" and lrn.pi_reference("cover") == "pi"
+    pi = config(lrn.train_argv("T64-L4-6400", "pi", 0, tmp_path))
+    warm = config(lrn.train_argv("T64-L4-6400", "pi-warmup", 0, tmp_path))
+    slow = config(lrn.train_argv("T64-L4-6400", "pi-lr1e-3", 0, tmp_path))
+    assert warm.model.period == slow.model.period == pi.model.period
+    assert warm.optim.warmup == 400 and warm.optim.lr == pi.optim.lr and slow.optim.lr == 1e-3
