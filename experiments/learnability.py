@@ -92,12 +92,16 @@ ARMS = {
     # the schedule ablations on single π: a schedule that speeds up every arm says nothing about multi-scale π
     "pi-warmup": lambda s: periods_per_layer(s.period, s.layers, s.heads),
     "pi-lr1e-3": lambda s: periods_per_layer(s.period, s.layers, s.heads),
+    # the library's own default warm-up (`piattn train --warmup`, 100 steps)
+    "cover-warmup100": cover,
+    "pi-warmup100": lambda s: periods_per_layer(s.period, s.layers, s.heads),
 }
 # Flags an arm sets beside the common ones, placed last (later flags win in argparse). cover-union drops the
 # gate (one softmax over local and skip keys): is the gate's learned prior what holds some seeds back?
 WARMUP_400, LR_1E3 = ["--warmup", "400"], ["--lr", "1e-3", "--min-lr", "1e-4"]
 ARM_FLAGS = {"cover-warmup": WARMUP_400, "cover-lr1e-3": LR_1E3, "cover-union": ["--variant", "union"],
-             "pi-warmup": WARMUP_400, "pi-lr1e-3": LR_1E3}
+             "pi-warmup": WARMUP_400, "pi-lr1e-3": LR_1E3, "cover-warmup100": ["--warmup", "100"],
+             "pi-warmup100": ["--warmup", "100"]}
 
 
 def schedule_of(name: str, arm: str):
@@ -289,7 +293,8 @@ def plot(results: Results, path: Path) -> None:
         return
     fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 3.8), squeeze=False)
     colours = dict(zip(ARMS, ("black", "tab:blue", "tab:orange", "tab:purple", "tab:green", "tab:red", "tab:brown",
-                              "tab:pink", "tab:olive", "tab:cyan", "tab:gray"), strict=True))
+                              "tab:pink", "tab:olive", "tab:cyan", "tab:gray",
+                              "gold", "navy"), strict=True))
     for ax, name in zip(axes[0], names, strict=True):
         for r in results.done.values():
             if r["setting"] != name:
