@@ -62,7 +62,9 @@ SETTINGS = {"T64-L4": Setting(seq_len=64, layers=4), "T64-L3": Setting(seq_len=6
 EVERY = 100  # validation interval, in steps
 PER_LAG = 10  # validation examples per lag
 LEARNED = 0.9
-LR, MIN_LR, WARMUP = 3e-3, 3e-4, 30  # recall.md's schedule
+# recall.md's schedule. A 30-step warm-up at this rate leaves some seeds of every arm on the plateau for
+# thousands of steps (docs/results.md §7c); the -warmup arms take 400.
+LR, MIN_LR, WARMUP = 3e-3, 3e-4, 30
 
 
 def cover(s: Setting, target: int | None = None, routes: int = 1) -> tuple[tuple[int, ...], ...]:
