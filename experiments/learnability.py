@@ -97,13 +97,14 @@ ARMS = {
     # the library's own default warm-up (`piattn train --warmup`, 100 steps)
     "cover-warmup100": cover,
     "pi-warmup100": lambda s: periods_per_layer(s.period, s.layers, s.heads),
+    "cover-paired-warmup": paired_cover,
 }
 # Flags an arm sets beside the common ones, placed last (later flags win in argparse). cover-union drops the
 # gate (one softmax over local and skip keys): is the gate's learned prior what holds some seeds back?
 WARMUP_400, LR_1E3 = ["--warmup", "400"], ["--lr", "1e-3", "--min-lr", "1e-4"]
 ARM_FLAGS = {"cover-warmup": WARMUP_400, "cover-lr1e-3": LR_1E3, "cover-union": ["--variant", "union"],
              "pi-warmup": WARMUP_400, "pi-lr1e-3": LR_1E3, "cover-warmup100": ["--warmup", "100"],
-             "pi-warmup100": ["--warmup", "100"]}
+             "pi-warmup100": ["--warmup", "100"], "cover-paired-warmup": WARMUP_400}
 
 
 def schedule_of(name: str, arm: str):
@@ -135,10 +136,10 @@ def common_lags(name: str) -> list[int]:
 
 
 def pi_reference(arm: str) -> str:
-    """The single-π arm an arm is judged against: the one trained the same way ("cover-warmup" against
-    "pi-warmup"), "pi" for the others."""
-    suffix = arm.partition("-")[2]
-    return f"pi-{suffix}" if suffix and f"pi-{suffix}" in ARMS else "pi"
+    """The single-π arm an arm is judged against: the one trained with the same flags ("cover-warmup" and
+    "cover-paired-warmup" against "pi-warmup"), "pi" where there is none."""
+    flags = ARM_FLAGS.get(arm)
+    return next((a for a in ARMS if a.startswith("pi") and flags and ARM_FLAGS.get(a) == flags), "pi")
 
 
 def train_argv(name: str, arm: str, seed: int, folder: Path) -> list[str]:
@@ -296,7 +297,7 @@ def plot(results: Results, path: Path) -> None:
     fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 3.8), squeeze=False)
     colours = dict(zip(ARMS, ("black", "tab:blue", "tab:orange", "tab:purple", "tab:green", "tab:red", "tab:brown",
                               "tab:pink", "tab:olive", "tab:cyan", "tab:gray",
-                              "gold", "navy"), strict=True))
+                              "gold", "navy", "lime"), strict=True))
     for ax, name in zip(axes[0], names, strict=True):
         for r in results.done.values():
             if r["setting"] != name:

@@ -80,6 +80,8 @@ def test_each_arm_trains_what_it_says(lrn, tmp_path):
 def test_schedule_ablations_are_judged_against_single_pi_trained_alike(lrn, tmp_path):
     assert lrn.pi_reference("cover-warmup") == "pi-warmup" and lrn.pi_reference("cover-lr1e-3") == "pi-lr1e-3"
     assert lrn.pi_reference("cover-union") == "pi" and lrn.pi_reference("cover") == "pi"
+    assert lrn.pi_reference("cover-paired-warmup") == "pi-warmup" and lrn.pi_reference("cover-paired") == "pi"
+    assert lrn.pi_reference("cover-warmup100") == "pi-warmup100" and lrn.pi_reference("pi-warmup") == "pi-warmup"
     pi = config(lrn.train_argv("T64-L4-6400", "pi", 0, tmp_path))
     warm = config(lrn.train_argv("T64-L4-6400", "pi-warmup", 0, tmp_path))
     slow = config(lrn.train_argv("T64-L4-6400", "pi-lr1e-3", 0, tmp_path))
