@@ -19,7 +19,7 @@ import piattn.ops.pi.native as native
 from piattn.config import PI_DEFAULTS
 from piattn.decoding.cache import RingCache
 from piattn.models import GPT, GPTConfig
-from piattn.ops.pi import pi_attention
+from piattn.ops.pi import cbuild, pi_attention
 from piattn.ops.pi.decode import decode_ring, decode_settings
 
 TOL = {torch.float32: dict(rtol=2e-5, atol=2e-6), torch.float64: dict(rtol=1e-12, atol=1e-12)}
@@ -252,6 +252,17 @@ def test_the_library_is_built_once_per_cache_and_reused(tmp_path):
     stamp = built[0].stat().st_mtime_ns
     assert _build_in(tmp_path)[0] == "None"
     assert built[0].stat().st_mtime_ns == stamp
+
+
+
+def test_the_step_is_built_for_this_cpu_first_or_for_the_pinned_level_alone(monkeypatch):
+    """`-march=native` first (the GELU's erf eight lanes wide with AVX), the step's own flags where the compiler
+    refuses it; with PIATTN_MARCH a level, that level alone (no fallback to another instruction set)."""
+    monkeypatch.delenv("PIATTN_MARCH", raising=False)
+    assert native.flag_sets() == (("-march=native",), ())
+    monkeypatch.setattr(cbuild, "march", lambda: "x86-64-v3")
+    assert native.flag_sets() == (("-march=x86-64-v3",),)
+    assert "march" not in " ".join(native._FLAGS)  # the instruction set comes from the flag sets alone
 
 
 def test_without_a_compiler_decoding_warns_once_and_falls_back(tmp_path):
