@@ -44,7 +44,7 @@ def test_small_run_writes_json_and_markdown(tmp_path):
     result = json.loads((tmp_path / "cpu_bench.json").read_text())
     assert result["checks"]["torch"] <= 1e-9 and set(result["checks"]) <= {"torch", "fused"}
     timed = {(r["case"], r["mode"], r["T"], r["threads"]) for r in result["rows"]}
-    fused = ["fused", "fused-kernel"] if "fused" in result["checks"] else []
+    fused = ["fused", "fused-fresh", "fused-kernel"] if "fused" in result["checks"] else []
     cases = ["reference", "torch", *fused, "outputs"]
     expected = {(c, m, T, 1) for c in cases for m in ("fwd", "fwd+bwd") for T in (64, 96)}
     expected |= {(c, m, T, 2) for c in ("torch", *fused) for m in ("fwd", "fwd+bwd") for T in (64, 96)}

@@ -26,9 +26,11 @@ with the reason and what to do (`unavailable`, the probe `backends.py` declares 
 "fused" raises a ValueError, and "auto" runs the next backend of its order ("torch"). It never runs another
 backend in its place.
 
-Outputs of 4 MiB or more are fresh tensors marked for transparent huge pages before the kernels first write
-them (`piattn.allocator.advise_huge_pages`, on by default: a first write then faults in 2 MiB instead of 4
-KiB; `allocator.huge_pages(False)` turns it off, and where the system has no THP one warning says so).
+Outputs of 4 MiB or more come from `piattn.output_pool` (on by default): the memory of an earlier output that
+nothing holds any more, else a fresh tensor marked for transparent huge pages before the kernels first write
+it (`piattn.allocator.advise_huge_pages`: a first write then faults in 2 MiB instead of 4 KiB;
+`allocator.huge_pages(False)` turns it off, and where the system has no THP one warning says so). Either way the
+kernels write every element of their outputs.
 
 "auto" picks it first on a CPU (`backends.AUTO_ORDER`: "fused", "torch", "reference"), for every dtype it runs.
 Under torch.compile (and for fake tensors) it runs as the custom operators `piattn::pi_fused_fwd` /
@@ -45,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from ...allocator import advise_huge_pages
+from ... import output_pool
 from . import cbuild
 from .backends import by_keywords, refuse_double_backward
 from .operators import register_pair
@@ -201,14 +203,10 @@ def stats_per_row(variant: str) -> int:
 
 def _outputs(out, layout: list[tuple[torch.Size, torch.dtype] | None], name: str) -> list[torch.Tensor | None]:
     """`out` checked against `layout` (shape and dtype of each output, None where there is none), or fresh
-    tensors of that layout when out is None: those of HUGE_PAGE_THRESHOLD bytes or more marked for huge pages
-    before anything writes them (`allocator.advise_huge_pages`: a first write faults in 2 MiB, not 4 KiB)."""
+    tensors of that layout when out is None (`output_pool.empty`: large ones reused once released, or fresh on
+    huge pages)."""
     if out is None:
-        fresh = [None if lay is None else torch.empty(lay[0], dtype=lay[1]) for lay in layout]
-        for t in fresh:
-            if t is not None:
-                advise_huge_pages(t)
-        return fresh
+        return [None if lay is None else output_pool.empty(lay[0], lay[1]) for lay in layout]
     out = list(out)
     got = [None if t is None else (t.shape, t.dtype, t.device.type, t.is_contiguous()) for t in out]
     want = [None if lay is None else (lay[0], lay[1], "cpu", True) for lay in layout]
