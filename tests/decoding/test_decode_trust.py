@@ -271,7 +271,7 @@ def test_the_c_step_checks_every_size_itself(tmp_path):
             args = native._ARGS.pack(ptr(q), 8, 4, 4, ptr(kv), B, 2, H_kv, N, D, Q, s.data_ptr(), 0, k.data_ptr(),
                                      len(kind), mode, 0.0, 0.0, gate_ptr, 2, 1, 1, 0, 0, 0, 0.5, 4.0, 1e-3, ptr(y),
                                      new.data_ptr() if fresh else 0, 8, fresh_slot, cos.data_ptr() if rope else 0,
-                                     sin.data_ptr() if rope else 0, 0)
+                                     sin.data_ptr() if rope else 0, 0, 0, 0, 0)
             return f(args if packed is None else packed)
         print(call(), call(H_kv=4), call(H_kv=0), call(N=0), call(slot=(0, 1, 3)), call(slot=(0, -1, 2)),
               call(kind=(0, 2, 1)), call(mode=9), call(mode=2), call(mode=2, gate_ptr=gate.data_ptr()),
@@ -281,11 +281,12 @@ def test_the_c_step_checks_every_size_itself(tmp_path):
               call(fresh=True, fresh_slot=2, rope=True), call(fresh=True, fresh_slot=3),
               call(fresh=True, fresh_slot=-1),
               call(fresh=True, Q=2, slot=(0, 1, 2, 0, 1, 2)), call(rope=True, D=3, slot=(0, 0, 0)),
-              call(mode=-(2**40)), call(mode=2**40))  # a prior mode past an int is refused, not truncated
+              call(mode=-(2**40)), call(mode=2**40),  # a prior mode past an int is refused, not truncated
+              call(mode=5), call(mode=4, gate_ptr=gate.data_ptr()))  # past the last mode; the gate's layers missing
     """, tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["0", "1", "1", "1", "2", "2", "3", "4", "4", "0", "1", "0", "1", "2",
-                                   "0", "2", "2", "1", "1", "4", "4"]
+                                   "0", "2", "2", "1", "1", "4", "4", "4", "4"]
 
 
 # ---------------------------------------------------------------------------------------------------------------

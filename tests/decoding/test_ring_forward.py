@@ -1,9 +1,11 @@
-"""The decoding layers' one-token step (`WindowedAttention._ring_forward`): the q, k, v projection folded with
-the gate's first linear (`PiAttention.folded_projection`), one compiled call that rotates q and the new key,
-stores the key and value in the ring and attends (`decode._decode_token`, `native._token_step_unchecked`),
-and the cache's checks remembered (`RingCache.check`). It must give the rows and the cache of the general path
-(`AttentionLayer.forward`: heads, append, `decode_ring`), follow every change of the weights it folded, step
-aside for hooks, observers and autograd, and refuse what the general path refuses."""
+"""The decoding layers' one-token step (`WindowedAttention._ring_forward`): the q, k, v projection, then one
+compiled call that runs the whole gate MLP from the layer's live weights (`PiAttention.whole_gate_layers`,
+`native.PRIOR_INPUT`), rotates q and the new key, stores the key and value in the ring and attends
+(`decode._decode_token`, `native._token_step_unchecked`), and the cache's checks remembered (`RingCache.check`).
+It must give the rows and the cache of the general path (`AttentionLayer.forward`: heads, append,
+`decode_ring`), follow every change of the weights (an update through `.data` included: the folded projection
+it replaced missed that one), step aside for hooks, observers and autograd, and refuse what the general path
+refuses."""
 
 from __future__ import annotations
 
@@ -15,15 +17,13 @@ import pytest
 import torch
 from torch import nn
 
-import piattn.layers.pi as pi_module
 import piattn.ops.pi.native as native
 from piattn.decoding.cache import RingCache
 from piattn.layers import LocalAttention, PiAttention
 from piattn.layers.base import AttentionLayer
-from piattn.layers.gate import clip_gate
 from piattn.models import GPT, GPTConfig
 from piattn.models.block import dropped
-from piattn.ops.pi.decode import gate_tail, ring_slots
+from piattn.ops.pi.decode import ring_slots
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.float64: dict(rtol=1e-12, atol=1e-12)}
 
@@ -85,8 +85,9 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_one_token_step_gives_the_rows_and_cache_of_the_general_path(case, dtype, token_steps):
     """From an empty cache, 14 one-token steps (the first ones sinks, where there are) beside the same steps
-    through `AttentionLayer.forward`. Without a folded gate the rows and the stored keys are the same bit for
-    bit (RoPE in the C step rounds as `Rotary.rotate` does); with one, equal up to the product's rounding."""
+    through `AttentionLayer.forward`. Without a gate MLP the rows and the stored keys are the same bit for bit
+    (RoPE in the C step rounds as `Rotary.rotate` does); with one, equal up to the rounding of its first layer
+    (computed in the compiled step)."""
     kind, kw = CASES[case]
     layer = _layer(kind, dtype, **kw)
     x = torch.randn(3, 14, 32, generator=torch.Generator().manual_seed(1), dtype=dtype)
@@ -122,22 +123,14 @@ def test_a_model_decodes_through_the_one_token_step_and_matches_the_full_forward
     torch.testing.assert_close(steps, full, rtol=0, atol=2e-5)
 
 
-def test_the_folded_projection_gives_the_projection_and_the_gate_of_the_two_linears():
+def test_the_whole_gate_is_the_layers_own_parameters():
     layer = _layer()
-    x = torch.randn(5, 3, 32, generator=torch.Generator().manual_seed(3))
-    weight, bias, n = layer.folded_projection()
-    assert n == layer.qkv.out_features and weight.shape == (n + layer.gate[0].out_features, 32)
-    y = nn.functional.linear(x, weight, bias)
-    torch.testing.assert_close(y[..., :n], layer.qkv(x), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(y[..., n:], layer.gate[0](x), rtol=1e-6, atol=1e-6)
-    last = layer.gate[2]
-    gate = layer.gate_values(x)  # α̃ from the unfolded MLP, and from the folded hidden layer
-    folded = clip_gate(gate_tail(y[..., n:], last.weight, last.bias), layer.settings.eps)
-    torch.testing.assert_close(folded, gate, rtol=1e-6, atol=1e-7)
-    assert layer.folded_projection() is layer.folded_projection()  # kept while nothing changes
+    w_in, b_in, w, b = layer.whole_gate_layers()
+    assert w_in is layer.gate[0].weight and b_in is layer.gate[0].bias
+    assert w is layer.gate[2].weight and b is layer.gate[2].bias
 
 
-def _steps_match(layer, dtype=torch.float32, steps=6):
+def _steps_match(layer, dtype=torch.float32, steps=6, taken=None):
     x = torch.randn(2, steps, 32, generator=torch.Generator().manual_seed(4), dtype=dtype)
     fast, general = (layer.init_cache(2, dtype=dtype) for _ in range(2))
     with torch.no_grad():
@@ -146,14 +139,18 @@ def _steps_match(layer, dtype=torch.float32, steps=6):
                                        **TOL[dtype])
 
 
-@pytest.mark.parametrize("change", ["in place", "load_state_dict", "new parameter", "data", "double"])
-def test_the_fold_follows_every_change_of_the_weights_it_was_made_from(change):
+@pytest.mark.parametrize("change", ["in place", "through .data", "load_state_dict", "new parameter", "data",
+                                    "double"])
+def test_the_step_follows_every_change_of_the_weights(change, token_steps):
+    """Each change between two decodings; the fast step must see it (it reads the parameters on every step)."""
     layer = _layer()
     _steps_match(layer)
-    before = layer.folded_projection()
     with torch.no_grad():
         if change == "in place":  # what an optimizer step does
             layer.gate[0].weight.add_(0.5)
+        elif change == "through .data":  # an EMA or a loader writing through .data: no version counter moves
+            layer.gate[0].weight.data.add_(0.5)
+            layer.qkv.weight.data.mul_(1.5)
         elif change == "load_state_dict":
             layer.load_state_dict({k: v + 0.25 for k, v in layer.state_dict().items()})
         elif change == "new parameter":
@@ -163,33 +160,29 @@ def test_the_fold_follows_every_change_of_the_weights_it_was_made_from(change):
         else:
             layer.double()
     dtype = torch.float64 if change == "double" else torch.float32
-    after = layer.folded_projection()
-    assert after is not before and after[0].dtype == dtype
-    torch.testing.assert_close(after[0][after[2]:], layer.gate[0].weight, rtol=0, atol=0)
-    torch.testing.assert_close(after[1][:after[2]], layer.qkv.bias, rtol=0, atol=0)
     _steps_match(layer, dtype)
+    assert token_steps and all(token_steps)  # every step through the compiled call
 
 
-def test_no_fold_where_the_gate_is_observed_hooked_or_too_large(monkeypatch):
+def test_an_observed_or_hooked_gate_is_computed_as_modules(monkeypatch):
     layer = _layer()
     seen = []
     layer.observe_gate(seen.append)
-    assert layer.folded_projection() is None
+    assert layer.whole_gate_layers() is None
     _steps_match(layer, steps=3)
     assert len(seen) == 6 and seen[0].shape == (2, 4, 1)  # every step's α̃, of both paths
     layer.observe_gate(None)
     calls = []
     handle = layer.gate[0].register_forward_hook(lambda *_: calls.append(1))
-    assert layer.folded_projection() is None
+    assert layer.whole_gate_layers() is None
     _steps_match(layer, steps=3)
     assert len(calls) == 6  # every step called the hooked gate, on both paths
     handle.remove()
-    assert layer.folded_projection() is not None
-    monkeypatch.setattr(pi_module, "FOLD_MAX_ELEMENTS", 100)
-    layer._fold = None
-    assert layer.folded_projection() is None
+    assert layer.whole_gate_layers() is not None
+    layer.gate[0] = nn.Linear(32, 16, bias=False)  # a first layer without a bias: the gate's own modules
+    assert layer.whole_gate_layers() is None
     _steps_match(layer, steps=3)
-    assert PiAttention(32, 4, variant="union").folded_projection() is None
+    assert PiAttention(32, 4, variant="union").whole_gate_layers() is None
 
 
 def test_hooks_on_the_projections_are_called_by_the_fast_step():
@@ -210,7 +203,8 @@ def test_hooks_on_the_projections_are_called_by_the_fast_step():
             layer(torch.randn(1, 1, 32), cache)
     finally:
         handle.remove()
-    assert "Linear" in called and layer.folded_projection() is not None
+    assert called.count("Linear") >= 2  # the projections called as modules while every module is hooked
+    assert layer.whole_gate_layers() is not None  # the compiled gate again once the hook is gone
 
 
 def test_autograd_and_training_dropout_keep_the_general_path(token_steps):
@@ -264,18 +258,16 @@ def test_the_ring_slot_of_the_next_token():
 def _token_call(layer, cache, *, fresh_slot, kind=None):
     B = cache.batch_size
     x = torch.randn(B, 1, 32)
-    weight, bias, n = layer.folded_projection()
-    proj = nn.functional.linear(x, weight, bias)
+    proj = layer.qkv(x)
     slot, valid, kinds, _, _ = ring_slots(3, 7, 0, cache.capacity, cache.seen, torch.device("cpu"))
     rotation = (*layer.rotary._table(cache.seen + 1, x.device), cache.seen)
-    last = layer.gate[2]
     return native._token_step_unchecked(proj, 4, cache.kv, slot, valid, kinds if kind is None else kind, fresh_slot,
-                                        rotation, (0.0, 0.0), None, last.weight, last.bias, 20.0, 1e-4, 0.25,
-                                        prior_mode=native.PRIOR_HIDDEN)
+                                        rotation, (0.0, 0.0), x, layer.whole_gate_layers(), 20.0, 1e-4, 0.25,
+                                        prior_mode=native.PRIOR_INPUT)
 
 
 def test_the_packed_step_refuses_what_is_out_of_range_and_writes_nothing():
-    """One block of arguments instead of 34 converted one by one: the C step still checks the row it writes, every
+    """One block of arguments instead of 38 converted one by one: the C step still checks the row it writes, every
     slot and kind, before it reads or writes anything."""
     layer = _layer()
     cache = layer.init_cache(2)
@@ -301,7 +293,7 @@ def test_a_library_whose_argument_block_differs_is_not_used(tmp_path):
                       "int pi_decode_step_packed_f64(const void *a) { return 0; }\n")
     library = tmp_path / "other.so"
     subprocess.run([os.environ.get("CC") or "cc", "-shared", "-fPIC", str(source), "-o", str(library)], check=True)
-    with pytest.raises(OSError, match="argument block has 8 bytes where 280 are packed"):
+    with pytest.raises(OSError, match=f"argument block has 8 bytes where {native._ARGS.size} are packed"):
         native._open(library)
 
 

@@ -423,10 +423,13 @@ STEP_CASES = {  # name: (H, H_kv, D, prior mode, settings)
     "const-gqa-sinks": (2, 1, 16, native.PRIOR_CONST, dict(window=2, period=5, variant="fixed", prior=0.3, sinks=2)),
     "alpha-odd-d": (2, 2, 13, native.PRIOR_ALPHA, dict(window=4, period=11, variant="adaptive", logit_clamp=None)),
     "hidden-sink": (2, 1, 16, native.PRIOR_HIDDEN, dict(window=3, period=6, variant="adaptive", sinks=1)),
+    # the whole gate MLP in the step, its first layer's 11 inputs and 7 rows both past a multiple of the lanes
+    "input-gate": (2, 2, 16, native.PRIOR_INPUT, dict(window=3, period=6, variant="adaptive")),
     "period-in-window": (2, 2, 16, native.PRIOR_NONE, dict(window=5, period=3, variant="union")),
 }
 EPS = 1e-4
 N_HIDDEN = 7
+N_IN = 11
 _POINTERS = [i for i, c in enumerate(native._ARGS.format.lstrip("@=<>!")) if c == "P"]
 
 
@@ -454,14 +457,17 @@ def _step_inputs(H, H_kv, D, mode, dtype):
     g = torch.Generator().manual_seed(7)
     q = torch.randn(B, H, T, D, generator=g, dtype=torch.float64)
     k, v = (torch.randn(B, H_kv, T, D, generator=g, dtype=torch.float64) for _ in range(2))
-    alpha, hidden, w, bias = None, None, None, None
+    alpha, hidden, w, bias, w_in, b_in = None, None, None, None, None, None
     if mode == native.PRIOR_ALPHA:
         alpha = 0.02 + 0.96 * torch.rand(B, H, T, generator=g, dtype=torch.float64)
-    if mode == native.PRIOR_HIDDEN:
-        hidden = torch.randn(B, T, N_HIDDEN, generator=g, dtype=torch.float64)
+    if mode in (native.PRIOR_HIDDEN, native.PRIOR_INPUT):  # for PRIOR_INPUT, hidden is the MLP's input
+        hidden = torch.randn(B, T, N_IN if mode == native.PRIOR_INPUT else N_HIDDEN, generator=g, dtype=torch.float64)
         w = torch.randn(H, N_HIDDEN, generator=g, dtype=torch.float64) / 2
         bias = torch.randn(H, generator=g, dtype=torch.float64)
-    return [None if t is None else t.to(dtype) for t in (q, k, v, alpha, hidden, w, bias)]
+    if mode == native.PRIOR_INPUT:
+        w_in = torch.randn(N_HIDDEN, N_IN, generator=g, dtype=torch.float64) / 2
+        b_in = torch.randn(N_HIDDEN, generator=g, dtype=torch.float64)
+    return [None if t is None else t.to(dtype) for t in (q, k, v, alpha, hidden, w, bias, w_in, b_in)]
 
 
 def _hidden_alpha(hidden, w, bias, H):
@@ -475,7 +481,7 @@ def _hidden_alpha(hidden, w, bias, H):
 @pytest.mark.parametrize("case", STEP_CASES)
 def test_decode_step_every_query(builds, case, dtype, tmp_path):
     H, H_kv, D, mode, kw = STEP_CASES[case]
-    q, k, v, alpha, hidden, w, bias = _step_inputs(H, H_kv, D, mode, dtype)
+    q, k, v, alpha, hidden, w, bias, w_in, b_in = _step_inputs(H, H_kv, D, mode, dtype)
     window, period, sinks = kw["window"], kw["period"], kw.get("sinks", 0)
     slot, valid, kind, _, _ = decode._slots(window, period, sinks, T, T, torch.device("cpu"))
     clamp = kw.get("logit_clamp", 20.0)
@@ -489,12 +495,17 @@ def test_decode_step_every_query(builds, case, dtype, tmp_path):
                   clamp=math.inf if clamp is None else clamp, eps=EPS, y=y)
     if mode == native.PRIOR_ALPHA:
         fields.update(gate=p.input(alpha), gate_sb=H * T, gate_sh=T, gate_st=1)
-    if mode == native.PRIOR_HIDDEN:
-        fields.update(gate=p.input(hidden), gate_sb=T * N_HIDDEN, gate_st=N_HIDDEN, n_hidden=N_HIDDEN,
+    if mode in (native.PRIOR_HIDDEN, native.PRIOR_INPUT):
+        width = hidden.shape[-1]
+        fields.update(gate=p.input(hidden), gate_sb=T * width, gate_st=width, n_hidden=N_HIDDEN,
                       w=p.input(w), bias=p.input(bias))
+    if mode == native.PRIOR_INPUT:
+        fields.update(w_in=p.input(w_in), bias_in=p.input(b_in), n_in=N_IN)
     p.call(f"pi_decode_step_packed_{SUFFIX[dtype]}", _step_fields(**fields), _POINTERS, [])
     runs = run_everywhere(builds, p, tmp_path)
 
+    if mode == native.PRIOR_INPUT:  # the MLP's first layer, in fp64
+        hidden = hidden.double() @ w_in.double().T + b_in.double()
     gate = alpha if mode == native.PRIOR_ALPHA else _hidden_alpha(hidden, w, bias, H) if hidden is not None else None
     with torch.no_grad():
         expected = piattn.pi_attention(q.double(), k.double(), v.double(), None if gate is None else gate.double(),

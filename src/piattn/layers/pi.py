@@ -7,18 +7,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from ..analysis.copy_distance import Reach, reach
 from ..analysis.multiscale import periods_per_layer
 from ..config import PI_DEFAULTS, ModelConfig, PiSettings
 from .gate import gate_hidden, gate_hooked, gate_mlp, gate_values
 from .windowed import WindowedAttention, global_hooks
-
-# The largest folded weight `folded_projection` makes (elements): the fold saves one op of a few microseconds,
-# which matters where the products are small (the tiny config: 448 × 128), and costs a copy of the q, k, v and
-# gate weights, which would be memory for nothing where the products dominate (width 768: 2,688 × 768).
-FOLD_MAX_ELEMENTS = 1 << 20
 
 
 class PiAttention(WindowedAttention):
@@ -63,9 +57,6 @@ class PiAttention(WindowedAttention):
                          rotary=rotary, rope_base=rope_base, backend=backend)
         # Created after the base's projections: a seed draws the weights in the appendix module's order.
         self.gate = gate_mlp(d_model, n_heads, gate_hidden) if settings.gated else None
-        # The q, k, v projection and the gate's first linear as one (`folded_projection`), with what it was made
-        # from; rebuilt when any of those changes.
-        self._fold: tuple | None = None
         self._own_ring_gate = type(self).ring_gate is PiAttention.ring_gate
         self._gated_adaptive = settings.variant == "adaptive"
 
@@ -94,56 +85,34 @@ class PiAttention(WindowedAttention):
             return gate_hidden(self.gate, x)
         return super().ring_gate(x)
 
-    def folded_projection(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """(weight, bias, n): the q, k, v projection and the gate MLP's first linear in one linear layer,
-        [n + n_hidden, d] and [n + n_hidden], its first n outputs the projection's, the rest the gate's hidden
-        pre-activation; None where it does not apply (not "adaptive", a gate observed or hooked, layers that are
-        not plain `nn.Linear` with biases, or of other dtypes or devices, or a fold larger than
-        `FOLD_MAX_ELEMENTS`).
-
-        A decoding step then makes one matrix product instead of two (one op less, a few microseconds a layer).
-        Kept while the four tensors it was made from are the same, unchanged (their version counters: an
-        optimizer step or `load_state_dict` bumps them) and in the same memory (`.to()`, `.data =`); made
-        afresh otherwise. For inference: the folded tensors carry no autograd graph (`_ring_forward` takes it
-        only without autograd). Equal to the two linears up to the rounding of the matrix product."""
+    def whole_gate_layers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The gate MLP's first and last layers (weight [n_hidden, d], bias [n_hidden], weight [H, n_hidden], bias
+        [H]) for the compiled one-token step to run the whole gate from the layer input (`native.PRIOR_INPUT`):
+        one call instead of a second linear or a folded projection. None where that does not apply: not
+        "adaptive", a gate observed or hooked (its modules are then called), or layers that are not plain
+        `nn.Linear` with biases. The parameters themselves, read on every step: nothing is cached, so a
+        change of the weights (an optimizer step, `load_state_dict`, `.to()`) is seen by the next step."""
         gate = self._modules["gate"] if self._gated_adaptive else None
         if gate is None or self._gate_observer is not None or global_hooks():
             return None
-        qkv = self._modules["qkv"]
         first, act, last, sigmoid = gate._modules.values()
         # Written out, not `gate_hooked` and generators: this runs on every step of every layer.
-        if (type(qkv) is not nn.Linear or type(first) is not nn.Linear or qkv._forward_hooks
-                or qkv._forward_pre_hooks or gate._forward_hooks or gate._forward_pre_hooks or first._forward_hooks
-                or first._forward_pre_hooks or act._forward_hooks or act._forward_pre_hooks or last._forward_hooks
-                or last._forward_pre_hooks or sigmoid._forward_hooks or sigmoid._forward_pre_hooks):
+        if (type(first) is not nn.Linear or type(last) is not nn.Linear or gate._forward_hooks
+                or gate._forward_pre_hooks or first._forward_hooks or first._forward_pre_hooks or act._forward_hooks
+                or act._forward_pre_hooks or last._forward_hooks or last._forward_pre_hooks
+                or sigmoid._forward_hooks or sigmoid._forward_pre_hooks):
             return None
-        qp, fp = qkv._parameters, first._parameters
-        w, b, gw, gb = qp["weight"], qp["bias"], fp["weight"], fp["bias"]
-        if b is None or gb is None:
+        fp, lp = first._parameters, last._parameters
+        b_in, b = fp["bias"], lp["bias"]
+        if b_in is None or b is None:
             return None
-        stamp = (w._version, b._version, gw._version, gb._version, w.data_ptr(), b.data_ptr(), gw.data_ptr(),
-                 gb.data_ptr())
-        fold = self._fold
-        if fold is not None:
-            made_from, made_stamp, folded = fold
-            if (made_from[0] is w and made_from[1] is b and made_from[2] is gw and made_from[3] is gb
-                    and made_stamp == stamp):
-                return folded
-        if len({(t.dtype, t.device) for t in (w, b, gw, gb)}) != 1 or w.numel() + gw.numel() > FOLD_MAX_ELEMENTS:
-            return None
-        with torch.no_grad():
-            folded = (torch.cat([w, gw]), torch.cat([b, gb]), w.shape[0])
-        self._fold = ((w, b, gw, gb), stamp, folded)
-        return folded
+        return fp["weight"], b_in, lp["weight"], b
 
-    def _ring_projection(self, x: torch.Tensor, modules) -> tuple[torch.Tensor, int, torch.Tensor | None,
-                                                                  tuple[torch.Tensor, torch.Tensor] | None]:
-        """`WindowedAttention._ring_projection` in one matrix product where the gate folds into the projection
-        (`folded_projection`): the q, k, v columns, then the gate's hidden pre-activation, whose last layers the
-        decoding step finishes (as `ring_gate` gives them)."""
-        folded = self.folded_projection() if self._own_ring_gate else None
-        if folded is None:
+    def _ring_projection(self, x: torch.Tensor, modules) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                  tuple[torch.Tensor, ...] | None]:
+        """`WindowedAttention._ring_projection`, handing the compiled step the whole gate MLP where it can run
+        it (`whole_gate_layers`): gate = x, gate_layers its first and last layers."""
+        layers = self.whole_gate_layers() if self._own_ring_gate else None
+        if layers is None:
             return super()._ring_projection(x, modules)
-        weight, bias, n = folded
-        last = modules["gate"]._modules["2"]._parameters
-        return F.linear(x, weight, bias), n, None, (last["weight"], last["bias"])
+        return self._ring_qkv(x, modules), x, layers

@@ -119,55 +119,60 @@ class WindowedAttention(AttentionLayer):
     def _ring_forward(self, x: torch.Tensor, cache: RingCache) -> torch.Tensor:
         """The one-token step of generation, x [B, 1, d] -> [B, 1, d]: what `AttentionLayer.forward` computes
         through `attend_cached` and `attend_ring`, in fewer calls. The cache is checked as there
-        (`RingCache.check`, which remembers what it accepted); then the projection (folded with the gate's first
-        linear where `_ring_projection` can) and one call of the compiled step that rotates q and the new key,
-        stores the key and value in the ring and attends (`decode._decode_token`), or where that step does not
-        apply, RoPE, `RingCache.append_token` and `decode._decode_ring`. The decoding functions are called
-        unchecked: every argument is the layer's or the accepted cache's. Equal to the general path up to the
-        rounding of the folded projection (the rest is the same arithmetic)."""
+        (`RingCache.check`, which remembers what it accepted); then the q, k, v projection and one call of the
+        compiled step that runs the gate (its whole MLP where `_ring_projection` hands it over), rotates q and
+        the new key, stores the key and value in the ring and attends (`decode._decode_token`), or where that
+        step does not apply, RoPE, `RingCache.append_token` and `decode._decode_ring`. The decoding functions
+        are called unchecked: every argument is the layer's or the accepted cache's. Equal to the general path
+        up to the rounding of the gate's first layer in the compiled step (the rest is the same arithmetic)."""
         B = x.shape[0]
         H, H_kv, D = self.n_heads, self.n_kv_heads, self.head_dim
         settings = self._ring_settings
         cache.check(batch_size=B, n_heads=H_kv, head_dim=D, capacity=self._ring_capacity, sinks=settings.sinks)
         modules = self._modules  # submodules read once (each `self.name` of a module is a __getattr__ call)
-        proj, n, gate, gate_head = self._ring_projection(x, modules)
+        qkv, gate, gate_layers = self._ring_projection(x, modules)
         rotary = modules.get("rotary")  # None is kept as a plain attribute, not a module
         position = cache.seen
         fresh_slot = cache.next_token_slot()
         if fresh_slot is not None:
             rotation = None if rotary is None else (*rotary._table(position + 1, x.device), position)
-            y = _decode_token(proj, H, cache.kv, gate, gate_head, fresh_slot, rotation, cache.capacity, position,
+            y = _decode_token(qkv, H, cache.kv, gate, gate_layers, fresh_slot, rotation, cache.capacity, position,
                               settings)
             if y is not None:
                 cache.token_stored()
                 return modules["out"](y.view(B, 1, H * D))
-        if n != proj.shape[-1]:  # folded: the gate's hidden pre-activation follows q, k, v
-            proj, gate = proj[..., :n], proj[..., n:]
-        qkv = proj.view(B, 1, H + 2 * H_kv, D)
+        if gate_layers is not None and len(gate_layers) == 4:  # the whole gate MLP: its first layer here
+            w_in, b_in, *gate_layers = gate_layers
+            gate = F.linear(gate, w_in, b_in)
+        qkv = qkv.view(B, 1, H + 2 * H_kv, D)
         qk, v = qkv[:, :, :H + H_kv], qkv[:, :, H + H_kv:]
         if rotary is not None:  # as `heads` does, at the cache's position
             qk = rotary.rotate(qk, *rotary.cos_sin(1, position, None, x.device))
         cache.append_token(qk[:, :, H:].transpose(1, 2), v.transpose(1, 2))
         y = _decode_ring(qk[:, :, :H].transpose(1, 2), cache.kv, gate, cache.capacity, position, settings,
-                         gate_head)
+                         None if gate_layers is None else tuple(gate_layers))
         return modules["out"](y.reshape(B, 1, H * D))
 
-    def _ring_projection(self, x: torch.Tensor, modules) -> tuple[torch.Tensor, int, torch.Tensor | None,
-                                                                  tuple[torch.Tensor, torch.Tensor] | None]:
-        """For one new token x [B, 1, d]: (proj [B, 1, P], n, gate, gate_head): its q, k, v projection in proj's
-        first n = (H + 2·H_kv)·D columns, and the gate arguments of `decode_ring` (`ring_gate`). Here P = n; a
-        layer that folds its gate's first linear into the projection (`PiAttention`) puts the gate's hidden
-        pre-activation in the columns after n, with gate None and gate_head the gate's last layer."""
+    def _ring_projection(self, x: torch.Tensor, modules) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                  tuple[torch.Tensor, ...] | None]:
+        """For one new token x [B, 1, d]: (qkv [B, 1, (H + 2·H_kv)·D], gate, gate_layers): its q, k, v projection
+        and the gate arguments of `decode_ring` (`ring_gate`: gate_layers is its gate_head). A layer whose
+        compiled step can run its whole gate MLP (`PiAttention`) gives gate = x and gate_layers = the MLP's
+        first and last layers (four tensors) instead."""
+        qkv = self._ring_qkv(x, modules)
+        if self._own_ring_gate and self.gate is None:
+            return qkv, None, None  # what ring_gate gives a layer without a gate, without asking it
+        return (qkv, *self.ring_gate(x))
+
+    @staticmethod
+    def _ring_qkv(x: torch.Tensor, modules) -> torch.Tensor:
+        """The q, k, v projection of x [B, 1, d]: `F.linear` on a plain `nn.Linear`'s weights (what calling it
+        computes, without a module call's overhead), the module called where it or every module has hooks."""
         proj = modules["qkv"]
         if plain_linear(proj) and not global_hooks():
             weights = proj._parameters
-            qkv = F.linear(x, weights["weight"], weights["bias"])
-        else:
-            qkv = proj(x)
-        n = qkv.shape[-1]
-        if self._own_ring_gate and self.gate is None:
-            return qkv, n, None, None  # what ring_gate gives a layer without a gate, without asking it
-        return (qkv, n, *self.ring_gate(x))
+            return F.linear(x, weights["weight"], weights["bias"])
+        return proj(x)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor,
                document_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -470,7 +470,7 @@ def _decode_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | N
 
 
 def _decode_token(proj: torch.Tensor, n_heads: int, kv_store: torch.Tensor, gate: torch.Tensor | None,
-                  gate_head: tuple[torch.Tensor, torch.Tensor] | None, fresh_slot: int,
+                  gate_layers: tuple[torch.Tensor, ...] | None, fresh_slot: int,
                   rotation: tuple[torch.Tensor, torch.Tensor, int] | None, capacity: int, position: int,
                   settings: OpSettings) -> torch.Tensor | None:
     """A decoding layer's whole one-token step in one call of the compiled step (`native._token_step_unchecked`):
@@ -478,24 +478,24 @@ def _decode_token(proj: torch.Tensor, n_heads: int, kv_store: torch.Tensor, gate
     (rotated) read over the ring as `_decode_ring` reads it. y [B, H, 1, D], or None where the compiled step does
     not apply, with nothing written: the caller then stores the token and calls `_decode_ring`.
 
-    proj [B, 1, P]: the new token's q (n_heads heads), k, v columns, then, with gate None and gate_head given,
-    the gate MLP's hidden pre-activation (a projection folded with the gate's first linear); otherwise gate and
-    gate_head as in `decode_ring`; settings of one period, as `_decode_ring` takes them. Unchecked, for
+    proj [B, 1, P]: the new token's q (n_heads heads), k, v columns. The gate: None, α̃ [B, H, 1] (gate_layers
+    None), the gate MLP's hidden pre-activation with gate_layers = its last layer (weight, bias) as `gate_head`
+    in `decode_ring`, or the MLP's input [B, 1, d] with gate_layers = its first and last layers (four tensors:
+    the whole gate in the step). Settings of one period, as `_decode_ring` takes them. Unchecked, for
     `WindowedAttention` (see `_decode_ring`)."""
     window, period, _, variant, prior, logit_clamp, eps, scale, _, sinks = settings
     mode = native.PRIOR_MODES.get(variant)
     if mode is None:
         return None
     # `_compiled_prior` spelled out without its dict: this runs once per layer and token.
-    weight = bias = None
     log_prior = (0.0, 0.0)
-    if gate_head is not None:
-        mode, (weight, bias) = native.PRIOR_HIDDEN, gate_head
+    if gate_layers is not None:
+        mode = native.PRIOR_HIDDEN if len(gate_layers) == 2 else native.PRIOR_INPUT
     elif mode == native.PRIOR_CONST:
         log_prior = log_priors(variant, None, prior, eps)
     slot, valid, kind, _, _ = ring_slots(window, period, sinks, capacity, position, kv_store.device)
     return native._token_step_unchecked(proj, n_heads, kv_store, slot, valid, kind, fresh_slot, rotation, log_prior,
-                                        gate, weight, bias, logit_clamp, eps, scale, prior_mode=mode)
+                                        gate, gate_layers, logit_clamp, eps, scale, prior_mode=mode)
 
 
 @functools.lru_cache(maxsize=16)

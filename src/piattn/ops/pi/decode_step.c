@@ -28,6 +28,9 @@
  *   PRIOR_HIDDEN  "adaptive" from the gate MLP's hidden pre-activation hidden [B, Q, n_hidden] (strides
  *                 gate_sb, gate_st): α = ε + (1 − 2ε)·σ(w·GELU(hidden) + bias), w [H, n_hidden], bias [H]; then as
  *                 PRIOR_ALPHA.
+ *   PRIOR_INPUT   "adaptive" from the gate MLP's input x [B, Q, n_in] (strides gate_sb, gate_st): hidden =
+ *                 w_in·x + bias_in, w_in [n_hidden, n_in], bias_in [n_hidden]; then as PRIOR_HIDDEN. The whole
+ *                 gate in the step: the layer's projection is then the q, k, v one alone.
  *
  * Non-finite values stay where they are read: slots that read nothing are never touched, and every
  * comparison is written so that a NaN passes through it (as torch's clamp and clamp_min let it).
@@ -44,7 +47,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { PRIOR_NONE = 0, PRIOR_CONST = 1, PRIOR_ALPHA = 2, PRIOR_HIDDEN = 3 };
+enum { PRIOR_NONE = 0, PRIOR_CONST = 1, PRIOR_ALPHA = 2, PRIOR_HIDDEN = 3, PRIOR_INPUT = 4 };
 /* Return codes; native.py turns each into its error. */
 enum { PI_OK = 0, PI_ERR_SIZE = 1, PI_ERR_SLOT = 2, PI_ERR_KIND = 3, PI_ERR_PRIOR = 4, PI_ERR_MEMORY = 5 };
 
@@ -52,12 +55,13 @@ enum { PI_OK = 0, PI_ERR_SIZE = 1, PI_ERR_SLOT = 2, PI_ERR_KIND = 3, PI_ERR_PRIO
 static int pi_check(const void *q, const void *kv, int64_t B, int64_t H, int64_t H_kv, int64_t N, int64_t D,
                     int64_t Q, const int64_t *slot, const int64_t *kind, int64_t S, int prior_mode,
                     const void *gate, int64_t n_hidden, const void *w, const void *bias, const void *y,
-                    const void *fresh, int64_t fresh_slot, const void *cos, const void *sin) {
+                    const void *fresh, int64_t fresh_slot, const void *cos, const void *sin, const void *w_in,
+                    const void *bias_in, int64_t n_in) {
   if (B < 0 || H < 1 || H_kv < 1 || H_kv > H || H % H_kv || N < 1 || D < 1 || Q < 1 || S < 0 || n_hidden < 0)
     return PI_ERR_SIZE;
   if ((fresh && Q != 1) || (!cos) != (!sin) || (cos && D % 2)) return PI_ERR_SIZE;
   if (fresh && (fresh_slot < 0 || fresh_slot >= N)) return PI_ERR_SLOT;
-  if (prior_mode < PRIOR_NONE || prior_mode > PRIOR_HIDDEN) return PI_ERR_PRIOR;
+  if (prior_mode < PRIOR_NONE || prior_mode > PRIOR_INPUT) return PI_ERR_PRIOR;
   if (S > 0 && (!slot || !kind)) return PI_ERR_SIZE;
   for (int64_t s = 0; s < S; s++)
     if (kind[s] != 0 && kind[s] != 1) return PI_ERR_KIND;
@@ -65,8 +69,9 @@ static int pi_check(const void *q, const void *kv, int64_t B, int64_t H, int64_t
     if (slot[s] < 0 || slot[s] >= N) return PI_ERR_SLOT;
   if (B == 0) return PI_OK; /* nothing is read or written, and empty tensors may have no data pointer */
   if (!q || !kv || !y) return PI_ERR_SIZE;
-  if ((prior_mode == PRIOR_ALPHA || prior_mode == PRIOR_HIDDEN) && !gate) return PI_ERR_PRIOR;
-  if (prior_mode == PRIOR_HIDDEN && (n_hidden < 1 || !w || !bias)) return PI_ERR_PRIOR;
+  if (prior_mode >= PRIOR_ALPHA && !gate) return PI_ERR_PRIOR;
+  if (prior_mode >= PRIOR_HIDDEN && (n_hidden < 1 || !w || !bias)) return PI_ERR_PRIOR;
+  if (prior_mode == PRIOR_INPUT && (n_in < 1 || !w_in || !bias_in)) return PI_ERR_PRIOR;
   return PI_OK;
 }
 
@@ -173,21 +178,76 @@ static void pi_gelu_f64(const double *x, int64_t n, double *out) {
 /* The fp32 GELU of the step, exported for its test (n values of x into out). */
 void pi_gelu_f32_row(const float *x, int64_t n, float *out) { pi_gelu_f32(x, n, out); }
 
-#define DEFINE_STEP(NAME, T, EXP, LOG, GELU, ROTATE_F32, ROTATE_F64)                                          \
+/* out[j] = bias[j] + w[j]·x for the n_out rows of w [n_out, n] (PRIOR_INPUT: the gate MLP's first layer, from the
+ * layer's live weights): four rows at a time, each in eight partial sums (i mod 8) added pairwise at the end.
+ * fp32 in GCC vector types of eight lanes (one AVX register, two SSE ones): the same additions in the same order
+ * on every build. */
+typedef float pi_v8f __attribute__((vector_size(32), aligned(4), may_alias));
+
+static float pi_sum8(pi_v8f p) { return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7])); }
+
+static void pi_affine_f32(const float *w, const float *bias, const float *x, int64_t n_out, int64_t n, float *out) {
+  int64_t j = 0;
+  for (; j + 4 <= n_out; j += 4) {
+    const float *w0 = w + j * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
+    pi_v8f p0 = {0}, p1 = {0}, p2 = {0}, p3 = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const pi_v8f xi = *(const pi_v8f *)(x + i);
+      p0 += *(const pi_v8f *)(w0 + i) * xi;
+      p1 += *(const pi_v8f *)(w1 + i) * xi;
+      p2 += *(const pi_v8f *)(w2 + i) * xi;
+      p3 += *(const pi_v8f *)(w3 + i) * xi;
+    }
+    float s0 = pi_sum8(p0), s1 = pi_sum8(p1), s2 = pi_sum8(p2), s3 = pi_sum8(p3);
+    for (; i < n; i++) {
+      s0 += w0[i] * x[i];
+      s1 += w1[i] * x[i];
+      s2 += w2[i] * x[i];
+      s3 += w3[i] * x[i];
+    }
+    out[j] = bias[j] + s0;
+    out[j + 1] = bias[j + 1] + s1;
+    out[j + 2] = bias[j + 2] + s2;
+    out[j + 3] = bias[j + 3] + s3;
+  }
+  for (; j < n_out; j++) { /* the last rows, one at a time: the same sums as above */
+    const float *wj = w + j * n;
+    pi_v8f p = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) p += *(const pi_v8f *)(wj + i) * *(const pi_v8f *)(x + i);
+    float sum = pi_sum8(p);
+    for (; i < n; i++) sum += wj[i] * x[i];
+    out[j] = bias[j] + sum;
+  }
+}
+
+static void pi_affine_f64(const double *w, const double *bias, const double *x, int64_t n_out, int64_t n,
+                          double *out) {
+  for (int64_t j = 0; j < n_out; j++) {
+    double sum = 0;
+    for (int64_t i = 0; i < n; i++) sum += w[j * n + i] * x[i];
+    out[j] = bias[j] + sum;
+  }
+}
+
+#define DEFINE_STEP(NAME, T, EXP, LOG, GELU, ROTATE_F32, ROTATE_F64, AFFINE)                                 \
   static int NAME(const T *q, int64_t q_sb, int64_t q_sh, int64_t q_st, T *kv, int64_t B, int64_t H,         \
                   int64_t H_kv, int64_t N, int64_t D, int64_t Q, const int64_t *slot, const uint8_t *valid,  \
                   const int64_t *kind, int64_t S, int prior_mode, double c_local, double c_skip,             \
                   const T *gate, int64_t gate_sb, int64_t gate_sh, int64_t gate_st, int64_t n_hidden,        \
                   const T *w, const T *bias, double scale, double clamp, double eps, T *y, const T *fresh,   \
-                  int64_t fresh_sb, int64_t fresh_slot, const void *cos, const void *sin, int64_t rope_f64) {   \
+                  int64_t fresh_sb, int64_t fresh_slot, const void *cos, const void *sin, int64_t rope_f64,      \
+                  const T *w_in, const T *bias_in, int64_t n_in) {                                           \
     const int checked = pi_check(q, kv, B, H, H_kv, N, D, Q, slot, kind, S, prior_mode, gate, n_hidden, w,   \
-                                 bias, y, fresh, fresh_slot, cos, sin);                                      \
+                                 bias, y, fresh, fresh_slot, cos, sin, w_in, bias_in, n_in);                 \
     if (checked != PI_OK || B == 0) return checked;                                                          \
     const int64_t group = H / H_kv;                                                                          \
     const T lo = (T)eps, width = (T)(1.0 - 2.0 * eps), hi = (T)(1.0 - eps);                                  \
     /* One allocation for the scratch rows: the scores z [S], the gate's GELU act [n_hidden] and its last      \
      * linear pre [H], a rotated q [D]. */                                                                   \
-    const int64_t n_act = prior_mode == PRIOR_HIDDEN ? n_hidden : 0, n_pre = prior_mode == PRIOR_HIDDEN ? H : 0; \
+    const int gated = prior_mode >= PRIOR_HIDDEN; /* the gate's last layers run here */                      \
+    const int64_t n_act = gated ? n_hidden : 0, n_pre = gated ? H : 0;                                       \
     T *const z = (T *)malloc(sizeof(T) * (size_t)(S + n_act + n_pre + (cos ? D : 0) + 1));                   \
     if (!z) return PI_ERR_MEMORY;                                                                            \
     T *const act = z + S;                                                                                    \
@@ -212,8 +272,13 @@ void pi_gelu_f32_row(const float *x, int64_t n, float *out) { pi_gelu_f32(x, n, 
       for (int64_t t = 0; t < Q; t++) { /* query t: its own slots, its own one-query step */                 \
         const int64_t *slot_t = slot + t * S;                                                                \
         const uint8_t *valid_t = valid ? valid + t * S : 0;                                                  \
-        if (prior_mode == PRIOR_HIDDEN) { /* the GELU once per token */                                     \
-          GELU(gate + b * gate_sb + t * gate_st, n_hidden, act);                                             \
+        if (gated) { /* the gate's hidden layer (PRIOR_INPUT: from its input), its GELU once per token */     \
+          const T *hb = gate + b * gate_sb + t * gate_st;                                                    \
+          if (prior_mode == PRIOR_INPUT) { /* hb is the MLP's input: its first layer into act */             \
+            AFFINE(w_in, bias_in, hb, n_hidden, n_in, act);                                                  \
+            hb = act;                                                                                        \
+          }                                                                                                  \
+          GELU(hb, n_hidden, act);                                                                           \
           /* The gate's last linear for every head, four heads side by side (four independent sums, each  \
            * still taken over j in order): the latency of one chain of n_hidden additions per four heads.  */ \
           int64_t h = 0;                                                                                     \
@@ -244,9 +309,9 @@ void pi_gelu_f32_row(const float *x, int64_t n, float *out) { pi_gelu_f32(x, n, 
           if (prior_mode == PRIOR_CONST) {                                                                   \
             log_local = (T)c_local;                                                                          \
             log_skip = (T)c_skip;                                                                            \
-          } else if (prior_mode == PRIOR_ALPHA || prior_mode == PRIOR_HIDDEN) {                              \
+          } else if (prior_mode >= PRIOR_ALPHA) {                                                            \
             T a, rest;                                                                                       \
-            if (prior_mode == PRIOR_HIDDEN) {                                                                \
+            if (gated) {                                                                                     \
               const T u = pre[h];                                                                            \
               T s = (T)1 / ((T)1 + EXP(-u));                                                                 \
               a = lo + width * s; /* the clip of Eq. app_gate; 1 − α computed as decode.py does */           \
@@ -312,10 +377,12 @@ void pi_gelu_f32_row(const float *x, int64_t n, float *out) { pi_gelu_f32(x, n, 
     return PI_OK;                                                                                            \
   }
 
-DEFINE_STEP(pi_decode_step_f32, float, expf, logf, pi_gelu_f32, pi_rotate_f32_by_f32, pi_rotate_f32_by_f64)
-DEFINE_STEP(pi_decode_step_f64, double, exp, log, pi_gelu_f64, pi_rotate_f64_by_f32, pi_rotate_f64_by_f64)
+DEFINE_STEP(pi_decode_step_f32, float, expf, logf, pi_gelu_f32, pi_rotate_f32_by_f32, pi_rotate_f32_by_f64,
+            pi_affine_f32)
+DEFINE_STEP(pi_decode_step_f64, double, exp, log, pi_gelu_f64, pi_rotate_f64_by_f32, pi_rotate_f64_by_f64,
+            pi_affine_f64)
 
-/* The steps take their 35 arguments in one block, in the order above: native.py packs them with one
+/* The steps take their 38 arguments in one block, in the order above: native.py packs them with one
  * `struct.pack` (8-byte fields, no padding on a 64-bit machine) and makes a one-argument ctypes call, instead
  * of converting 35 arguments one by one on every step. The block is copied first (the caller's bytes need not
  * be aligned), and its size is checked against the one Python packs (`pi_step_args_size`), so that a layout
@@ -327,7 +394,8 @@ DEFINE_STEP(pi_decode_step_f64, double, exp, log, pi_gelu_f64, pi_rotate_f64_by_
  *               k and v columns, not yet rotated), written into row fresh_slot of the ring (the key rotated by
  *               cos, sin when given) before anything is read; Q must be 1.
  *   cos, sin    [D] each, fp32 (rope_f64 0) or fp64 (1), the RoPE angles of the new position (`Rotary`'s table
- *               row): q is rotated by them too, into a scratch row, as `Rotary.rotate` rotates it. NULL: none. */
+ *               row): q is rotated by them too, into a scratch row, as `Rotary.rotate` rotates it. NULL: none.
+ * The last three are PRIOR_INPUT's gate layer (w_in, bias_in, n_in; NULL and 0 for the other modes). */
 typedef struct {
   const void *q;
   int64_t q_sb, q_sh, q_st;
@@ -347,6 +415,8 @@ typedef struct {
   int64_t fresh_sb, fresh_slot;
   const void *cos, *sin;
   int64_t rope_f64;
+  const void *w_in, *bias_in;
+  int64_t n_in;
 } pi_step_args;
 
 int64_t pi_step_args_size(void) { return (int64_t)sizeof(pi_step_args); }
@@ -356,11 +426,12 @@ int64_t pi_step_args_size(void) { return (int64_t)sizeof(pi_step_args); }
     pi_step_args a;                                                                                          \
     if (!packed) return PI_ERR_SIZE;                                                                         \
     memcpy(&a, packed, sizeof a);                                                                            \
-    if (a.prior_mode < PRIOR_NONE || a.prior_mode > PRIOR_HIDDEN) return PI_ERR_PRIOR;                       \
+    if (a.prior_mode < PRIOR_NONE || a.prior_mode > PRIOR_INPUT) return PI_ERR_PRIOR;                        \
     return STEP((const T *)a.q, a.q_sb, a.q_sh, a.q_st, (T *)a.kv, a.B, a.H, a.H_kv, a.N, a.D, a.Q, a.slot,   \
                 a.valid, a.kind, a.S, (int)a.prior_mode, a.c_local, a.c_skip, (const T *)a.gate, a.gate_sb,   \
                 a.gate_sh, a.gate_st, a.n_hidden, (const T *)a.w, (const T *)a.bias, a.scale, a.clamp, a.eps, \
-                (T *)a.y, (const T *)a.fresh, a.fresh_sb, a.fresh_slot, a.cos, a.sin, a.rope_f64);           \
+                (T *)a.y, (const T *)a.fresh, a.fresh_sb, a.fresh_slot, a.cos, a.sin, a.rope_f64,            \
+                (const T *)a.w_in, (const T *)a.bias_in, a.n_in);                                            \
   }
 
 DEFINE_PACKED(pi_decode_step_packed_f32, pi_decode_step_f32, float)

@@ -40,10 +40,10 @@ from . import cbuild
 
 SOURCE = Path(__file__).with_name("decode_step.c")
 # Prior modes of decode_step.c.
-PRIOR_NONE, PRIOR_CONST, PRIOR_ALPHA, PRIOR_HIDDEN = range(4)
+PRIOR_NONE, PRIOR_CONST, PRIOR_ALPHA, PRIOR_HIDDEN, PRIOR_INPUT = range(5)
 # The variants the C step computes, each by its prior mode ("adaptive" also by PRIOR_HIDDEN, from the gate
-# MLP's hidden layer). Not "separate": it normalises the local and the skip slots apart, and the step takes
-# one softmax over all of them.
+# MLP's hidden layer, and by PRIOR_INPUT, from its input). Not "separate": it normalises the local and the skip
+# slots apart, and the step takes one softmax over all of them.
 PRIOR_MODES = {"union": PRIOR_NONE, "fixed": PRIOR_CONST, "adaptive": PRIOR_ALPHA}
 # Slots per query the C step takes; wider windows run in torch ops, where the per-op overhead that the C
 # step saves no longer dominates anyway.
@@ -54,20 +54,22 @@ _ERRORS = {1: "the sizes given to the compiled step are inconsistent (B >= 0, H 
               "H, N >= 1, D >= 1, t >= 1 queries; one query with a new token to store, an even D with RoPE)",
            2: "slot must index rows 0 … N − 1 of kv_store (and so must the row of a new token to store)",
            3: "kind must hold 0 (local prior) or 1 (skip prior) only",
-           4: "prior_mode must be one of PRIOR_NONE, PRIOR_CONST, PRIOR_ALPHA, PRIOR_HIDDEN, with its gate"}
+           4: "prior_mode must be one of PRIOR_NONE, PRIOR_CONST, PRIOR_ALPHA, PRIOR_HIDDEN, PRIOR_INPUT, with its "
+              "gate"}
 
 # No -ffast-math: NaN and inf must behave as IEEE says (they stay in the rows that read them).
 # No fused multiply-add either: RoPE in the step rounds each product and sum as `Rotary.rotate` does.
 _FLAGS = ("-O3", "-std=c99", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off")
 
-# The step's 35 arguments, packed into one block in decode_step.c's `pi_step_args` order: q, q_sb, q_sh, q_st, kv,
+# The step's 38 arguments, packed into one block in decode_step.c's `pi_step_args` order: q, q_sb, q_sh, q_st, kv,
 # B, H, H_kv, N, D, Q, slot, valid, kind, S, prior_mode, c_local, c_skip, gate, gate_sb, gate_sh, gate_st,
 # n_hidden, w, bias, scale, clamp, eps, y, then fresh, fresh_sb, fresh_slot, cos, sin, rope_f64 (the new token
-# that `_token_step_unchecked` stores and rotates; 0 otherwise). Native alignment ("@") lays the fields out as the C
+# that `_token_step_unchecked` stores and rotates; 0 otherwise), then w_in, bias_in, n_in (the gate's first layer
+# of PRIOR_INPUT; 0 otherwise). Native alignment ("@") lays the fields out as the C
 # compiler does; `_open` refuses a library whose struct has another size. One `pack` and a one-argument call
 # cost a sixth of what ctypes took to convert the arguments one by one (a step of generation is tens of
 # microseconds).
-_ARGS = struct.Struct("@PqqqPqqqqqqPPPqqddPqqqqPPdddPPqqPPq")
+_ARGS = struct.Struct("@PqqqPqqqqqqPPPqqddPqqqqPPdddPPqqPPqPPq")
 _FUNCTIONS = {torch.float32: "pi_decode_step_packed_f32", torch.float64: "pi_decode_step_packed_f64"}
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -249,51 +251,52 @@ def _rows_step_unchecked(q: torch.Tensor, kv_store: torch.Tensor, slot: torch.Te
 def _token_step_unchecked(proj: torch.Tensor, n_heads: int, kv_store: torch.Tensor, slot: torch.Tensor,
                           valid: torch.Tensor | None, kind: torch.Tensor, fresh_slot: int,
                           rotation: tuple[torch.Tensor, torch.Tensor, int] | None, log_priors: tuple[float, float],
-                          gate: torch.Tensor | None, gate_weight: torch.Tensor | None, gate_bias: torch.Tensor | None,
+                          gate: torch.Tensor | None, gate_layers: tuple[torch.Tensor, ...] | None,
                           logit_clamp: float | None, eps: float, scale: float, *,
                           prior_mode: int) -> torch.Tensor | None:
     """The whole one-token step of a decoding layer in one call (`decode._decode_token`): the new token's key
     (rotated) and value stored in row `fresh_slot` of the ring, then `ring_step` of its query (rotated) over
     `slot`. None where the C step does not apply (`applies`, and the layouts below), and then nothing is written.
 
-    proj [B, 1, P]: the new token's projection, its last dimension contiguous: q (n_heads·D columns), k and v
-    (H_kv·D each), then for PRIOR_HIDDEN with gate None the gate MLP's hidden pre-activation (the rest, >= 1
-    column: a projection folded with the gate's first linear). kv_store [2, B, H_kv, N, D] contiguous, of
-    proj's dtype; slot, valid, kind of `decode.ring_slots` for the new position; rotation (cos, sin, position)
-    with `Rotary`'s tables [n > position, 1, D] (fp32, or fp64 in a model made fp64), or None (no RoPE); the
-    prior arguments as in `ring_step` (positional: a step of generation calls this once per layer).
+    proj [B, 1, P >= (n_heads + 2·H_kv)·D]: the new token's q (n_heads·D columns), k and v (H_kv·D each)
+    projection, its last dimension contiguous. kv_store [2, B, H_kv, N, D] contiguous, of proj's dtype; slot,
+    valid, kind of `decode.ring_slots` for the new position; rotation (cos, sin, position) with `Rotary`'s
+    tables [n > position, 1, D] (fp32, or fp64 in a model made fp64), or None (no RoPE). The gate: α [B, H, 1]
+    for PRIOR_ALPHA; for PRIOR_HIDDEN the gate MLP's hidden pre-activation [B, 1, n_hidden] and gate_layers its
+    last layer (weight [H, n_hidden], bias [H]); for PRIOR_INPUT the MLP's input [B, 1, n_in] and gate_layers
+    its first and last layers (weight [n_hidden, n_in], bias [n_hidden], weight [H, n_hidden], bias [H]), every
+    one contiguous; positional: a step of generation calls this once per layer.
     Unchecked in Python beyond the layouts (the caller is a layer whose cache `RingCache.check` accepted); the
     C step checks every size, slot and kind before it reads or writes anything."""
     functions = _state["functions"] if "functions" in _state else _load()
-    function = _function(functions, proj, [kv_store] if gate_weight is None and gate is None else
-                         [t for t in (kv_store, gate, gate_weight, gate_bias) if t is not None], kind.shape[0])
+    function = _function(functions, proj, [kv_store] if gate is None else [kv_store, gate, *(gate_layers or ())],
+                         kind.shape[0])
     if function is None:
         return None
     B, _, cols = proj.shape
     _, _, H_kv, N, D = kv_store.shape
     H = n_heads
-    width = (H + 2 * H_kv) * D
     p_sb, _, p_sd = proj.stride()
-    if p_sd != 1 or width > cols or not kv_store.is_contiguous():
+    if p_sd != 1 or (H + 2 * H_kv) * D > cols or not kv_store.is_contiguous():
         return None
-    size = proj.element_size()
     base = proj.data_ptr()
-    gate_ptr, gate_sb, gate_sh, gate_st, n_hidden, w_ptr, b_ptr = 0, 0, 0, 0, 0, 0, 0
+    gate_ptr, gate_sb, gate_sh, gate_st, n_hidden, w_ptr, b_ptr, w_in_ptr, b_in_ptr, n_in = (0,) * 10
     if prior_mode == PRIOR_ALPHA:
         gate_ptr, (gate_sb, gate_sh, gate_st) = gate.data_ptr(), gate.stride()
-    elif prior_mode == PRIOR_HIDDEN:
-        if not gate_weight.is_contiguous() or not gate_bias.is_contiguous():
+    elif prior_mode >= PRIOR_HIDDEN:
+        for layer in gate_layers:
+            if not layer.is_contiguous():
+                return None
+        gate_sb, gate_st, gate_sd = gate.stride()
+        if gate_sd != 1:
             return None
-        if gate is None:  # the columns after q, k, v
-            if cols == width:
-                return None
-            gate_ptr, gate_sb, n_hidden = base + width * size, p_sb, cols - width
+        gate_ptr = gate.data_ptr()
+        if prior_mode == PRIOR_INPUT:
+            w_in, b_in, w, b = gate_layers
+            w_in_ptr, b_in_ptr, (n_hidden, n_in) = w_in.data_ptr(), b_in.data_ptr(), w_in.shape
         else:
-            gate_sb, gate_st, gate_sd = gate.stride()
-            if gate_sd != 1:
-                return None
-            gate_ptr, n_hidden = gate.data_ptr(), gate.shape[2]
-        w_ptr, b_ptr = gate_weight.data_ptr(), gate_bias.data_ptr()
+            (w, b), n_hidden = gate_layers, gate.shape[2]
+        w_ptr, b_ptr = w.data_ptr(), b.data_ptr()
     cos_ptr = sin_ptr = rope_f64 = 0
     if rotation is not None:
         cos, sin, position = rotation
@@ -310,7 +313,8 @@ def _token_step_unchecked(proj: torch.Tensor, n_heads: int, kv_store: torch.Tens
                                0 if valid is None else valid.data_ptr(), kind.data_ptr(), kind.shape[0], prior_mode,
                                log_priors[0], log_priors[1], gate_ptr, gate_sb, gate_sh, gate_st, n_hidden, w_ptr,
                                b_ptr, scale, float("inf") if logit_clamp is None else logit_clamp, eps, y.data_ptr(),
-                               base + H * D * size, p_sb, fresh_slot, cos_ptr, sin_ptr, rope_f64))
+                               base + H * D * proj.element_size(), p_sb, fresh_slot, cos_ptr, sin_ptr, rope_f64,
+                               w_in_ptr, b_in_ptr, n_in))
     _refuse(code)
     return y
 
@@ -374,6 +378,6 @@ def _step(q, kv_store, slot, valid, kind, prior_mode, log_priors, gate, gate_wei
                                kind.shape[0], prior_mode, log_priors[0], log_priors[1], gate_ptr, gate_sb, gate_sh,
                                gate_st, n_hidden, w_ptr, b_ptr, scale,
                                float("inf") if logit_clamp is None else logit_clamp, eps, y.data_ptr(), 0, 0, 0, 0, 0,
-                               0))
+                               0, 0, 0, 0))
     _refuse(code)
     return y
