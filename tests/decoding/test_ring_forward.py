@@ -203,7 +203,15 @@ def test_hooks_on_the_projections_are_called_by_the_fast_step():
             layer(torch.randn(1, 1, 32), cache)
     finally:
         handle.remove()
-    assert called.count("Linear") >= 2  # the projections called as modules while every module is hooked
+    # every module called while every module is hooked: qkv, out, and the gate MLP's four layers
+    assert called.count("Linear") == 4 and {"GELU", "Sigmoid", "Sequential"} <= set(called)
+    called.clear()
+    handle = nn.modules.module.register_module_forward_hook(lambda module, *_: called.append(type(module).__name__))
+    try:
+        layer(torch.randn(1, 5, 32))  # the full forward too
+    finally:
+        handle.remove()
+    assert called.count("Linear") == 4 and {"GELU", "Sigmoid", "Sequential"} <= set(called)
     assert layer.whole_gate_layers() is not None  # the compiled gate again once the hook is gone
 
 

@@ -11,6 +11,7 @@ import math
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.modules import module as _module
 
 from ..ops.pi.decode import gate_tail
 from ..ops.pi.dtypes import accumulation_dtype
@@ -39,9 +40,17 @@ def _clip(eps: float, dtype: torch.dtype, device: torch.device) -> tuple[torch.T
     return torch.tensor(eps, dtype=dtype, device=device), torch.tensor(1 - 2 * eps, dtype=dtype, device=device)
 
 
+def global_hooks() -> bool:
+    """Whether forward hooks are registered for every module (`nn.modules.module.register_module_forward_hook`
+    and its pre-hook): then the fast paths call the modules they would otherwise bypass (the projections, the
+    gate MLP), as `AttentionLayer.heads` does."""
+    return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks)
+
+
 def gate_hooked(gate: nn.Sequential) -> bool:
-    """Whether someone registered forward hooks on the gate MLP or its layers (then it is called as a module)."""
-    return any(m._forward_hooks or m._forward_pre_hooks for m in (gate, *gate))
+    """Whether someone registered forward hooks on the gate MLP or its layers, or on every module (then it is
+    called as a module)."""
+    return global_hooks() or any(m._forward_hooks or m._forward_pre_hooks for m in (gate, *gate))
 
 
 def gate_sigmoid(gate: nn.Sequential, x: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,8 @@ from torch import nn
 from ..analysis.copy_distance import Reach, reach
 from ..analysis.multiscale import periods_per_layer
 from ..config import PI_DEFAULTS, ModelConfig, PiSettings
-from .gate import gate_hidden, gate_hooked, gate_mlp, gate_values
-from .windowed import WindowedAttention, global_hooks
+from .gate import gate_hidden, gate_hooked, gate_mlp, gate_values, global_hooks
+from .windowed import WindowedAttention
 
 
 class PiAttention(WindowedAttention):

@@ -7,7 +7,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.nn.modules import module as _module
 
 from ..checks import is_int
 from ..config import PiSettings
@@ -15,13 +14,8 @@ from ..decoding.cache import RingCache
 from ..ops.pi.decode import _decode_ring, _decode_rows, _decode_token, decode_ring, decode_settings
 from ..ops.pi.validate import head_periods
 from .base import AttentionLayer
+from .gate import global_hooks
 from .sharding import active_shard, pi_operator
-
-
-def global_hooks() -> bool:
-    """Whether forward hooks are registered for every module (`nn.modules.module.register_module_forward_hook`
-    and its pre-hook): then the decoding step calls the projections as modules, as `AttentionLayer.heads` does."""
-    return bool(_module._global_forward_hooks or _module._global_forward_pre_hooks)
 
 
 def plain_linear(m: nn.Module) -> bool:
