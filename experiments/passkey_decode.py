@@ -76,13 +76,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=64, help="timed decoding steps per measurement (blocks of 16)")
     p.add_argument("--repeats", type=int, default=5, help="measurements per arm and position, the arms taking turns")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads (1 is steadier on a shared machine)")
+    p.add_argument("--batch", type=int, default=1,
+                   help="sequences decoded together, each the same prompt (tokens/s and cache bytes per sequence)")
     p.add_argument("--out", type=Path, default=ROOT / "experiments" / "results" / "passkey_decode",
                    help="writes <out>.json and <out>.md")
     p.add_argument("--note", default="", help="a sentence on the machine's state for the table (e.g. what else ran)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.repeats < 1 or min(args.positions) < 1:
-        p.error("--steps, --repeats and every --positions must be at least 1")
+    if args.steps < 1 or args.repeats < 1 or args.batch < 1 or min(args.positions) < 1:
+        p.error("--steps, --repeats, --batch and every --positions must be at least 1")
     return args
 
 
@@ -130,7 +132,7 @@ def _rings(sizes: list[int] | None) -> str:
 
 
 def decode(model, cache, token: torch.Tensor, steps: int) -> torch.Tensor:
-    """`steps` greedy single-token decoding steps from `token` [1, 1] into `cache`; the last token chosen."""
+    """`steps` greedy single-token decoding steps from `token` [B, 1] into `cache`; the last tokens chosen."""
     kw = {cache_argument(model): cache}
     with torch.no_grad():
         for _ in range(steps):
@@ -154,12 +156,13 @@ def decode_side_by_side(models: dict, prefilled: dict, turn: list[str], steps: i
     return {arm: statistics.median(b) for arm, b in blocks.items()}
 
 
-def measure(models: dict, prompts: dict[int, torch.Tensor], steps: int, repeats: int, *,
+def measure(models: dict, prompts: dict[int, torch.Tensor], steps: int, repeats: int, *, batch: int = 1,
             progress: bool = True) -> list[dict]:
     """One row per (position, arm) of `models` (arm -> model; "dense" gets a DynamicCache, the others a
-    PiCache) and `prompts` (position -> [P] token ids): the prompt prefilled once per arm, the cache's bytes
-    then, and every repeat's tokens/s of greedy decoding from a copy of that cache, the arms side by side
-    (`decode_side_by_side`, the order rotated per repeat)."""
+    PiCache) and `prompts` (position -> [P] token ids): the prompt prefilled once per arm (`batch` copies of it,
+    decoded together), the cache's bytes per sequence then, and every repeat's tokens/s of one sequence
+    (a step's time, per token of each sequence) of greedy decoding from a copy of that cache, the arms side
+    by side (`decode_side_by_side`, the order rotated per repeat)."""
     arms = list(models)
     prefilled = {}
     with tqdm(total=len(prompts) * len(arms), desc="prefill", unit="prompt", disable=not progress,
@@ -170,7 +173,7 @@ def measure(models: dict, prompts: dict[int, torch.Tensor], steps: int, repeats:
                 cache = new_cache(arm, models[arm])
                 start = time.perf_counter()
                 with torch.no_grad():
-                    logits = models[arm](ids[None], use_cache=True, logits_to_keep=1,
+                    logits = models[arm](ids[None].expand(batch, -1), use_cache=True, logits_to_keep=1,
                                          **{cache_argument(models[arm]): cache}).logits
                 prefilled[(position, arm)] = dict(cache=cache, token=logits[:, -1:].argmax(-1),
                                                   seconds=time.perf_counter() - start)
@@ -191,7 +194,7 @@ def measure(models: dict, prompts: dict[int, torch.Tensor], steps: int, repeats:
     for (position, arm), tps in runs.items():
         cache = prefilled[(position, arm)]["cache"]
         rows.append(dict(arm=arm, position=position, prompt_tokens=len(prompts[position]),
-                         cache_bytes=cache_nbytes(cache), ring_positions=ring_positions(cache),
+                         cache_bytes=cache_nbytes(cache) // batch, ring_positions=ring_positions(cache),
                          prefill_seconds=round(prefilled[(position, arm)]["seconds"], 2),
                          tokens_per_s=statistics.median(tps), repeats_tokens_per_s=tps))
     return rows
@@ -214,7 +217,8 @@ def markdown(result: dict) -> str:
     capped = {r["position"]: r["prompt_tokens"] for r in result["rows"] if r["prompt_tokens"] != r["position"]}
     out = [f"# Passkey arms at decode: cache bytes and tokens/s ({result['cpu']}, {result['threads']} thread(s), "
            f"torch {m['torch']}, Python {m['python']})", "",
-           f"`{result['command']}`; {result['model']} ({result['dtype']}), batch 1, the arms as "
+           f"`{result['command']}`; {result['model']} ({result['dtype']}), batch {result.get('batch', 1)} (each "
+           "sequence the same prompt; tokens/s per sequence), the arms as "
            f"experiments/passkey.py builds them (window {s['window']}, π = {s['period']}, {s['sinks']} sinks, "
            f"context {s['context']}, {s['hops']} hops, gates at α = {s['gate_alpha']}); prompt: the test books' "
            f"text; greedy single-token decoding, {WARMUP} warm-up steps then {result['steps']} timed steps per "
@@ -283,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(stream) < need:
         raise SystemExit(f"the test books gave {len(stream):,} tokens, fewer than the {need:,} of the longest prompt")
     prompts = {position: stream[:n] for position, n in lengths.items()}
-    rows = measure(models, prompts, args.steps, args.repeats, progress=not args.no_progress)
+    rows = measure(models, prompts, args.steps, args.repeats, batch=args.batch, progress=not args.no_progress)
     words = [shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)]  # a --note has spaces
     result = dict(machine=machine_info(), cpu=_cpu_model(),
                   command=command_line("experiments/passkey_decode.py", words),
@@ -293,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                                                               "gate_alpha")},
                   max_position_embeddings=max_positions, positions=list(lengths), prompt_tokens=list(lengths.values()),
                   steps=args.steps, warmup_steps=WARMUP, repeats=args.repeats, threads=torch.get_num_threads(),
+                  batch=args.batch,
                   compiled_step=native.unavailable() or "built (the π arms' steps run in compiled C)",
                   load=[load_start, os.getloadavg()[0]],
                   note=" ".join([args.note, "Absolute tokens/s move with the machine's load; the ratios, measured "

@@ -62,6 +62,21 @@ def test_every_arm_and_position_is_measured_with_its_own_cache(experiment, one_t
                                                                 strict=True)])
 
 
+
+def test_a_batch_decodes_together_and_counts_bytes_per_sequence(experiment, one_thread):
+    models = experiment.build_arms(tiny_llama(max_positions=512), experiment.passkey.parse_args(PATTERN))
+    ids = torch.randint(0, 100, (40,), generator=torch.Generator().manual_seed(1))
+    one, three = (experiment.measure(models, {40: ids}, steps=2, repeats=1, batch=b, progress=False) for b in (1, 3))
+    bytes_of = {b: {r["arm"]: r["cache_bytes"] for r in rows} for b, rows in ((1, one), (3, three))}
+    assert bytes_of[3] == bytes_of[1]  # per sequence
+    assert all(r["tokens_per_s"] > 0 for r in three)
+    cache = experiment.new_cache("pi", models["pi"])
+    with torch.no_grad():  # what measure prefills: three copies of the prompt, one cache
+        models["pi"](ids[None].expand(3, -1), use_cache=True, logits_to_keep=1,
+                     **{experiment.cache_argument(models["pi"]): cache})
+    assert experiment.cache_nbytes(cache) == 3 * bytes_of[1]["pi"]
+
+
 def test_prompts_stay_within_the_model_positions(experiment):
     assert experiment.prompt_lengths([2048, 8192], 8192, 32) == {2048: 2048, 8192: 8192 - 32 - experiment.WARMUP}
     assert experiment.prompt_lengths([100], None, 32) == {100: 100}
