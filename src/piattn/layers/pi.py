@@ -88,10 +88,10 @@ class PiAttention(WindowedAttention):
     def whole_gate_layers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The gate MLP's first and last layers (weight [n_hidden, d], bias [n_hidden], weight [H, n_hidden], bias
         [H]) for the compiled one-token step to run the whole gate from the layer input (`native.PRIOR_INPUT`):
-        one call instead of a second linear or a folded projection. None where that does not apply: not
-        "adaptive", a gate observed or hooked (its modules are then called), or layers that are not plain
-        `nn.Linear` with biases. The parameters themselves, read on every step: nothing is cached, so a
-        change of the weights (an optimizer step, `load_state_dict`, `.to()`) is seen by the next step."""
+        no linear of its own in torch. None where that does not apply: not "adaptive", a gate observed or hooked
+        (its modules are then called), or layers that are not plain `nn.Linear` with biases. The parameters
+        themselves, read on every step: nothing is cached, so every change of the weights (an optimizer step,
+        `load_state_dict`, `.to()`, an update through `.data`) is seen by the next step."""
         gate = self._modules["gate"] if self._gated_adaptive else None
         if gate is None or self._gate_observer is not None or global_hooks():
             return None
