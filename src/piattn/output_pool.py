@@ -33,10 +33,11 @@ from collections.abc import Sequence
 
 import torch
 
-from .allocator import advise_huge_pages
+from .allocator import HUGE_PAGE_THRESHOLD, advise_huge_pages
 from .checks import is_int
 
-REUSE_THRESHOLD = 4 << 20  # bytes: smaller outputs come from torch's allocator as before
+# bytes: the same "large output" as the huge pages' (smaller ones come from torch's allocator as before)
+REUSE_THRESHOLD = HUGE_PAGE_THRESHOLD
 DEFAULT_MAX_IDLE_BYTES = 1 << 30
 _settings = {"enabled": os.environ.get("PIATTN_REUSE_OUTPUTS", "1") != "0", "max_idle_bytes": DEFAULT_MAX_IDLE_BYTES}
 
@@ -111,7 +112,7 @@ def empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised contiguous CPU tensor of `shape` and `dtype` (what torch.empty gives), from a released
     buffer of the same size where the pool has one; large fresh ones on huge pages."""
     numel = math.prod(shape)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if not _settings["enabled"] or nbytes < REUSE_THRESHOLD or _use_count is None:
         fresh = torch.empty(shape, dtype=dtype)
         advise_huge_pages(fresh)

@@ -136,15 +136,14 @@ class WindowedAttention(AttentionLayer):
                 cache.token_stored()
                 return modules["out"](y.view(B, 1, H * D))
         if gate_layers is not None and len(gate_layers) == 4:  # the whole gate MLP: its first layer here
-            w_in, b_in, *gate_layers = gate_layers
-            gate = F.linear(gate, w_in, b_in)
+            gate, gate_layers = F.linear(gate, gate_layers[0], gate_layers[1]), gate_layers[2:]
         qkv = qkv.view(B, 1, H + 2 * H_kv, D)
         qk, v = qkv[:, :, :H + H_kv], qkv[:, :, H + H_kv:]
         if rotary is not None:  # as `heads` does, at the cache's position
             qk = rotary.rotate(qk, *rotary.cos_sin(1, position, None, x.device))
         cache.append_token(qk[:, :, H:].transpose(1, 2), v.transpose(1, 2))
         y = _decode_ring(qk[:, :, :H].transpose(1, 2), cache.kv, gate, cache.capacity, position, settings,
-                         None if gate_layers is None else tuple(gate_layers))
+                         gate_layers)
         return modules["out"](y.reshape(B, 1, H * D))
 
     def _ring_projection(self, x: torch.Tensor, modules) -> tuple[torch.Tensor, torch.Tensor | None,

@@ -2,7 +2,7 @@
  *
  * Compiled on first use by piattn/ops/pi/native.py and called through ctypes. A step of generation on a
  * CPU is a few dozen tensor ops on a handful of numbers each, so its time is the fixed cost of each op,
- * not arithmetic: this file does the whole step of one layer (the gate's last layers, scores, clamp,
+ * not arithmetic: this file does the whole step of one layer (the gate, scores, clamp,
  * priors, softmax and the weighted sum of values) in one call. It computes what
  * `decode_gathered` in decode.py computes, and the tests compare the two.
  *
@@ -384,7 +384,7 @@ DEFINE_STEP(pi_decode_step_f64, double, exp, log, pi_gelu_f64, pi_rotate_f64_by_
 
 /* The steps take their 38 arguments in one block, in the order above: native.py packs them with one
  * `struct.pack` (8-byte fields, no padding on a 64-bit machine) and makes a one-argument ctypes call, instead
- * of converting 35 arguments one by one on every step. The block is copied first (the caller's bytes need not
+ * of converting 38 arguments one by one on every step. The block is copied first (the caller's bytes need not
  * be aligned), and its size is checked against the one Python packs (`pi_step_args_size`), so that a layout
  * the two sides disagree on is refused at load time, not read.
  *
