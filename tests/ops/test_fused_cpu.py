@@ -2,7 +2,8 @@
 gradient (dq, dk, dv, dgate) for all four variants, causal and bidirectional, grouped-query heads, edge
 shapes, the logit clamp, any head dim and random shapes; non-finite inputs kept in the rows that read them;
 the fp32 forward's rows in vector lanes (blocks of rows and single rows within a head, a NaN inside a block,
-the same bits whatever the thread count, the streaming stores of a large y);
+the same bits whatever the thread count, the streaming stores of a large y); the backward's window of
+dk, dv rows and its streaming stores;
 what it refuses (other dtypes and devices); the C entry points' own checks (sizes, buffers, periods, document
 bounds, the dropout mask); per-head periods, sinks, documents and dropout: test_fused_periods.py; builds
 without -march=native or OpenMP, and the fallback without a compiler.
@@ -381,6 +382,30 @@ def test_a_forward_larger_than_the_cache_fp32(nan_poison):
     assert_close("y", expected, got, tol=FP32)
 
 
+@pytest.mark.parametrize("dtype", (torch.float64, torch.float32, torch.bfloat16), ids=param_id)
+@pytest.mark.parametrize("causal", (True, False), ids=param_id)
+def test_the_backwards_window_of_key_rows_moves_on(dtype, causal, nan_poison):
+    """T 1,000: the backward sums dk and dv in a window of key rows (fused_cpu.c: backward, PI_WINDOW_ROWS 256
+    beyond a key's readers) that moves on several times; one period per query head up to 300 (a key's last
+    reader 300 queries on), grouped heads, packed documents, dropout. Every gradient, the reference's."""
+    q, _, _, gate = make_inputs(1, 4, 1000, 16, variant="adaptive", dtype=dtype, seed=31)
+    _, k, v, _ = make_inputs(1, 2, 1000, 16, variant="adaptive", dtype=dtype, seed=32)
+    documents = torch.tensor([0] * 380 + [1] * 500 + [2] * 120).expand(1, 1000)
+    for kw in (dict(period=(5, 300, 40, 16)), dict(period=(300, 7, 9, 100), document_ids=documents),
+               dict(period=(16, 16, 250, 16), dropout_p=0.2)):
+        against_reference("fused", (q, k, v, gate), grad=True, seed=4, window=3, causal=causal, variant="adaptive",
+                          **kw)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=param_id)
+def test_a_backward_larger_than_the_cache(dtype, nan_poison):
+    """A call that moves more than 32 MiB writes dq, dk and dv by streaming stores (fused_cpu.c: pi_streaming):
+    every element written, the reference's values."""
+    T = 33_000 * 4 // dtype.itemsize
+    inputs = make_inputs(1, 1, T, 64, variant="adaptive", dtype=dtype, seed=22)
+    against_reference("fused", inputs, grad=True, window=4, period=16, causal=True, variant="adaptive")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # bf16 and fp16: read and written in their dtype, computed in fp32 (the conformance suite covers them too, at
 # D 32: tests/ops/test_conformance.py::test_dtypes).
@@ -443,6 +468,25 @@ def test_low_precision_sinks_documents_periods_dropout(dtype, causal, nan_poison
     for kw in (dict(sinks=2, document_ids=documents), dict(period=(5, 8, 16, 16)), dict(dropout_p=0.2, sinks=1)):
         against_reference("fused", (q, k, v, gate), grad=True, seed=3, window=3, causal=causal, variant="adaptive",
                           **{"period": 8, **kw})
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=param_id)
+@pytest.mark.parametrize("variant", ("union", "fixed", "adaptive"))
+def test_low_precision_backward_rows_in_lanes_are_the_bits_of_rows_alone(dtype, variant, nan_poison):
+    """The bf16 / fp16 backward takes rows in vector lanes where as many rows are left (fused_cpu.c:
+    backward_block_d), each row's dq and dgate the bits it gets alone: causal, so row 16's gradients do not
+    depend on T; at T 24 it is in a block of rows, at T 17 the last row, alone. The logit clamp acts on some
+    slots (scale 1)."""
+    q, k, v, gate = make_inputs(1, 2, 24, 64, variant=variant, dtype=dtype, seed=41)
+    dy = torch.randn(q.shape, generator=torch.Generator().manual_seed(42)).to(dtype)
+    kw = _settings(variant, scale=1.0, logit_clamp=3.0)
+    grads = {}
+    for T in (24, 17):
+        inputs = [None if t is None else t[:, :, :T].detach().requires_grad_() for t in (q, k, v, gate)]
+        grads[T] = _run(pi_attention_fused, inputs, dy[:, :, :T], kw)
+    assert torch.equal(grads[24][1][:, :, 16], grads[17][1][:, :, 16]), "dq of row 16"
+    if variant == "adaptive":
+        assert torch.equal(grads[24][4][:, :, 16], grads[17][4][:, :, 16]), "dgate of row 16"
 
 
 @pytest.mark.parametrize("dtype", LOW, ids=param_id)

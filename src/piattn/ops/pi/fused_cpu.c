@@ -27,14 +27,15 @@
  *
  * Threads (OpenMP): over (batch, key/value head). One thread runs the G query heads of a key/value head row
  * by row, so a key row is read once for all of them and dk, dv of that head are written by that thread only
- * (no atomics). dk and dv rows are zeroed when the row loop first reaches them (key j is first read by query
- * j − reach), in cache, instead of by a separate pass over memory. The forward, which writes only its own
- * rows, also splits the rows of a head into blocks when there are fewer heads than threads.
+ * (no atomics). dk and dv are summed in a window of rows in cache, each row zeroed when the row loop first
+ * reaches it (key j is first read by query j − reach) and written out once final, so dk and dv go to memory
+ * once. The forward, which writes only its own rows, also splits the rows of a head into blocks when there
+ * are fewer heads than threads.
  *
  * Rows in vector lanes (the fp32 forward): LANES consecutive rows of a query head whose slots have the same
  * structure run at once, the softmax with the rows in the lanes of a vector (forward_block_d); each row gets
- * the bits it would get alone. Where the call outgrows the cache, y is written by streaming stores
- * (pi_streaming).
+ * the bits it would get alone. Where the call outgrows the cache, y (and the backward's dq, dk, dv) are
+ * written by streaming stores (pi_streaming).
  *
  * Non-finite inputs stay in the rows that read them: only valid slots are visited (an invalid slot is
  * skipped, never weighted by 0, since 0·NaN = NaN), and every comparison lets a NaN through as torch's clamp
@@ -54,8 +55,8 @@
  * 2. The instantiations: the file includes itself with PI_SUFFIX f32, bf16, f16, f64.
  * 3. The kernels of one precision (the file read with PI_REAL, after #else): every kernel there is named NAME
  *    and compiled as the static NAME_f32, NAME_bf16, NAME_f16 and NAME_f64 (FN(NAME): the suffix is PI_SUFFIX
- *    of each instantiation). In order: vectors (load, store, splat, load_s, store_s, row_r, rows_s,
- *    put); reductions and row arithmetic (sum_lanes, dot, dot2, weighted_sum, add2); slots (slot_rows,
+ *    of each instantiation). In order: vectors (load, store, splat, load_s, pack_s, store_s, row_r, put,
+ *    rows_s); reductions and row arithmetic (sum_lanes, dot, dot2, weighted_sum, add2); slots (slot_rows,
  *    dropout_row); log and exp (log_lanes, logs, log1, exp_lanes, exp_shifted, normalise); the logits
  *    (log_priors, logits); scratch; the forward (forward_row_d, forward_block_d: rows in lanes; forward_row,
  *    forward_block); the backward (backward_row_d, backward_row, backward_log_priors); the bodies of the entry
@@ -221,32 +222,44 @@ static int64_t pi_forward_blocks(const pi_call *c) {
 #define PI_VECTOR_BYTES 16
 #endif
 
-/* A streaming store of an fp32 vector (x86: movntps; elsewhere none) and the fence that orders such stores. */
+/* Streaming stores (x86: movntps for an fp32 vector, movntdq for the 16 bytes of 8 bf16 / fp16 values; none
+ * elsewhere) and the fence that orders such stores. */
 #if defined(__AVX__) || defined(__SSE2__)
 #include <immintrin.h>
 #define PI_FENCE() _mm_sfence()
 #ifdef __AVX__
 #define PI_STREAM_F32(p, x) _mm256_stream_ps((p), (__m256)(x))
+#define PI_STREAM_X16(p, h) _mm_stream_si128((__m128i *)(void *)(p), (__m128i)(h))
 #else
 #define PI_STREAM_F32(p, x) _mm_stream_ps((p), (__m128)(x))
 #endif
 #endif
 
-/* Whether the fp32 forward writes y by streaming stores (its rows in vector lanes: forward_block_d). A plain
- * store to a line not in cache first reads the line from memory: a quarter more traffic where H = H_kv (q, k,
- * v, y read, y written). When the call moves more bytes than a last-level cache holds (PI_STREAM_BYTES),
- * y's first lines are gone from the cache before anyone reads them anyway; a smaller y stays in cache for the
- * next operation. Every row must start on a vector boundary. */
+/* Whether a call writes an output whose rows start at `out` (elements of `bytes` each) by streaming stores:
+ * the forward's y, the backward's dq, dk and dv. A plain store to a line not in cache first reads the line
+ * from memory: a quarter more traffic for the forward where H = H_kv (q, k, v, y read, y written), three
+ * sevenths more for the backward. When the call moves more bytes than a last-level cache holds
+ * (PI_STREAM_BYTES), an output's first lines are gone from the cache before anyone reads them anyway; a
+ * smaller output stays in cache for the next operation. Every row must start on a vector boundary (a vector:
+ * `vector` bytes of the output). */
 #define PI_STREAM_BYTES ((int64_t)32 << 20)
-#ifdef PI_STREAM_F32 /* only targets with streaming stores call it (aarch64 has none here) */
-static int pi_streaming(const pi_call *c, const float *y) {
+/* The backward's window of dk, dv rows in R holds back + reach + 1 + PI_WINDOW_ROWS key rows (backward): moved
+ * on once every PI_WINDOW_ROWS queries, 2·(PI_WINDOW_ROWS + …)·D·sizeof(R) bytes of scratch (the L2 cache). */
+#define PI_WINDOW_ROWS ((int64_t)256)
+#if defined(PI_STREAM_F32) || defined(PI_STREAM_X16) /* only targets with streaming stores call it */
+static int pi_streaming(const pi_call *c, const void *out, int64_t bytes, int64_t vector) {
   const int64_t kv = c->B * c->H_kv * c->T * c->D, qy = c->B * c->H * c->T * c->D; /* each <= INT64_MAX / 4 */
-  return (uintptr_t)y % PI_VECTOR_BYTES == 0 && c->D * (int64_t)sizeof(float) % PI_VECTOR_BYTES == 0 &&
-         kv + qy > PI_STREAM_BYTES / 2 / (int64_t)sizeof(float);
+  return (uintptr_t)out % (uintptr_t)vector == 0 && c->D * bytes % vector == 0 &&
+         kv + qy > PI_STREAM_BYTES / 2 / bytes;
 }
 #endif
 
 static const int32_t pi_lane_index[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+
+/* The helpers the rows' inner loops call: inlined whatever the compiler's size limits (the blocks' kernels,
+ * three copies each for D 64, 128 and any, exhaust GCC's growth allowance), so that their loops over D see the
+ * constant D and the vectors stay in registers. */
+#define PI_INLINE static inline __attribute__((always_inline))
 
 #define PI_CAT2(a, b) a##_##b
 #define PI_CAT(a, b) PI_CAT2(a, b)
@@ -326,6 +339,9 @@ static inline uint16_t pi_f32_to_f16(float f) {
 #undef PI_SUFFIX
 #undef PI_STORAGE
 
+#ifdef PI_STREAM_X16
+#define PI_STREAM PI_STREAM_X16
+#endif
 #define PI_STORAGE 1
 #define PI_SUFFIX bf16
 #include __FILE__
@@ -337,6 +353,7 @@ static inline uint16_t pi_f32_to_f16(float f) {
 #include __FILE__
 #undef PI_SUFFIX
 #undef PI_STORAGE
+#undef PI_STREAM
 #undef PI_VECTOR_EXP
 #undef PI_REAL
 #undef PI_LANES
@@ -411,11 +428,13 @@ static inline FN(wvec) FN(widen)(const S *p) {
 static inline R FN(get_s)(S x) { return pi_bf16_to_f32(x); }
 static inline S FN(set_s)(R x) { return pi_f32_to_bf16(x); }
 static inline FN(vec) FN(load_s)(const S *p) { return (FN(vec))(FN(widen)(p) << 16); }
-static inline void FN(store_s)(S *p, FN(vec) x) {
+/* A vector as its LANES values of S (store_s writes them, put may stream them). */
+static inline FN(hvec) FN(pack_s)(FN(vec) x) {
   const FN(wvec) u = (FN(wvec))x;
   const FN(wvec) r = (FN(wvec))FN(pick)(x != x, u - u + 0x7fc0u, (u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-  *(FN(hvec) *)p = __builtin_convertvector(r, FN(hvec));
+  return __builtin_convertvector(r, FN(hvec));
 }
+static inline void FN(store_s)(S *p, FN(vec) x) { *(FN(hvec) *)p = FN(pack_s)(x); }
 #elif PI_STORAGE == 2
 static inline R FN(get_s)(S x) { return pi_f16_to_f32(x); }
 static inline S FN(set_s)(R x) { return pi_f32_to_f16(x); }
@@ -428,13 +447,16 @@ static inline FN(vec) FN(load_s)(const S *p) {
   return (FN(vec))_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(const void *)p));
 #endif
 }
-static inline void FN(store_s)(S *p, FN(vec) x) {
 #if PI_LANES == 8
-  _mm_storeu_si128((__m128i *)(void *)p, _mm256_cvtps_ph((__m256)x, 0)); /* 0: to nearest, ties to even */
-#else
-  _mm_storel_epi64((__m128i *)(void *)p, _mm_cvtps_ph((__m128)x, 0));
-#endif
+static inline FN(hvec) FN(pack_s)(FN(vec) x) {
+  return (FN(hvec))_mm256_cvtps_ph((__m256)x, 0); /* 0: to nearest, ties to even */
 }
+static inline void FN(store_s)(S *p, FN(vec) x) { *(FN(hvec) *)p = FN(pack_s)(x); }
+#else
+static inline void FN(store_s)(S *p, FN(vec) x) {
+  _mm_storel_epi64((__m128i *)(void *)p, _mm_cvtps_ph((__m128)x, 0)); /* 0: to nearest, ties to even */
+}
+#endif
 #else /* pi_f16_to_f32 and pi_f32_to_f16 lane by lane, their branches as selects */
 static inline FN(vec) FN(load_s)(const S *p) {
   const FN(wvec) h = FN(widen)(p);
@@ -446,7 +468,7 @@ static inline FN(vec) FN(load_s)(const S *p) {
   o = (FN(wvec))FN(pick)(e == 0, (FN(wvec))sub, o);
   return (FN(vec))(o | (h & 0x8000u) << 16);
 }
-static inline void FN(store_s)(S *p, FN(vec) x) {
+static inline FN(hvec) FN(pack_s)(FN(vec) x) {
   FN(wvec) u = (FN(wvec))x;
   const FN(wvec) sign = u & 0x80000000u;
   u ^= sign;
@@ -454,18 +476,20 @@ static inline void FN(store_s)(S *p, FN(vec) x) {
   const FN(wvec) tiny = (FN(wvec))((FN(vec))u + FN(splat)(0.5f)) - 0x3f000000u;
   const FN(wvec) normal = (u + 0xc8000fffu + ((u >> 13) & 1u)) >> 13;
   FN(wvec) o = (FN(wvec))FN(pick)(u >= 0x47800000u, big, (FN(wvec))FN(pick)(u < 0x38800000u, tiny, normal));
-  *(FN(hvec) *)p = __builtin_convertvector(o | sign >> 16, FN(hvec));
+  return __builtin_convertvector(o | sign >> 16, FN(hvec));
 }
+static inline void FN(store_s)(S *p, FN(vec) x) { *(FN(hvec) *)p = FN(pack_s)(x); }
 #endif
 #else
 static inline R FN(get_s)(S x) { return x; }
 static inline S FN(set_s)(R x) { return x; }
 static inline FN(vec) FN(load_s)(const S *p) { return FN(load)(p); }
+static inline FN(vec) FN(pack_s)(FN(vec) x) { return x; }
 static inline void FN(store_s)(S *p, FN(vec) x) { FN(store)(p, x); }
 #endif
 
 /* A row of D elements of S as R: the row itself where S = R, else converted into `to` (D of R). */
-static inline const R *FN(row_r)(const S *x, R *to, int64_t D) {
+PI_INLINE const R *FN(row_r)(const S *x, R *to, int64_t D) {
 #if PI_STORAGE
   const int64_t whole = D - D % LANES;
   for (int64_t d = 0; d < whole; d += LANES) FN(store)(to + d, FN(load_s)(x + d));
@@ -477,12 +501,6 @@ static inline const R *FN(row_r)(const S *x, R *to, int64_t D) {
 #endif
 }
 
-/* Rows of R written to S (dk, dv of the low precisions, accumulated in R): n elements. */
-static inline void FN(rows_s)(S *to, const R *x, int64_t n) {
-  const int64_t whole = n - n % LANES;
-  for (int64_t d = 0; d < whole; d += LANES) FN(store_s)(to + d, FN(load)(x + d));
-  for (int64_t d = whole; d < n; d++) to[d] = FN(set_s)(x[d]);
-}
 
 /* A store of an output the caller will not read soon: streaming (non-temporal: written to memory without
  * first reading its cache line, which a plain store of a line not in cache does) where `streaming` and the
@@ -490,12 +508,19 @@ static inline void FN(rows_s)(S *to, const R *x, int64_t n) {
 static inline void FN(put)(S *p, FN(vec) x, int streaming) {
 #ifdef PI_STREAM
   if (streaming) {
-    PI_STREAM(p, x);
+    PI_STREAM(p, FN(pack_s)(x));
     return;
   }
 #endif
   (void)streaming;
   FN(store_s)(p, x);
+}
+
+/* Rows of R written to S (dk, dv, summed in R): n elements (streaming: as put). */
+static inline void FN(rows_s)(S *to, const R *x, int64_t n, int streaming) {
+  const int64_t whole = n - n % LANES;
+  for (int64_t d = 0; d < whole; d += LANES) FN(put)(to + d, FN(load)(x + d), streaming);
+  for (int64_t d = whole; d < n; d++) to[d] = FN(set_s)(x[d]);
 }
 
 /* The sum of a vector's lanes, as a tree: the two halves added as vectors first (one extract and one add
@@ -530,7 +555,7 @@ static inline R FN(dot)(const R *a, const S *b, int64_t D) {
 }
 
 /* (a·b, c·e) over D in one pass: a slot's score and dL/dweight in the backward. */
-static inline void FN(dot2)(const R *a, const S *b, const R *c, const S *e, int64_t D, R *ab, R *ce) {
+PI_INLINE void FN(dot2)(const R *a, const S *b, const R *c, const S *e, int64_t D, R *ab, R *ce) {
   FN(vec) s0 = {0}, s1 = {0}, t0 = {0}, t1 = {0};
   int64_t d = 0;
   for (; d + 2 * LANES <= D; d += 2 * LANES) {
@@ -555,7 +580,7 @@ static inline void FN(dot2)(const R *a, const S *b, const R *c, const S *e, int6
 /* out[d] = Σ_m w[m·stride]·x[row[m] + d] for m < n (row: element offsets of rows of x; stride: 1, or LANES
  * for a row of a block's slot-major weights). Four vectors of out at a time, summed over the slots in
  * registers, then written once. */
-static inline void FN(weighted_sum)(S *out, const R *w, int64_t stride, const S *x, const int64_t *row, int64_t n,
+PI_INLINE void FN(weighted_sum)(S *out, const R *w, int64_t stride, const S *x, const int64_t *row, int64_t n,
                                     int64_t D, int streaming) {
   int64_t d = 0;
   for (; d + 4 * LANES <= D; d += 4 * LANES) {
@@ -586,7 +611,7 @@ static inline void FN(weighted_sum)(S *out, const R *w, int64_t stride, const S 
 }
 
 /* a[d] += s·x[d] and b[d] += t·y[d] over D: a slot's terms of dk and dv (loads before stores in each step). */
-static inline void FN(add2)(R *a, R s, const R *x, R *b, R t, const R *y, int64_t D) {
+PI_INLINE void FN(add2)(R *a, R s, const R *x, R *b, R t, const R *y, int64_t D) {
   const FN(vec) vs = FN(splat)(s), vt = FN(splat)(t);
   const int64_t whole = D - D % LANES;
   int64_t d = 0;
@@ -764,7 +789,7 @@ static inline void FN(logits)(const pi_call *c, R *z, R *pass, int64_t n, int64_
 /* exp of each lane, for lanes in [-87, 88] (Cephes' expf: x = n·ln 2 + r, a degree-6 polynomial in r, 2^n from
  * the exponent bits; within about 2 ulp of libm). Lanes outside, NaN included, are left to libm by the
  * caller: *inside says which lanes this computed. */
-static inline FN(vec) FN(exp_lanes)(FN(vec) x, FN(ivec) * inside) {
+PI_INLINE FN(vec) FN(exp_lanes)(FN(vec) x, FN(ivec) * inside) {
   const FN(vec) magic = FN(splat)(12582912.0f); /* 1.5·2^23: adding it rounds to an integer */
   *inside = (x >= FN(splat)(-87.0f)) & (x <= FN(splat)(88.0f));
   x = (FN(vec))((FN(ivec))x & *inside); /* lanes outside: 0, so nothing below overflows */
@@ -834,25 +859,26 @@ static inline double FN(normalise)(R *z, int64_t from, int64_t to) {
 }
 
 /* Scratch of one thread, p->n_max (n) each: key row offsets, logits (then weights), dL/dweights (then
- * dL/dlogits), clamp mask, dropout multipliers; for the forward's blocks of LANES rows (forward_block_d) the
- * key row offsets of each row [LANES][n], the logits slot by slot [n][LANES] and the dots before their last
- * sum [n][LANES][LANES], vector-aligned; rows of q (and dy) converted to R where S is not R: (LANES + 1)·D. */
+ * dL/dlogits), clamp mask, dropout multipliers; for blocks of LANES rows (forward_block_d, backward_block_d)
+ * the key row offsets of each row [LANES][n], vector-aligned slot by slot [n][LANES]: the logits (then
+ * weights), dL/dweights (then dL/dlogits), clamp masks and dropout multipliers, and the dots before their last
+ * sum, of q·k and of dy·v [2][n][LANES][LANES]; rows of q and dy converted to R where S is not R: 2·LANES·D. */
 typedef struct {
   int64_t *row;
   R *z, *dp, *pass, *mult;
   int64_t *rows;
-  R *zt, *lanes, *conv;
+  R *zt, *dpt, *passt, *multt, *lanes, *conv;
   int64_t n;
 } FN(pi_scratch);
 
 /* The scratch rows in one allocation (free(w->row) releases them); NULL members when out of memory. */
 static FN(pi_scratch) FN(scratch)(int64_t n, int64_t D) {
   /* z is padded by a vector (exp_shifted may read a whole last vector) and zeroed, so that what it reads past
-   * the row's slots is a number; zt and lanes start at a vector boundary (at most a vector of padding each) */
+   * the row's slots is a number; the block rows start at a vector boundary (at most a vector of padding) */
   const size_t head = sizeof(int64_t) * (size_t)(n + LANES * n) + sizeof(R) * (size_t)(4 * n + LANES);
-  const size_t conv = PI_STORAGE ? (size_t)((LANES + 1) * D) : 0;
-  const size_t bytes = head + sizeof(R) * (size_t)(LANES * n + LANES * LANES * n + conv) + 2 * PI_VECTOR_BYTES;
-  FN(pi_scratch) w = {calloc(1, bytes), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, n};
+  const size_t conv = PI_STORAGE ? (size_t)(2 * LANES * D) : 0;
+  const size_t bytes = head + sizeof(R) * (size_t)(4 * LANES * n + 2 * LANES * LANES * n + conv) + PI_VECTOR_BYTES;
+  FN(pi_scratch) w = {calloc(1, bytes), NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, n};
   if (w.row) {
     w.rows = w.row + n;
     w.z = (R *)(w.rows + LANES * n);
@@ -860,9 +886,12 @@ static FN(pi_scratch) FN(scratch)(int64_t n, int64_t D) {
     w.pass = w.dp + n;
     w.mult = w.pass + n;
     const uintptr_t align = PI_VECTOR_BYTES, after = (uintptr_t)(w.mult + n);
-    w.zt = (R *)((after + align - 1) / align * align);
-    w.lanes = (R *)(((uintptr_t)(w.zt + LANES * n) + align - 1) / align * align);
-    w.conv = w.lanes + LANES * LANES * n;
+    w.zt = (R *)((after + align - 1) / align * align); /* LANES·n: a whole number of vectors after it */
+    w.dpt = w.zt + LANES * n;
+    w.passt = w.dpt + LANES * n;
+    w.multt = w.passt + LANES * n;
+    w.lanes = w.multt + LANES * n;
+    w.conv = w.lanes + 2 * LANES * LANES * n;
   }
   return w;
 }
@@ -922,7 +951,7 @@ static inline FN(vec) FN(sum_lanes_rows)(const FN(vec) *s) {
 
 /* a·b over D as a vector whose lanes sum_lanes adds up (D a multiple of LANES; a as vectors): dot without its
  * last step. */
-static inline FN(vec) FN(dot_lanes)(const FN(vec) *a, const S *b, int64_t D) {
+PI_INLINE FN(vec) FN(dot_lanes)(const FN(vec) *a, const S *b, int64_t D) {
   FN(vec) s0 = {0}, s1 = {0};
   int64_t d = 0;
   for (; d + 2 * LANES <= D; d += 2 * LANES) {
@@ -937,7 +966,7 @@ static inline FN(vec) FN(dot_lanes)(const FN(vec) *a, const S *b, int64_t D) {
 /* The vector of sum_lanes(x[r]) for r < LANES, the lanes of each added in sum_lanes' order (the same bits as
  * LANES calls), by shuffles that transpose as they add: a few vector instructions instead of LANES
  * horizontal sums and LANES stores. */
-static inline FN(vec) FN(sum_lanes_of)(const FN(vec) *x) {
+PI_INLINE FN(vec) FN(sum_lanes_of)(const FN(vec) *x) {
 #if PI_LANES == 8
   /* u_r = low half + high half of x[r]; p[r] = [u_r | u_r+4] */
   FN(vec) p[4];
@@ -965,23 +994,14 @@ static inline FN(vec) FN(select)(FN(ivec) mask, FN(vec) a, FN(vec) b) {
   return (FN(vec))(((FN(ivec))a & mask) | ((FN(ivec))b & ~mask));
 }
 
-/* LANES consecutive query rows i0 … i0 + LANES − 1 of one head at once (fp32 without "separate"), when their
- * slots have the same structure: as many slots and as many local ones, each row with its own keys (every row
- * but those near the sequence's or a document's edges). Why: a row alone is a short chain of dependent steps
- * (dots, max, exp, sum, divide, log) that the CPU barely overlaps with the next row's; here the dots of all the
- * rows are issued back to back, and the softmax runs with the rows in the lanes of a vector: z[m·LANES + r] is
- * slot m of row i0 + r. Each lane-wise step is the per-row one in the same order (the max as `if (z > top)`,
- * so a NaN is skipped; exp_lanes with libm for the lanes outside its range; the sum's lanes added as
- * sum_lanes adds them), so a row's outputs are the same bits whichever path it takes, whatever block the
- * thread count puts it in. start, end: the rows' document bounds (NULL: none); q, gate, y, stat, keep: at row
- * i0 of the head. Returns 0, having written nothing, when the rows' slots differ: they take forward_row_d. */
-static inline __attribute__((always_inline)) int FN(forward_block_d)(const pi_call *c, const pi_pattern *p,
-                                                                    int64_t i0, const int64_t *start,
-                                                                    const int64_t *end, const S *q_rows, const S *k,
-                                                                    const S *v, const S *gate, S *y,
-                                                                    double *stat, const uint8_t *keep, int streaming,
-                                                                    FN(pi_scratch) * w, const int64_t D) {
-  const int64_t stride = w->n; /* rows[r·stride + m]: key row offset of slot m of row i0 + r */
+/* The slots of LANES consecutive query rows i0 … of one head, in w->rows (rows[r·w->n + m]: key row offset of
+ * slot m of row i0 + r), how many (*n) and how many local (*n_local), when all the rows' slots have the same
+ * structure (every row but those near the sequence's or a document's edges); else 0. start, end: the rows'
+ * document bounds (NULL: none). */
+static inline int FN(block_slots)(const pi_call *c, const pi_pattern *p, int64_t i0, const int64_t *start,
+                                  const int64_t *end, int64_t D, FN(pi_scratch) * w, int64_t *n_slots,
+                                  int64_t *n_local) {
+  const int64_t stride = w->n;
   int64_t *rows = w->rows, n = 0, nl = 0, last = (LANES - 1) * stride;
   int same = !p->sinks; /* no sinks, and the rows in one document: */
   for (int64_t r = 1; r < LANES && same && start; r++) same = start[r] == start[0] && end[r] == end[0];
@@ -1006,6 +1026,30 @@ static inline __attribute__((always_inline)) int FN(forward_block_d)(const pi_ca
       else if (n_r != n || nl_r != nl) return 0;
     }
   }
+  *n_slots = n;
+  *n_local = nl;
+  return 1;
+}
+
+/* LANES consecutive query rows i0 … i0 + LANES − 1 of one head at once (fp32 without "separate"), when their
+ * slots have the same structure: as many slots and as many local ones, each row with its own keys (every row
+ * but those near the sequence's or a document's edges). Why: a row alone is a short chain of dependent steps
+ * (dots, max, exp, sum, divide, log) that the CPU barely overlaps with the next row's; here the dots of all the
+ * rows are issued back to back, and the softmax runs with the rows in the lanes of a vector: z[m·LANES + r] is
+ * slot m of row i0 + r. Each lane-wise step is the per-row one in the same order (the max as `if (z > top)`,
+ * so a NaN is skipped; exp_lanes with libm for the lanes outside its range; the sum's lanes added as
+ * sum_lanes adds them), so a row's outputs are the same bits whichever path it takes, whatever block the
+ * thread count puts it in. start, end: the rows' document bounds (NULL: none); q, gate, y, stat, keep: at row
+ * i0 of the head. Returns 0, having written nothing, when the rows' slots differ: they take forward_row_d. */
+static inline __attribute__((always_inline)) int FN(forward_block_d)(const pi_call *c, const pi_pattern *p,
+                                                                    int64_t i0, const int64_t *start,
+                                                                    const int64_t *end, const S *q_rows, const S *k,
+                                                                    const S *v, const S *gate, S *y,
+                                                                    double *stat, const uint8_t *keep, int streaming,
+                                                                    FN(pi_scratch) * w, const int64_t D) {
+  int64_t n, nl;
+  if (!FN(block_slots)(c, p, i0, start, end, D, w, &n, &nl)) return 0;
+  const int64_t stride = w->n, *rows = w->rows;
   R *z = w->zt;
   const R *q = FN(row_r)(q_rows, w->conv, LANES * D); /* the block's rows of q, as R */
   /* The dots, all independent (their latencies overlap), row by row (each row's q read once, the keys read in
@@ -1077,14 +1121,16 @@ static inline __attribute__((always_inline)) int FN(forward_block_d)(const pi_ca
 }
 #endif
 
-/* One query row's gradients: dq_i, dgate_i (when dgate is not NULL), and its terms of dk, dv. */
+/* One query row's gradients: dq_i, dgate_i (when dgate is not NULL), and its terms of dk, dv (key j's row at
+ * j·D − at: the backward's window of rows). */
 static inline __attribute__((always_inline)) void FN(backward_row_d)(const pi_call *c, const pi_pattern *p,
                                                                     int64_t i, int64_t start, int64_t end,
                                                                     const S *q_i, const S *dy_i,
                                                                     const S *k, const S *v, R a, const R *lp,
                                                                     const double *stat, S *dqi, R *dk, R *dv,
-                                                                    S *dgate, const uint8_t *keep,
-                                                                    FN(pi_scratch) * w, const int64_t D) {
+                                                                    int64_t at, S *dgate, const uint8_t *keep,
+                                                                    int streaming, FN(pi_scratch) * w,
+                                                                    const int64_t D) {
   int64_t *row = w->row, nl;
   R *z = w->z, *dp = w->dp, *pass = w->pass;
   const R *qi = FN(row_r)(q_i, w->conv, D), *dyi = FN(row_r)(dy_i, w->conv + D, D);
@@ -1134,9 +1180,134 @@ static inline __attribute__((always_inline)) void FN(backward_row_d)(const pi_ca
     for (int64_t m = 0; m < n; m++) z[m] *= w->mult[m];
   /* dq_i = Σ_m dz_m·k_m; dk_m += dz_m·q_i and dv_m += w_m·dy_i, one pass over D per slot. */
   for (int64_t m = 0; m < n; m++) dp[m] *= pass[m] * scale;
-  FN(weighted_sum)(dqi, dp, 1, k, row, n, D, 0);
-  for (int64_t m = 0; m < n; m++) FN(add2)(dk + row[m], dp[m], qi, dv + row[m], z[m], dyi, D);
+  FN(weighted_sum)(dqi, dp, 1, k, row, n, D, streaming);
+  for (int64_t m = 0; m < n; m++) FN(add2)(dk + (row[m] - at), dp[m], qi, dv + (row[m] - at), z[m], dyi, D);
 }
+
+/* Whether the backward takes rows in vector lanes (backward_block_d): for bf16 and fp16 only. Measured side by
+ * side (one thread, B 1, H 8, D 64, T 8K-32K): it takes the bf16 / fp16 backward from 32 to 26 ms at 16K,
+ * where converting the rows dominates, but the fp32 one from 24 to 26 ms, where a row's loads of k and v,
+ * spread over its other work, now come back to back. */
+#define PI_BACKWARD_BLOCKS (PI_VECTOR_EXP && PI_STORAGE)
+
+#if PI_BACKWARD_BLOCKS
+/* LANES consecutive query rows i0 … i0 + LANES − 1 of one head at once (bf16, fp16 without "separate"), when
+ * their slots have the same structure (block_slots): backward_row_d with the rows in the lanes of a vector, as
+ * forward_block_d is forward_row_d. Why: a row alone is a chain of dependent steps (dots, exp, sums, dgate)
+ * the CPU barely overlaps with the next row's; here the dots of all the rows are issued back to back and the
+ * softmax's gradient runs lane-wise, each step in backward_row_d's order, so that a row's dq and dgate are the
+ * bits it gets alone. Then each row's dq, and its terms of dk and dv (key j's row at j·D − at). lp: the rows'
+ * log-priors of "adaptive" (backward_log_priors: LANES local, then LANES skip); q_rows, dy_rows, gate, stat,
+ * dq, dgate, keep: at row i0 of the head. Returns 0, having written nothing, when the rows' slots differ. */
+static inline __attribute__((always_inline)) int FN(backward_block_d)(
+    const pi_call *c, const pi_pattern *p, int64_t i0, const int64_t *start, const int64_t *end, const S *q_rows,
+    const S *dy_rows, const S *k, const S *v, const S *gate, const R *lp, const double *stat, S *dq, R *dk,
+    R *dv, int64_t at, S *dgate, const uint8_t *keep, int streaming, FN(pi_scratch) * w, const int64_t D) {
+  int64_t n, nl;
+  if (!FN(block_slots)(c, p, i0, start, end, D, w, &n, &nl)) return 0;
+  const int64_t stride = w->n, *rows = w->rows;
+  R *z = w->zt, *dp = w->dpt, *pass = w->passt, *mult = w->multt; /* [n][LANES]: slot m of row i0 + r at m·LANES + r */
+  const R *q = FN(row_r)(q_rows, w->conv, LANES * D), *dy = FN(row_r)(dy_rows, w->conv + LANES * D, LANES * D);
+  /* the dots q·k (z) and dy·v (dp) */
+#if PI_LANES == 8 || PI_LANES == 4
+  if (D % LANES == 0 && D <= 16 * LANES) {
+    FN(vec) *xz = (FN(vec) *)(void *)w->lanes, *xp = xz + LANES * n; /* [n][LANES]: lanes not yet summed */
+    for (int64_t r = 0; r < LANES; r++) {
+      FN(vec) qr[16], dyr[16]; /* the row's q and dy, in registers for all its slots */
+      for (int64_t d = 0; d < D; d += LANES) {
+        qr[d / LANES] = FN(load)(q + r * D + d);
+        dyr[d / LANES] = FN(load)(dy + r * D + d);
+      }
+      for (int64_t m = 0; m < n; m++) {
+        xz[m * LANES + r] = FN(dot_lanes)(qr, k + rows[r * stride + m], D);
+        xp[m * LANES + r] = FN(dot_lanes)(dyr, v + rows[r * stride + m], D);
+      }
+    }
+    for (int64_t m = 0; m < n; m++) {
+      FN(store)(z + m * LANES, FN(sum_lanes_of)(xz + m * LANES));
+      FN(store)(dp + m * LANES, FN(sum_lanes_of)(xp + m * LANES));
+    }
+  } else
+#endif
+    for (int64_t r = 0; r < LANES; r++)
+      for (int64_t m = 0; m < n; m++)
+        FN(dot2)(q + r * D, k + rows[r * stride + m], dy + r * D, v + rows[r * stride + m], D, &z[m * LANES + r],
+                 &dp[m * LANES + r]);
+  /* the logits and the clamp's mask (as FN(logits)) */
+  FN(vec) local = FN(splat)(0), skip = FN(splat)(0);
+  if (c->variant == PI_FIXED) {
+    local = FN(splat)((R)p->fixed_local);
+    skip = FN(splat)((R)p->fixed_skip);
+  } else if (c->variant == PI_ADAPTIVE) {
+    local = FN(load)(lp);
+    skip = FN(load)(lp + LANES);
+  }
+  const FN(vec) scale = FN(splat)((R)c->scale), limit = FN(splat)((R)c->clamp), one = FN(splat)(1),
+                none = FN(splat)(0);
+  for (int64_t m = 0; m < n; m++) {
+    FN(vec) score = FN(load)(z + m * LANES) * scale;
+    if (c->has_clamp) {
+      FN(store)(pass + m * LANES, FN(select)((score <= limit) & (score >= -limit), one, none));
+      score = FN(select)(score > limit, limit, score);
+      score = FN(select)(score < -limit, -limit, score);
+    }
+    FN(store)(z + m * LANES, score + (m < nl ? local : skip));
+  }
+  if (keep) { /* dL/dweight before dropout: the kept ones scaled, the dropped ones 0 */
+    for (int64_t r = 0; r < LANES; r++) {
+      FN(dropout_row)(c, p, start ? start[r] : 0, i0 + r, D, rows + r * stride, n, nl, keep + r * c->keep_slots,
+                      w->mult);
+      for (int64_t m = 0; m < n; m++) mult[m * LANES + r] = w->mult[m];
+    }
+    for (int64_t m = 0; m < n; m++) FN(store)(dp + m * LANES, FN(load)(dp + m * LANES) * FN(load)(mult + m * LANES));
+  }
+  /* z becomes the weights exp(z − stat) (the shift as the pair hi + lo: exp_shifted), dp the gradient of the
+   * logits before the clamp's mask */
+  FN(vec) hi, lo;
+  for (int64_t r = 0; r < LANES; r++) {
+    hi[r] = (R)stat[r];
+    lo[r] = (R)(stat[r] - (double)hi[r]);
+  }
+  FN(vec) sum = FN(splat)(0);
+  for (int64_t m = 0; m < n; m++) {
+    const FN(vec) x = (FN(load)(z + m * LANES) - hi) - lo;
+    FN(ivec) inside;
+    FN(vec) e = FN(exp_lanes)(x, &inside);
+    if (FN(any)(~inside))
+      for (int64_t j = 0; j < LANES; j++)
+        if (!inside[j]) e[j] = PI_EXP(x[j]);
+    FN(store)(z + m * LANES, e);
+    sum += e * FN(load)(dp + m * LANES);
+  }
+  FN(vec) d_local = FN(splat)(0), d_skip = FN(splat)(0);
+  for (int64_t m = 0; m < n; m++) {
+    const FN(vec) g = FN(load)(z + m * LANES) * (FN(load)(dp + m * LANES) - sum);
+    FN(store)(dp + m * LANES, g);
+    if (m < nl) d_local += g;
+    else d_skip += g;
+  }
+  if (dgate && c->variant == PI_ADAPTIVE) { /* d log max(α, ε) / dα = 1/α where α >= ε, else 0 */
+    const FN(vec) a = FN(load_s)(gate), rest = 1 - a, eps = FN(splat)((R)c->eps);
+    FN(vec) g = d_local * FN(select)(a >= eps, one, none) / a;
+    if (n > nl) g = g - d_skip * FN(select)(rest >= eps, one, none) / rest;
+    FN(store_s)(dgate, g);
+  }
+  /* dq_r = Σ_m dz_m·k_m; dk_m += dz_m·q_r and dv_m += w_m·dy_r */
+  for (int64_t m = 0; m < n; m++) {
+    FN(vec) g = FN(load)(dp + m * LANES) * (c->has_clamp ? FN(load)(pass + m * LANES) * scale : one * scale);
+    FN(store)(dp + m * LANES, g);
+    if (keep) /* the weights dv reads are those after dropout */
+      FN(store)(z + m * LANES, FN(load)(z + m * LANES) * FN(load)(mult + m * LANES));
+  }
+  for (int64_t r = 0; r < LANES; r++) {
+    FN(weighted_sum)(dq + r * D, dp + r, LANES, k, rows + r * stride, n, D, streaming);
+    for (int64_t m = 0; m < n; m++)
+      FN(add2)(dk + (rows[r * stride + m] - at), dp[m * LANES + r], q + r * D, dv + (rows[r * stride + m] - at),
+               z[m * LANES + r], dy + r * D, D);
+  }
+  return 1;
+}
+#endif
 
 /* The rows for any D, and for the common head dims as constants: then the compiler unrolls the loops over D
  * whole and keeps a row's q (and dy) in registers across its slots. */
@@ -1164,17 +1335,41 @@ static int FN(forward_block)(const pi_call *c, const pi_pattern *p, int64_t i0, 
 
 static void FN(backward_row)(const pi_call *c, const pi_pattern *p, int64_t i, int64_t start, int64_t end,
                              const S *qi, const S *dyi, const S *k, const S *v, R a, const R *lp, const double *stat,
-                             S *dqi, R *dk, R *dv, S *dgate, const uint8_t *keep, FN(pi_scratch) * w) {
+                             S *dqi, R *dk, R *dv, int64_t at, S *dgate, const uint8_t *keep, int streaming,
+                             FN(pi_scratch) * w) {
   switch (c->D) {
   case 64:
-    FN(backward_row_d)(c, p, i, start, end, qi, dyi, k, v, a, lp, stat, dqi, dk, dv, dgate, keep, w, 64);
+    FN(backward_row_d)(c, p, i, start, end, qi, dyi, k, v, a, lp, stat, dqi, dk, dv, at, dgate, keep, streaming, w,
+                       64);
     break;
   case 128:
-    FN(backward_row_d)(c, p, i, start, end, qi, dyi, k, v, a, lp, stat, dqi, dk, dv, dgate, keep, w, 128);
+    FN(backward_row_d)(c, p, i, start, end, qi, dyi, k, v, a, lp, stat, dqi, dk, dv, at, dgate, keep, streaming, w,
+                       128);
     break;
-  default: FN(backward_row_d)(c, p, i, start, end, qi, dyi, k, v, a, lp, stat, dqi, dk, dv, dgate, keep, w, c->D);
+  default:
+    FN(backward_row_d)(c, p, i, start, end, qi, dyi, k, v, a, lp, stat, dqi, dk, dv, at, dgate, keep, streaming, w,
+                       c->D);
   }
 }
+
+#if PI_BACKWARD_BLOCKS
+static int FN(backward_block)(const pi_call *c, const pi_pattern *p, int64_t i0, const int64_t *start,
+                              const int64_t *end, const S *q, const S *dy, const S *k, const S *v, const S *gate,
+                              const R *lp, const double *stat, S *dq, R *dk, R *dv, int64_t at, S *dgate,
+                              const uint8_t *keep, int streaming, FN(pi_scratch) * w) {
+  switch (c->D) {
+  case 64:
+    return FN(backward_block_d)(c, p, i0, start, end, q, dy, k, v, gate, lp, stat, dq, dk, dv, at, dgate, keep,
+                                streaming, w, 64);
+  case 128:
+    return FN(backward_block_d)(c, p, i0, start, end, q, dy, k, v, gate, lp, stat, dq, dk, dv, at, dgate, keep,
+                                streaming, w, 128);
+  default:
+    return FN(backward_block_d)(c, p, i0, start, end, q, dy, k, v, gate, lp, stat, dq, dk, dv, at, dgate, keep,
+                                streaming, w, c->D);
+  }
+}
+#endif
 
 /* The log-priors of "adaptive" for the LANES rows i0 … of one query head (fewer at the sequence's end), as
  * log_priors takes them lane by lane (the same bits: each lane's log is its own): lp[r] local, lp[LANES + r]
@@ -1221,7 +1416,7 @@ static __attribute__((noinline)) int FN(forward)(const pi_call *c, const pi_buff
   if (!p) return err;
   const int64_t blocks = pi_forward_blocks(c), items = B * H_kv * blocks, rows = (T + blocks - 1) / blocks;
 #if PI_VECTOR_EXP && defined(PI_STREAM)
-  const int streaming = pi_streaming(c, y);
+  const int streaming = pi_streaming(c, y, sizeof(S), LANES * (int64_t)sizeof(S));
 #elif PI_VECTOR_EXP
   const int streaming = 0;
 #endif
@@ -1301,26 +1496,31 @@ static __attribute__((noinline)) int FN(backward)(const pi_call *c, const pi_buf
   pi_pattern *p = pi_patterns(c, buf[10].data, &reach, &n_max, &err);
   if (!p) return err;
   const int64_t items = B * H_kv;
-#if PI_STORAGE
-  /* dk and dv of a low precision are summed in R, a key/value head at a time, and written as S once no later
-   * query adds to them: key j's last reader is query j + back (local and skip keys; a sink key is read to its
-   * document's end, so with sinks the head is written at its end). */
+  /* dk and dv are summed in R over a window of `cap` key rows of one head, [first, first + cap): in cache,
+   * where dk and dv themselves would go to memory between a key's first and last term, and written out as S
+   * (by streaming stores, where the call outgrows the cache) once no later query adds to them. Key j is first
+   * read by query j − reach and last by query j + back (its local and skip slots); a sink key is read up to its
+   * document's end, so with sinks the window is the whole head. When query i's newest key i + reach falls past
+   * the window, the window moves on to start at the first key not yet written. */
   int64_t back = 0;
   for (int64_t h = 0; h < H; h++) {
     const int64_t last = p[h].skip_back && p[h].period > p[h].left ? p[h].period : p[h].left;
     if (last > back) back = last;
   }
+  const int64_t cap = c->sinks || back + reach + 1 + PI_WINDOW_ROWS >= T ? T : back + reach + 1 + PI_WINDOW_ROWS;
+#ifdef PI_STREAM
+  const int64_t vector = LANES * (int64_t)sizeof(S);
+  const int streaming = pi_streaming(c, dq, sizeof(S), vector) && pi_streaming(c, dk, sizeof(S), vector) &&
+                        pi_streaming(c, dv, sizeof(S), vector);
+#else
+  const int streaming = 0;
 #endif
   int failed = 0;
 #pragma omp parallel num_threads(c->threads) if (c->threads > 1 && items > 1)
   {
     FN(pi_scratch) w = FN(scratch)(n_max, D);
     R *lp = w.row ? malloc(sizeof(R) * 2 * (size_t)(LANES * G)) : NULL; /* backward_log_priors of the G heads */
-#if PI_STORAGE
-    R *acc = lp ? malloc(sizeof(R) * 2 * (size_t)(T * D)) : NULL; /* dk, dv of one head, in R */
-#else
-    R *acc = lp;
-#endif
+    R *acc = lp ? malloc(sizeof(R) * 2 * (size_t)(cap * D)) : NULL;    /* the window of dk, then of dv */
     if (!acc) {
       free(w.row);
       w.row = NULL;
@@ -1334,21 +1534,26 @@ static __attribute__((noinline)) int FN(backward)(const pi_call *c, const pi_buf
       if (!w.row) continue;
       const int64_t b = bn / H_kv, n = bn % H_kv;
       const S *kh = k + bn * T * D, *vh = v + bn * T * D;
-#if PI_STORAGE
-      R *dkh = acc, *dvh = acc + T * D;
-      int64_t written = 0; /* key rows [0, written) of dk, dv are final and written out */
-#else
-      R *dkh = dk + bn * T * D, *dvh = dv + bn * T * D;
-#endif
+      R *dkh = acc, *dvh = acc + cap * D; /* key row j at (j − first)·D */
+      int64_t first = 0, written = 0;     /* key rows [0, written) are final and written out */
       const int64_t zeroed = reach < T ? reach : T;
       memset(dkh, 0, sizeof(R) * (size_t)(zeroed * D));
       memset(dvh, 0, sizeof(R) * (size_t)(zeroed * D));
-      for (int64_t i = 0; i < T; i++) {
-        if (i + reach < T) { /* the first query that reads key i + reach: its rows start at zero */
-          memset(dkh + (i + reach) * D, 0, sizeof(R) * (size_t)D);
-          memset(dvh + (i + reach) * D, 0, sizeof(R) * (size_t)D);
+      for (int64_t i = 0; i < T;) {
+        /* LANES rows at once (backward_block, where PI_BACKWARD_BLOCKS) where as many are left, else (or where
+         * their slots differ) row by row; i stays a multiple of LANES but in the last rows, so lp holds the
+         * block's log-priors */
+        const int64_t count = PI_BACKWARD_BLOCKS && c->variant != PI_SEPARATE && T - i >= LANES ? LANES : 1;
+        for (int64_t key = i + reach; key < i + count + reach && key < T; key++) {
+          /* the first query that reads key `key`: its rows start at zero */
+          if (key >= first + cap) { /* (never with sinks) written = i − back: the rest moves to the start */
+            memmove(dkh, dkh + (written - first) * D, sizeof(R) * (size_t)((first + cap - written) * D));
+            memmove(dvh, dvh + (written - first) * D, sizeof(R) * (size_t)((first + cap - written) * D));
+            first = written;
+          }
+          memset(dkh + (key - first) * D, 0, sizeof(R) * (size_t)D);
+          memset(dvh + (key - first) * D, 0, sizeof(R) * (size_t)D);
         }
-        const int64_t start = doc_start ? doc_start[b * T + i] : 0, end = doc_start ? doc_end[b * T + i] : T;
         const int adaptive = c->variant == PI_ADAPTIVE;
         if (adaptive && i % LANES == 0)
           for (int64_t g = 0; g < G; g++)
@@ -1356,27 +1561,38 @@ static __attribute__((noinline)) int FN(backward)(const pi_call *c, const pi_buf
                                     lp + 2 * LANES * g);
         for (int64_t g = 0; g < G; g++) {
           const int64_t row = (b * H + n * G + g) * T + i;
-          FN(backward_row)(c, &p[n * G + g], i, start, end, q + row * D, dy + row * D, kh, vh,
-                           gate ? FN(get_s)(gate[row]) : 0, adaptive ? lp + 2 * LANES * g + i % LANES : NULL,
-                           stat + row * n_stat, dq + row * D, dkh, dvh, dgate ? dgate + row : NULL,
-                           keep ? keep + row * c->keep_slots : NULL, &w);
-        }
-#if PI_STORAGE
-        if (!c->sinks && i - back >= written) { /* key i − back is final */
-          FN(rows_s)(dk + (bn * T + written) * D, dkh + written * D, (i - back + 1 - written) * D);
-          FN(rows_s)(dv + (bn * T + written) * D, dvh + written * D, (i - back + 1 - written) * D);
-          written = i - back + 1;
-        }
+          const R *lp_g = adaptive ? lp + 2 * LANES * g : NULL;
+#if PI_BACKWARD_BLOCKS
+          if (count > 1 && FN(backward_block)(c, &p[n * G + g], i, doc_start ? doc_start + b * T + i : NULL,
+                                              doc_start ? doc_end + b * T + i : NULL, q + row * D, dy + row * D, kh,
+                                              vh, gate ? gate + row : NULL, lp_g, stat + row * n_stat,
+                                              dq + row * D, dkh, dvh, first * D, dgate ? dgate + row : NULL,
+                                              keep ? keep + row * c->keep_slots : NULL, streaming, &w))
+            continue;
 #endif
+          for (int64_t r = 0; r < count; r++) {
+            const int64_t at = b * T + i + r, start = doc_start ? doc_start[at] : 0, end = doc_start ? doc_end[at] : T;
+            FN(backward_row)(c, &p[n * G + g], i + r, start, end, q + (row + r) * D, dy + (row + r) * D, kh, vh,
+                             gate ? FN(get_s)(gate[row + r]) : 0, adaptive ? lp_g + (i + r) % LANES : NULL,
+                             stat + (row + r) * n_stat, dq + (row + r) * D, dkh, dvh, first * D,
+                             dgate ? dgate + row + r : NULL, keep ? keep + (row + r) * c->keep_slots : NULL,
+                             streaming, &w);
+          }
+        }
+        i += count;
+        if (!c->sinks && i - 1 - back >= written) { /* keys up to i − 1 − back are final */
+          FN(rows_s)(dk + (bn * T + written) * D, dkh + (written - first) * D, (i - back - written) * D, streaming);
+          FN(rows_s)(dv + (bn * T + written) * D, dvh + (written - first) * D, (i - back - written) * D, streaming);
+          written = i - back;
+        }
       }
-#if PI_STORAGE
-      FN(rows_s)(dk + (bn * T + written) * D, dkh + written * D, (T - written) * D);
-      FN(rows_s)(dv + (bn * T + written) * D, dvh + written * D, (T - written) * D);
-#endif
+      FN(rows_s)(dk + (bn * T + written) * D, dkh + (written - first) * D, (T - written) * D, streaming);
+      FN(rows_s)(dv + (bn * T + written) * D, dvh + (written - first) * D, (T - written) * D, streaming);
     }
-#if PI_STORAGE
-    free(acc);
+#ifdef PI_STREAM
+    if (streaming) PI_FENCE(); /* the streaming stores are ordered before what follows (the threads' join) */
 #endif
+    free(acc);
     free(lp);
     free(w.row);
   }
@@ -1388,6 +1604,7 @@ static __attribute__((noinline)) int FN(backward)(const pi_call *c, const pi_buf
 #undef S
 #undef FN
 #undef LANES
+#undef PI_BACKWARD_BLOCKS
 
 #endif /* the kernels of one precision */
 
