@@ -372,7 +372,7 @@ def test_row_blocks_same_bits_whatever_the_threads_fp32(nan_poison):
 
 
 def test_a_forward_larger_than_the_cache_fp32(nan_poison):
-    """A call that moves more than 32 MiB writes y by streaming stores (fused_cpu.c: pi_streaming): every element
+    """A call whose forward moves more than 16 MiB writes y by streaming stores (fused_cpu.c: pi_streaming): every element
     written, the reference's values."""
     q, k, v, gate = make_inputs(1, 1, 33_000, 64, dtype=torch.float32, seed=21, requires_grad=False)
     kw = _settings("adaptive", scale=0.125)
@@ -399,7 +399,7 @@ def test_the_backwards_window_of_key_rows_moves_on(dtype, causal, nan_poison):
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=param_id)
 def test_a_backward_larger_than_the_cache(dtype, nan_poison):
-    """A call that moves more than 32 MiB writes dq, dk and dv by streaming stores (fused_cpu.c: pi_streaming):
+    """A call whose forward moves more than 16 MiB writes dq, dk and dv by streaming stores (fused_cpu.c: pi_streaming):
     every element written, the reference's values."""
     T = 33_000 * 4 // dtype.itemsize
     inputs = make_inputs(1, 1, T, 64, variant="adaptive", dtype=dtype, seed=22)

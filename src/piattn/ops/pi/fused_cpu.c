@@ -238,11 +238,13 @@ static int64_t pi_forward_blocks(const pi_call *c) {
 /* Whether a call writes an output whose rows start at `out` (elements of `bytes` each) by streaming stores:
  * the forward's y, the backward's dq, dk and dv. A plain store to a line not in cache first reads the line
  * from memory: a quarter more traffic for the forward where H = H_kv (q, k, v, y read, y written), three
- * sevenths more for the backward. When the call moves more bytes than a last-level cache holds
- * (PI_STREAM_BYTES), an output's first lines are gone from the cache before anyone reads them anyway; a
- * smaller output stays in cache for the next operation. Every row must start on a vector boundary (a vector:
- * `vector` bytes of the output). */
-#define PI_STREAM_BYTES ((int64_t)32 << 20)
+ * sevenths more for the backward. When the forward of the call moves more bytes (q, k, v read, y written)
+ * than PI_STREAM_BYTES, an output's first lines are gone from the cache before anyone reads them anyway; a
+ * smaller output stays in cache for the next operation. 16 MiB: with B 1, H 8, D 64 on one thread, side by
+ * side, the bf16 / fp16 calls at 8K and the fp32 ones at 4K (forwards of 32 MiB) were 3-14 % slower with plain
+ * stores than with streaming ones. Every row must start on a vector boundary (a vector: `vector` bytes of the
+ * output). */
+#define PI_STREAM_BYTES ((int64_t)16 << 20)
 /* The backward's window of dk, dv rows in R holds back + reach + 1 + PI_WINDOW_ROWS key rows (backward): moved
  * on once every PI_WINDOW_ROWS queries, 2·(PI_WINDOW_ROWS + …)·D·sizeof(R) bytes of scratch (the L2 cache). */
 #define PI_WINDOW_ROWS ((int64_t)256)
