@@ -372,8 +372,8 @@ def test_row_blocks_same_bits_whatever_the_threads_fp32(nan_poison):
 
 
 def test_a_forward_larger_than_the_cache_fp32(nan_poison):
-    """A call whose forward moves more than 16 MiB writes y by streaming stores (fused_cpu.c: pi_streaming): every element
-    written, the reference's values."""
+    """A call whose forward moves more than 16 MiB writes y by streaming stores (fused_cpu.c: pi_streaming):
+    every element written, the reference's values."""
     q, k, v, gate = make_inputs(1, 1, 33_000, 64, dtype=torch.float32, seed=21, requires_grad=False)
     kw = _settings("adaptive", scale=0.125)
     with torch.no_grad():
