@@ -57,10 +57,11 @@
  *    and compiled as the static NAME_f32, NAME_bf16, NAME_f16 and NAME_f64 (FN(NAME): the suffix is PI_SUFFIX
  *    of each instantiation). In order: vectors (load, store, splat, load_s, pack_s, store_s, row_r, put,
  *    rows_s); reductions and row arithmetic (sum_lanes, dot, dot2, weighted_sum, add2); slots (slot_rows,
- *    dropout_row); log and exp (log_lanes, logs, log1, exp_lanes, exp_shifted, normalise); the logits
- *    (log_priors, logits); scratch; the forward (forward_row_d, forward_block_d: rows in lanes; forward_row,
- *    forward_block); the backward (backward_row_d, backward_row, backward_log_priors); the bodies of the entry
- *    points, forward and backward.
+ *    dropout_row); log and exp (log_lanes, logs, log1, exp_lanes, exps, exp_shifted, normalise); the logits
+ *    (log_priors, logits); scratch; the forward (forward_row_d; block_slots, forward_block_d: rows in lanes;
+ *    forward_row, forward_block); the backward (backward_row_d, backward_block_d: rows in lanes for bf16 and
+ *    fp16; backward_row, backward_block, backward_log_priors); the bodies of the entry points, forward and
+ *    backward.
  * 4. Exported entry points (the end of the file), the only symbols fused.py calls, each defined there by name
  *    and calling forward_SUFFIX or backward_SUFFIX of section 3:
  *      pi_fused_forward_f32, pi_fused_forward_bf16, pi_fused_forward_f16, pi_fused_forward_f64
@@ -810,6 +811,17 @@ PI_INLINE FN(vec) FN(exp_lanes)(FN(vec) x, FN(ivec) * inside) {
 }
 
 
+/* exp of each lane: exp_lanes, libm for the lanes outside its range (a block of rows: forward_block_d,
+ * backward_block_d; the same bits as exp_shifted gives each lane). */
+PI_INLINE FN(vec) FN(exps)(FN(vec) x) {
+  FN(ivec) inside;
+  FN(vec) e = FN(exp_lanes)(x, &inside);
+  if (FN(any)(~inside))
+    for (int64_t j = 0; j < LANES; j++)
+      if (!inside[j]) e[j] = PI_EXP(x[j]);
+  return e;
+}
+
 /* z[m] = exp(z[m] − shift) for m in [from, to), a vector at a time; returns their sum. shift is taken as a
  * float pair hi + lo, so that (z − hi) − lo keeps the precision of a shift in double (a log-sum-exp: see
  * normalise). The last vector may read lanes past `to` (the scratch rows are padded) but never writes them;
@@ -1098,12 +1110,7 @@ static inline __attribute__((always_inline)) int FN(forward_block_d)(const pi_ca
   FN(vec) sum[LANES];
   for (int64_t j = 0; j < LANES; j++) sum[j] = FN(splat)(0);
   for (int64_t m = 0; m < n; m++) {
-    const FN(vec) x = (FN(load)(z + m * LANES) - hi) - lo;
-    FN(ivec) inside;
-    FN(vec) e = FN(exp_lanes)(x, &inside);
-    if (FN(any)(~inside))
-      for (int64_t j = 0; j < LANES; j++)
-        if (!inside[j]) e[j] = PI_EXP(x[j]);
+    const FN(vec) e = FN(exps)((FN(load)(z + m * LANES) - hi) - lo);
     sum[m % LANES] += e;
     FN(store)(z + m * LANES, e);
   }
@@ -1272,12 +1279,7 @@ static inline __attribute__((always_inline)) int FN(backward_block_d)(
   }
   FN(vec) sum = FN(splat)(0);
   for (int64_t m = 0; m < n; m++) {
-    const FN(vec) x = (FN(load)(z + m * LANES) - hi) - lo;
-    FN(ivec) inside;
-    FN(vec) e = FN(exp_lanes)(x, &inside);
-    if (FN(any)(~inside))
-      for (int64_t j = 0; j < LANES; j++)
-        if (!inside[j]) e[j] = PI_EXP(x[j]);
+    const FN(vec) e = FN(exps)((FN(load)(z + m * LANES) - hi) - lo);
     FN(store)(z + m * LANES, e);
     sum += e * FN(load)(dp + m * LANES);
   }
