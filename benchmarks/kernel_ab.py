@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -52,7 +53,7 @@ def kernels(revision: str, folder: Path) -> dict:
     # named by its text, so a revision's library is cached once (the file includes itself by its own path)
     source = folder / f"fused_cpu_{hashlib.sha256(text.encode()).hexdigest()[:12]}.c"
     source.write_text(text)
-    functions, _ = cbuild.load(source, fused._open, compiler="cc", base_flags=fused._BASE_FLAGS,
+    functions, _ = cbuild.load(source, fused._open, compiler=os.environ.get("CC") or "cc", base_flags=fused._BASE_FLAGS,
                                flag_sets=fused.flag_sets())
     return functions
 

@@ -504,7 +504,6 @@ PI_INLINE const R *FN(row_r)(const S *x, R *to, int64_t D) {
 #endif
 }
 
-
 /* A store of an output the caller will not read soon: streaming (non-temporal: written to memory without
  * first reading its cache line, which a plain store of a line not in cache does) where `streaming` and the
  * target has streaming stores; p then lies on a vector boundary (pi_streaming). */
@@ -1298,7 +1297,7 @@ static inline __attribute__((always_inline)) int FN(backward_block_d)(
   }
   /* dq_r = Σ_m dz_m·k_m; dk_m += dz_m·q_r and dv_m += w_m·dy_r */
   for (int64_t m = 0; m < n; m++) {
-    FN(vec) g = FN(load)(dp + m * LANES) * (c->has_clamp ? FN(load)(pass + m * LANES) * scale : one * scale);
+    FN(vec) g = FN(load)(dp + m * LANES) * (c->has_clamp ? FN(load)(pass + m * LANES) * scale : scale);
     FN(store)(dp + m * LANES, g);
     if (keep) /* the weights dv reads are those after dropout */
       FN(store)(z + m * LANES, FN(load)(z + m * LANES) * FN(load)(mult + m * LANES));
