@@ -580,11 +580,22 @@ PI_INLINE void FN(dot2)(const R *a, const S *b, const R *c, const S *e, int64_t 
 }
 
 /* out[d] = Σ_m w[m·stride]·x[row[m] + d] for m < n (row: element offsets of rows of x; stride: 1, or LANES
- * for a row of a block's slot-major weights). Four vectors of out at a time, summed over the slots in
- * registers, then written once. */
+ * for a row of a block's slot-major weights). Eight (then four) vectors of out at a time, summed over the
+ * slots in registers, then written once: each slot's weight broadcast and its row's offset read once for
+ * eight vectors (D 64 in fp32 on AVX: the whole row in one pass). Every lane's sum is taken over m in order
+ * whichever width covers it, so the bits do not depend on D's split. */
 PI_INLINE void FN(weighted_sum)(S *out, const R *w, int64_t stride, const S *x, const int64_t *row, int64_t n,
                                     int64_t D, int streaming) {
   int64_t d = 0;
+  for (; d + 8 * LANES <= D; d += 8 * LANES) {
+    FN(vec) a[8] = {{0}};
+    for (int64_t m = 0; m < n; m++) {
+      const FN(vec) wm = FN(splat)(w[m * stride]);
+      const S *r = x + row[m] + d;
+      for (int j = 0; j < 8; j++) a[j] += wm * FN(load_s)(r + j * LANES);
+    }
+    for (int j = 0; j < 8; j++) FN(put)(out + d + j * LANES, a[j], streaming);
+  }
   for (; d + 4 * LANES <= D; d += 4 * LANES) {
     FN(vec) a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     for (int64_t m = 0; m < n; m++) {
