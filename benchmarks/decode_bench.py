@@ -51,9 +51,27 @@ KIND_CONFIG = {"pi": dict(attention="pi"), "pi-union": dict(attention="pi", vari
                "local": dict(attention="local"), "dense": dict(attention="dense"),
                "pi-torchops": dict(attention="pi"),
                # Hugging Face kinds (--interleaved only): a small converted Llama with PiCache (`_hf_model`).
-               **dict.fromkeys(("hf-pi", "hf-pi-torchops", "hf-pi-operator", "hf-dense"), {})}
+               **dict.fromkeys(("hf-pi", "hf-pi-torchops", "hf-pi-operator", "hf-dense", "hf-ms-pi",
+                                "hf-ms-pi-by-period"), {})}
 KINDS = ("pi", "local", "dense")  # the default; pi and dense are always measured (their ratio is the table's)
 POSITIONS = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+@contextlib.contextmanager
+def per_period_calls(kind: str):
+    """For "hf-ms-pi-by-period": the one-call step over per-head slots switched off for the duration, so that
+    a PiCache step of per-head periods runs one compiled call per distinct period (how it ran before)."""
+    if kind != "hf-ms-pi-by-period":
+        yield
+        return
+    from piattn.integrations.hf import attention
+
+    saved = attention._per_head_ring_rows
+    attention._per_head_ring_rows = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        attention._per_head_ring_rows = saved
 
 
 @contextlib.contextmanager
@@ -193,7 +211,7 @@ def run_interleaved(kinds: list[str], positions: list[int], steps: int, repeats:
                 for position in positions:
                     turn = kinds[repeat % len(kinds):] + kinds[:repeat % len(kinds)]
                     for kind in turn:
-                        with torch_ops_only(kind):
+                        with torch_ops_only(kind), per_period_calls(kind):
                             if kind in HF_KINDS:
                                 per_token = time_hf_steps(kind, models[kind], position, steps, tokens, batch)
                             else:
@@ -215,7 +233,8 @@ def interleaved_markdown(result: dict) -> str:
     by = {(r.get("batch", 1), r["tokens_per_step"], r["position"], r["kind"]): r["repeats_tokens_per_s"]
           for r in result["rows"]}
     pairs = (("pi", "local"), ("pi", "dense"), ("pi", "pi-torchops"), ("hf-pi", "hf-pi-torchops"),
-             ("hf-pi", "hf-pi-operator"), ("hf-pi", "hf-dense"))
+             ("hf-pi", "hf-pi-operator"), ("hf-pi", "hf-dense"), ("hf-ms-pi", "hf-ms-pi-by-period"),
+             ("hf-ms-pi", "hf-pi"))
     ratios = [(a, b) for a, b in pairs if a in kinds and b in kinds]
     out = [f"# Decoding, kinds interleaved in one process ({m['processor']}, {m['cpu_count']} thread(s), "
            f"torch {m['torch']}, Python {m['python']})", "",
@@ -243,7 +262,9 @@ def interleaved_markdown(result: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-HF_KINDS = ("hf-pi", "hf-pi-torchops", "hf-pi-operator", "hf-dense")
+HF_KINDS = ("hf-pi", "hf-pi-torchops", "hf-pi-operator", "hf-dense", "hf-ms-pi", "hf-ms-pi-by-period")
+# The per-head periods of the hf-ms-pi kinds: one per query head, all beyond the window (multi-scale π).
+HF_MS_PERIODS = [5, 6, 7, 9, 12, 16, 24, 32]
 
 
 def _cpu_model() -> str:
@@ -255,7 +276,10 @@ def _cpu_model() -> str:
 HF_NOTE = ("; `hf-*`: a Llama of 4 layers, width 256, 8 query heads on 4 key/value heads, converted to π (window 4, "
            "period 16) with `PiCache` (`hf-pi`: compiled step, `hf-pi-torchops`: torch-ops step, `hf-pi-operator`: "
            "backend \"torch\", every step the full operator on the cached block, as every step ran before the PiCache "
-           "steps took the decoding path; `hf-dense`: the plain model, sdpa, DynamicCache; position = prompt length)")
+           "steps took the decoding path; `hf-dense`: the plain model, sdpa, DynamicCache; `hf-ms-pi`: per-head "
+           "periods 5, 6, 7, 9, 12, 16, 24, 32, every head over its own slots in one compiled call a layer; "
+           "`hf-ms-pi-by-period`: the same model, one compiled call a layer and period, as before that; position = "
+           "prompt length)")
 
 
 def _hf_model(kind: str):
@@ -274,7 +298,8 @@ def _hf_model(kind: str):
                       eos_token_id=None, pad_token_id=None, attn_implementation="sdpa")
     model = LlamaForCausalLM(cfg).eval()
     if kind != "hf-dense":
-        model = convert_to_pi(model, window=4, period=16, backend="torch" if kind == "hf-pi-operator" else "auto")
+        period = HF_MS_PERIODS if kind.startswith("hf-ms-pi") else 16
+        model = convert_to_pi(model, window=4, period=period, backend="torch" if kind == "hf-pi-operator" else "auto")
     return model
 
 

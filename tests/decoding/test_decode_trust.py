@@ -265,10 +265,11 @@ def test_the_c_step_checks_every_size_itself(tmp_path):
         new = torch.zeros(1, 2, 1, 4, dtype=torch.float64)  # a new token's key and value, for the fused step
         cos, sin = torch.ones(4), torch.zeros(4)
         def call(H_kv=1, N=3, slot=(0, 1, 2), kind=(0, 0, 1), mode=0, B=1, gate_ptr=0, pointers=True, Q=1,
-                 fresh=False, fresh_slot=0, rope=False, D=4, packed=None):
+                 fresh=False, fresh_slot=0, rope=False, D=4, packed=None, slot_sh=0):
             s, k = torch.tensor(slot), torch.tensor(kind)
             ptr = lambda t: t.data_ptr() if pointers else 0
-            args = native._ARGS.pack(ptr(q), 8, 4, 4, ptr(kv), B, 2, H_kv, N, D, Q, s.data_ptr(), 0, k.data_ptr(),
+            args = native._ARGS.pack(ptr(q), 8, 4, 4, ptr(kv), B, 2, H_kv, N, D, Q, s.data_ptr(), 0, slot_sh,
+                                     k.data_ptr(),
                                      len(kind), mode, 0.0, 0.0, gate_ptr, 2, 1, 1, 0, 0, 0, 0.5, 4.0, 1e-3, ptr(y),
                                      new.data_ptr() if fresh else 0, 8, fresh_slot, cos.data_ptr() if rope else 0,
                                      sin.data_ptr() if rope else 0, 0, 0, 0, 0)
@@ -282,11 +283,14 @@ def test_the_c_step_checks_every_size_itself(tmp_path):
               call(fresh=True, fresh_slot=-1),
               call(fresh=True, Q=2, slot=(0, 1, 2, 0, 1, 2)), call(rope=True, D=3, slot=(0, 0, 0)),
               call(mode=-(2**40)), call(mode=2**40),  # a prior mode past an int is refused, not truncated
-              call(mode=5), call(mode=4, gate_ptr=gate.data_ptr()))  # past the last mode; the gate's layers missing
+              call(mode=5), call(mode=4, gate_ptr=gate.data_ptr()),  # past the last mode; the gate's layers missing
+              # one slot table per head (per-head periods): every head's table checked, none overlapping another
+              call(slot=(0, 1, 2, 2, 1, 0), slot_sh=3), call(slot=(0, 1, 2, 0, 1, 3), slot_sh=3),
+              call(slot=(0, 1, 2, 0, 1, 2), slot_sh=2), call(slot=(0, 1, 2, 0, 1, 2), slot_sh=-3))
     """, tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["0", "1", "1", "1", "2", "2", "3", "4", "4", "0", "1", "0", "1", "2",
-                                   "0", "2", "2", "1", "1", "4", "4", "4", "4"]
+                                   "0", "2", "2", "1", "1", "4", "4", "4", "4", "0", "2", "1", "1"]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -97,6 +97,40 @@ def _ring_slots(window: int, period: int, sinks: int, capacity: int, position: i
     return (slot.to(device), None if valid is None else valid.to(device), kind.to(device), n_local, n_skip)
 
 
+def per_head_ring_slots(window: int, periods: tuple[int, ...], sinks: int, capacity: int, position: int,
+                        device: torch.device):
+    """`ring_slots` of every query head at once, for per-head periods (one per head) read in one call of the
+    compiled step: (slot [H, S], valid [H, 1, S] bool or None, kind [S], n_local, n_skip), head h's row that of
+    its own period. A head whose period lies within the window has no skip slot of its own (`Pattern`): its row
+    gets one that reads nothing (invalid) where the other heads' skip slot is, so that every head has the same
+    slots in the same order, and its own slots are read as its own step reads them."""
+    by_period = {p: ring_slots(window, p, sinks, capacity, position, device) for p in set(periods)}
+    kind, n_local, n_skip = max(((k, nl, ns) for _, _, k, nl, ns in by_period.values()), key=lambda x: x[2])
+    rows = {}
+    for p, (slot, valid, _, _, n_skip_p) in by_period.items():
+        if valid is None and n_skip_p < n_skip:
+            valid = torch.ones(1, slot.shape[0], dtype=torch.bool, device=device)
+        if n_skip_p < n_skip:  # the skip slot after the n_local local ones: reads nothing
+            slot = torch.cat([slot[:n_local], slot.new_zeros(1), slot[n_local:]])
+            valid = torch.cat([valid[:, :n_local], valid.new_zeros(1, 1), valid[:, n_local:]], 1)
+        rows[p] = slot, valid
+    distinct, head_index = _period_order(periods, device)
+    slot = torch.stack([rows[p][0] for p in distinct]).index_select(0, head_index)
+    valid = None
+    if any(rows[p][1] is not None for p in distinct):
+        all_valid = torch.ones(1, slot.shape[1], dtype=torch.bool, device=device)
+        valid = torch.stack([all_valid if rows[p][1] is None else rows[p][1] for p in distinct])
+        valid = valid.index_select(0, head_index)
+    return slot, valid, kind, n_local, n_skip
+
+
+@functools.lru_cache(maxsize=256)
+def _period_order(periods: tuple[int, ...], device: torch.device) -> tuple[tuple[int, ...], torch.Tensor]:
+    """(the distinct periods, increasing; for each head the index of its period among them [H] int64)."""
+    distinct = tuple(sorted(set(periods)))
+    return distinct, torch.tensor([distinct.index(p) for p in periods], device=device)
+
+
 def _check(q, k, v) -> None:
     check_qkv_tensors(q, k, v, layout="[B, H, *, D]")
     if k.shape != v.shape:

@@ -10,9 +10,11 @@
  * (Q = 1: the step of generation; Q = 2 … 4: a few tokens at once, each its own one-query step, exact):
  *   q       [B, H, Q, D]         batch stride q_sb, head stride q_sh, query stride q_st
  *   kv      [2, B, H_kv, N, D]   contiguous: the keys, then the values (a ring cache's storage, or a block)
- *   slot    [Q, S] int64         the row of kv each slot of each query reads (`ring_slots`, `_slots`)
- *   valid   [Q, S] bool or NULL  whether the slot reads a key (NULL: all do)
- *   kind    [S] int64            0: local prior (local and sink slots), 1: skip prior
+ *   slot    [Q, S] int64         the row of kv each slot of each query reads (`ring_slots`, `_slots`); with
+ *                                slot_sh > 0 one such table per query head, head h's at h·slot_sh (per-head
+ *                                periods in one call: each head's skip key its own)
+ *   valid   [Q, S] bool or NULL  whether the slot reads a key (NULL: all do); per head as slot
+ *   kind    [S] int64            0: local prior (local and sink slots), 1: skip prior (the same for every head)
  *   y       [B, H, Q, D]         contiguous output
  * Query head h reads key/value head h / (H / H_kv) (grouped-query attention).
  *
@@ -53,20 +55,22 @@ enum { PI_OK = 0, PI_ERR_SIZE = 1, PI_ERR_SLOT = 2, PI_ERR_KIND = 3, PI_ERR_PRIO
 
 /* PI_OK when every read and write of the step stays inside the buffers whose sizes it was given. */
 static int pi_check(const void *q, const void *kv, int64_t B, int64_t H, int64_t H_kv, int64_t N, int64_t D,
-                    int64_t Q, const int64_t *slot, const int64_t *kind, int64_t S, int prior_mode,
-                    const void *gate, int64_t n_hidden, const void *w, const void *bias, const void *y,
+                    int64_t Q, const int64_t *slot, int64_t slot_sh, const int64_t *kind, int64_t S,
+                    int prior_mode, const void *gate, int64_t n_hidden, const void *w, const void *bias, const void *y,
                     const void *fresh, int64_t fresh_slot, const void *cos, const void *sin, const void *w_in,
                     const void *bias_in, int64_t n_in) {
   if (B < 0 || H < 1 || H_kv < 1 || H_kv > H || H % H_kv || N < 1 || D < 1 || Q < 1 || S < 0 || n_hidden < 0)
     return PI_ERR_SIZE;
+  if (slot_sh < 0 || (slot_sh > 0 && slot_sh < Q * S)) return PI_ERR_SIZE; /* the heads' tables do not overlap */
   if ((fresh && Q != 1) || (!cos) != (!sin) || (cos && D % 2)) return PI_ERR_SIZE;
   if (fresh && (fresh_slot < 0 || fresh_slot >= N)) return PI_ERR_SLOT;
   if (prior_mode < PRIOR_NONE || prior_mode > PRIOR_INPUT) return PI_ERR_PRIOR;
   if (S > 0 && (!slot || !kind)) return PI_ERR_SIZE;
   for (int64_t s = 0; s < S; s++)
     if (kind[s] != 0 && kind[s] != 1) return PI_ERR_KIND;
-  for (int64_t s = 0; s < Q * S; s++)
-    if (slot[s] < 0 || slot[s] >= N) return PI_ERR_SLOT;
+  for (int64_t h = 0; h < (slot_sh ? H : 1); h++)
+    for (int64_t s = 0; s < Q * S; s++)
+      if (slot[h * slot_sh + s] < 0 || slot[h * slot_sh + s] >= N) return PI_ERR_SLOT;
   if (B == 0) return PI_OK; /* nothing is read or written, and empty tensors may have no data pointer */
   if (!q || !kv || !y) return PI_ERR_SIZE;
   if (prior_mode >= PRIOR_ALPHA && !gate) return PI_ERR_PRIOR;
@@ -234,13 +238,14 @@ static void pi_affine_f64(const double *w, const double *bias, const double *x, 
 #define DEFINE_STEP(NAME, T, EXP, LOG, GELU, ROTATE_F32, ROTATE_F64, AFFINE)                                 \
   static int NAME(const T *q, int64_t q_sb, int64_t q_sh, int64_t q_st, T *kv, int64_t B, int64_t H,         \
                   int64_t H_kv, int64_t N, int64_t D, int64_t Q, const int64_t *slot, const uint8_t *valid,  \
-                  const int64_t *kind, int64_t S, int prior_mode, double c_local, double c_skip,             \
+                  int64_t slot_sh, const int64_t *kind, int64_t S, int prior_mode, double c_local,           \
+                  double c_skip,                                                                             \
                   const T *gate, int64_t gate_sb, int64_t gate_sh, int64_t gate_st, int64_t n_hidden,        \
                   const T *w, const T *bias, double scale, double clamp, double eps, T *y, const T *fresh,   \
                   int64_t fresh_sb, int64_t fresh_slot, const void *cos, const void *sin, int64_t rope_f64,      \
                   const T *w_in, const T *bias_in, int64_t n_in) {                                           \
-    const int checked = pi_check(q, kv, B, H, H_kv, N, D, Q, slot, kind, S, prior_mode, gate, n_hidden, w,   \
-                                 bias, y, fresh, fresh_slot, cos, sin, w_in, bias_in, n_in);                 \
+    const int checked = pi_check(q, kv, B, H, H_kv, N, D, Q, slot, slot_sh, kind, S, prior_mode, gate,       \
+                                 n_hidden, w, bias, y, fresh, fresh_slot, cos, sin, w_in, bias_in, n_in);    \
     if (checked != PI_OK || B == 0) return checked;                                                          \
     const int64_t group = H / H_kv;                                                                          \
     const T lo = (T)eps, width = (T)(1.0 - 2.0 * eps), hi = (T)(1.0 - eps);                                  \
@@ -270,8 +275,6 @@ static void pi_affine_f64(const double *w, const double *bias, const double *x, 
     }                                                                                                        \
     for (int64_t b = 0; b < B; b++) {                                                                        \
       for (int64_t t = 0; t < Q; t++) { /* query t: its own slots, its own one-query step */                 \
-        const int64_t *slot_t = slot + t * S;                                                                \
-        const uint8_t *valid_t = valid ? valid + t * S : 0;                                                  \
         if (gated) { /* the gate's hidden layer (PRIOR_INPUT: from its input), its GELU once per token */     \
           const T *hb = gate + b * gate_sb + t * gate_st;                                                    \
           if (prior_mode == PRIOR_INPUT) { /* hb is the MLP's input: its first layer into act */             \
@@ -323,6 +326,8 @@ static void pi_affine_f64(const double *w, const double *bias, const double *x, 
             log_local = LOG(a < lo ? lo : a); /* max(·, ε) that keeps a NaN */                               \
             log_skip = LOG(rest < lo ? lo : rest);                                                           \
           }                                                                                                  \
+          const int64_t *slot_t = slot + h * slot_sh + t * S; /* head h's table (slot_sh 0: the one table) */  \
+          const uint8_t *valid_t = valid ? valid + h * slot_sh + t * S : 0;                                  \
           const T *qh = q + b * q_sb + h * q_sh + t * q_st;                                                  \
           if (cos) {                                                                                         \
             if (rope_f64)                                                                                    \
@@ -382,9 +387,9 @@ DEFINE_STEP(pi_decode_step_f32, float, expf, logf, pi_gelu_f32, pi_rotate_f32_by
 DEFINE_STEP(pi_decode_step_f64, double, exp, log, pi_gelu_f64, pi_rotate_f64_by_f32, pi_rotate_f64_by_f64,
             pi_affine_f64)
 
-/* The steps take their 38 arguments in one block, in the order above: native.py packs them with one
+/* The steps take their 39 arguments in one block, in the order above: native.py packs them with one
  * `struct.pack` (8-byte fields, no padding on a 64-bit machine) and makes a one-argument ctypes call, instead
- * of converting 38 arguments one by one on every step. The block is copied first (the caller's bytes need not
+ * of converting 39 arguments one by one on every step. The block is copied first (the caller's bytes need not
  * be aligned), and its size is checked against the one Python packs (`pi_step_args_size`), so that a layout
  * the two sides disagree on is refused at load time, not read.
  *
@@ -403,6 +408,7 @@ typedef struct {
   int64_t B, H, H_kv, N, D, Q;
   const int64_t *slot;
   const uint8_t *valid;
+  int64_t slot_sh;
   const int64_t *kind;
   int64_t S, prior_mode;
   double c_local, c_skip;
@@ -428,9 +434,9 @@ int64_t pi_step_args_size(void) { return (int64_t)sizeof(pi_step_args); }
     memcpy(&a, packed, sizeof a);                                                                            \
     if (a.prior_mode < PRIOR_NONE || a.prior_mode > PRIOR_INPUT) return PI_ERR_PRIOR;                        \
     return STEP((const T *)a.q, a.q_sb, a.q_sh, a.q_st, (T *)a.kv, a.B, a.H, a.H_kv, a.N, a.D, a.Q, a.slot,   \
-                a.valid, a.kind, a.S, (int)a.prior_mode, a.c_local, a.c_skip, (const T *)a.gate, a.gate_sb,   \
-                a.gate_sh, a.gate_st, a.n_hidden, (const T *)a.w, (const T *)a.bias, a.scale, a.clamp, a.eps, \
-                (T *)a.y, (const T *)a.fresh, a.fresh_sb, a.fresh_slot, a.cos, a.sin, a.rope_f64,            \
+                a.valid, a.slot_sh, a.kind, a.S, (int)a.prior_mode, a.c_local, a.c_skip, (const T *)a.gate,   \
+                a.gate_sb, a.gate_sh, a.gate_st, a.n_hidden, (const T *)a.w, (const T *)a.bias, a.scale,      \
+                a.clamp, a.eps, (T *)a.y, (const T *)a.fresh, a.fresh_sb, a.fresh_slot, a.cos, a.sin, a.rope_f64, \
                 (const T *)a.w_in, (const T *)a.bias_in, a.n_in);                                            \
   }
 

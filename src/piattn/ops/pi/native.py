@@ -61,15 +61,15 @@ _ERRORS = {1: "the sizes given to the compiled step are inconsistent (B >= 0, H 
 # No fused multiply-add either: RoPE in the step rounds each product and sum as `Rotary.rotate` does.
 _FLAGS = ("-O3", "-std=c99", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off")
 
-# The step's 38 arguments, packed into one block in decode_step.c's `pi_step_args` order: q, q_sb, q_sh, q_st, kv,
-# B, H, H_kv, N, D, Q, slot, valid, kind, S, prior_mode, c_local, c_skip, gate, gate_sb, gate_sh, gate_st,
-# n_hidden, w, bias, scale, clamp, eps, y, then fresh, fresh_sb, fresh_slot, cos, sin, rope_f64 (the new token
-# that `_token_step_unchecked` stores and rotates; 0 otherwise), then w_in, bias_in, n_in (the gate's first layer
-# of PRIOR_INPUT; 0 otherwise). Native alignment ("@") lays the fields out as the C
-# compiler does; `_open` refuses a library whose struct has another size. One `pack` and a one-argument call
-# cost a sixth of what ctypes took to convert the arguments one by one (a step of generation is tens of
-# microseconds).
-_ARGS = struct.Struct("@PqqqPqqqqqqPPPqqddPqqqqPPdddPPqqPPqPPq")
+# The step's 39 arguments, packed into one block in decode_step.c's `pi_step_args` order: q, q_sb, q_sh, q_st, kv,
+# B, H, H_kv, N, D, Q, slot, valid, slot_sh (0: one slot table for every head), kind, S, prior_mode, c_local,
+# c_skip, gate, gate_sb, gate_sh, gate_st, n_hidden, w, bias, scale, clamp, eps, y, then fresh, fresh_sb,
+# fresh_slot, cos, sin, rope_f64 (the new token that `_token_step_unchecked` stores and rotates; 0 otherwise),
+# then w_in, bias_in, n_in (the gate's first layer of PRIOR_INPUT; 0 otherwise). Native alignment ("@") lays the
+# fields out as the C compiler does; `_open` refuses a library whose struct has another size. One `pack` and a
+# one-argument call cost a sixth of what ctypes took to convert the arguments one by one (a step of generation is
+# tens of microseconds).
+_ARGS = struct.Struct("@PqqqPqqqqqqPPqPqqddPqqqqPPdddPPqqPPqPPq")
 _FUNCTIONS = {torch.float32: "pi_decode_step_packed_f32", torch.float64: "pi_decode_step_packed_f64"}
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -240,8 +240,10 @@ def _rows_step_unchecked(q: torch.Tensor, kv_store: torch.Tensor, slot: torch.Te
 
     q [B, H, t, D] (any strides but the last); kv_store [2, B, H_kv, N, D] contiguous, the keys then the
     values of the rows the queries read; slot [t·S] int64 (query j's slots at j·S …), valid [t, S] bool or
-    None, kind [S] (`decode._slots`); gate α [B, H, t] for PRIOR_ALPHA, or for PRIOR_HIDDEN the hidden
-    pre-activation [B, t, n_hidden] with gate_weight [H, n_hidden], gate_bias [H]. Unchecked in Python (the
+    None, kind [S] (`decode._slots`); or, for per-head periods in one call, slot [H, t·S] and valid [H, t, S] or
+    None, one table per query head (`decode.per_head_ring_slots`; kind shared); gate α [B, H, t] for
+    PRIOR_ALPHA, or for PRIOR_HIDDEN the hidden pre-activation [B, t, n_hidden] with gate_weight [H, n_hidden],
+    gate_bias [H]. Unchecked in Python (the
     caller builds every shape); the C step checks every size, slot and kind before reading anything.
     """
     return _step(q, kv_store, slot, valid, kind, prior_mode, log_priors, gate, gate_weight, gate_bias, logit_clamp,
@@ -310,7 +312,7 @@ def _token_step_unchecked(proj: torch.Tensor, n_heads: int, kv_store: torch.Tens
         cos_ptr, sin_ptr = cos.data_ptr() + row, sin.data_ptr() + row
     y = torch.empty(B, H, 1, D, dtype=proj.dtype)
     code = function(_ARGS.pack(base, p_sb, D, 0, kv_store.data_ptr(), B, H, H_kv, N, D, 1, slot.data_ptr(),
-                               0 if valid is None else valid.data_ptr(), kind.data_ptr(), kind.shape[0], prior_mode,
+                               0 if valid is None else valid.data_ptr(), 0, kind.data_ptr(), kind.shape[0], prior_mode,
                                log_priors[0], log_priors[1], gate_ptr, gate_sb, gate_sh, gate_st, n_hidden, w_ptr,
                                b_ptr, scale, float("inf") if logit_clamp is None else logit_clamp, eps, y.data_ptr(),
                                base + H * D * proj.element_size(), p_sb, fresh_slot, cos_ptr, sin_ptr, rope_f64,
@@ -363,6 +365,13 @@ def _step(q, kv_store, slot, valid, kind, prior_mode, log_priors, gate, gate_wei
     q_sb, q_sh, q_st, q_sd = q.stride()
     if q_sd != 1 or not kv_store.is_contiguous():
         return None
+    slot_sh = 0
+    if slot.dim() == 2:  # one table per query head: the C step reads H of them, so they must be there
+        slot_sh = slot.shape[1]
+        if (slot.shape[0] != H or not slot.is_contiguous()
+                or (valid is not None and (valid.numel() != slot.numel() or not valid.is_contiguous()))):
+            raise ValueError(f"per-head slot tables must be [H, t·S] with H = {H} (and valid [H, t, S]), got slot "
+                             f"{tuple(slot.shape)}, valid {None if valid is None else tuple(valid.shape)}")
     gate_ptr, gate_sb, gate_sh, gate_st, n_hidden, w_ptr, b_ptr = 0, 0, 0, 0, 0, 0, 0
     if prior_mode == PRIOR_ALPHA:  # α of (b, h, t) at b·stride(0) + h·stride(1) + t·stride(2)
         gate_ptr, (gate_sb, gate_sh, gate_st) = gate.data_ptr(), gate.stride()
@@ -374,7 +383,7 @@ def _step(q, kv_store, slot, valid, kind, prior_mode, log_priors, gate, gate_wei
         w_ptr, b_ptr = gate_weight.data_ptr(), gate_bias.data_ptr()
     y = torch.empty(B, H, T, D, dtype=q.dtype)
     code = function(_ARGS.pack(q.data_ptr(), q_sb, q_sh, q_st, kv_store.data_ptr(), B, H, H_kv, N, D, T,
-                               slot.data_ptr(), 0 if valid is None else valid.data_ptr(), kind.data_ptr(),
+                               slot.data_ptr(), 0 if valid is None else valid.data_ptr(), slot_sh, kind.data_ptr(),
                                kind.shape[0], prior_mode, log_priors[0], log_priors[1], gate_ptr, gate_sb, gate_sh,
                                gate_st, n_hidden, w_ptr, b_ptr, scale,
                                float("inf") if logit_clamp is None else logit_clamp, eps, y.data_ptr(), 0, 0, 0, 0, 0,
