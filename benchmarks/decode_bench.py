@@ -48,6 +48,9 @@ from piattn.models import GPT, GPTConfig
 # Kind name -> GPTConfig overrides; "pi-union" is π without the gate MLP (what the gate costs a step);
 # "pi-torchops" is π with the compiled decoding step switched off (`torch_ops_only`).
 KIND_CONFIG = {"pi": dict(attention="pi"), "pi-union": dict(attention="pi", variant="union"),
+               # multi-scale π (the designer's per-head periods); "-by-period": its one-token step as it ran
+               # before one call took every head (the layer's general path, one ring step per period)
+               "ms-pi": dict(attention="pi", period="cover"), "ms-pi-by-period": dict(attention="pi", period="cover"),
                "local": dict(attention="local"), "dense": dict(attention="dense"),
                "pi-torchops": dict(attention="pi"),
                # Hugging Face kinds (--interleaved only): a small converted Llama with PiCache (`_hf_model`).
@@ -59,19 +62,24 @@ POSITIONS = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 @contextlib.contextmanager
 def per_period_calls(kind: str):
-    """For "hf-ms-pi-by-period": the one-call step over per-head slots switched off for the duration, so that
-    a PiCache step of per-head periods runs one compiled call per distinct period (how it ran before)."""
-    if kind != "hf-ms-pi-by-period":
+    """For "ms-pi-by-period" and "hf-ms-pi-by-period": the one-call step over per-head slots switched off for
+    the duration, so that a step of per-head periods runs one compiled call per distinct period (how it ran
+    before)."""
+    if not kind.endswith("ms-pi-by-period"):
         yield
         return
     from piattn.integrations.hf import attention
+    from piattn.ops.pi import decode
 
-    saved = attention._per_head_ring_rows
-    attention._per_head_ring_rows = lambda *args, **kwargs: None
+    modules = (attention, decode)  # the step's callers: the PiCache ring step, the layers' (`decode._decode_ring`)
+    saved = [module.per_head_ring_step for module in modules]
+    for module in modules:
+        module.per_head_ring_step = lambda *args, **kwargs: None
     try:
         yield
     finally:
-        attention._per_head_ring_rows = saved
+        for module, step in zip(modules, saved, strict=True):
+            module.per_head_ring_step = step
 
 
 @contextlib.contextmanager
@@ -93,7 +101,11 @@ def torch_ops_only(kind: str):
 
 def _model(kind: str, config: str) -> GPT:
     torch.manual_seed(0)
-    return GPT(GPTConfig.from_name(config, **KIND_CONFIG[kind], vocab_size=256, dropout=0.0)).eval()
+    model = GPT(GPTConfig.from_name(config, **KIND_CONFIG[kind], vocab_size=256, dropout=0.0)).eval()
+    if kind == "ms-pi-by-period":  # the layers' general path (with `per_period_calls`: one ring step per period)
+        for block in model.blocks:
+            block.attn._ring_settings = None
+    return model
 
 
 def run_case(kind: str, position: int, steps: int, config: str) -> dict:
@@ -234,7 +246,8 @@ def interleaved_markdown(result: dict) -> str:
           for r in result["rows"]}
     pairs = (("pi", "local"), ("pi", "dense"), ("pi", "pi-torchops"), ("hf-pi", "hf-pi-torchops"),
              ("hf-pi", "hf-pi-operator"), ("hf-pi", "hf-dense"), ("hf-ms-pi", "hf-ms-pi-by-period"),
-             ("hf-ms-pi", "hf-pi"))
+             ("hf-ms-pi", "hf-pi"), ("ms-pi", "ms-pi-by-period"), ("ms-pi", "pi"), ("ms-pi", "local"),
+             ("ms-pi", "dense"))
     ratios = [(a, b) for a, b in pairs if a in kinds and b in kinds]
     out = [f"# Decoding, kinds interleaved in one process ({m['processor']}, {m['cpu_count']} thread(s), "
            f"torch {m['torch']}, Python {m['python']})", "",

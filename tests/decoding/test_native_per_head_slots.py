@@ -1,7 +1,7 @@
 """Per-head periods in one call of the compiled step (`decode.per_head_ring_slots`, `slot_sh` in
 decode_step.c): each head over its own slot table gives, bit for bit, the row that head gets from the call of its
 own period alone; heads whose period lies within the window (no skip slot of their own) and skips not yet reached
-included, for every prior form, fp64 and fp32, with grouped heads and sinks."""
+included, for every prior form, fp64 and fp32, with grouped heads, sinks and a ring still growing."""
 
 from __future__ import annotations
 
@@ -55,14 +55,16 @@ def test_one_call_over_per_head_slots_is_each_head_alone_bit_for_bit(case, form,
     common = dict(logit_clamp=4.0, eps=EPS, scale=D ** -0.5)
     group = H // H_kv
     for position in positions:
+        # a ring still growing holds only the rows up to the position (as a Hugging Face PiCache's does)
+        rows = kv[:, :, :, :sinks + min(capacity, position + 1)].contiguous()
         slot, valid, kind, _, _ = per_head_ring_slots(window, periods, sinks, capacity, position, q.device)
         assert slot.shape[0] == H and slot.shape[1] == kind.shape[0]
-        y = native._rows_step_unchecked(q, kv, slot, valid, kind, **_prior(form, alpha, hidden, head), **common)
+        y = native._rows_step_unchecked(q, rows, slot, valid, kind, **_prior(form, alpha, hidden, head), **common)
         assert y is not None and y.shape == (B, H, 1, D)
         for h, period in enumerate(periods):
             # head h alone: its own period's slots, over its own key/value head, as a call of one head
             s_h, v_h, k_h, _, _ = ring_slots(window, period, sinks, capacity, position, q.device)
-            kv_h = kv[:, :, h // group:h // group + 1].contiguous()
+            kv_h = rows[:, :, h // group:h // group + 1].contiguous()
             alone = native._rows_step_unchecked(q[:, h:h + 1], kv_h, s_h, v_h, k_h,
                                                 **_prior(form, alpha, hidden, head, slice(h, h + 1)), **common)
             assert torch.equal(y[:, h], alone[:, 0]), (position, h, period)

@@ -11,6 +11,7 @@ import torch
 
 import piattn.layers.windowed as windowed_module
 import piattn.ops.pi.decode as decode_module
+import piattn.ops.pi.native as native
 from piattn.analysis.multiscale import SCHEDULES, schedule
 from piattn.config import PiSettings
 from piattn.config.model import PERIOD_SCHEDULES
@@ -61,30 +62,52 @@ def test_cached_decoding_equals_the_full_forward(variant):
         torch.testing.assert_close(torch.cat(pieces, 1), m(idx), rtol=0, atol=1e-5)
 
 
-def test_one_token_steps_take_the_ring_once_per_layer_and_its_step_once_per_period(monkeypatch):
-    """The layer hands `decode_ring` all its periods in one call; the ring step runs once per distinct period."""
+def test_one_token_steps_take_one_compiled_call_per_layer_over_each_heads_own_slots(monkeypatch):
+    """A layer's one-token step with per-head periods is its projections and one call of the compiled step
+    (`decode._decode_token`), every head over the slot table of its own period (`per_head_ring_slots`): as many
+    tables as heads, a head whose period folds into the window (2, 3) reading nothing in the skip place."""
     m = model()
     idx = torch.randint(0, 50, (1, 40), generator=torch.Generator().manual_seed(5))
     cache = m.init_cache(1)
-    layer_calls, step_calls = [], []
-    real_ring, real_step = windowed_module.decode_ring, decode_module._decode_ring
+    tables = []
+    real = native._token_step_unchecked
 
-    def ring_spy(*args, **kwargs):
-        layer_calls.append(args[3].period)  # the settings, positional after q, kv_store, gate
-        return real_ring(*args, **kwargs)
-
-    def step_spy(*args):
-        step_calls.append(args[5].period)  # the settings, positional after q, kv_store, gate, capacity, position
-        return real_step(*args)
+    def spy(proj, n_heads, kv_store, slot, valid, *args, **kwargs):
+        tables.append((slot.shape, None if valid is None else valid[:, 0].tolist()))
+        return real(proj, n_heads, kv_store, slot, valid, *args, **kwargs)
 
     with torch.no_grad():
         expected = m(idx)[:, -1]
         m(idx[:, :39], cache)
-        monkeypatch.setattr(windowed_module, "decode_ring", ring_spy)
-        monkeypatch.setattr(decode_module, "_decode_ring", step_spy)
+        monkeypatch.setattr(native, "_token_step_unchecked", spy)
         step = m(idx[:, 39:], cache)[:, -1]
-    assert layer_calls == [tuple(p) for p in PERIODS]
-    assert step_calls == [2, 5, 9, 3, 7, 12, 30]
+    S = 3 + 1 + 1  # the local keys i − 3 … i, one skip place
+    no_skip = [True] * 4 + [False]
+    assert tables == [((4, S), [[True] * S, no_skip, [True] * S, [True] * S]),
+                      ((4, S), [[True] * S, no_skip, [True] * S, [True] * S])]
+    torch.testing.assert_close(step, expected, rtol=0, atol=1e-5)
+
+
+def test_without_the_compiled_step_the_ring_step_runs_once_per_period(monkeypatch):
+    """Where the compiled step does not run (here switched off), a layer's one-token step reads the ring once
+    per distinct period of its heads (`decode._decode_ring_period`), the same logits."""
+    m = model()
+    idx = torch.randint(0, 50, (1, 40), generator=torch.Generator().manual_seed(5))
+    cache = m.init_cache(1)
+    calls = []
+    real = decode_module._decode_ring_period
+
+    def spy(*args):
+        calls.append(args[5].period)  # the settings, positional after q, kv_store, gate, capacity, position
+        return real(*args)
+
+    with torch.no_grad():
+        expected = m(idx)[:, -1]
+        m(idx[:, :39], cache)
+        monkeypatch.setattr(native, "_state", {"functions": None, "reason": "switched off by the test"})
+        monkeypatch.setattr(decode_module, "_decode_ring_period", spy)
+        step = m(idx[:, 39:], cache)[:, -1]
+    assert calls == [2, 5, 9, 3, 7, 12, 30]
     torch.testing.assert_close(step, expected, rtol=0, atol=1e-5)
 
 

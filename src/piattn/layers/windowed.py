@@ -8,7 +8,6 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..checks import is_int
 from ..config import PiSettings
 from ..decoding.cache import RingCache
 from ..ops.pi.decode import _decode_ring, _decode_rows, _decode_token, decode_ring, decode_settings
@@ -59,12 +58,11 @@ class WindowedAttention(AttentionLayer):
         # rather than per step.
         self._decode_settings = decode_settings(settings, self.head_dim**-0.5)
         self._gate_observer: Callable[[torch.Tensor], None] | None = None
-        # `_ring_forward`'s settings (those of `_decode_token` and `_decode_ring`, which take one period), or None
-        # where the layer takes the general path (`AttentionLayer.forward`): a period per head (kept: that fast
-        # path's compiled step takes one period), or a subclass that overrides a method of that path (its
-        # override is then what runs).
+        # `_ring_forward`'s settings (those of `_decode_token` and `_decode_ring`: one period, or one per head), or
+        # None where the layer takes the general path (`AttentionLayer.forward`): a subclass that overrides a
+        # method of that path (its override is then what runs).
         kind = type(self)
-        lean = (is_int(settings.period) and kind.heads is AttentionLayer.heads
+        lean = (kind.heads is AttentionLayer.heads
                 and kind.attend_cached is AttentionLayer.attend_cached
                 and kind.attend_ring is WindowedAttention.attend_ring)
         self._ring_settings = self._decode_settings if lean else None

@@ -28,7 +28,7 @@ from ...ops.pi.decode import (
     decode_gathered,
     decode_settings,
     gate_tail,
-    per_head_ring_slots,
+    per_head_ring_step,
     per_period_masked,
     ring_slots,
 )
@@ -321,7 +321,7 @@ def _ring_step(backend: str, pi: PiSettings, query: torch.Tensor, gate: torch.Te
     kv, capacity = layer.kv, layer.capacity
     settings = decode_settings(pi, scale)
     if isinstance(settings.period, tuple):  # per-head periods: one call of the compiled step, where it applies
-        y = _per_head_ring_rows(settings, query, gate, kv, capacity, position, gate_head)
+        y = per_head_ring_step(query, kv, gate, capacity, position, settings, gate_head)
         if y is not None:
             return y
 
@@ -336,22 +336,6 @@ def _ring_step(backend: str, pi: PiSettings, query: torch.Tensor, gate: torch.Te
         return y
 
     return per_period_masked(rows, settings, query.shape[1], query.device)
-
-
-def _per_head_ring_rows(settings: OpSettings, query: torch.Tensor, gate: torch.Tensor | None, kv: torch.Tensor,
-                        capacity: int, position: int,
-                        gate_head: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
-    """`_ring_step`'s rows for per-head periods in one call of the compiled step, each head over its own slots
-    (`per_head_ring_slots`): the rows of the one-period steps, each head's from its own. None where that call
-    does not apply (what the compiled step does not take)."""
-    compiled = _compiled_prior(settings, gate, gate_head)
-    if compiled is None:
-        return None
-    slot, valid, kind, _, _ = per_head_ring_slots(settings.window, settings.period, settings.sinks, capacity,
-                                                  position, query.device)
-    mode, extra = compiled
-    return native._rows_step_unchecked(query, kv, slot, valid, kind, prior_mode=mode, logit_clamp=settings.logit_clamp,
-                                       eps=settings.eps, scale=settings.scale, **extra)
 
 
 def _ring_rows(backend: str, settings: OpSettings, query: torch.Tensor, gate: torch.Tensor | None, kv: torch.Tensor,

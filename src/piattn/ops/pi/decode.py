@@ -103,32 +103,50 @@ def per_head_ring_slots(window: int, periods: tuple[int, ...], sinks: int, capac
     compiled step: (slot [H, S], valid [H, 1, S] bool or None, kind [S], n_local, n_skip), head h's row that of
     its own period. A head whose period lies within the window has no skip slot of its own (`Pattern`): its row
     gets one that reads nothing (invalid) where the other heads' skip slot is, so that every head has the same
-    slots in the same order, and its own slots are read as its own step reads them."""
-    by_period = {p: ring_slots(window, p, sinks, capacity, position, device) for p in set(periods)}
-    kind, n_local, n_skip = max(((k, nl, ns) for _, _, k, nl, ns in by_period.values()), key=lambda x: x[2])
-    rows = {}
-    for p, (slot, valid, _, _, n_skip_p) in by_period.items():
-        if valid is None and n_skip_p < n_skip:
-            valid = torch.ones(1, slot.shape[0], dtype=torch.bool, device=device)
-        if n_skip_p < n_skip:  # the skip slot after the n_local local ones: reads nothing
-            slot = torch.cat([slot[:n_local], slot.new_zeros(1), slot[n_local:]])
-            valid = torch.cat([valid[:, :n_local], valid.new_zeros(1, 1), valid[:, n_local:]], 1)
-        rows[p] = slot, valid
-    distinct, head_index = _period_order(periods, device)
-    slot = torch.stack([rows[p][0] for p in distinct]).index_select(0, head_index)
-    valid = None
-    if any(rows[p][1] is not None for p in distinct):
-        all_valid = torch.ones(1, slot.shape[1], dtype=torch.bool, device=device)
-        valid = torch.stack([all_valid if rows[p][1] is None else rows[p][1] for p in distinct])
-        valid = valid.index_select(0, head_index)
-    return slot, valid, kind, n_local, n_skip
+    slots in the same order, and its own slots are read as its own step reads them.
+
+    Arithmetic on one cached table of key offsets per set of periods (`_head_table`), a few tensor ops a step:
+    caching each period's `ring_slots` would hold `capacity` phases per period, thousands for a designer's long
+    periods. Past the first sinks + max(window, periods) positions every key exists and no sink is among them,
+    and only the slots' ring rows move."""
+    offsets, present, skip_period, sink_index, steady_valid, kind, n_local, n_skip = _head_table(
+        window, periods, sinks, device)
+    steady = position >= sinks + max(window, *periods)
+    keys = offsets + position
+    # The ring row of each key; a key before the text reads nothing, and its slot is position 0's, as in
+    # `ring_slots` (a ring still growing holds no row past its last position).
+    slot = (keys if steady else keys.clamp(min=0)).remainder(capacity).add_(sinks)
+    if sinks:
+        slot = torch.cat([slot, sink_index.expand(len(periods), sinks)], 1)
+    if steady:
+        return slot, steady_valid, kind, n_local, n_skip
+    valid = (keys >= 0) & present
+    if sinks:  # a sink not yet reached, or already read as a local or skip key, reads nothing
+        back = position - sink_index
+        repeat = (back <= window) | (back == skip_period)
+        valid = torch.cat([valid, (back >= 0) & ~repeat], 1)
+    return slot, valid[:, None, :], kind, n_local, n_skip
 
 
 @functools.lru_cache(maxsize=256)
-def _period_order(periods: tuple[int, ...], device: torch.device) -> tuple[tuple[int, ...], torch.Tensor]:
-    """(the distinct periods, increasing; for each head the index of its period among them [H] int64)."""
-    distinct = tuple(sorted(set(periods)))
-    return distinct, torch.tensor([distinct.index(p) for p in periods], device=device)
+def _head_table(window: int, periods: tuple[int, ...], sinks: int, device: torch.device):
+    """What `per_head_ring_slots` computes from: (the key offsets of each head's local and skip slots
+    [H, n_local + n_skip] int64, whether each is a slot of the head's own pattern [H, n_local + n_skip] bool,
+    each head's skip period [H, 1] (−1 without a skip slot of its own), the sink indices [1, sinks], the valid
+    mask past the first positions [H, 1, S] or None, kind [S], n_local, n_skip)."""
+    patterns = [Pattern(window, p, causal=True, sinks=sinks) for p in periods]
+    n_skip = max(pat.n_skip for pat in patterns)
+    widest = next(pat for pat in patterns if pat.n_skip == n_skip)
+    present = [[True] * len(pat.offsets) + [False] * (n_skip - pat.n_skip) for pat in patterns]
+    steady = [row + [True] * sinks for row in present]
+    return (torch.tensor([list(pat.offsets) + [0] * (n_skip - pat.n_skip) for pat in patterns], device=device),
+            torch.tensor(present, device=device),
+            torch.tensor([[p if pat.n_skip else -1] for p, pat in zip(periods, patterns, strict=True)],
+                         device=device),
+            torch.arange(sinks, device=device)[None, :],
+            None if all(all(row) for row in steady) else torch.tensor(steady, device=device)[:, None, :],
+            torch.tensor([0 if local else 1 for local in widest.slot_is_local()], device=device),
+            widest.n_local, n_skip)
 
 
 def _check(q, k, v) -> None:
@@ -462,24 +480,54 @@ def decode_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | No
     no reordering of the ring and no concatenation with the new row.
     """
     check_ring(q, kv_store, gate, capacity, position, settings, gate_head)
-    if isinstance(settings.period, tuple):
-        def step(s: OpSettings, q_g: torch.Tensor, gate_g: torch.Tensor | None, head_g,
-                 kv_g: torch.Tensor) -> torch.Tensor:
-            return _decode_ring(q_g, kv_g, gate_g, capacity, position, s, head_g)
-
-        # The ring's heads are copied for the step unless the periods' order is the heads': O(capacity) a step.
-        return _per_period(step, settings, q, gate, gate_head, [(kv_store, 2)])
     return _decode_ring(q, kv_store, gate, capacity, position, settings, gate_head)
 
 
 def _decode_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | None, capacity: int, position: int,
                  settings: OpSettings, gate_head: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    """`decode_ring` without `check_ring`, its arguments positional and settings of one period, for the decoding
-    layers' one-token step (`WindowedAttention`), whose arguments are right by construction: q and the gate come
-    from the layer's own projections, kv_store is the storage of a cache that `RingCache.check` accepted for the
-    layer (batch, key/value heads, head width, a ring reaching as far as the pattern reads, its sinks) and that
-    has just stored the new key, position is the cache's, and the settings are the layer's, checked when it was
-    made (`decode_settings`, built once per layer)."""
+    """`decode_ring` without `check_ring`, its arguments positional, for the decoding layers' one-token step
+    (`WindowedAttention`), whose arguments are right by construction: q and the gate come from the layer's own
+    projections, kv_store is the storage of a cache that `RingCache.check` accepted for the layer (batch,
+    key/value heads, head width, a ring reaching as far as the pattern reads, its sinks) and that has just stored
+    the new key, position is the cache's, and the settings are the layer's, checked when it was made
+    (`decode_settings`, built once per layer). Per-head periods: one compiled call over a slot table per head
+    (`per_head_ring_step`), else the step once per distinct period on its heads (`_per_period`)."""
+    if not isinstance(settings.period, tuple):
+        return _decode_ring_period(q, kv_store, gate, capacity, position, settings, gate_head)
+    y = per_head_ring_step(q, kv_store, gate, capacity, position, settings, gate_head)
+    if y is not None:
+        return y
+
+    def step(s: OpSettings, q_g: torch.Tensor, gate_g: torch.Tensor | None, head_g, kv_g: torch.Tensor) -> torch.Tensor:
+        return _decode_ring_period(q_g, kv_g, gate_g, capacity, position, s, head_g)
+
+    # The ring's heads are copied for the step unless the periods' order is the heads': O(capacity) a step.
+    return _per_period(step, settings, q, gate, gate_head, [(kv_store, 2)])
+
+
+def per_head_ring_step(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | None, capacity: int,
+                       position: int, settings: OpSettings,
+                       gate_head: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
+    """The rows [B, H, 1, D] of one new query per sequence over a ring's storage, for per-head periods
+    (settings.period a tuple) in one call of the compiled step, each head over its own slots
+    (`per_head_ring_slots`): each head's row the bits of its own period's step. None where the compiled step
+    does not take the call (the caller then runs the heads period by period). Unchecked, as `_decode_ring`; the
+    decoding layers' ring step and the Hugging Face `PiCache` ring step take it."""
+    compiled = _compiled_prior(settings, gate, gate_head)
+    if compiled is None:
+        return None
+    slot, valid, kind, _, _ = per_head_ring_slots(settings.window, settings.period, settings.sinks, capacity,
+                                                  position, q.device)
+    mode, extra = compiled
+    return native._rows_step_unchecked(q, kv_store, slot, valid, kind, prior_mode=mode,
+                                       logit_clamp=settings.logit_clamp, eps=settings.eps, scale=settings.scale,
+                                       **extra)
+
+
+def _decode_ring_period(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | None, capacity: int,
+                        position: int, settings: OpSettings,
+                        gate_head: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """`_decode_ring` for settings of one period."""
     window, period, _, variant, prior, logit_clamp, eps, scale, _, sinks = settings
     slot, valid, kind, n_local, n_skip = ring_slots(window, period, sinks, capacity, position, q.device)
     compiled = _compiled_prior(settings, gate, gate_head)
@@ -515,8 +563,8 @@ def _decode_token(proj: torch.Tensor, n_heads: int, kv_store: torch.Tensor, gate
     proj [B, 1, P]: the new token's q (n_heads heads), k, v columns. The gate: None, α̃ [B, H, 1] (gate_layers
     None), the gate MLP's hidden pre-activation with gate_layers = its last layer (weight, bias) as `gate_head`
     in `decode_ring`, or the MLP's input [B, 1, d] with gate_layers = its first and last layers (four tensors:
-    the whole gate in the step). Settings of one period, as `_decode_ring` takes them. Unchecked, for
-    `WindowedAttention` (see `_decode_ring`)."""
+    the whole gate in the step). Settings of one period or one per head (`per_head_ring_slots`), as
+    `_decode_ring` takes them. Unchecked, for `WindowedAttention` (see `_decode_ring`)."""
     window, period, _, variant, prior, logit_clamp, eps, scale, _, sinks = settings
     mode = native.PRIOR_MODES.get(variant)
     if mode is None:
@@ -527,7 +575,8 @@ def _decode_token(proj: torch.Tensor, n_heads: int, kv_store: torch.Tensor, gate
         mode = native.PRIOR_HIDDEN if len(gate_layers) == 2 else native.PRIOR_INPUT
     elif mode == native.PRIOR_CONST:
         log_prior = log_priors(variant, None, prior, eps)
-    slot, valid, kind, _, _ = ring_slots(window, period, sinks, capacity, position, kv_store.device)
+    slots = per_head_ring_slots if isinstance(period, tuple) else ring_slots  # per-head: a slot table per head
+    slot, valid, kind, _, _ = slots(window, period, sinks, capacity, position, kv_store.device)
     return native._token_step_unchecked(proj, n_heads, kv_store, slot, valid, kind, fresh_slot, rotation, log_prior,
                                         gate, gate_layers, logit_clamp, eps, scale, prior_mode=mode)
 

@@ -282,6 +282,7 @@ def _token_step_unchecked(proj: torch.Tensor, n_heads: int, kv_store: torch.Tens
     if p_sd != 1 or (H + 2 * H_kv) * D > cols or not kv_store.is_contiguous():
         return None
     base = proj.data_ptr()
+    slot_sh = _slot_stride(slot, valid, H)
     gate_ptr, gate_sb, gate_sh, gate_st, n_hidden, w_ptr, b_ptr, w_in_ptr, b_in_ptr, n_in = (0,) * 10
     if prior_mode == PRIOR_ALPHA:
         gate_ptr, (gate_sb, gate_sh, gate_st) = gate.data_ptr(), gate.stride()
@@ -312,13 +313,27 @@ def _token_step_unchecked(proj: torch.Tensor, n_heads: int, kv_store: torch.Tens
         cos_ptr, sin_ptr = cos.data_ptr() + row, sin.data_ptr() + row
     y = torch.empty(B, H, 1, D, dtype=proj.dtype)
     code = function(_ARGS.pack(base, p_sb, D, 0, kv_store.data_ptr(), B, H, H_kv, N, D, 1, slot.data_ptr(),
-                               0 if valid is None else valid.data_ptr(), 0, kind.data_ptr(), kind.shape[0], prior_mode,
+                               0 if valid is None else valid.data_ptr(), slot_sh, kind.data_ptr(), kind.shape[0],
+                               prior_mode,
                                log_priors[0], log_priors[1], gate_ptr, gate_sb, gate_sh, gate_st, n_hidden, w_ptr,
                                b_ptr, scale, float("inf") if logit_clamp is None else logit_clamp, eps, y.data_ptr(),
                                base + H * D * proj.element_size(), p_sb, fresh_slot, cos_ptr, sin_ptr, rope_f64,
                                w_in_ptr, b_in_ptr, n_in))
     _refuse(code)
     return y
+
+
+def _slot_stride(slot: torch.Tensor, valid: torch.Tensor | None, H: int) -> int:
+    """decode_step.c's slot_sh: 0 for one slot table [t·S] shared by every head, t·S for one per query head
+    (slot [H, t·S], valid [H, t, S] or None: per-head periods), which the C step reads H of, so they must be
+    there."""
+    if slot.dim() != 2:
+        return 0
+    if (slot.shape[0] != H or not slot.is_contiguous()
+            or (valid is not None and (valid.numel() != slot.numel() or not valid.is_contiguous()))):
+        raise ValueError(f"per-head slot tables must be [H, t·S] with H = {H} (and valid [H, t, S]), got slot "
+                         f"{tuple(slot.shape)}, valid {None if valid is None else tuple(valid.shape)}")
+    return slot.shape[1]
 
 
 def _refuse(code: int) -> None:
@@ -365,13 +380,7 @@ def _step(q, kv_store, slot, valid, kind, prior_mode, log_priors, gate, gate_wei
     q_sb, q_sh, q_st, q_sd = q.stride()
     if q_sd != 1 or not kv_store.is_contiguous():
         return None
-    slot_sh = 0
-    if slot.dim() == 2:  # one table per query head: the C step reads H of them, so they must be there
-        slot_sh = slot.shape[1]
-        if (slot.shape[0] != H or not slot.is_contiguous()
-                or (valid is not None and (valid.numel() != slot.numel() or not valid.is_contiguous()))):
-            raise ValueError(f"per-head slot tables must be [H, t·S] with H = {H} (and valid [H, t, S]), got slot "
-                             f"{tuple(slot.shape)}, valid {None if valid is None else tuple(valid.shape)}")
+    slot_sh = _slot_stride(slot, valid, H)
     gate_ptr, gate_sb, gate_sh, gate_st, n_hidden, w_ptr, b_ptr = 0, 0, 0, 0, 0, 0, 0
     if prior_mode == PRIOR_ALPHA:  # α of (b, h, t) at b·stride(0) + h·stride(1) + t·stride(2)
         gate_ptr, (gate_sb, gate_sh, gate_st) = gate.data_ptr(), gate.stride()
