@@ -1,7 +1,8 @@
-"""Per-head periods in one call of the compiled step (`decode.per_head_ring_slots`, `slot_sh` in
-decode_step.c): each head over its own slot table gives, bit for bit, the row that head gets from the call of its
-own period alone; heads whose period lies within the window (no skip slot of their own) and skips not yet reached
-included, for every prior form, fp64 and fp32, with grouped heads, sinks and a ring still growing."""
+"""Per-head periods in one call of the compiled step (`decode.per_head_ring_slots` over a ring,
+`decode._per_head_slots` over a block of keys; `slot_sh` in decode_step.c): each head over its own slot table
+gives, bit for bit, the rows that head gets from the call of its own period alone; heads whose period lies within
+the window (no skip slot of their own) and skips not yet reached included, for every prior form, fp64 and fp32,
+with grouped heads, sinks and a ring still growing."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ import pytest
 import torch
 
 import piattn.ops.pi.native as native
-from piattn.ops.pi.decode import per_head_ring_slots, ring_slots
+from piattn.config import PI_DEFAULTS
+from piattn.ops.pi.decode import (
+    _compiled_per_head_rows,
+    _compiled_rows,
+    decode_settings,
+    per_head_ring_slots,
+    ring_slots,
+)
 
 pytestmark = pytest.mark.usefixtures("native_step_built")
 
@@ -76,3 +84,25 @@ def test_per_head_slots_refuse_a_table_of_the_wrong_number_of_heads():
     with pytest.raises(ValueError, match="per-head slot tables must be"):
         native._rows_step_unchecked(q, kv, slot, valid, kind, prior_mode=native.PRIOR_NONE, logit_clamp=None,
                                     eps=EPS, scale=1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("t", [1, 2, 4])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_a_few_queries_over_per_head_slots_are_each_head_alone_bit_for_bit(case, t, dtype):
+    """The same for steps of t tokens over a block of keys (`_compiled_per_head_rows`, `_per_head_slots`): one
+    call, each head's rows those of its own period's call (`_compiled_rows` with one period)."""
+    B, H, H_kv, D, window, periods, sinks, _, _ = CASES[case]
+    q, kv, alpha, _, _ = _inputs(B, H, H_kv, D, 23, dtype, seed=case)
+    q = q.expand(B, H, t, D).contiguous() + torch.arange(t, dtype=dtype)[:, None]  # t different queries
+    gate = alpha.expand(B, H, t).contiguous()
+    k, v = kv[0], kv[1]
+    settings = decode_settings(PI_DEFAULTS, D ** -0.5)._replace(window=window, period=periods, sinks=sinks,
+                                                                logit_clamp=4.0, eps=EPS)
+    y = _compiled_per_head_rows(q, k, v, gate, None, settings)
+    assert y is not None and y.shape == (B, H, t, D)
+    group = H // H_kv
+    for h, period in enumerate(periods):
+        alone = _compiled_rows(q[:, h:h + 1], k[:, h // group:h // group + 1], v[:, h // group:h // group + 1],
+                               gate[:, h:h + 1], settings._replace(period=period))
+        assert torch.equal(y[:, h], alone[:, 0]), (h, period)

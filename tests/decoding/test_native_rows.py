@@ -11,7 +11,6 @@ import torch
 
 import piattn.ops.pi.native as native
 from piattn.config import PI_DEFAULTS
-from piattn.config.pi import period_tuple
 from piattn.models import GPT, GPTConfig
 from piattn.ops.pi import pi_attention
 from piattn.ops.pi.decode import _compiled_rows, _decode_rows, decode_settings, gate_tail
@@ -80,18 +79,20 @@ def test_compiled_rows_equal_the_full_operator_and_the_torch_ops(case, form, dty
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_compiled_rows_take_per_head_periods_whole(dtype, compiled_calls, monkeypatch):
-    """Per-head periods: one compiled call per distinct period (`decode._per_period`), rows equal to
-    `_decode_rows`' and the full operator's; where the step declines any one period's call, None for the whole."""
+    """Per-head periods: one compiled call, each head over its own slot table (`decode._per_head_slots`; the
+    head whose period folds into the window reads nothing in the others' skip place), rows equal to
+    `_decode_rows`' and the full operator's; where the step declines that call, one call per distinct period
+    (`decode._per_period`), and where it declines any one of those, None for the whole."""
     periods = (5, 2, 9, 5)  # 2 folds into the window: 4 slots a query, the others 5
     q, k, v, gate, _, _ = _inputs(2, 4, 2, 8, 30, 3, dtype, seed=11)
     kw = dict(window=3, period=periods, variant="adaptive", prior=0.3, logit_clamp=4.0, eps=EPS, sinks=1,
               scale=8**-0.5)
     compiled = _compiled_rows(q[:, :, -3:], k, v, gate[:, :, -3:], _settings(**kw))
-    assert compiled is not None and compiled_calls == [True] * 3
+    assert compiled is not None and compiled_calls == [True]
     assert _decode_rows(q[:, :, -3:], k, v, gate[:, :, -3:], _settings(**kw)).equal(compiled)
     full = pi_attention(q, k, v, gate, causal=True, **kw)[:, :, -3:]
     torch.testing.assert_close(compiled, full, **TOL[dtype])
-    monkeypatch.setattr(native, "MAX_SLOTS", 5)  # the period-2 group's 5 slots a query (with the sink) only
+    monkeypatch.setattr(native, "MAX_SLOTS", 5)  # 6 slots a query in one call; the period-2 group's 5 only
     assert _compiled_rows(q[:, :, -3:], k, v, gate[:, :, -3:], _settings(**kw)) is None
 
 
@@ -139,9 +140,8 @@ def test_model_steps_of_a_few_tokens_go_through_the_compiled_step(name, n, compi
         full = model(idx)
         cache = model.init_cache(2)
         steps = torch.cat([model(idx[:, t:t + n], cache) for t in range(0, idx.shape[1], n)], 1)
-    groups = len(set(period_tuple(model.blocks[0].attn.settings.period)))
-    assert compiled_calls and all(compiled_calls)
-    assert len(compiled_calls) == -(-idx.shape[1] // n) * len(model.blocks) * groups
+    assert compiled_calls and all(compiled_calls)  # one call a layer and step (per-head periods: a table per head)
+    assert len(compiled_calls) == -(-idx.shape[1] // n) * len(model.blocks)
     torch.testing.assert_close(steps, full, rtol=1e-10, atol=1e-10)
     _torch_ops(monkeypatch)
     with torch.no_grad():

@@ -57,21 +57,10 @@ def _steps(model, ids: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat(out, 1)
 
 
-def _ring_calls(model) -> int:
-    """Compiled calls per one-token decoding step: one per layer, each head over its own period's slots (per-head
-    periods in one call: `per_head_ring_slots`)."""
+def _calls(model) -> int:
+    """Compiled calls per decoding step: one per layer, per-head periods included (each head over its own
+    period's slot table: `per_head_ring_slots`, `_per_head_slots`)."""
     return model.config.num_hidden_layers
-
-
-def _groups(model) -> int:
-    """Compiled calls per decoding step of several tokens: one per layer and distinct period of that layer."""
-    stored = model.config.pi_attention["period"]
-    layers = model.config.num_hidden_layers
-    if isinstance(stored, int):
-        return layers
-    if isinstance(stored[0], int):
-        return layers * len(set(stored))
-    return sum(len(set(heads)) for heads in stored)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -83,7 +72,7 @@ def test_picache_one_token_steps_go_through_the_compiled_step(case, dtype, compi
         full = model(ids, use_cache=False).logits[:, PROMPT:]
     compiled = _steps(model, ids, 1)
     assert compiled_calls and all(compiled_calls)
-    assert len(compiled_calls) == (TOTAL - PROMPT) * _ring_calls(model)
+    assert len(compiled_calls) == (TOTAL - PROMPT) * _calls(model)
     torch.testing.assert_close(compiled, full, **TOL[dtype])
     # The same steps in torch ops (the compiled step switched off): the same logits.
     monkeypatch.setattr(native, "_state", {"functions": None, "reason": "switched off by the test"})
@@ -102,9 +91,7 @@ def test_picache_steps_of_a_few_tokens_equal_the_full_forward(case, n, compiled_
         full = model(ids, use_cache=False).logits[:, PROMPT:]
     steps = _steps(model, ids, n)
     assert compiled_calls and all(compiled_calls)
-    whole, last = divmod(TOTAL - PROMPT, n)  # steps of n tokens, then one of `last` (one token: the ring step)
-    calls = whole * _groups(model) + (_ring_calls(model) if last == 1 else _groups(model) if last else 0)
-    assert len(compiled_calls) == calls
+    assert len(compiled_calls) == -(-(TOTAL - PROMPT) // n) * _calls(model)
     torch.testing.assert_close(steps, full, **TOL[torch.float64])
 
 
@@ -251,7 +238,7 @@ def test_adaptive_one_token_steps_hand_the_gate_hidden_layer_to_the_compiled_ste
     step_priors.clear()
     steps = _steps(model, ids, 1)
     n_hidden = model.model.layers[0].self_attn.pi_gate[0].out_features
-    assert len(step_priors) == (TOTAL - PROMPT) * _ring_calls(model)
+    assert len(step_priors) == (TOTAL - PROMPT) * _calls(model)
     assert set(step_priors) == {(native.PRIOR_HIDDEN, True, (2, 1, n_hidden))}
     torch.testing.assert_close(steps, full, **TOL[dtype])
     torch.testing.assert_close(steps, dynamic, **TOL[dtype])

@@ -73,6 +73,28 @@ def _slots(window: int, period: int, sinks: int, n_queries: int, n_keys: int, de
     return idx, None if bool(valid.all()) else valid.to(device), kind, pat.n_local, pat.n_skip
 
 
+@functools.lru_cache(maxsize=256)
+def _per_head_slots(window: int, periods: tuple[int, ...], sinks: int, n_queries: int, n_keys: int,
+                    device: torch.device):
+    """`_slots` of every query head at once, for per-head periods read in one call of the compiled step:
+    (idx [H, t·S], valid [H, t, S] bool or None, kind [S], n_local, n_skip), head h's table that of its own period;
+    a head whose period lies within the window gets a slot that reads nothing where the others' skip slot is, as
+    in `per_head_ring_slots`."""
+    by_period = {p: _slots(window, p, sinks, n_queries, n_keys, device) for p in set(periods)}
+    kind, n_local, n_skip = max(((k, nl, ns) for _, _, k, nl, ns in by_period.values()), key=lambda x: x[2])
+    tables = {}
+    for p, (idx, valid, _, _, n_skip_p) in by_period.items():
+        idx = idx.view(n_queries, -1)
+        valid = torch.ones_like(idx, dtype=torch.bool) if valid is None else valid
+        if n_skip_p < n_skip:  # the skip slot after the n_local local ones: reads nothing
+            idx = torch.cat([idx[:, :n_local], idx.new_zeros(n_queries, 1), idx[:, n_local:]], 1)
+            valid = torch.cat([valid[:, :n_local], valid.new_zeros(n_queries, 1), valid[:, n_local:]], 1)
+        tables[p] = idx, valid
+    idx = torch.stack([tables[p][0].flatten() for p in periods])
+    valid = torch.stack([tables[p][1] for p in periods])
+    return idx, None if bool(valid.all()) else valid, kind, n_local, n_skip
+
+
 def ring_slots(window: int, period: int, sinks: int, capacity: int, position: int, device: torch.device):
     """`_slots` for one query at `position` whose keys sit in a ring cache (`piattn.decoding.RingCache`) of
     `capacity` >= max(window, period) + 1 positions that has just stored it: position p < sinks in slot
@@ -227,6 +249,10 @@ def _decode_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.
     (`_per_period`).
     """
     if isinstance(settings.period, tuple):
+        y = _compiled_per_head_rows(q, k, v, gate, gate_head, settings)
+        if y is not None:
+            return y
+
         def rows(s: OpSettings, q_g: torch.Tensor, gate_g: torch.Tensor | None, head_g, k_g: torch.Tensor,
                  v_g: torch.Tensor) -> torch.Tensor:
             return _decode_rows(q_g, k_g, v_g, gate_g, s, gate_head=head_g)
@@ -316,6 +342,10 @@ def _compiled_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torc
     a tuple of H per-head periods, once per distinct period on its heads (`_per_period`), and None where the
     step does not take any one of them: the caller then runs the whole call another way, never half of it."""
     if isinstance(settings.period, tuple):
+        y = _compiled_per_head_rows(q, k, v, gate, gate_head, settings)
+        if y is not None:
+            return y
+
         def rows(s: OpSettings, q_g: torch.Tensor, gate_g: torch.Tensor | None, head_g, k_g: torch.Tensor,
                  v_g: torch.Tensor) -> torch.Tensor:
             y = _compiled_rows(q_g, k_g, v_g, gate_g, s, gate_head=head_g)
@@ -346,6 +376,14 @@ def _compiled_prior(settings: OpSettings, gate: torch.Tensor | None, gate_head) 
     if mode == native.PRIOR_CONST:
         return mode, dict(log_priors=log_priors(variant, None, settings.prior, settings.eps))
     return mode, {}
+
+
+def _compiled_per_head_rows(q, k, v, gate, gate_head, settings: OpSettings) -> torch.Tensor | None:
+    """`_compiled_slot_rows` for per-head periods in one call, each head over its own slot table
+    (`_per_head_slots`), or None where the compiled step does not take it."""
+    idx, valid, kind, _, _ = _per_head_slots(settings.window, settings.period, settings.sinks, q.shape[2],
+                                             k.shape[2], q.device)
+    return _compiled_slot_rows(q, k, v, gate, gate_head, idx, valid, kind, settings)
 
 
 def _compiled_slot_rows(q, k, v, gate, gate_head, idx, valid, kind, settings: OpSettings) -> torch.Tensor | None:
