@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import piattn.ops.pi.decode as decode
 import piattn.ops.pi.native as native
 from piattn.config import PI_DEFAULTS
 from piattn.ops.pi.decode import (
@@ -53,10 +54,21 @@ def _prior(form, alpha, hidden, head, rows=slice(None)):
     return dict(prior_mode=native.PRIOR_NONE)
 
 
+@pytest.fixture(params=["tables by phase", "arithmetic"])
+def steady_slots(request, monkeypatch):
+    """Both ways `per_head_ring_slots` gives a long generation's tables: a table per phase of the ring
+    (`_steady_slots`), or the tensor ops of a ring too large for that (here forced, by a limit of 0 bytes)."""
+    if request.param == "arithmetic":
+        monkeypatch.setattr(decode, "STEADY_SLOTS_BYTES", 0)
+    decode._steady_slots.cache_clear()
+    yield request.param
+    decode._steady_slots.cache_clear()
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("form", ["alpha", "hidden", "fixed", "union"])
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_one_call_over_per_head_slots_is_each_head_alone_bit_for_bit(case, form, dtype):
+def test_one_call_over_per_head_slots_is_each_head_alone_bit_for_bit(case, form, dtype, steady_slots):
     B, H, H_kv, D, window, periods, sinks, capacity, positions = CASES[case]
     N = sinks + capacity
     q, kv, alpha, hidden, head = _inputs(B, H, H_kv, D, N, dtype, seed=case)

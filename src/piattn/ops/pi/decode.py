@@ -127,13 +127,18 @@ def per_head_ring_slots(window: int, periods: tuple[int, ...], sinks: int, capac
     gets one that reads nothing (invalid) where the other heads' skip slot is, so that every head has the same
     slots in the same order, and its own slots are read as its own step reads them.
 
-    Arithmetic on one cached table of key offsets per set of periods (`_head_table`), a few tensor ops a step:
-    caching each period's `ring_slots` would hold `capacity` phases per period, thousands for a designer's long
-    periods. Past the first sinks + max(window, periods) positions every key exists and no sink is among them,
-    and only the slots' ring rows move."""
+    Past the first sinks + max(window, periods) positions every key exists and no sink is among them, and only
+    the slots' ring rows move: there the tables are read from one per phase of the ring (`_steady_slots`) where
+    those fit in STEADY_SLOTS_BYTES, else computed from one cached table of key offsets per set of periods
+    (`_head_table`), a few tensor ops a step, as before that point. (Caching each period's `ring_slots` instead
+    would hold `capacity` phases per period and miss on a designer's long periods.)"""
     offsets, present, skip_period, sink_index, steady_valid, kind, n_local, n_skip = _head_table(
         window, periods, sinks, device)
     steady = position >= sinks + max(window, *periods)
+    if steady:
+        by_phase = _steady_slots(window, periods, sinks, capacity, device)
+        if by_phase is not None:
+            return by_phase[position % capacity], steady_valid, kind, n_local, n_skip
     keys = offsets + position
     # The ring row of each key; a key before the text reads nothing, and its slot is position 0's, as in
     # `ring_slots` (a ring still growing holds no row past its last position).
@@ -148,6 +153,25 @@ def per_head_ring_slots(window: int, periods: tuple[int, ...], sinks: int, capac
         repeat = (back <= window) | (back == skip_period)
         valid = torch.cat([valid, (back >= 0) & ~repeat], 1)
     return slot, valid[:, None, :], kind, n_local, n_skip
+
+
+# The most bytes `_steady_slots` holds for one set of periods and ring: a table per phase of the ring, read in
+# place of a few tensor ops a step (a tenth of a small model's step per layer); larger rings take the ops.
+STEADY_SLOTS_BYTES = 1 << 20
+
+
+@functools.lru_cache(maxsize=64)
+def _steady_slots(window: int, periods: tuple[int, ...], sinks: int, capacity: int,
+                  device: torch.device) -> torch.Tensor | None:
+    """`per_head_ring_slots`' slot tables past its first positions, one per phase of the ring: [capacity, H, S]
+    int64 (the table of position p at p mod capacity), or None where that would pass STEADY_SLOTS_BYTES."""
+    offsets, _, _, sink_index, _, _, _, _ = _head_table(window, periods, sinks, device)
+    H, n_ring = offsets.shape
+    if capacity * H * (n_ring + sinks) * 8 > STEADY_SLOTS_BYTES:
+        return None
+    phase = torch.arange(capacity, device=device)[:, None, None]
+    slot = (offsets + phase).remainder_(capacity).add_(sinks)
+    return torch.cat([slot, sink_index.expand(capacity, H, sinks)], 2).contiguous()
 
 
 @functools.lru_cache(maxsize=256)
