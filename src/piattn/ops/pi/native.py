@@ -243,8 +243,8 @@ def _rows_step_unchecked(q: torch.Tensor, kv_store: torch.Tensor, slot: torch.Te
     None, kind [S] (`decode._slots`); or, for per-head periods in one call, slot [H, t·S] and valid [H, t, S] or
     None, one table per query head (`decode.per_head_ring_slots`; kind shared); gate α [B, H, t] for
     PRIOR_ALPHA, or for PRIOR_HIDDEN the hidden pre-activation [B, t, n_hidden] with gate_weight [H, n_hidden],
-    gate_bias [H]. Unchecked in Python (the
-    caller builds every shape); the C step checks every size, slot and kind before reading anything.
+    gate_bias [H]. Unchecked in Python (the caller builds every shape); the C step checks every size, slot and
+    kind before reading anything.
     """
     return _step(q, kv_store, slot, valid, kind, prior_mode, log_priors, gate, gate_weight, gate_bias, logit_clamp,
                  eps, scale)
@@ -314,9 +314,9 @@ def _token_step_unchecked(proj: torch.Tensor, n_heads: int, kv_store: torch.Tens
     y = torch.empty(B, H, 1, D, dtype=proj.dtype)
     code = function(_ARGS.pack(base, p_sb, D, 0, kv_store.data_ptr(), B, H, H_kv, N, D, 1, slot.data_ptr(),
                                0 if valid is None else valid.data_ptr(), slot_sh, kind.data_ptr(), kind.shape[0],
-                               prior_mode,
-                               log_priors[0], log_priors[1], gate_ptr, gate_sb, gate_sh, gate_st, n_hidden, w_ptr,
-                               b_ptr, scale, float("inf") if logit_clamp is None else logit_clamp, eps, y.data_ptr(),
+                               prior_mode, log_priors[0], log_priors[1], gate_ptr, gate_sb, gate_sh, gate_st,
+                               n_hidden, w_ptr, b_ptr, scale, float("inf") if logit_clamp is None else logit_clamp,
+                               eps, y.data_ptr(),
                                base + H * D * proj.element_size(), p_sb, fresh_slot, cos_ptr, sin_ptr, rope_f64,
                                w_in_ptr, b_in_ptr, n_in))
     _refuse(code)
