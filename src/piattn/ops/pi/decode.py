@@ -77,22 +77,20 @@ def _slots(window: int, period: int, sinks: int, n_queries: int, n_keys: int, de
 def _per_head_slots(window: int, periods: tuple[int, ...], sinks: int, n_queries: int, n_keys: int,
                     device: torch.device):
     """`_slots` of every query head at once, for per-head periods read in one call of the compiled step:
-    (idx [H, t·S], valid [H, t, S] bool or None, kind [S], n_local, n_skip), head h's table that of its own period;
-    a head whose period lies within the window gets a slot that reads nothing where the others' skip slot is, as
-    in `per_head_ring_slots`."""
-    by_period = {p: _slots(window, p, sinks, n_queries, n_keys, device) for p in set(periods)}
-    kind, n_local, n_skip = max(((k, nl, ns) for _, _, k, nl, ns in by_period.values()), key=lambda x: x[2])
-    tables = {}
-    for p, (idx, valid, _, _, n_skip_p) in by_period.items():
-        idx = idx.view(n_queries, -1)
-        valid = torch.ones_like(idx, dtype=torch.bool) if valid is None else valid
-        if n_skip_p < n_skip:  # the skip slot after the n_local local ones: reads nothing
-            idx = torch.cat([idx[:, :n_local], idx.new_zeros(n_queries, 1), idx[:, n_local:]], 1)
-            valid = torch.cat([valid[:, :n_local], valid.new_zeros(n_queries, 1), valid[:, n_local:]], 1)
-        tables[p] = idx, valid
-    idx = torch.stack([tables[p][0].flatten() for p in periods])
-    valid = torch.stack([tables[p][1] for p in periods])
-    return idx, None if bool(valid.all()) else valid, kind, n_local, n_skip
+    (idx [H, t·S], valid [H, t, S] bool or None, kind [S], n_local, n_skip), head h's table that of its own period,
+    from the same table of key offsets as `per_head_ring_slots` (`_head_table`); a head whose period lies within
+    the window reads nothing in the others' skip place. A slot that reads nothing indexes key 0, as in `_slots`."""
+    offsets, present, skip_period, sink_index, _, kind, n_local, n_skip = _head_table(window, periods, sinks, device)
+    positions = torch.arange(n_keys - n_queries, n_keys, device=device)[:, None]  # the queries' positions [t, 1]
+    keys = offsets[:, None, :] + positions  # [H, t, n_local + n_skip]
+    valid = (keys >= 0) & present[:, None, :]
+    idx = keys.clamp(min=0)
+    if sinks:  # a sink not yet reached, or already read as a local or skip key, reads nothing
+        back = positions - sink_index
+        sink_valid = (back >= 0) & ~((back <= window) | (back == skip_period[:, :, None]))
+        valid = torch.cat([valid, sink_valid], 2)
+        idx = torch.cat([idx, torch.where(sink_valid, sink_index, 0)], 2)
+    return idx.flatten(1), None if bool(valid.all()) else valid, kind, n_local, n_skip
 
 
 def ring_slots(window: int, period: int, sinks: int, capacity: int, position: int, device: torch.device):
