@@ -723,8 +723,9 @@ static inline FN(vec) FN(log_lanes)(FN(vec) x, FN(ivec) * inside) {
 #endif
 
 /* log of each lane: log_lanes, libm for the lanes outside its range (fp64: libm). A row alone takes the same
- * lanes as a block of rows (forward_block_d), so that its logs are the same bits either way. */
-static inline FN(vec) FN(logs)(FN(vec) x) {
+ * lanes as a block of rows (forward_block_d), so that its logs are the same bits either way. Not inlined: it
+ * runs once for a block of rows, and inlined into the blocks it made the forward 1.03–1.07× slower. */
+static __attribute__((noinline)) FN(vec) FN(logs)(FN(vec) x) {
 #if PI_VECTOR_EXP
   FN(ivec) inside;
   FN(vec) y = FN(log_lanes)(x, &inside);
@@ -1140,6 +1141,86 @@ static inline __attribute__((always_inline)) int FN(forward_block_d)(const pi_ca
 }
 #endif
 
+#if PI_VECTOR_EXP && !PI_STORAGE && (PI_LANES == 8 || PI_LANES == 4)
+/* backward_row_d for fp32 without "separate" (D a multiple of LANES, at most 16 vectors), with the row's slots
+ * in the lanes of vectors, LANES slots a vector. Why: backward_row_d's first half is a chain of scalar steps,
+ * one per slot (a horizontal sum per dot, the logits, the softmax's gradient, dgate's sums), and exp's vector
+ * loads of the logits wait there for the scalar stores before them (a load that spans several stores is not
+ * forwarded); here each step is one vector instruction for LANES slots. The dots, logits and weights are the
+ * bits backward_row_d gets (sum_lanes_of adds as sum_lanes does); the softmax's sums over the slots are taken
+ * lane-wise, then across the lanes: another order than backward_row_d's, the same sums. */
+#define PI_ROW_LANES 1
+PI_INLINE void FN(backward_row_lanes_d)(const pi_call *c, const pi_pattern *p, int64_t i, int64_t start, int64_t end,
+                                        const R *qi, const R *dyi, const R *k, const R *v, R a, const R *lp,
+                                        const double *stat, R *dqi, R *dk, R *dv, int64_t at, R *dgate,
+                                        const uint8_t *keep, int streaming, FN(pi_scratch) * w, const int64_t D) {
+  int64_t *row = w->row, nl;
+  const int64_t n = FN(slot_rows)(p, start, end, D, i, row, &nl), width = (n + LANES - 1) / LANES * LANES;
+  /* [width]: slot m at m (lane m % LANES of vector m / LANES); the lanes past n are 0 where they are read */
+  R *z = w->zt, *dp = w->dpt, *pass = w->passt, *mult = w->multt;
+  FN(vec) *xz = (FN(vec) *)(void *)w->lanes, *xp = xz + width; /* [width]: the dots before their last sum */
+  FN(vec) qr[16], dyr[16]; /* the row's q and dy, in registers for all its slots */
+  for (int64_t d = 0; d < D; d += LANES) {
+    qr[d / LANES] = FN(load)(qi + d);
+    dyr[d / LANES] = FN(load)(dyi + d);
+  }
+  for (int64_t m = 0; m < n; m++) {
+    xz[m] = FN(dot_lanes)(qr, k + row[m], D);
+    xp[m] = FN(dot_lanes)(dyr, v + row[m], D);
+  }
+  for (int64_t m = n; m < width; m++) xz[m] = xp[m] = FN(splat)(0);
+  R lp_local, lp_skip; /* "adaptive": lp (backward_log_priors), the same bits as log_priors */
+  if (lp) lp_local = lp[0], lp_skip = lp[LANES];
+  else FN(log_priors)(c, p, a, &lp_local, &lp_skip);
+  if (keep) {
+    FN(dropout_row)(c, p, start, i, D, row, n, nl, keep, mult);
+    for (int64_t m = n; m < width; m++) mult[m] = 0;
+  }
+  const FN(ivec) index = *(const FN(ivec) *)(const void *)pi_lane_index;
+  const FN(vec) scale = FN(splat)((R)c->scale), limit = FN(splat)((R)c->clamp), one = FN(splat)(1),
+                none = FN(splat)(0), prior_local = FN(splat)(lp_local), prior_skip = FN(splat)(lp_skip);
+  const R shift = (R)stat[0];
+  const FN(vec) hi = FN(splat)(shift), lo = FN(splat)((R)(stat[0] - (double)shift));
+  /* the weights exp(logit − stat) (z; the shift as the pair hi + lo: exp_shifted) and dL/dweight (dp) */
+  FN(vec) sum = none;
+  for (int64_t g = 0; g < width; g += LANES) {
+    const FN(ivec) slot = index + (int32_t)g;
+    FN(vec) score = FN(sum_lanes_of)(xz + g) * scale, grad = FN(sum_lanes_of)(xp + g);
+    if (c->has_clamp) { /* as FN(logits): a NaN passes the clamp but not the mask */
+      FN(store)(pass + g, FN(select)((score <= limit) & (score >= -limit), one, none));
+      score = FN(select)(score > limit, limit, score);
+      score = FN(select)(score < -limit, -limit, score);
+    }
+    score += FN(select)(slot < (int32_t)nl, prior_local, prior_skip);
+    const FN(vec) e = FN(select)(slot < (int32_t)n, FN(exps)((score - hi) - lo), none);
+    if (keep) grad *= FN(load)(mult + g); /* dL/dweight before dropout: the kept ones scaled, the dropped 0 */
+    FN(store)(z + g, e);
+    sum += e * grad;
+    FN(store)(dp + g, grad);
+  }
+  /* dp becomes the gradient of the logits, then of the dots (the clamp's mask, the scale) */
+  const FN(vec) total = FN(splat)(FN(sum_lanes)(sum));
+  FN(vec) d_local = none, d_skip = none;
+  for (int64_t g = 0; g < width; g += LANES) {
+    const FN(ivec) slot = index + (int32_t)g;
+    const FN(vec) grad = FN(load)(z + g) * (FN(load)(dp + g) - total);
+    d_local += FN(select)(slot < (int32_t)nl, grad, none);
+    d_skip += FN(select)((slot >= (int32_t)nl) & (slot < (int32_t)n), grad, none);
+    FN(store)(dp + g, grad * (c->has_clamp ? FN(load)(pass + g) * scale : scale));
+    if (keep) FN(store)(z + g, FN(load)(z + g) * FN(load)(mult + g)); /* dv reads the weights after dropout */
+  }
+  if (dgate && c->variant == PI_ADAPTIVE) { /* d log max(α, ε) / dα = 1/α where α >= ε, else 0 */
+    const R eps = (R)c->eps, rest = 1 - a;
+    *dgate = FN(sum_lanes)(d_local) * (R)(a >= eps) / a - (n > nl ? FN(sum_lanes)(d_skip) * (R)(rest >= eps) / rest : 0);
+  }
+  /* dq_i = Σ_m dz_m·k_m; dk_m += dz_m·q_i and dv_m += w_m·dy_i, one pass over D per slot. */
+  FN(weighted_sum)(dqi, dp, 1, k, row, n, D, streaming);
+  for (int64_t m = 0; m < n; m++) FN(add2)(dk + (row[m] - at), dp[m], qi, dv + (row[m] - at), z[m], dyi, D);
+}
+#else
+#define PI_ROW_LANES 0
+#endif
+
 /* One query row's gradients: dq_i, dgate_i (when dgate is not NULL), and its terms of dk, dv (key j's row at
  * j·D − at: the backward's window of rows). */
 static inline __attribute__((always_inline)) void FN(backward_row_d)(const pi_call *c, const pi_pattern *p,
@@ -1150,6 +1231,13 @@ static inline __attribute__((always_inline)) void FN(backward_row_d)(const pi_ca
                                                                     int64_t at, S *dgate, const uint8_t *keep,
                                                                     int streaming, FN(pi_scratch) * w,
                                                                     const int64_t D) {
+#if PI_ROW_LANES
+  if (c->variant != PI_SEPARATE && D % LANES == 0 && D <= 16 * LANES) {
+    FN(backward_row_lanes_d)(c, p, i, start, end, q_i, dy_i, k, v, a, lp, stat, dqi, dk, dv, at, dgate, keep,
+                             streaming, w, D);
+    return;
+  }
+#endif
   int64_t *row = w->row, nl;
   R *z = w->z, *dp = w->dp, *pass = w->pass;
   const R *qi = FN(row_r)(q_i, w->conv, D), *dyi = FN(row_r)(dy_i, w->conv + D, D);
@@ -1619,6 +1707,7 @@ static __attribute__((noinline)) int FN(backward)(const pi_call *c, const pi_buf
 #undef FN
 #undef LANES
 #undef PI_BACKWARD_BLOCKS
+#undef PI_ROW_LANES
 
 #endif /* the kernels of one precision */
 
