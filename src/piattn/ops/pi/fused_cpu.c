@@ -1211,7 +1211,8 @@ PI_INLINE void FN(backward_row_lanes_d)(const pi_call *c, const pi_pattern *p, i
   }
   if (dgate && c->variant == PI_ADAPTIVE) { /* d log max(α, ε) / dα = 1/α where α >= ε, else 0 */
     const R eps = (R)c->eps, rest = 1 - a;
-    *dgate = FN(sum_lanes)(d_local) * (R)(a >= eps) / a - (n > nl ? FN(sum_lanes)(d_skip) * (R)(rest >= eps) / rest : 0);
+    const R skip = n > nl ? FN(sum_lanes)(d_skip) * (R)(rest >= eps) / rest : 0;
+    *dgate = FN(sum_lanes)(d_local) * (R)(a >= eps) / a - skip;
   }
   /* dq_i = Σ_m dz_m·k_m; dk_m += dz_m·q_i and dv_m += w_m·dy_i, one pass over D per slot. */
   FN(weighted_sum)(dqi, dp, 1, k, row, n, D, streaming);
