@@ -73,3 +73,15 @@ def test_bad_arguments_are_refused_by_name(profile, tmp_path, capsys, args, name
     with pytest.raises(SystemExit):
         profile.main([*args, "--out", str(tmp_path)])
     assert named in capsys.readouterr().err
+
+
+def test_perf_samples_land_in_the_libraries(profile):
+    """Where perf can sample here: half a second of π's steps, its samples split over the libraries (the shares
+    add up to the whole, and the interpreter and the compiled step each took some)."""
+    if profile.shutil.which("perf") is None or native.unavailable():
+        pytest.skip(f"no perf here, or no compiled step: {native.unavailable()}")
+    shares = profile.by_library("pi", 40, 1, 0.5, "tiny")
+    if shares is None:
+        pytest.skip("perf may not sample here")
+    assert 99.0 <= sum(shares.values()) <= 100.5, shares
+    assert shares.get("Python interpreter", 0) > 0 and shares.get("compiled step", 0) > 0, shares
