@@ -160,16 +160,17 @@ STEADY_SLOTS_BYTES = 1 << 20
 
 @functools.lru_cache(maxsize=64)
 def _steady_slots(window: int, periods: tuple[int, ...], sinks: int, capacity: int,
-                  device: torch.device) -> torch.Tensor | None:
-    """`per_head_ring_slots`' slot tables past its first positions, one per phase of the ring: [capacity, H, S]
-    int64 (the table of position p at p mod capacity), or None where that would pass STEADY_SLOTS_BYTES."""
+                  device: torch.device) -> tuple[torch.Tensor, ...] | None:
+    """`per_head_ring_slots`' slot tables past its first positions, one per phase of the ring: `capacity` views
+    [H, S] int64 of one table (position p's at p mod capacity; a tuple, so that a step picks its table without a
+    tensor op), or None where that would pass STEADY_SLOTS_BYTES."""
     offsets, _, _, sink_index, _, _, _, _ = _head_table(window, periods, sinks, device)
     H, n_ring = offsets.shape
     if capacity * H * (n_ring + sinks) * 8 > STEADY_SLOTS_BYTES:
         return None
     phase = torch.arange(capacity, device=device)[:, None, None]
     slot = (offsets + phase).remainder_(capacity).add_(sinks)
-    return torch.cat([slot, sink_index.expand(capacity, H, sinks)], 2).contiguous()
+    return torch.cat([slot, sink_index.expand(capacity, H, sinks)], 2).contiguous().unbind(0)
 
 
 @functools.lru_cache(maxsize=256)
