@@ -111,6 +111,7 @@ def worker(kind: str, position: int, batch: int, seconds: float, config: str) ->
 
 
 def library_of(dso: str) -> str:
+    """The library (LIBRARIES' name, or OTHER) that perf's shared-object name `dso` counts for."""
     for library, pattern in LIBRARIES:
         if re.match(pattern, dso):
             return library
