@@ -128,29 +128,22 @@ def per_head_ring_slots(window: int, periods: tuple[int, ...], sinks: int, capac
     Past the first sinks + max(window, periods) positions every key exists and no sink is among them, and only
     the slots' ring rows move: there the tables are read from one per phase of the ring (`_steady_slots`) where
     those fit in STEADY_SLOTS_BYTES, else computed from one cached table of key offsets per set of periods
-    (`_head_table`), a few tensor ops a step, as before that point. (Caching each period's `ring_slots` instead
+    (`_head_table`), a few tensor ops a step. Before that point they are `_per_head_slots`' for the query at
+    `position`, mapped onto the ring as `ring_slots` maps `_slots`'. (Caching each period's `ring_slots` instead
     would hold `capacity` phases per period and miss on a designer's long periods.)"""
-    offsets, present, skip_period, sink_index, steady_valid, kind, n_local, n_skip = _head_table(
-        window, periods, sinks, device)
-    steady = position >= sinks + max(window, *periods)
-    if steady:
+    if position >= sinks + max(window, *periods):
+        offsets, _, _, sink_index, steady_valid, kind, n_local, n_skip = _head_table(window, periods, sinks, device)
         by_phase = _steady_slots(window, periods, sinks, capacity, device)
         if by_phase is not None:
             return by_phase[position % capacity], steady_valid, kind, n_local, n_skip
-    keys = offsets + position
-    # The ring row of each key; a key before the text reads nothing, and its slot is position 0's, as in
-    # `ring_slots` (a ring still growing holds no row past its last position).
-    slot = (keys if steady else keys.clamp(min=0)).remainder(capacity).add_(sinks)
-    if sinks:
-        slot = torch.cat([slot, sink_index.expand(len(periods), sinks)], 1)
-    if steady:
+        slot = (offsets + position).remainder_(capacity).add_(sinks)
+        if sinks:
+            slot = torch.cat([slot, sink_index.expand(len(periods), sinks)], 1)
         return slot, steady_valid, kind, n_local, n_skip
-    valid = (keys >= 0) & present
-    if sinks:  # a sink not yet reached, or already read as a local or skip key, reads nothing
-        back = position - sink_index
-        repeat = (back <= window) | (back == skip_period)
-        valid = torch.cat([valid, (back >= 0) & ~repeat], 1)
-    return slot, valid[:, None, :], kind, n_local, n_skip
+    idx, valid, kind, n_local, n_skip = _per_head_slots(window, periods, sinks, 1, position + 1, device)
+    n_ring = idx.shape[1] - sinks  # the local and skip slots: ring rows; the sink slots: the sinks' own rows
+    slot = torch.cat([idx[:, :n_ring].remainder(capacity).add_(sinks), idx[:, n_ring:]], 1)
+    return slot, valid, kind, n_local, n_skip
 
 
 # The most bytes `_steady_slots` holds for one set of periods and ring: a table per phase of the ring, read in
