@@ -1019,6 +1019,12 @@ static inline FN(vec) FN(select)(FN(ivec) mask, FN(vec) a, FN(vec) b) {
   return (FN(vec))(((FN(ivec))a & mask) | ((FN(ivec))b & ~mask));
 }
 
+/* Each lane clamped to [−limit, limit] as FN(logits) clamps a score (a NaN passes). */
+static inline FN(vec) FN(clamp_lanes)(FN(vec) x, FN(vec) limit) {
+  x = FN(select)(x > limit, limit, x);
+  return FN(select)(x < -limit, -limit, x);
+}
+
 /* The slots of LANES consecutive query rows i0 … of one head, in w->rows (rows[r·w->n + m]: key row offset of
  * slot m of row i0 + r), how many (*n) and how many local (*n_local), when all the rows' slots have the same
  * structure (every row but those near the sequence's or a document's edges); else 0. start, end: the rows'
@@ -1107,10 +1113,7 @@ static inline __attribute__((always_inline)) int FN(forward_block_d)(const pi_ca
   FN(vec) top = FN(splat)(-INFINITY);
   for (int64_t m = 0; m < n; m++) {
     FN(vec) score = FN(load)(z + m * LANES) * scale;
-    if (c->has_clamp) {
-      score = FN(select)(score > limit, limit, score);
-      score = FN(select)(score < -limit, -limit, score);
-    }
+    if (c->has_clamp) score = FN(clamp_lanes)(score, limit);
     score += m < nl ? local : skip;
     FN(store)(z + m * LANES, score);
     top = FN(select)(score > top, score, top);
@@ -1188,8 +1191,7 @@ PI_INLINE void FN(backward_row_lanes_d)(const pi_call *c, const pi_pattern *p, i
     FN(vec) score = FN(sum_lanes_of)(xz + g) * scale, grad = FN(sum_lanes_of)(xp + g);
     if (c->has_clamp) { /* as FN(logits): a NaN passes the clamp but not the mask */
       FN(store)(pass + g, FN(select)((score <= limit) & (score >= -limit), one, none));
-      score = FN(select)(score > limit, limit, score);
-      score = FN(select)(score < -limit, -limit, score);
+      score = FN(clamp_lanes)(score, limit);
     }
     score += FN(select)(slot < (int32_t)nl, prior_local, prior_skip);
     const FN(vec) e = FN(select)(slot < (int32_t)n, FN(exps)((score - hi) - lo), none);
@@ -1356,8 +1358,7 @@ static inline __attribute__((always_inline)) int FN(backward_block_d)(
     FN(vec) score = FN(load)(z + m * LANES) * scale;
     if (c->has_clamp) {
       FN(store)(pass + m * LANES, FN(select)((score <= limit) & (score >= -limit), one, none));
-      score = FN(select)(score > limit, limit, score);
-      score = FN(select)(score < -limit, -limit, score);
+      score = FN(clamp_lanes)(score, limit);
     }
     FN(store)(z + m * LANES, score + (m < nl ? local : skip));
   }
