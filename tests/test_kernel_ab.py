@@ -34,3 +34,23 @@ def test_an_unknown_revision_is_refused_with_its_name(tmp_path):
     bench = load_script(SCRIPT, "kernel_ab")
     with pytest.raises(SystemExit, match="no-such-revision"):
         bench.main(["--revisions", "no-such-revision", "--out", str(tmp_path)])
+
+
+def test_the_decoding_step_of_the_worktree_against_itself(tmp_path):
+    """--kernels step: a row per case, batch and revision, from the packed block of a real layer step."""
+    bench = load_script(SCRIPT, "kernel_ab")
+    rows = bench.main(["--kernels", "step", "--revisions", "worktree", "worktree", "--cases", "pi", "local",
+                       "--batches", "1", "3", "--rounds", "2", "--calls", "5", "--out", str(tmp_path), "--name", "ab"])
+    assert [(r["case"], r["batch"]) for r in rows] == [("pi", 1), ("pi", 3), ("local", 1), ("local", 3)]
+    for row in rows:
+        assert row["revision"] == "worktree" and row["step / first"] == 1.0 and row["step min"] > 0
+    text = (tmp_path / "ab.md").read_text()
+    assert "# decode_step.c revisions" in text and "| pi | 3 | worktree |" in text
+
+
+@pytest.mark.parametrize("flags", [["--kernels", "step", "--lengths", "64"], ["--cases", "pi"]])
+def test_a_setting_of_the_other_kernels_is_refused(flags, tmp_path, capsys):
+    bench = load_script(SCRIPT, "kernel_ab")
+    with pytest.raises(SystemExit):
+        bench.main(["--revisions", "worktree", "--out", str(tmp_path), *flags])
+    assert "applies to --kernels" in capsys.readouterr().err

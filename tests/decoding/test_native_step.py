@@ -20,7 +20,7 @@ from piattn.config import PI_DEFAULTS
 from piattn.decoding.cache import RingCache
 from piattn.models import GPT, GPTConfig
 from piattn.ops.pi import cbuild, pi_attention
-from piattn.ops.pi.decode import decode_ring, decode_settings
+from piattn.ops.pi.decode import decode_ring, decode_settings, ring_slots
 
 TOL = {torch.float32: dict(rtol=2e-5, atol=2e-6), torch.float64: dict(rtol=1e-12, atol=1e-12)}
 EPS = 1e-3  # large enough that the clip of the gate changes the rows
@@ -125,6 +125,56 @@ def test_the_comparison_sees_the_gate_the_clamp_and_the_sinks():
 # gate's hidden layer saturates σ, so those stay finite in both steps.
 NON_FINITE_ROWS = {"read key": [2, 3], "read value": [2, 3], "unread key": [], "unread value": [],
                    "gate": [4, 5, 6, 7]}
+
+
+@pytest.mark.parametrize("mode", ["hidden", "input"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_tokens_gate_is_the_same_bits_alone_and_in_any_batch(mode, dtype):
+    """The C step runs the gate MLP for up to 8 tokens at once (fp32: several tokens in vector lanes, one token
+    alone by itself): 19 sequences (chunks of 8, 8 and 3), 5 heads (four side by side, then one) and a
+    13-wide gate give each sequence's row the bits it gets alone, and the rows agree with the gate written out
+    in fp64. "hidden": the gate's last layers from its hidden layer (`ring_step`); "input": its whole MLP from
+    the layer input, in the one-token step that also stores the token (`_token_step_unchecked`)."""
+    B, H, H_kv, D, n_hidden, n_in, window, period = 19, 5, 1, 8, 13, 11, 3, 7
+    g = torch.Generator().manual_seed(5)
+    kv = torch.randn(2, B, H_kv, period + 1, D, generator=g, dtype=dtype)
+    fresh = torch.randn(B, 1, (H + 2 * H_kv) * D, generator=g, dtype=dtype)  # q, then the new key and value
+    x = 2 * torch.randn(B, 1, n_in, generator=g, dtype=dtype)
+    w_in, b_in = torch.randn(n_hidden, n_in, generator=g, dtype=dtype) / 2, torch.randn(n_hidden, generator=g,
+                                                                                       dtype=dtype)
+    w, b = torch.randn(H, n_hidden, generator=g, dtype=dtype), torch.randn(H, generator=g, dtype=dtype)
+    hidden = x @ w_in.T + b_in
+    slot, valid, kind, _, _ = ring_slots(window, period, 0, period + 1, 20, torch.device("cpu"))
+
+    def step(rows):
+        store = kv[:, rows].clone()
+        if mode == "hidden":
+            q = fresh[rows, :, :H * D].reshape(-1, 1, H, D).transpose(1, 2)
+            y = native.ring_step(q, store, slot, valid, kind, prior_mode=native.PRIOR_HIDDEN, gate=hidden[rows],
+                                 gate_weight=w, gate_bias=b, logit_clamp=None, eps=EPS, scale=0.5)
+        else:
+            y = native._token_step_unchecked(fresh[rows], H, store, slot, valid, kind, int(slot[0]), None,
+                                             (0.0, 0.0), x[rows], (w_in, b_in, w, b), None, EPS, 0.5,
+                                             prior_mode=native.PRIOR_INPUT)
+        assert y is not None
+        return y, store
+
+    together, store = step(slice(None))
+    for i in range(B):
+        alone, alone_store = step(slice(i, i + 1))
+        assert torch.equal(together[i], alone[0]), f"sequence {i}"
+        assert torch.equal(store[:, i], alone_store[:, 0])
+    alpha = _gate_from_hidden(hidden.double(), w, b, EPS)  # [B, H, 1]
+    store = store.double()
+    q = fresh[:, 0, :H * D].reshape(B, H, D).double()
+    keys, values = store[0, :, 0][:, slot], store[1, :, 0][:, slot]  # [B, S, D]
+    prior = torch.where(kind.bool(), (1 - alpha).clamp_min(EPS).log(), alpha.clamp_min(EPS).log())  # [B, H, S]
+    scores = torch.einsum("bhd,bsd->bhs", q, keys) * 0.5 + prior
+    assert valid is None  # a full ring: every slot reads a key
+    expected = torch.einsum("bhs,bsd->bhd", scores.softmax(-1), values)
+    # fp32: the gate's rounding (GELU, sums, σ, log) moves rows of size 1 by up to about 1e-5
+    tol = TOL[dtype] if dtype == torch.float64 else dict(rtol=1e-4, atol=2e-5)
+    torch.testing.assert_close(together[:, :, 0].double(), expected, **tol)
 
 
 @pytest.mark.parametrize("where", list(NON_FINITE_ROWS))

@@ -40,9 +40,9 @@
  * Trust: native.py checks every shape before the call, but this function is the last step before raw
  * pointers, so it checks again what it can see (the sizes, every slot and kind, the prior mode) and
  * returns a PI_ERR_* code, having read nothing, rather than divide by zero (H / H_kv with H_kv > H) or
- * read outside kv (a slot >= N). Its scratch rows live on the heap: as stack arrays, a wide gate
- * (n_hidden of a million, or tens of thousands in a thread with a small stack) overflowed the stack and
- * killed the process.
+ * read outside kv (a slot >= N). Its scratch rows live on the heap past PI_STACK_SCRATCH: as stack arrays of
+ * any size, a wide gate (n_hidden of a million, or tens of thousands in a thread with a small stack) overflowed
+ * the stack and killed the process.
  */
 #include <math.h>
 #include <stdint.h>
@@ -52,6 +52,10 @@
 enum { PRIOR_NONE = 0, PRIOR_CONST = 1, PRIOR_ALPHA = 2, PRIOR_HIDDEN = 3, PRIOR_INPUT = 4 };
 /* Return codes; native.py turns each into its error. */
 enum { PI_OK = 0, PI_ERR_SIZE = 1, PI_ERR_SLOT = 2, PI_ERR_KIND = 3, PI_ERR_PRIOR = 4, PI_ERR_MEMORY = 5 };
+/* Scratch rows of up to this many elements (4 KiB in fp32) live on the stack, larger ones on the heap: a step's
+ * rows are a few hundred elements, and a heap block past glibc's per-thread cache (about 1 KiB) cost a tenth of a
+ * small step; a wide gate's rows (n_hidden of tens of thousands) would overflow a thread's stack. */
+#define PI_STACK_SCRATCH 1024
 
 /* PI_OK when every read and write of the step stays inside the buffers whose sizes it was given. */
 static int pi_check(const void *q, const void *kv, int64_t B, int64_t H, int64_t H_kv, int64_t N, int64_t D,
@@ -182,60 +186,155 @@ static void pi_gelu_f64(const double *x, int64_t n, double *out) {
 /* The fp32 GELU of the step, exported for its test (n values of x into out). */
 void pi_gelu_f32_row(const float *x, int64_t n, float *out) { pi_gelu_f32(x, n, out); }
 
-/* out[j] = bias[j] + w[j]·x for the n_out rows of w [n_out, n] (PRIOR_INPUT: the gate MLP's first layer, from the
- * layer's live weights): four rows at a time, each in eight partial sums (i mod 8) added pairwise at the end.
- * fp32 in GCC vector types of eight lanes (one AVX register, two SSE ones): the same additions in the same order
- * on every build. */
+/* The gate runs for up to PI_LANES tokens at once (a chunk: the tokens of a batch, or a few queries): its
+ * weights are read once per chunk instead of once per token, and the tokens' independent sums overlap. Each
+ * token's arithmetic is what it gets alone, in the same order, so a token's gate is the same bits at any batch. */
+
+/* out[l][j] = bias[j] + w[j]·xs[l] for the n_out rows of w [n_out, n] and the m <= PI_LANES rows xs[l] [n]
+ * (PRIOR_INPUT: the gate MLP's first layer, from the layer's live weights), out [m][n_out]: four rows of w at a
+ * time, applied to each token in turn while they are in cache, each sum in eight partial sums (i mod 8) added
+ * pairwise at the end. fp32 in GCC vector types of eight lanes (one AVX register, two SSE ones): the same
+ * additions in the same order on every build. */
 typedef float pi_v8f __attribute__((vector_size(32), aligned(4), may_alias));
 
 static float pi_sum8(pi_v8f p) { return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7])); }
 
-static void pi_affine_f32(const float *w, const float *bias, const float *x, int64_t n_out, int64_t n, float *out) {
+static void pi_affine_f32(const float *w, const float *bias, const float *const *xs, int64_t m, int64_t n_out,
+                          int64_t n, float *out) {
   int64_t j = 0;
   for (; j + 4 <= n_out; j += 4) {
     const float *w0 = w + j * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
-    pi_v8f p0 = {0}, p1 = {0}, p2 = {0}, p3 = {0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-      const pi_v8f xi = *(const pi_v8f *)(x + i);
-      p0 += *(const pi_v8f *)(w0 + i) * xi;
-      p1 += *(const pi_v8f *)(w1 + i) * xi;
-      p2 += *(const pi_v8f *)(w2 + i) * xi;
-      p3 += *(const pi_v8f *)(w3 + i) * xi;
+    for (int64_t l = 0; l < m; l++) {
+      const float *x = xs[l];
+      pi_v8f p0 = {0}, p1 = {0}, p2 = {0}, p3 = {0};
+      int64_t i = 0;
+      for (; i + 8 <= n; i += 8) {
+        const pi_v8f xi = *(const pi_v8f *)(x + i);
+        p0 += *(const pi_v8f *)(w0 + i) * xi;
+        p1 += *(const pi_v8f *)(w1 + i) * xi;
+        p2 += *(const pi_v8f *)(w2 + i) * xi;
+        p3 += *(const pi_v8f *)(w3 + i) * xi;
+      }
+      float s0 = pi_sum8(p0), s1 = pi_sum8(p1), s2 = pi_sum8(p2), s3 = pi_sum8(p3);
+      for (; i < n; i++) {
+        s0 += w0[i] * x[i];
+        s1 += w1[i] * x[i];
+        s2 += w2[i] * x[i];
+        s3 += w3[i] * x[i];
+      }
+      float *o = out + l * n_out + j;
+      o[0] = bias[j] + s0;
+      o[1] = bias[j + 1] + s1;
+      o[2] = bias[j + 2] + s2;
+      o[3] = bias[j + 3] + s3;
     }
-    float s0 = pi_sum8(p0), s1 = pi_sum8(p1), s2 = pi_sum8(p2), s3 = pi_sum8(p3);
-    for (; i < n; i++) {
-      s0 += w0[i] * x[i];
-      s1 += w1[i] * x[i];
-      s2 += w2[i] * x[i];
-      s3 += w3[i] * x[i];
-    }
-    out[j] = bias[j] + s0;
-    out[j + 1] = bias[j + 1] + s1;
-    out[j + 2] = bias[j + 2] + s2;
-    out[j + 3] = bias[j + 3] + s3;
   }
   for (; j < n_out; j++) { /* the last rows, one at a time: the same sums as above */
     const float *wj = w + j * n;
-    pi_v8f p = {0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) p += *(const pi_v8f *)(wj + i) * *(const pi_v8f *)(x + i);
-    float sum = pi_sum8(p);
-    for (; i < n; i++) sum += wj[i] * x[i];
-    out[j] = bias[j] + sum;
+    for (int64_t l = 0; l < m; l++) {
+      const float *x = xs[l];
+      pi_v8f p = {0};
+      int64_t i = 0;
+      for (; i + 8 <= n; i += 8) p += *(const pi_v8f *)(wj + i) * *(const pi_v8f *)(x + i);
+      float sum = pi_sum8(p);
+      for (; i < n; i++) sum += wj[i] * x[i];
+      out[l * n_out + j] = bias[j] + sum;
+    }
   }
 }
 
-static void pi_affine_f64(const double *w, const double *bias, const double *x, int64_t n_out, int64_t n,
-                          double *out) {
-  for (int64_t j = 0; j < n_out; j++) {
-    double sum = 0;
-    for (int64_t i = 0; i < n; i++) sum += w[j * n + i] * x[i];
-    out[j] = bias[j] + sum;
+static void pi_affine_f64(const double *w, const double *bias, const double *const *xs, int64_t m, int64_t n_out,
+                          int64_t n, double *out) {
+  for (int64_t j = 0; j < n_out; j++)
+    for (int64_t l = 0; l < m; l++) {
+      double sum = 0;
+      for (int64_t i = 0; i < n; i++) sum += w[j * n + i] * xs[l][i];
+      out[l * n_out + j] = bias[j] + sum;
+    }
+}
+
+/* The gate's last linear, pre[l][h] = bias[h] + Σ_j w[h][j]·act[l][j] (taken over j in order), for the m
+ * tokens act [m][n] (w [H, n], pre [m][H]): token by token, four heads side by side (four independent chains
+ * of n additions). */
+#define DEFINE_LAST_BY_TOKEN(NAME, T)                                                                        \
+  static void NAME(const T *w, const T *bias, const T *act, int64_t m, int64_t n, int64_t H, T *pre) {       \
+    for (int64_t l = 0; l < m; l++) {                                                                        \
+      const T *x = act + l * n;                                                                              \
+      int64_t h = 0;                                                                                         \
+      for (; h + 4 <= H; h += 4) {                                                                           \
+        const T *w0 = w + h * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;                                   \
+        T u0 = bias[h], u1 = bias[h + 1], u2 = bias[h + 2], u3 = bias[h + 3];                                \
+        for (int64_t j = 0; j < n; j++) {                                                                    \
+          u0 += w0[j] * x[j];                                                                                \
+          u1 += w1[j] * x[j];                                                                                \
+          u2 += w2[j] * x[j];                                                                                \
+          u3 += w3[j] * x[j];                                                                                \
+        }                                                                                                    \
+        pre[l * H + h] = u0;                                                                                 \
+        pre[l * H + h + 1] = u1;                                                                             \
+        pre[l * H + h + 2] = u2;                                                                             \
+        pre[l * H + h + 3] = u3;                                                                             \
+      }                                                                                                      \
+      for (; h < H; h++) {                                                                                   \
+        T u = bias[h];                                                                                       \
+        for (int64_t j = 0; j < n; j++) u += w[h * n + j] * x[j];                                            \
+        pre[l * H + h] = u;                                                                                  \
+      }                                                                                                      \
+    }                                                                                                        \
+  }
+DEFINE_LAST_BY_TOKEN(pi_last_by_token_f32, float)
+DEFINE_LAST_BY_TOKEN(pi_last_by_token_f64, double)
+
+/* fp32 with several tokens: the tokens in the lanes of a vector (act transposed into lanes [n][PI_LANES], the
+ * lanes of absent tokens 0), four heads side by side: four chains of n additions for the whole chunk instead of
+ * four per token. Every lane adds as pi_last_by_token does, so a token's pre is the same bits either way. One
+ * token alone takes pi_last_by_token (its transpose would cost more than its lanes save). */
+static void pi_last_f32(const float *w, const float *bias, const float *act, int64_t m, int64_t n, int64_t H,
+                        float *lanes, float *pre) {
+  if (m == 1) {
+    pi_last_by_token_f32(w, bias, act, m, n, H, pre);
+    return;
+  }
+  for (int64_t j = 0; j < n; j++)
+    for (int64_t l = 0; l < PI_LANES; l++) lanes[j * PI_LANES + l] = l < m ? act[l * n + j] : 0.0f;
+  int64_t h = 0;
+  for (; h + 4 <= H; h += 4) {
+    const float *w0 = w + h * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
+    pi_vf u0 = pi_splat(bias[h]), u1 = pi_splat(bias[h + 1]), u2 = pi_splat(bias[h + 2]), u3 = pi_splat(bias[h + 3]);
+    for (int64_t j = 0; j < n; j++) {
+      pi_vf x;
+      memcpy(&x, lanes + j * PI_LANES, sizeof x);
+      u0 += w0[j] * x;
+      u1 += w1[j] * x;
+      u2 += w2[j] * x;
+      u3 += w3[j] * x;
+    }
+    for (int64_t l = 0; l < m; l++) {
+      pre[l * H + h] = u0[l];
+      pre[l * H + h + 1] = u1[l];
+      pre[l * H + h + 2] = u2[l];
+      pre[l * H + h + 3] = u3[l];
+    }
+  }
+  for (; h < H; h++) {
+    const float *wh = w + h * n;
+    pi_vf u = pi_splat(bias[h]);
+    for (int64_t j = 0; j < n; j++) {
+      pi_vf x;
+      memcpy(&x, lanes + j * PI_LANES, sizeof x);
+      u += wh[j] * x;
+    }
+    for (int64_t l = 0; l < m; l++) pre[l * H + h] = u[l];
   }
 }
 
-#define DEFINE_STEP(NAME, T, EXP, LOG, GELU, ROTATE_F32, ROTATE_F64, AFFINE)                                 \
+static void pi_last_f64(const double *w, const double *bias, const double *act, int64_t m, int64_t n, int64_t H,
+                        double *lanes, double *pre) {
+  (void)lanes; /* fp64 stays token by token */
+  pi_last_by_token_f64(w, bias, act, m, n, H, pre);
+}
+
+#define DEFINE_STEP(NAME, T, EXP, LOG, GELU, ROTATE_F32, ROTATE_F64, AFFINE, LAST, LANE_ROWS)                \
   static int NAME(const T *q, int64_t q_sb, int64_t q_sh, int64_t q_st, T *kv, int64_t B, int64_t H,         \
                   int64_t H_kv, int64_t N, int64_t D, int64_t Q, const int64_t *slot, const uint8_t *valid,  \
                   int64_t slot_sh, const int64_t *kind, int64_t S, int prior_mode, double c_local,           \
@@ -249,14 +348,19 @@ static void pi_affine_f64(const double *w, const double *bias, const double *x, 
     if (checked != PI_OK || B == 0) return checked;                                                          \
     const int64_t group = H / H_kv;                                                                          \
     const T lo = (T)eps, width = (T)(1.0 - 2.0 * eps), hi = (T)(1.0 - eps);                                  \
-    /* One allocation for the scratch rows: the scores z [S], the gate's GELU act [n_hidden] and its last      \
-     * linear pre [H], a rotated q [D]. */                                                                   \
+    /* One block of scratch rows: the scores z [S]; for the gate, a chunk's GELU act [chunk][n_hidden], LAST's  \
+     * lanes [n_hidden][LANE_ROWS] (several tokens) and its last linear pre [chunk][H]; a rotated q [D]. */   \
     const int gated = prior_mode >= PRIOR_HIDDEN; /* the gate's last layers run here */                      \
-    const int64_t n_act = gated ? n_hidden : 0, n_pre = gated ? H : 0;                                       \
-    T *const z = (T *)malloc(sizeof(T) * (size_t)(S + n_act + n_pre + (cos ? D : 0) + 1));                   \
+    const int64_t chunk = B * Q < PI_LANES ? B * Q : PI_LANES; /* tokens whose gate runs at once */          \
+    const int64_t n_act = gated ? chunk * n_hidden : 0, n_lanes = gated && chunk > 1 ? n_hidden * LANE_ROWS : 0; \
+    const int64_t n_pre = gated ? chunk * H : 0;                                                             \
+    const int64_t n_scratch = S + n_act + n_lanes + n_pre + (cos ? D : 0) + 1;                               \
+    T on_stack[PI_STACK_SCRATCH];                                                                            \
+    T *restrict const z = n_scratch <= PI_STACK_SCRATCH ? on_stack : (T *)malloc(sizeof(T) * (size_t)n_scratch);       \
     if (!z) return PI_ERR_MEMORY;                                                                            \
     T *const act = z + S;                                                                                    \
-    T *const pre = act + n_act;                                                                              \
+    T *const lanes = act + n_act;                                                                            \
+    T *const pre = lanes + n_lanes;                                                                          \
     T *const q_rotated = pre + n_pre;                                                                        \
     if (fresh) { /* the new token's key (rotated) and value into ring row fresh_slot, before any is read */  \
       for (int64_t b = 0; b < B; b++)                                                                        \
@@ -275,37 +379,18 @@ static void pi_affine_f64(const double *w, const double *bias, const double *x, 
     }                                                                                                        \
     for (int64_t b = 0; b < B; b++) {                                                                        \
       for (int64_t t = 0; t < Q; t++) { /* query t: its own slots, its own one-query step */                 \
-        if (gated) { /* the gate's hidden layer (PRIOR_INPUT: from its input), its GELU once per token */     \
-          const T *hb = gate + b * gate_sb + t * gate_st;                                                    \
-          if (prior_mode == PRIOR_INPUT) { /* hb is the MLP's input: its first layer into act */             \
-            AFFINE(w_in, bias_in, hb, n_hidden, n_in, act);                                                  \
-            hb = act;                                                                                        \
+        const int64_t token = b * Q + t, in_chunk = token % PI_LANES;                                        \
+        if (gated && in_chunk == 0) { /* the gate of this token and the next ones of its chunk */            \
+          const int64_t m = B * Q - token < chunk ? B * Q - token : chunk;                                   \
+          const T *rows[PI_LANES]; /* the tokens' hidden rows (PRIOR_INPUT: their inputs) */                 \
+          for (int64_t l = 0; l < m; l++)                                                                    \
+            rows[l] = gate + (token + l) / Q * gate_sb + (token + l) % Q * gate_st;                          \
+          if (prior_mode == PRIOR_INPUT) { /* the MLP's first layer into act */                              \
+            AFFINE(w_in, bias_in, rows, m, n_hidden, n_in, act);                                             \
+            for (int64_t l = 0; l < m; l++) rows[l] = act + l * n_hidden;                                    \
           }                                                                                                  \
-          GELU(hb, n_hidden, act);                                                                           \
-          /* The gate's last linear for every head, four heads side by side (four independent sums, each  \
-           * still taken over j in order): the latency of one chain of n_hidden additions per four heads.  */ \
-          int64_t h = 0;                                                                                     \
-          for (; h + 4 <= H; h += 4) {                                                                       \
-            const T *w0 = w + h * n_hidden, *w1 = w0 + n_hidden, *w2 = w1 + n_hidden, *w3 = w2 + n_hidden;   \
-            T u0 = bias[h], u1 = bias[h + 1], u2 = bias[h + 2], u3 = bias[h + 3];                            \
-            for (int64_t j = 0; j < n_hidden; j++) {                                                         \
-              const T x = act[j];                                                                            \
-              u0 += w0[j] * x;                                                                               \
-              u1 += w1[j] * x;                                                                               \
-              u2 += w2[j] * x;                                                                               \
-              u3 += w3[j] * x;                                                                               \
-            }                                                                                                \
-            pre[h] = u0;                                                                                     \
-            pre[h + 1] = u1;                                                                                 \
-            pre[h + 2] = u2;                                                                                 \
-            pre[h + 3] = u3;                                                                                 \
-          }                                                                                                  \
-          for (; h < H; h++) {                                                                               \
-            T u = bias[h];                                                                                   \
-            const T *wh = w + h * n_hidden;                                                                  \
-            for (int64_t j = 0; j < n_hidden; j++) u += wh[j] * act[j];                                      \
-            pre[h] = u;                                                                                      \
-          }                                                                                                  \
+          for (int64_t l = 0; l < m; l++) GELU(rows[l], n_hidden, act + l * n_hidden);                       \
+          LAST(w, bias, act, m, n_hidden, H, lanes, pre);                                                    \
         }                                                                                                    \
         for (int64_t h = 0; h < H; h++) {                                                                    \
           T log_local = 0, log_skip = 0;                                                                     \
@@ -315,7 +400,7 @@ static void pi_affine_f64(const double *w, const double *bias, const double *x, 
           } else if (prior_mode >= PRIOR_ALPHA) {                                                            \
             T a, rest;                                                                                       \
             if (gated) {                                                                                     \
-              const T u = pre[h];                                                                            \
+              const T u = pre[in_chunk * H + h];                                                             \
               T s = (T)1 / ((T)1 + EXP(-u));                                                                 \
               a = lo + width * s; /* the clip of Eq. app_gate; 1 − α computed as decode.py does */           \
               rest = hi - width * s;                                                                         \
@@ -378,14 +463,14 @@ static void pi_affine_f64(const double *w, const double *bias, const double *x, 
         }                                                                                                    \
       }                                                                                                      \
     }                                                                                                        \
-    free(z);                                                                                                 \
+    if (z != on_stack) free(z);                                                                              \
     return PI_OK;                                                                                            \
   }
 
 DEFINE_STEP(pi_decode_step_f32, float, expf, logf, pi_gelu_f32, pi_rotate_f32_by_f32, pi_rotate_f32_by_f64,
-            pi_affine_f32)
+            pi_affine_f32, pi_last_f32, PI_LANES)
 DEFINE_STEP(pi_decode_step_f64, double, exp, log, pi_gelu_f64, pi_rotate_f64_by_f32, pi_rotate_f64_by_f64,
-            pi_affine_f64)
+            pi_affine_f64, pi_last_f64, 0)
 
 /* The steps take their 39 arguments in one block, in the order above: native.py packs them with one
  * `struct.pack` (8-byte fields, no padding on a 64-bit machine) and makes a one-argument ctypes call, instead
