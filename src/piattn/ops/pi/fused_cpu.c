@@ -1296,8 +1296,9 @@ static inline __attribute__((always_inline)) void FN(backward_row_d)(const pi_ca
 
 /* Whether the backward takes rows in vector lanes (backward_block_d): for bf16 and fp16 only. Measured side by
  * side (one thread, B 1, H 8, D 64, T 8K-32K): it takes the bf16 / fp16 backward from 32 to 26 ms at 16K,
- * where converting the rows dominates, but the fp32 one from 24 to 26 ms, where a row's loads of k and v,
- * spread over its other work, now come back to back. */
+ * where converting the rows dominates. For fp32 it depends on the CPU: on an Intel Xeon 1.04-1.13x slower at
+ * 8K-32K (a row's loads of k and v, spread over its other work, come back to back), on an AMD EPYC 0.88-0.93x
+ * but 1.05x at 2K (docs/results.md section 5). */
 #define PI_BACKWARD_BLOCKS (PI_VECTOR_EXP && PI_STORAGE)
 
 #if PI_BACKWARD_BLOCKS
