@@ -327,13 +327,13 @@ def time_hf_steps(kind: str, model, position: int, steps: int, tokens: int, batc
     idx = torch.zeros(batch, tokens, dtype=torch.long)
     blocks = []
     with torch.no_grad():
-        model(torch.zeros(batch, position, dtype=torch.long), past_key_values=cache)
+        model(torch.zeros(batch, position, dtype=torch.long), cache=cache)
         for _ in range(3):
-            model(idx, past_key_values=cache)
+            model(idx, cache=cache)
         for size in block_sizes(steps):
             start = time.perf_counter()
             for _ in range(size):
-                idx = model(idx, past_key_values=cache).logits[:, -tokens:].argmax(-1)
+                idx = model(idx, cache=cache).logits[:, -tokens:].argmax(-1)
             blocks.append((time.perf_counter() - start) / (size * tokens))
     return statistics.median(blocks)
 

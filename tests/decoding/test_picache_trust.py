@@ -41,11 +41,11 @@ def test_a_picache_of_another_model_is_refused_in_one_line(case):
     ids = torch.randint(0, 100, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad(), pytest.raises(ValueError, match=match) as err:
         for t in range(12):
-            model(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            model(ids[:, t:t + 1], cache=cache, use_cache=True)
     assert "\n" not in str(err.value) and str(err.value).startswith("cache was made for")
     with torch.no_grad():  # the model's own cache decodes what the full forward computes
         good = PiCache(model.config)
-        steps = torch.cat([model(ids[:, t:t + 1], past_key_values=good, use_cache=True).logits for t in range(12)], 1)
+        steps = torch.cat([model(ids[:, t:t + 1], cache=good, use_cache=True).logits for t in range(12)], 1)
         torch.testing.assert_close(steps, model(ids).logits, rtol=0, atol=1e-5)
 
 
@@ -54,6 +54,6 @@ def test_a_picache_refuses_another_batch_in_one_line():
     model = _llama()
     cache = PiCache(model.config)
     with torch.no_grad():
-        model(torch.zeros(2, 3, dtype=torch.long), past_key_values=cache, use_cache=True)
+        model(torch.zeros(2, 3, dtype=torch.long), cache=cache, use_cache=True)
         with pytest.raises(ValueError, match=r"^key_states must have shape \[B, Hkv, t, D\] = \[2, 2, t, 16\]"):
-            model(torch.zeros(3, 1, dtype=torch.long), past_key_values=cache, use_cache=True)
+            model(torch.zeros(3, 1, dtype=torch.long), cache=cache, use_cache=True)

@@ -124,7 +124,7 @@ def test_smollm2_left_padded_generation_with_pi_cache_and_sinks_matches_each_pro
         ids[b, T - a.shape[1]:], mask[b, T - a.shape[1]:] = a[0], 1
     new = 24  # beyond sinks + window + period, so that the cache has dropped positions
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, past_key_values=PiCache(model.config), max_new_tokens=new,
+        out = model.generate(ids, attention_mask=mask, cache=PiCache(model.config), max_new_tokens=new,
                              do_sample=False, pad_token_id=tokenizer.pad_token_id or 0)
         for b, a in enumerate(alone):
             seq = a

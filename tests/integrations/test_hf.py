@@ -151,8 +151,8 @@ def test_pi_cache_stays_bounded_while_dynamic_cache_grows():
     sizes = []
     with torch.no_grad():
         for t in range(T):
-            a = model(ids[:, t : t + 1], past_key_values=pi_cache, use_cache=True).logits
-            b = model(ids[:, t : t + 1], past_key_values=dense_cache, use_cache=True).logits
+            a = model(ids[:, t : t + 1], cache=pi_cache, use_cache=True).logits
+            b = model(ids[:, t : t + 1], cache=dense_cache, use_cache=True).logits
             torch.testing.assert_close(a, b, atol=ATOL, rtol=ATOL)
             sizes.append((pi_cache.nbytes, cache_nbytes(dense_cache)))
     assert all(pi == sizes[capacity - 1][0] for pi, _ in sizes[capacity - 1 :])  # full after capacity tokens
@@ -340,7 +340,7 @@ def generate_with_pi_cache_and_compare(model, prompt_len: int, new: int) -> tupl
     prompt = tokens(2, prompt_len)
     cache = PiCache(model.config)
     with torch.no_grad():
-        out = model.generate(prompt, past_key_values=cache, max_new_tokens=new, do_sample=False,
+        out = model.generate(prompt, cache=cache, max_new_tokens=new, do_sample=False,
                              return_dict_in_generate=True, output_logits=True)
         ids, logits = greedy_by_full_forwards(model, prompt, new)  # the oracle: no cache
     assert torch.equal(out.sequences, ids)
@@ -369,7 +369,7 @@ def test_generate_with_sinks_and_pi_cache_matches_full_forwards(prompt_len):
     # The sink copies are the keys of positions 0 and 1, as DynamicCache holds them.
     dense = DynamicCache()
     with torch.no_grad():
-        model(prompt, past_key_values=dense, use_cache=True)
+        model(prompt, cache=dense, use_cache=True)
     torch.testing.assert_close(cache.layers[1].sink_keys, dense.layers[1].keys[:, :, :sinks])
 
 
@@ -394,7 +394,7 @@ def test_left_padded_batch_generates_what_each_prompt_generates_alone(cache_kind
     ids, mask = left_pad(prompts)
     cache = PiCache(model.config) if cache_kind == "pi" else DynamicCache()
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new,
+        out = model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=new,
                              do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=0)
         for b, prompt in enumerate(prompts):
             alone, logits = greedy_by_full_forwards(model, prompt[None], new)

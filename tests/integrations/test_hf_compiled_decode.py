@@ -51,9 +51,9 @@ def _steps(model, ids: torch.Tensor, n: int) -> torch.Tensor:
     cache = PiCache(model.config)
     out = []
     with torch.no_grad():
-        model(ids[:, :PROMPT], past_key_values=cache)
+        model(ids[:, :PROMPT], cache=cache)
         for t in range(PROMPT, ids.shape[1], n):
-            out.append(model(ids[:, t:t + n], past_key_values=cache).logits)
+            out.append(model(ids[:, t:t + n], cache=cache).logits)
     return torch.cat(out, 1)
 
 
@@ -99,7 +99,7 @@ def test_generate_with_picache_runs_the_compiled_step(compiled_calls):
     model = _model(torch.float32, window=3, period=8, sinks=2)
     prompt = tokens(2, 9)
     with torch.no_grad():
-        out = model.generate(prompt, past_key_values=PiCache(model.config), max_new_tokens=12, do_sample=False)
+        out = model.generate(prompt, cache=PiCache(model.config), max_new_tokens=12, do_sample=False)
         ids = prompt
         for _ in range(12):
             ids = torch.cat([ids, model(ids, use_cache=False).logits[:, -1:].argmax(-1)], 1)
@@ -176,8 +176,8 @@ def test_without_the_compiled_step_picache_and_model_decoding_still_run(tmp_path
             full = model(ids, use_cache=False).logits
             for n in (1, 3):
                 cache = PiCache(model.config)
-                model(ids[:, :6], past_key_values=cache)
-                steps = torch.cat([model(ids[:, t:t + n], past_key_values=cache).logits for t in range(6, 20, n)], 1)
+                model(ids[:, :6], cache=cache)
+                steps = torch.cat([model(ids[:, t:t + n], cache=cache).logits for t in range(6, 20, n)], 1)
                 torch.testing.assert_close(steps, full[:, 6:], rtol=1e-10, atol=1e-10)
         cfg = GPTConfig.from_name("tiny", vocab_size=50, dropout=0.0, n_layer=2, d_model=32, n_head=4, window=2,
                                   period=5, sinks=1)
@@ -218,9 +218,9 @@ def _dynamic_steps(model, ids: torch.Tensor) -> torch.Tensor:
     cache = DynamicCache()
     out = []
     with torch.no_grad():
-        model(ids[:, :PROMPT], past_key_values=cache)
+        model(ids[:, :PROMPT], cache=cache)
         for t in range(PROMPT, ids.shape[1]):
-            out.append(model(ids[:, t:t + 1], past_key_values=cache).logits)
+            out.append(model(ids[:, t:t + 1], cache=cache).logits)
     return torch.cat(out, 1)
 
 

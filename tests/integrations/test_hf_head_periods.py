@@ -100,7 +100,7 @@ def test_a_cache_made_for_shorter_rings_is_refused():
     short = convert_to_pi(tiny_llama(), window=3, period=[2, 3, 3, 2])
     long = convert_to_pi(tiny_llama(), window=3, period=LAYER_PERIODS)
     with pytest.raises(ValueError, match=r"rings of 4 positions .* needs \(14, 10\) positions"):
-        long(tokens(1, 4), past_key_values=PiCache(short.config), use_cache=True)
+        long(tokens(1, 4), cache=PiCache(short.config), use_cache=True)
 
 
 @pytest.mark.parametrize("period, match", [

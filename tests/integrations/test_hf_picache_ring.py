@@ -54,11 +54,11 @@ def _decode(model, ids: torch.Tensor, prompt: int, sizes=(1,)):
     cache = PiCache(model.config)
     out, steps, t, i = [], [], prompt, 0
     with torch.no_grad():
-        model(ids[:, :prompt], past_key_values=cache)
+        model(ids[:, :prompt], cache=cache)
         while t < ids.shape[1]:
             n = min(sizes[i % len(sizes)], ids.shape[1] - t)
             with _Writes() as writes:
-                out.append(model(ids[:, t:t + n], past_key_values=cache).logits)
+                out.append(model(ids[:, t:t + n], cache=cache).logits)
             steps.append((n, [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in cache.layers],
                           sum(writes.sizes)))
             t, i = t + n, i + 1
@@ -84,7 +84,7 @@ def test_one_token_steps_write_the_ring_in_place(case):
     k, v = cache.layers[1].ordered()  # the ring read oldest first: the last `capacity` keys of a DynamicCache
     dense = DynamicCache()
     with torch.no_grad():
-        model(ids, past_key_values=dense)
+        model(ids, cache=dense)
     n = cache.layers[1].capacity
     torch.testing.assert_close(k, dense.layers[1].keys[:, :, -n:], rtol=1e-10, atol=1e-10)  # projected one by one
     torch.testing.assert_close(v, dense.layers[1].values[:, :, -n:], rtol=1e-10, atol=1e-10)
@@ -105,7 +105,7 @@ def test_what_a_one_token_step_writes_does_not_grow_with_the_ring(sinks):
         assert ring == 2 * 2 * (period + 1) * 16  # B, Hkv, capacity, D
         written[period] = {w for _, _, w in steps}
     with _Writes() as probe, torch.no_grad():  # the largest op output of one more step, beside the largest ring
-        model(ids[:, -1:], past_key_values=cache)
+        model(ids[:, -1:], cache=cache)
     assert max(probe.sizes) < ring / 10
     assert len(written[8]) == 1 and written[8] == written[64] == written[256]
 
@@ -129,7 +129,7 @@ def test_beam_search_and_batch_rows_act_on_the_ring():
     model = _model(torch.float32, window=3, period=8, sinks=2)
     prompt = tokens(2, 6)
     with torch.no_grad():
-        beams = {kind: model.generate(prompt, past_key_values=cache, max_new_tokens=14, num_beams=3,
+        beams = {kind: model.generate(prompt, cache=cache, max_new_tokens=14, num_beams=3,
                                       do_sample=False, num_return_sequences=2)
                  for kind, cache in (("pi", PiCache(model.config)), ("dynamic", DynamicCache()))}
     assert torch.equal(beams["pi"], beams["dynamic"])
@@ -138,10 +138,10 @@ def test_beam_search_and_batch_rows_act_on_the_ring():
     cache = PiCache(model.config)
     with torch.no_grad():
         for t in range(16):
-            model(ids[:, t:t + 1], past_key_values=cache)
+            model(ids[:, t:t + 1], cache=cache)
         cache.batch_select_indices(torch.tensor([2, 0]))
         cache.reorder_cache(torch.tensor([1, 0]))
-        steps = torch.cat([model(ids[[0, 2], t:t + 1], past_key_values=cache).logits for t in range(16, 24)], 1)
+        steps = torch.cat([model(ids[[0, 2], t:t + 1], cache=cache).logits for t in range(16, 24)], 1)
         full = model(ids[[0, 2]], use_cache=False).logits[:, 16:]
     torch.testing.assert_close(steps, full, rtol=1e-5, atol=1e-5)
 

@@ -50,12 +50,12 @@ def test_decoding_steps_resolve_the_settings_once(monkeypatch, pi):
     ids = torch.randint(0, model.config.vocab_size, (1, 24))
     cache, dense = PiCache(model.config), DynamicCache()
     with torch.no_grad():
-        model(ids[:, :12], past_key_values=cache)
-        model(ids[:, :12], past_key_values=dense)
+        model(ids[:, :12], cache=cache)
+        model(ids[:, :12], cache=dense)
         frozen, needs = _counted(monkeypatch, hf_attention, "_frozen"), _counted(monkeypatch, hf_cache, "_needs")
         for t in range(12, 24):
-            got = model(ids[:, t:t + 1], past_key_values=cache).logits
-            want = model(ids[:, t:t + 1], past_key_values=dense).logits
+            got = model(ids[:, t:t + 1], cache=cache).logits
+            want = model(ids[:, t:t + 1], cache=dense).logits
             torch.testing.assert_close(got, want)
     assert (frozen[0], needs[0]) == (0, 0)
 

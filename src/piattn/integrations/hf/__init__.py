@@ -1,8 +1,8 @@
-"""π-Attention inside Hugging Face transformers (written against transformers 5.23).
+"""π-Attention inside Hugging Face transformers (transformers >= 5.24: `check_transformers`).
 
     model = LlamaForCausalLM(config)                     # any Llama-style *ForCausalLM
     convert_to_pi(model, window=4, period=16, sinks=4)   # gate MLP per attention module, attention switched
-    out = model.generate(ids, past_key_values=PiCache(model.config), max_new_tokens=64)
+    out = model.generate(ids, cache=PiCache(model.config), max_new_tokens=64)
     model.save_pretrained(path)
     model = from_pretrained_pi(path)
 
@@ -48,10 +48,12 @@ SmolLM2-135M, from GGUF), `evaluation` (token losses, loss by position and the p
 `piattn convert-eval`).
 """
 
+from ._requirement import MIN_TRANSFORMERS, check_transformers
 from .attention import ATTENTION_NAME, HFPiSettings, pi_attention_forward, pi_attention_mask, register
 from .cache import PiCache, PiCacheLayer, cache_nbytes
 from .convert import convert_to_pi, from_pretrained_pi
 from .pretrained import find_gguf, load_gguf_model
 
-__all__ = ["ATTENTION_NAME", "HFPiSettings", "PiCache", "PiCacheLayer", "cache_nbytes", "convert_to_pi", "find_gguf",
-           "from_pretrained_pi", "load_gguf_model", "pi_attention_forward", "pi_attention_mask", "register"]
+__all__ = ["ATTENTION_NAME", "MIN_TRANSFORMERS", "HFPiSettings", "PiCache", "PiCacheLayer", "cache_nbytes",
+           "check_transformers", "convert_to_pi", "find_gguf", "from_pretrained_pi", "load_gguf_model",
+           "pi_attention_forward", "pi_attention_mask", "register"]

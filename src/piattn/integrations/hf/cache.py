@@ -205,7 +205,7 @@ class PiCache(Cache):
     largest period, with per-head or per-layer periods) and the `sinks` first positions of each row's text,
     whatever the length.
 
-    Pass it to `model.generate(..., past_key_values=PiCache(model.config))` or to a forward call.
+    Pass it to `model.generate(..., cache=PiCache(model.config))` or to a forward call.
     """
 
     def __init__(self, config):

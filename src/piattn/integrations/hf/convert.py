@@ -149,8 +149,7 @@ def _record_inputs(module: nn.Module, args: tuple, kwargs: dict) -> None:
     """
     if hasattr(module, "pi_gate"):
         module._pi_gate_input = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-    # transformers 5.24 renamed the modules' `past_key_values` argument to `cache`; earlier 5.x pass the former.
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    cache = kwargs.get("cache")  # its name from transformers 5.24 (`check_transformers`)
     if isinstance(cache, PiCache):
         cache.check(module.config)  # another model's PiCache fails in one line, not deep in the attention
         layer = cache.layers[module.layer_idx]
