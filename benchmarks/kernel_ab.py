@@ -52,7 +52,6 @@ class Fused:
 
     source = "src/piattn/ops/pi/fused_cpu.c"
     measures = ("fwd", "bwd")
-    unit = "ms"
 
     @staticmethod
     def build(path: Path) -> dict:
@@ -88,12 +87,11 @@ class Fused:
 class Step:
     """One call of the compiled decoding step of a tiny GPT's layer 0 (kind `case`, `batch` sequences, position
     512, after three steps of warm-up): the packed arguments of a real one-token step, replayed `calls` times
-    a round; µs a call. The step
-    stores the token in the same ring row on every call, so the inputs stay as they were."""
+    a round; µs a call. The step stores the token in the same ring row on every call, so the inputs stay as
+    they were."""
 
     source = "src/piattn/ops/pi/decode_step.c"
     measures = ("step",)
-    unit = "µs"
     POSITION = 512
 
     @staticmethod
