@@ -53,6 +53,8 @@ KIND_CONFIG = {"pi": dict(attention="pi"), "pi-union": dict(attention="pi", vari
                "ms-pi": dict(attention="pi", period="cover"), "ms-pi-by-period": dict(attention="pi", period="cover"),
                "local": dict(attention="local"), "dense": dict(attention="dense"),
                "pi-torchops": dict(attention="pi"),
+               # diagnostics of π's gate (`hold_gate_layers`, `share_gate_storage`): not paths the library offers
+               "pi-gate-held": dict(attention="pi"), "pi-gate-one-storage": dict(attention="pi"),
                # Hugging Face kinds (--interleaved only): a small converted Llama with PiCache (`_hf_model`).
                **dict.fromkeys(("hf-pi", "hf-pi-torchops", "hf-pi-operator", "hf-dense", "hf-ms-pi",
                                 "hf-ms-pi-by-period"), {})}
@@ -105,7 +107,31 @@ def _model(kind: str, config: str) -> GPT:
     if kind == "ms-pi-by-period":  # the layers' general path (with `per_period_calls`: one ring step per period)
         for block in model.blocks:
             block.attn._ring_settings = None
+    elif kind == "pi-gate-held":
+        hold_gate_layers(model)
+    elif kind == "pi-gate-one-storage":
+        share_gate_storage(model)
     return model
+
+
+def hold_gate_layers(model: GPT) -> None:
+    """For "pi-gate-held": each layer's gate layers read once, here, and handed to every step as they are,
+    instead of read from the gate's modules and checked for hooks on every step (`whole_gate_layers`). Not a
+    path the library offers (a new hook, or a parameter replaced, would go unseen): it measures what that
+    reading costs a step, the most that trimming it could gain."""
+    for block in model.blocks:
+        layers = block.attn.whole_gate_layers()
+        block.attn.whole_gate_layers = lambda layers=layers: layers
+
+
+def share_gate_storage(model: GPT) -> None:
+    """For "pi-gate-one-storage": every layer's gate parameters made to hold layer 0's memory (through `.data`;
+    each layer keeps its own modules and parameter objects, so the step's Python is unchanged). The gate's
+    weights are then in memory once instead of once per layer: what their trip through the caches costs a step."""
+    first = model.blocks[0].attn.gate
+    for block in model.blocks[1:]:
+        for mine, theirs in zip(block.attn.gate.parameters(), first.parameters(), strict=True):
+            mine.data = theirs.data
 
 
 def run_case(kind: str, position: int, steps: int, config: str) -> dict:
@@ -244,7 +270,8 @@ def interleaved_markdown(result: dict) -> str:
     kinds = result["kinds"]
     by = {(r.get("batch", 1), r["tokens_per_step"], r["position"], r["kind"]): r["repeats_tokens_per_s"]
           for r in result["rows"]}
-    pairs = (("pi", "local"), ("pi", "dense"), ("pi", "pi-torchops"), ("hf-pi", "hf-pi-torchops"),
+    pairs = (("pi", "local"), ("pi", "dense"), ("pi", "pi-torchops"), ("pi-union", "local"), ("pi-gate-held", "local"),
+             ("pi-gate-one-storage", "local"), ("hf-pi", "hf-pi-torchops"),
              ("hf-pi", "hf-pi-operator"), ("hf-pi", "hf-dense"), ("hf-ms-pi", "hf-ms-pi-by-period"),
              ("hf-ms-pi", "hf-pi"), ("ms-pi", "ms-pi-by-period"), ("ms-pi", "pi"), ("ms-pi", "local"),
              ("ms-pi", "dense"))
@@ -255,7 +282,8 @@ def interleaved_markdown(result: dict) -> str:
            f"{result['steps']} timed steps per measurement (blocks of 16, a measurement: its median block), "
            f"{result['repeats']} repeats in which the kinds take turns (order rotated each repeat). Cells: median "
            "tokens/s (range over repeats); ratios computed within each repeat, median (range). `pi-torchops`: π "
-           f"with the compiled decoding step switched off{HF_NOTE if set(kinds) & set(HF_KINDS) else ''}. Steps of "
+           f"with the compiled decoding step switched off{GATE_NOTE if set(kinds) & set(GATE_KINDS) else ''}"
+           f"{HF_NOTE if set(kinds) & set(HF_KINDS) else ''}. Steps of "
            "t > 1 tokens: t new tokens per call (`decode_rows`, through the compiled step). The machine was "
            "shared with training jobs while this ran: absolute tokens/s move with its load, the ratios side by "
            "side are what to trust. Batch b: b sequences decoded together; tokens/s are one sequence's (a step's "
@@ -275,6 +303,12 @@ def interleaved_markdown(result: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+GATE_KINDS = ("pi-union", "pi-gate-held", "pi-gate-one-storage")
+GATE_NOTE = ("; `pi-union`: π without the gate MLP (the same ring, slots and compiled step); `pi-gate-held`: π with "
+             "each layer's gate layers read once and handed to every step, not read from its modules and checked "
+             "for hooks per step (a diagnostic, not a path the library offers); `pi-gate-one-storage`: π with every "
+             "layer's gate parameters in layer 0's memory (its own modules and parameter objects kept), the gate's "
+             "weights in memory once")
 HF_KINDS = ("hf-pi", "hf-pi-torchops", "hf-pi-operator", "hf-dense", "hf-ms-pi", "hf-ms-pi-by-period")
 # The per-head periods of the hf-ms-pi kinds: one per query head, all beyond the window (multi-scale π).
 HF_MS_PERIODS = [5, 6, 7, 9, 12, 16, 24, 32]
