@@ -284,9 +284,9 @@ def interleaved_markdown(result: dict) -> str:
            "tokens/s (range over repeats); ratios computed within each repeat, median (range). `pi-torchops`: π "
            f"with the compiled decoding step switched off{GATE_NOTE if set(kinds) & set(GATE_KINDS) else ''}"
            f"{HF_NOTE if set(kinds) & set(HF_KINDS) else ''}. Steps of "
-           "t > 1 tokens: t new tokens per call (`decode_rows`, through the compiled step). The machine was "
-           "shared with training jobs while this ran: absolute tokens/s move with its load, the ratios side by "
-           "side are what to trust. Batch b: b sequences decoded together; tokens/s are one sequence's (a step's "
+           "t > 1 tokens: t new tokens per call (`decode_rows`, through the compiled step). Absolute tokens/s move "
+           "with the machine's load (its load average is given at the end), the ratios side by side much less: "
+           "they are what to trust. Batch b: b sequences decoded together; tokens/s are one sequence's (a step's "
            "tokens over its time; the batch's are b times as many)."
            + (f" CPU: {result['cpu']}; load average (1 min) at the end: {result['load']:.2f}." if "load" in result
               else ""), "",
@@ -403,7 +403,8 @@ def main(argv: list[str] | None = None) -> None:
                       config=args.config, steps=args.steps, repeats=args.repeats, kinds=kinds,
                       positions=args.positions, tokens=args.tokens, batches=args.batch, load=os.getloadavg()[0],
                       cpu=_cpu_model(), compiled_step=native.unavailable() or "built",
-                      note="shared machine (training jobs running): trust the ratios side by side", rows=rows)
+                      note="absolute tokens/s move with the machine's load: trust the ratios side by side",
+                      rows=rows)
         table = interleaved_markdown(result)
         if args.out:
             save_results(args.out, args.name, result, table)
