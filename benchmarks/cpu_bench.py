@@ -31,7 +31,6 @@ Results go to NAME.{json,md} in --out: --name, else cpu_bench, or cpu_bench_kept
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import resource
@@ -43,7 +42,8 @@ from pathlib import Path
 
 import torch
 
-from piattn import allocator, output_pool
+import piattn
+from piattn import allocator
 from piattn.allocator import keep_freed_pages
 from piattn.benchmarking import CHECK_TOLERANCE, machine_info, save_results
 from piattn.config import PI_DEFAULTS
@@ -64,18 +64,18 @@ OUTPUTS = "outputs"
 # The fused kernels alone: forward (and backward) written into outputs allocated once, before timing, without
 # autograd: what the fused backend costs without the first touches of fresh memory.
 KERNEL = "fused-kernel"
-# The fused backend with every output allocated afresh (`piattn.output_pool`'s reuse bypassed for its calls),
-# beside "fused", which by default hands out the memory of released outputs again.
-FRESH = "fused-fresh"
+# What a user's training step runs: `piattn.pi_attention` on its defaults (backend "auto", its argument checks
+# included) with autograd, gradients cleared before each call and the cotangent allocated in the loop (a new
+# tensor written once, as an upstream layer's gradient is), where the backend rows reuse one cotangent.
+USER = "user"
 MODES = ("fwd", "fwd+bwd")
 FP32_BYTES = 4
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The cases whose memory the huge-page setting changes (the others run once, under the library's default).
-HUGE_PAGE_CASES = ("fused", FRESH, OUTPUTS)
+HUGE_PAGE_CASES = ("fused", USER, OUTPUTS)
 # Variables that change the timings, recorded with the command: OMP_WAIT_POLICY=passive keeps idle OpenMP
 # threads (torch's and the fused kernels') from spinning on a machine whose cores other processes share.
-ENVIRONMENT = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "PIATTN_NATIVE", "PIATTN_HUGE_PAGES", "PIATTN_REUSE_OUTPUTS",
-               "CC")
+ENVIRONMENT = ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "PIATTN_NATIVE", "PIATTN_HUGE_PAGES", "CC")
 
 
 def floor_bytes(mode: str, *, B: int, H: int, T: int, D: int, element: int = FP32_BYTES) -> int:
@@ -142,9 +142,8 @@ class Inputs:
             return self.fresh_outputs(mode)
         if case == KERNEL:
             return self.kernel(mode)
-        if case == FRESH:
-            with fresh_outputs():
-                return self.timed("fused", mode)
+        if case == USER:
+            return self.user_step(mode)
         return self.timed(case, mode)
 
     def timed(self, case: str, mode: str) -> float:
@@ -160,6 +159,20 @@ class Inputs:
             _call(case, *tensors, self.scale).backward(self.dy)
         return (time.perf_counter() - start) * 1e3
 
+
+    def user_step(self, mode: str) -> float:
+        """ms of one `piattn.pi_attention` call on its defaults as a training loop makes it (see USER)."""
+        tensors = (self.q, self.k, self.v, self.gate)
+        for t in tensors:
+            t.grad = None
+        start = time.perf_counter()
+        if mode == "fwd":
+            with torch.no_grad():
+                piattn.pi_attention(*tensors, **SETTINGS, scale=self.scale)
+        else:
+            y = piattn.pi_attention(*tensors, **SETTINGS, scale=self.scale)
+            y.backward(torch.empty_like(y).copy_(self.dy))
+        return (time.perf_counter() - start) * 1e3
 
     def kernel(self, mode: str) -> float:
         """ms of the fused kernels of `mode` writing into outputs of an earlier call."""
@@ -186,18 +199,6 @@ class Inputs:
             allocator.advise_huge_pages(t)
             t.fill_(1.0)
         return (time.perf_counter() - start) * 1e3
-
-
-@contextlib.contextmanager
-def fresh_outputs():
-    """Every output allocated afresh while inside: no size reaches the pool's threshold (its buffers stay, for
-    the "fused" calls around)."""
-    threshold = output_pool.REUSE_THRESHOLD
-    output_pool.REUSE_THRESHOLD = math.inf
-    try:
-        yield
-    finally:
-        output_pool.REUSE_THRESHOLD = threshold
 
 
 class Copy:
@@ -313,9 +314,9 @@ def markdown(result: dict) -> str:
            f"columns are against the copy bandwidth at that thread count. '{OUTPUTS}' is no backend: the time to "
            "allocate a call's outputs and write them once (the kernel zeroes each fresh page on its first write), "
            f"part of every backend's time and of none's floor; '{KERNEL}' is the fused kernels writing into outputs "
-           f"allocated once (no autograd, no fresh memory); '{FRESH}' is the fused backend with every output "
-           "allocated afresh, where 'fused' reuses the memory of released outputs (`piattn.output_pool`, its "
-           "default). 'huge pages': the library's setting "
+           f"allocated once (no autograd, no fresh memory); '{USER}' is what a training step runs: `pi_attention` on "
+           "its defaults with autograd and the cotangent allocated in the loop, where the backend rows reuse one. "
+           "'huge pages': the library's setting "
            "(`piattn.allocator.huge_pages`) for the cases it changes, timed both ways call after call where both "
            "are listed ('–': a case it does not change, run with the default). 'faults': the process's minor page "
            "faults during the call (median). 'best' is the fastest repeat: the least disturbed by the other "
@@ -375,14 +376,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=list(DTYPES),
                    help="of the timed inputs (the floor counts its bytes); the correctness check stays fp64")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="thread counts (1 is always run)")
-    p.add_argument("--threaded-cases", nargs="+", default=["torch", "fused", FRESH, KERNEL],
-                   choices=[*FUNCTIONS, FRESH, KERNEL],
+    p.add_argument("--threaded-cases", nargs="+", default=["torch", "fused", USER, KERNEL],
+                   choices=[*FUNCTIONS, USER, KERNEL],
                    help="the cases also timed at the other thread counts")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--copy-mib", type=int, default=256, help="size of the copy that measures the bandwidth")
     p.add_argument("--no-outputs", action="store_true", help=f"skip the {OUTPUTS!r} row (fresh output memory)")
     p.add_argument("--no-kernel", action="store_true", help=f"skip the {KERNEL!r} row (outputs reused)")
-    p.add_argument("--no-fresh", action="store_true", help=f"skip the {FRESH!r} row (outputs allocated afresh)")
+    p.add_argument("--no-user", action="store_true", help=f"skip the {USER!r} row (a training loop's call)")
     p.add_argument("--keep-freed-pages", action="store_true",
                    help="glibc serves large tensors from its heap and keeps freed memory mapped "
                         "(piattn.allocator.keep_freed_pages), instead of mapping each call's outputs afresh")
@@ -401,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     checks = {c: check(c) for c in args.cases if c != "reference" and c not in not_timed}
     not_timed.update({c: f"failed the correctness check ({e:.1e})" for c, e in checks.items() if e > CHECK_TOLERANCE})
     cases = [c for c in args.cases if c not in not_timed]
-    cases += [FRESH] if "fused" in cases and not args.no_fresh else []
+    cases += [] if args.no_user else [USER]
     cases += [KERNEL] if "fused" in cases and not args.no_kernel else []
     cases += [] if args.no_outputs else [OUTPUTS]
     threads = sorted({1, *args.threads})

@@ -44,10 +44,10 @@ def test_small_run_writes_json_and_markdown(tmp_path):
     result = json.loads((tmp_path / "cpu_bench.json").read_text())
     assert result["checks"]["torch"] <= 1e-9 and set(result["checks"]) <= {"torch", "fused"}
     timed = {(r["case"], r["mode"], r["T"], r["threads"]) for r in result["rows"]}
-    fused = ["fused", "fused-fresh", "fused-kernel"] if "fused" in result["checks"] else []
-    cases = ["reference", "torch", *fused, "outputs"]
+    fused = ["fused", "fused-kernel"] if "fused" in result["checks"] else []
+    cases = ["reference", "torch", *fused, "user", "outputs"]
     expected = {(c, m, T, 1) for c in cases for m in ("fwd", "fwd+bwd") for T in (64, 96)}
-    expected |= {(c, m, T, 2) for c in ("torch", *fused) for m in ("fwd", "fwd+bwd") for T in (64, 96)}
+    expected |= {(c, m, T, 2) for c in ("torch", *fused, "user") for m in ("fwd", "fwd+bwd") for T in (64, 96)}
     assert timed == expected
     for r in result["rows"]:
         assert r["ms"] > 0 and r["ms_all"] == [r["ms"]] == [r["ms_min"]]
@@ -63,7 +63,7 @@ def test_fused_without_its_kernels_is_not_timed(tmp_path, monkeypatch):
     bench = _load()
     monkeypatch.setattr(bench.fused, "unavailable", lambda: "no C compiler")
     assert bench.main(["--lengths", "64", "--threads", "1", "--cases", "torch", "fused", "--repeats", "1",
-                       "--copy-mib", "8", "--no-outputs", "--out", str(tmp_path)]) == 0
+                       "--copy-mib", "8", "--no-outputs", "--no-user", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "cpu_bench.json").read_text())
     assert result["not_timed"] == {"fused": "unavailable (no C compiler)"}
     assert {r["case"] for r in result["rows"]} == {"torch"}

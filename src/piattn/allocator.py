@@ -1,6 +1,7 @@
-"""Memory for the large CPU outputs of π-Attention, two ways to keep their first touches cheap (and a third, on
-by default before both: `piattn.output_pool` hands out the memory of released outputs again, with no first
-touch at all).
+"""Memory for the large CPU outputs of π-Attention, two ways to keep their first touches cheap. (A third, a pool
+that handed out the memory of released outputs again, was removed: it could not see every holder of that
+memory, and in a training loop that allocates its cotangent it bought nothing,
+`benchmarks/results/output_pool_decision.md`.)
 
 By default (`huge_pages`, the second half of this file): the fused CPU backend marks each output of 4 MiB
 or more for transparent huge pages before its kernel first writes it, so that a first write faults in 2

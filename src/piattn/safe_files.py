@@ -8,12 +8,16 @@ writers of piattn never do that:
     with atomic_writer(path) as f: ...  # a new temporary file beside `path`, renamed onto it when complete
     open_append(path)                   # append to a log, refusing a link at its name
     fd = open_dir(folder)               # a folder that is not a link, to write in by name (dir_fd=fd)
+    with Folder.open(path) as folder:   # the same, with every write, rename and removal made in it by name
+        folder.write_text(name, text); folder.rename(a, b); folder.remove(name); folder.local(name)
 
 A temporary file gets a fresh, unpredictable name created exclusively (O_CREAT | O_EXCL | O_NOFOLLOW), and
 `os.replace` puts it in place: a link at the final name is itself replaced, never written through. Writing by
 name relative to a folder opened once (`dir_fd`) means a folder swapped for a link after it was checked
-changes nothing. `link_refusal` is the one-line error for a link where a run folder must hold its own
-file or folder; `foreign_owner` tells whether a folder belongs to another user, for a warning.
+changes nothing. A library that writes by path (safetensors, torch.save, matplotlib) is handed
+`Folder.local(name)`, the name reached through the folder's descriptor (`/proc/self/fd/N/name` on Linux), so
+it too writes in the folder that was opened. `link_refusal` is the one-line error for a link where a run
+folder must hold its own file or folder; `foreign_owner` tells whether a folder belongs to another user, for a warning.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import errno
 import os
 import pwd
 import secrets
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
@@ -53,6 +58,116 @@ def open_dir(path: str | os.PathLike, *, follow_links: bool = False) -> int:
         if err.errno == errno.ELOOP or (err.errno == errno.ENOTDIR and os.path.islink(path)):
             raise LinkRefused(path) from None
         raise
+
+
+class Folder:
+    """A folder opened once (`open`, `child`), in which every entry is created, renamed and removed by name
+    relative to its descriptor: a name swapped for a link meanwhile is never followed. Close it (or use it as a
+    context manager)."""
+
+    def __init__(self, path: Path, fd: int):
+        self.path, self.fd = path, fd
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, *, create: bool = False, follow_links: bool = False) -> Folder:
+        """The folder `path` (created with its parents when `create`); LinkRefused for a link at `path`
+        itself unless `follow_links` (a folder the user named may be a link; one a run folder holds may not)."""
+        path = Path(path)
+        if create:
+            path.mkdir(parents=True, exist_ok=True)
+        return cls(path, open_dir(path, follow_links=follow_links))
+
+    def child(self, name: str, *, create: bool = False, private: bool = False) -> Folder:
+        """The subfolder `name`, never through a link (LinkRefused); `create`: made if missing; `private`: made
+        afresh with mode 0700 (FileExistsError when the name is taken), for a temporary nobody else writes in."""
+        if create or private:
+            try:
+                os.mkdir(name, 0o700 if private else 0o777, dir_fd=self.fd)
+            except FileExistsError:
+                if private:
+                    raise
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=self.fd)
+        except OSError as err:
+            if err.errno in (errno.ELOOP, errno.ENOTDIR) and self.is_link(name):
+                raise LinkRefused(self.path / name) from None
+            raise
+        return Folder(self.path / name, fd)
+
+    def is_link(self, name: str) -> bool:
+        try:
+            return stat.S_ISLNK(os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mode)
+        except FileNotFoundError:
+            return False
+
+    def exists(self, name: str) -> bool:
+        try:
+            os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+            return True
+        except FileNotFoundError:
+            return False
+
+    def entries(self) -> list[os.DirEntry]:
+        """The folder's entries, sorted by name (links reported as links: `entry.is_dir(follow_symlinks=False)`)."""
+        with os.scandir(self.fd) as it:
+            return sorted(it, key=lambda e: e.name)
+
+    def local(self, name: str) -> str:
+        """A path to `name` in this folder for code that opens files by path: through the descriptor where the
+        system has /proc/self/fd (Linux), so it reaches this folder whatever its name now points at; else the
+        folder's path (checked when opened, not after)."""
+        through = f"/proc/self/fd/{self.fd}"
+        return os.path.join(through, name) if os.path.isdir(through) else str(self.path / name)
+
+    def write_text(self, name: str, text: str) -> None:
+        """Replace `name` by a file holding `text` (atomic; a link there is replaced, not followed)."""
+        atomic_write_text(name, text, dir_fd=self.fd)
+
+    def writer(self, name: str, mode: str = "wb"):
+        """`atomic_writer` for `name` in this folder."""
+        return atomic_writer(name, mode, dir_fd=self.fd)
+
+    def rename(self, source: str, target: str) -> None:
+        os.rename(source, target, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+
+    def remove(self, name: str) -> None:
+        """Remove the entry `name` if there is one: a file or link unlinked (a link never followed), a folder
+        with everything in it, walked through descriptors."""
+        try:
+            mode = os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mode
+        except FileNotFoundError:
+            return
+        if not stat.S_ISDIR(mode):
+            os.unlink(name, dir_fd=self.fd)
+            return
+        with self.child(name) as sub:
+            for entry in sub.entries():
+                sub.remove(entry.name)
+        os.rmdir(name, dir_fd=self.fd)
+
+    def fsync(self) -> None:
+        os.fsync(self.fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> Folder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def save_figure(fig, path: str | os.PathLike, *, dpi: int = 120) -> Path:
+    """Save a matplotlib figure to `path` atomically (a link at its name is replaced, not written through),
+    in the format its suffix names, its folder created if missing; returns `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_writer(path) as f:
+        fig.savefig(f, format=path.suffix.lstrip(".") or "png", dpi=dpi)
+    return path
 
 
 def create_new(path: str | os.PathLike, dir_fd: int | None = None) -> int:

@@ -65,8 +65,8 @@ def test_a_crash_mid_save_leaves_the_previous_latest_intact(tmp_path, monkeypatc
         monkeypatch.setattr(ckpt.torch, "save", _crash)
     elif where == "latest pointer":
         real_replace = os.replace
-        monkeypatch.setattr(ckpt.os, "replace", lambda a, b: _crash() if str(b).endswith("latest") else
-                            real_replace(a, b))
+        monkeypatch.setattr(ckpt.os, "replace", lambda a, b, **kw: _crash() if str(b).endswith("latest") else
+                            real_replace(a, b, **kw))
     with pytest.raises(OSError, match="injected"):
         ckpt.save_checkpoint(tmp_path, 2, model=tiny_gpt(1), trainer_state={"step": 2}, config={},
                              save_assets=_crash if where == "assets" else None)

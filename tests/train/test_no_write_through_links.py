@@ -107,6 +107,106 @@ def test_a_linked_cache_folder_is_refused(run, capsys):
     assert list(elsewhere.iterdir()) == []
 
 
+def test_resume_refuses_a_linked_checkpoints_folder_and_deletes_nothing_there(run, capsys):
+    """A link at RUN/checkpoints sent the new step into the linked folder and keep-N pruning deleted its
+    older steps (exit 0, no message)."""
+    elsewhere = run.parent / "outside" / "checkpoints"
+    shutil.move(run / "checkpoints", elsewhere)
+    for step in (100, 200, 300):  # someone else's checkpoints, which pruning must not touch
+        (elsewhere / f"step_{step:08d}").mkdir()
+    before = sorted(p.name for p in elsewhere.iterdir())
+    (run / "checkpoints").symlink_to(elsewhere, target_is_directory=True)
+    assert main(["train", "--resume", "--out", str(run), "--steps", "2", "--keep", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"{run / 'checkpoints'} is a symbolic link" in err
+    assert sorted(p.name for p in elsewhere.iterdir()) == before
+
+
+def test_a_checkpoint_folder_swapped_for_links_while_saving_sends_nothing_elsewhere(tmp_path, monkeypatch):
+    """The temporary folder of a save was written by path after its mkdir: swapped for a folder of links,
+    config.json and trainer_state.pt went through them."""
+    import torch
+
+    root, outside = tmp_path / "run" / "checkpoints", tmp_path / "outside"
+    outside.mkdir()
+    targets = {name: outside / name for name in (ckpt.STATE_FILE, ckpt.CONFIG_FILE, ckpt.MODEL_FILE)}
+    for target in targets.values():
+        target.write_text(KEEP)
+    real_save_model = ckpt.save_model
+
+    def swap_then_save(model, path):
+        made = next(p for p in root.iterdir() if p.name.startswith(safe_files.TEMP_PREFIX))
+        made.rename(root / "moved-away")
+        made.mkdir()
+        for name, target in targets.items():
+            (made / name).symlink_to(target)
+        real_save_model(model, path)
+
+    monkeypatch.setattr(ckpt, "save_model", swap_then_save)
+    ckpt.save_checkpoint(root, 1, model=torch.nn.Linear(2, 2), trainer_state={"step": 1}, config={"a": 1})
+    assert all(target.read_text() == KEEP for target in targets.values())
+    written = root / "moved-away"  # the folder the save opened got every file
+    assert json.loads((written / ckpt.CONFIG_FILE).read_text()) == {"a": 1}
+    assert torch.load(written / ckpt.STATE_FILE) == {"step": 1}
+
+
+def test_pruning_never_follows_a_link_among_the_checkpoints(tmp_path):
+    import torch
+
+    root, outside = tmp_path / "checkpoints", tmp_path / "outside"
+    (outside / "keep-me").mkdir(parents=True)
+    (outside / "keep-me" / "file").write_text(KEEP)
+    root.mkdir()
+    (root / "step_00000000").symlink_to(outside / "keep-me", target_is_directory=True)
+    for step in (1, 2):
+        ckpt.save_checkpoint(root, step, model=torch.nn.Linear(2, 2), trainer_state={}, config={}, keep=1)
+    assert (outside / "keep-me" / "file").read_text() == KEEP
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000000", "step_00000002"]
+
+
+# --- inspect and convert-eval: results written in a folder with links planted at their names ---
+
+def test_inspect_replaces_links_at_its_file_names_instead_of_writing_through_them(run, capsys):
+    out = run / "inspect"
+    out.mkdir()
+    names = ("inspect.json", "token_flow.png", "gate_dynamics.png", "skip_prior_by_phase.png")
+    targets = [victim(run, name) for name in names]
+    for name, target in zip(names, targets, strict=True):
+        (out / name).symlink_to(target)
+    assert main(["inspect", "--checkpoint", str(run), "--out", str(out), "--batches", "1", "--device", "cpu"]) == 0
+    assert all(target.read_text() == KEEP for target in targets)
+    assert json.loads((out / "inspect.json").read_text())["step"] == 1
+    assert not (out / "inspect.json").is_symlink() and not list(out.glob(".tmp-*"))
+
+
+def test_convert_eval_writes_its_results_through_no_link(tmp_path):
+    from piattn.commands import convert_eval
+
+    out = tmp_path / "out"
+    out.mkdir()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    targets = {name: outside / name for name in ("r.json", "r.md", "fig.png")}
+    for name, target in targets.items():
+        target.write_text(KEEP)
+        (out / name).symlink_to(target)
+
+    def plot(results, path):
+        from matplotlib.figure import Figure
+
+        return safe_files.save_figure(Figure(), path)
+
+    assert convert_eval._report({"configs": {}}, out / "r.json", "| table |", plot, "fig.png") == 0
+    assert all(target.read_text() == KEEP for target in targets.values())
+    assert json.loads((out / "r.json").read_text()) == {"configs": {}} and (out / "r.md").read_text() == "| table |"
+
+
+def test_convert_eval_refuses_an_existing_file_as_out(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    code = main(["convert-eval", "--out", str(tmp_path / "file"), "--data", "books:" + str(tmp_path)])
+    assert code == 2 and "is a file, not a folder" in capsys.readouterr().err
+
+
 # --- N3: eval ---
 
 def test_eval_does_not_follow_a_link_put_at_run_eval_while_it_scores(run, monkeypatch, capsys):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..safe_files import save_figure
 from .multiscale import Schedule, depths_multi, design_periods, gap_free_reach, periods_per_layer, schedule
 
 
@@ -90,7 +91,4 @@ def plot_schedules(rows: list[Row], window: int, target: int, out: str | Path) -
     axes[-1].set_xlabel("lag d (query i reads key i − d after the layers)")
     axes[0].legend(fontsize=8, loc="upper right")
     fig.suptitle(f"Which lags L={n_layer} layers reach, window k={window}", fontsize=10)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    return out
+    return save_figure(fig, out)

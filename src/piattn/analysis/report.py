@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..safe_files import save_figure
 from .reachability import (
     attainable_span,
     coverage,
@@ -163,7 +164,4 @@ def plot_receptive_field(n: int, window: int, period: int, layers: int, out: str
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(fontsize=8)
 
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    return out
+    return save_figure(fig, out)

@@ -64,6 +64,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..safe_files import atomic_write_text, save_figure
 from .common import add_threads_argument, torch_threads
 
 CONFIGS = ("dense", "local", "local+sinks", "pi", "pi+sinks")
@@ -144,8 +145,8 @@ def _pending(args: argparse.Namespace, name: str, settings: dict, configs: list[
 def _report(results: dict, results_path: Path, table: str, plot, figure_name: str) -> int:
     """Write the results (JSON), their markdown `table` beside them (the JSON's name, .md) and the figure
     `plot(results, path)` makes, if it can; print the table and what was written. 0, the exit status."""
-    results_path.write_text(json.dumps(results, indent=2) + "\n")
-    results_path.with_suffix(".md").write_text(table)
+    atomic_write_text(results_path, json.dumps(results, indent=2) + "\n")
+    atomic_write_text(results_path.with_suffix(".md"), table)
     figure = plot(results, results_path.parent / figure_name)
     print(table)
     print(f"wrote {results_path}" + (f", {figure}" if figure else " (no figure: matplotlib is not installed)"))
@@ -177,7 +178,7 @@ def _convert_and_score(args: argparse.Namespace, configs: list[str]) -> int:
                                       label=f"{name} (check)")
                 results["configs"][name]["check"] = dict(
                     windows=len(checked), max_abs_loss_difference=float((direct - nll[: len(checked)]).abs().max()))
-            results_path.write_text(json.dumps(results, indent=2) + "\n")
+            atomic_write_text(results_path, json.dumps(results, indent=2) + "\n")
             print(f"{name}: perplexity {results['configs'][name]['perplexity']:.3f}", file=sys.stderr)
     return _report(results, results_path, markdown(results), plot_loss_by_position, "loss_by_position.png")
 
@@ -186,6 +187,8 @@ def _check(args: argparse.Namespace) -> list[str]:
     """The chosen configurations; ValueError naming the first bad argument."""
     if args.data is None:
         raise ValueError(f"--data is required (e.g. books:DIR), or set {BOOKS_ENV} to the books folder")
+    if args.out.exists() and not args.out.is_dir():
+        raise ValueError(f"--out {args.out} is a file, not a folder; name a folder for the results")
     spec = args.configs if args.configs is not None else ",".join(
         PASSKEY_CONFIGS if args.task == "passkey" else CONFIGS)
     configs = [c.strip() for c in spec.split(",") if c.strip()]
@@ -312,7 +315,7 @@ def plot_loss_by_position(results: dict, path: Path) -> Path | None:
     ax.set_title(f"W={s['window']}, π={s['period']}, sinks={s['sinks']}, context {s['context']}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 
@@ -373,7 +376,7 @@ def _passkey(args: argparse.Namespace, configs: list[str]) -> int:
                 record["check"] = dict(examples=len(checked), max_abs_loss_difference=max(
                     abs(a - b) for a, b in zip(direct["loss"], scores["loss"], strict=False)))
             results["configs"][name] = record
-            results_path.write_text(json.dumps(results, indent=2) + "\n")
+            atomic_write_text(results_path, json.dumps(results, indent=2) + "\n")
             print(f"{name}: passkey accuracy {record['accuracy']:.3f}", file=sys.stderr)
     return _report(results, results_path, passkey_markdown(results), plot_passkey, "passkey_by_distance.png")
 
@@ -450,6 +453,6 @@ def plot_passkey(results: dict, path: Path, title: str | None = None) -> Path | 
     ax.set_title(title or f"passkey: W={s['window']}, π={s['period']}, sinks={s['sinks']}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
     return path

@@ -23,6 +23,7 @@ from ..config import TrainConfig
 from ..data.reach import reachable
 from ..ops.pi import BACKENDS
 from ..ops.pi.backends import REGISTRY
+from ..safe_files import save_figure
 from ..tasks import config_class
 from ..tasks.reach_setting import REACH
 from .common import child_threads, torch_threads
@@ -151,8 +152,7 @@ def plot_reach(results: list[dict], path: Path) -> Path:
                  "(hollow: unreachable)", fontsize=9)
     ax.legend()
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ..data.text import normalize_split
 from ..inspection import Inspector, plot_gate_dynamics, plot_skip_prior_by_phase, plot_token_flow
+from ..safe_files import Folder
 from ..tasks import restore
 from ..train import checkpoint as ckpt
 from ..train.distributed import DEVICES, DistContext, setup, teardown
@@ -97,24 +98,25 @@ def inspect(args: argparse.Namespace) -> int:
     labels = [Path(r["checkpoint"]).parent.parent.name or name for name, r, _ in runs]
     if len(set(labels)) < len(labels):
         labels = [name for name, _, _ in runs]
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        flow_png = plot_token_flow([(label, r) for label, (_, r, _) in zip(labels, runs, strict=True)],
-                                   out / "token_flow.png")
-        gate_png = plot_gate_dynamics([(label, rec) for label, (_, _, rec) in zip(labels, runs, strict=True)],
-                                      out / "gate_dynamics.png")
-        phase_png = plot_skip_prior_by_phase([(label, r) for label, (_, r, _) in zip(labels, runs, strict=True)],
-                                             out / "skip_prior_by_phase.png")
-    except ImportError as e:
-        print(f"piattn inspect: no figures: {e}", file=sys.stderr)
-        flow_png = gate_png = phase_png = None
-    report["figures"] = {"token_flow": flow_png and flow_png.name, "gate_dynamics": gate_png and gate_png.name,
-                         "skip_prior_by_phase": phase_png and phase_png.name}
-    if gate_png is None:
-        report["figures"]["gate_dynamics_note"] = "no run logged gate statistics (alpha/… keys in metrics.jsonl)"
-    if args.compare:
-        report["compare"] = runs[1][1]
-    (out / "inspect.json").write_text(json.dumps(report, indent=1) + "\n")
+    # --out is the user's to name (it may be a link); what is written in it goes through the folder opened
+    # once, each file replaced atomically (a link planted at a file's name is replaced, never written through).
+    with Folder.open(out, create=True, follow_links=True) as folder:
+        named = [(label, r, rec) for label, (_, r, rec) in zip(labels, runs, strict=True)]
+        try:
+            flow_png = plot_token_flow([(label, r) for label, r, _ in named], folder.local("token_flow.png"))
+            gate_png = plot_gate_dynamics([(label, rec) for label, _, rec in named], folder.local("gate_dynamics.png"))
+            phase_png = plot_skip_prior_by_phase([(label, r) for label, r, _ in named],
+                                                 folder.local("skip_prior_by_phase.png"))
+        except ImportError as e:
+            print(f"piattn inspect: no figures: {e}", file=sys.stderr)
+            flow_png = gate_png = phase_png = None
+        report["figures"] = {"token_flow": flow_png and flow_png.name, "gate_dynamics": gate_png and gate_png.name,
+                             "skip_prior_by_phase": phase_png and phase_png.name}
+        if gate_png is None:
+            report["figures"]["gate_dynamics_note"] = "no run logged gate statistics (alpha/… keys in metrics.jsonl)"
+        if args.compare:
+            report["compare"] = runs[1][1]
+        folder.write_text("inspect.json", json.dumps(report, indent=1) + "\n")
     for label, (_, r, _) in zip(labels, runs, strict=True):
         shares = "; ".join(f"layer {e['layer']}: " + ", ".join(f"{c} {v:.1%}" for c, v in e["mass"].items())
                            + (f", α {e['alpha_mean']:.3f}" if "alpha_mean" in e else "") for e in r["layers"])

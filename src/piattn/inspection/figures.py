@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 from ..analysis.multiscale import periods_per_layer
+from ..safe_files import save_figure
 from .probes import KEY_CLASSES
 
 CLASS_COLOURS = {"local": "#4c72b0", "skip": "#dd8452", "sink": "#55a868", "all": "#8c8c8c"}
@@ -72,10 +73,7 @@ def plot_gate_dynamics(runs: list[tuple[str, list[dict]]], out: str | Path) -> P
         ax.set_title(f"{label}: gate α per layer\nline: mean; bands: 25–75 % and 5–95 % of tokens × heads",
                      fontsize=10)
         ax.legend(fontsize=8, ncol=2 if len(series) > 6 else 1, loc="best")
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    return out
+    return save_figure(fig, out)
 
 
 def plot_skip_prior_by_phase(runs: list[tuple[str, dict]], out: str | Path) -> Path | None:
@@ -96,10 +94,7 @@ def plot_skip_prior_by_phase(runs: list[tuple[str, dict]], out: str | Path) -> P
         ax.set_ylabel("skip prior 1 − α  (mean over heads and queries)")
         ax.set_title(f"{label}: {_describe(report)}\nskip prior by phase ({report['tokens']:,} tokens)", fontsize=10)
         ax.legend(fontsize=8, ncol=2 if len(layers) > 6 else 1, loc="best")
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    return out
+    return save_figure(fig, out)
 
 
 def _periods(model: dict) -> set[int]:
@@ -193,7 +188,4 @@ def plot_token_flow(runs: list[tuple[str, dict]], out: str | Path) -> Path:
         ax.legend(fontsize=8, loc="lower right")
     if image is not None:
         fig.colorbar(image, ax=[a for a in axes[0]], label="influence (log scale)", shrink=0.9)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    return out
+    return save_figure(fig, out)

@@ -19,7 +19,6 @@ import json
 import os
 import random
 import re
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
 from torch import nn
 
-from ..safe_files import TEMP_PREFIX, atomic_write_text, fsync_path
+from ..safe_files import TEMP_PREFIX, Folder, fsync_path, link_refusal
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "trainer_state.pt"
@@ -130,38 +129,41 @@ def read_latest(root: Path) -> Path | None:
     return folder
 
 
-def _write_latest(root: Path, name: str) -> None:
-    """Point `root/latest` at `name`: durably, atomically, and never through a link a run folder made
-    elsewhere put at its name or its temporary's (`atomic_write_text`)."""
-    atomic_write_text(root / LATEST, name + "\n")
-
-
 def clean_incomplete(root: Path) -> list[Path]:
     """Remove what interrupted saves left directly under `root`; returns the removed paths, sorted.
 
     Only the hidden `.tmp-*` and `.trash-*` entries `save_checkpoint` creates are removed (a link among
-    them is unlinked, never followed), nothing in subfolders. No complete checkpoint or `latest` depends on
-    them. Call it on the writing rank before saving, never while another process saves into `root`.
+    them is unlinked, never followed; folders are walked through descriptors), nothing in subfolders. No
+    complete checkpoint or `latest` depends on them. Call it on the writing rank before saving, never while
+    another process saves into `root`. `root` itself may not be a link (`checkpoint_root`).
     """
-    if not root.is_dir():
+    if not root.is_dir() or root.is_symlink():
         return []
     removed = []
-    for path in sorted(root.iterdir()):
-        if not path.name.startswith(LEFTOVER_PREFIXES):
-            continue
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-        removed.append(path)
+    with Folder.open(root) as folder:
+        for entry in folder.entries():
+            if entry.name.startswith(LEFTOVER_PREFIXES):
+                folder.remove(entry.name)
+                removed.append(root / entry.name)
     return removed
 
 
 def list_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoint folders under `root`, oldest first."""
+    """Checkpoint folders under `root` (not links), oldest first."""
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX))
+    return sorted(p for p in root.iterdir() if p.name.startswith(PREFIX) and p.is_dir() and not p.is_symlink())
+
+
+def checkpoint_root(run_dir: Path, writer: str = "training") -> Path:
+    """RUN/checkpoints, where `writer` saves: ValueError when a run folder made elsewhere put a link there
+    (saving would write into, and keep-N pruning delete from, wherever it points) or a file."""
+    root = run_dir / "checkpoints"
+    if root.is_symlink():
+        raise link_refusal(root, writer, "another --out")
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"{root} is a file, not a folder; move it or choose another --out")
+    return root
 
 
 def save_checkpoint(root: Path, step: int, *, model: nn.Module, trainer_state: dict, config: dict,
@@ -175,41 +177,53 @@ def save_checkpoint(root: Path, step: int, *, model: nn.Module, trainer_state: d
     trainer_state: optimizer/scheduler/loader/RNG states and counters (saved with `torch.save`).
     config: JSON-able dict (model config and training arguments).
     save_assets: writes extra files into the folder (the tokenizer), before it becomes visible.
+
+    Every entry is made, renamed and removed relative to `root`'s descriptor (opened without following a link),
+    the files inside the temporary folder through its own (`Folder.local`): a name swapped for a link while
+    saving sends nothing elsewhere, and pruning never follows a link.
     """
     if keep < 1:
         raise ValueError(f"--keep must be >= 1, got {keep!r}")
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / step_dir_name(step)
-    if final.exists() and _pointer_name(root) == final.name and _is_complete(final):
-        return final  # written by this run at this very step: the state is the same, nothing to add
-    tmp = root / f"{TEMP_PREFIX}{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        save_model(model if model_state is None else _StateHolder(model_state), str(tmp / MODEL_FILE))
-        torch.save(trainer_state, tmp / STATE_FILE)
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        if save_assets is not None:
-            save_assets(tmp)
-        for f in tmp.rglob("*"):
-            if f.is_file():
-                fsync_path(f)
-        if final.exists():  # a complete but unreferenced leftover of an interrupted run: replace it
-            trash = root / f".trash-{final.name}-{os.getpid()}"
-            os.rename(final, trash)
-            os.rename(tmp, final)
-            shutil.rmtree(trash)
-        else:
-            os.rename(tmp, final)
-        fsync_path(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _write_latest(root, final.name)
-    for old in list_checkpoints(root)[:-keep]:
-        if old != final:
-            shutil.rmtree(old, ignore_errors=True)
-    return final
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with Folder.open(root.parent, follow_links=True) as run, run.child(root.name, create=True) as folder:
+        final = step_dir_name(step)
+        if folder.exists(final) and _pointer_name(root) == final and _is_complete(root / final):
+            return root / final  # written by this run at this very step: the state is the same, nothing to add
+        tmp = f"{TEMP_PREFIX}{final}-{os.getpid()}"
+        folder.remove(tmp)
+        try:
+            with folder.child(tmp, private=True) as made:
+                save_model(model if model_state is None else _StateHolder(model_state), made.local(MODEL_FILE))
+                torch.save(trainer_state, made.local(STATE_FILE))
+                made.write_text(CONFIG_FILE, json.dumps(config, indent=2, sort_keys=True) + "\n")
+                if save_assets is not None:
+                    save_assets(Path(made.local("")))
+                for f in Path(made.local("")).rglob("*"):
+                    if f.is_file() and not f.is_symlink():
+                        fsync_path(f)
+                os.chmod(made.fd, 0o777 & ~_umask())  # the mode a folder made by mkdir would have
+            if folder.exists(final):  # a complete but unreferenced leftover of an interrupted run: replace it
+                trash = f".trash-{final}-{os.getpid()}"
+                folder.rename(final, trash)
+                folder.rename(tmp, final)
+                folder.remove(trash)
+            else:
+                folder.rename(tmp, final)
+            folder.fsync()
+        except BaseException:
+            folder.remove(tmp)
+            raise
+        folder.write_text(LATEST, final + "\n")
+        for old in list_checkpoints(root)[:-keep]:
+            if old.name != final:
+                folder.remove(old.name)
+    return root / final
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 class _StateHolder:

@@ -208,7 +208,7 @@ class Trainer:
             writable_folder(Path(cfg.data.cache_dir), "--cache-dir")
         elif (self.run_dir / "cache").is_symlink():  # a run folder made elsewhere would send the cache there
             raise link_refusal(self.run_dir / "cache", "training", "--cache-dir DIR")
-        self.ckpt_root = self.run_dir / "checkpoints"
+        self.ckpt_root = ckpt.checkpoint_root(self.run_dir)
         if ctx.is_main:
             ckpt.clean_incomplete(self.ckpt_root)
         resume_from = self._resume_point()

@@ -26,11 +26,12 @@ with the reason and what to do (`unavailable`, the probe `backends.py` declares 
 "fused" raises a ValueError, and "auto" runs the next backend of its order ("torch"). It never runs another
 backend in its place.
 
-Outputs of 4 MiB or more come from `piattn.output_pool` (on by default): the memory of an earlier output that
-nothing holds any more, else a fresh tensor marked for transparent huge pages before the kernels first write
-it (`piattn.allocator.advise_huge_pages`: a first write then faults in 2 MiB instead of 4 KiB;
-`allocator.huge_pages(False)` turns it off, and where the system has no THP one warning says so). Either way the
-kernels write every element of their outputs.
+Every output is a fresh tensor that nothing else holds (no pool hands out memory something might still read:
+`benchmarks/results/output_pool_decision.md` measured that one bought a user's training loop nothing); one of
+4 MiB or more is marked for transparent huge pages before the kernels first write it
+(`piattn.allocator.advise_huge_pages`: a first write then faults in 2 MiB instead of 4 KiB;
+`allocator.huge_pages(False)` turns it off, and where the system has no THP one warning says so). The kernels
+write every element of their outputs.
 
 "auto" picks it first on a CPU (`backends.AUTO_ORDER`: "fused", "torch", "reference"), for every dtype it runs.
 Under torch.compile (and for fake tensors) it runs as the custom operators `piattn::pi_fused_fwd` /
@@ -47,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-from ... import output_pool
+from ... import allocator
 from . import cbuild
 from .backends import by_keywords, refuse_double_backward
 from .operators import register_pair
@@ -201,12 +202,18 @@ def stats_per_row(variant: str) -> int:
     return 2 if variant == "separate" else 1
 
 
+def _fresh(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor of its own (the kernels write every element), on huge pages when large."""
+    tensor = torch.empty(shape, dtype=dtype)
+    allocator.advise_huge_pages(tensor)
+    return tensor
+
+
 def _outputs(out, layout: list[tuple[torch.Size, torch.dtype] | None], name: str) -> list[torch.Tensor | None]:
     """`out` checked against `layout` (shape and dtype of each output, None where there is none), or fresh
-    tensors of that layout when out is None (`output_pool.empty`: large ones reused once released, or fresh on
-    huge pages)."""
+    fresh tensors of that layout when out is None (large ones advised onto huge pages)."""
     if out is None:
-        return [None if lay is None else output_pool.empty(lay[0], lay[1]) for lay in layout]
+        return [None if lay is None else _fresh(*lay) for lay in layout]
     out = list(out)
     got = [None if t is None else (t.shape, t.dtype, t.device.type, t.is_contiguous()) for t in out]
     want = [None if lay is None else (lay[0], lay[1], "cpu", True) for lay in layout]
