@@ -2,6 +2,7 @@
 its pages mapped once it is freed. Measured with glibc's own accounting (mallinfo2) in a child process (the
 setting is process-wide, so the test process keeps its own)."""
 
+import os
 import subprocess
 import sys
 
@@ -237,3 +238,33 @@ def test_a_fresh_large_output_of_a_fused_call_is_advised_for_huge_pages():
         if eligible is None:
             pytest.skip("this kernel's smaps has no THPeligible field")
         assert eligible == 1, "the output's mapping is not eligible for huge pages: no madvise reached it"
+
+
+def test_an_expanded_or_strided_tensor_is_not_advised_beyond_its_memory():
+    """`expand` makes numel · element size far larger than the storage: advising that span would mark memory
+    the tensor does not own."""
+    small = torch.empty(1024)  # 4 KiB
+    assert allocator.advise_huge_pages(small.expand(4096, 1024)) is None
+    assert allocator.advise_huge_pages(torch.empty(4 * MIB)[::2]) is None
+
+
+@pytest.mark.parametrize("value, expected", [("0", False), ("off", False), ("False", False), (" no ", False),
+                                             ("1", True), ("ON", True), ("yes", True)])
+def test_switch_variables_take_the_usual_spellings(monkeypatch, value, expected):
+    from piattn.checks import env_switch
+
+    monkeypatch.setenv("PIATTN_HUGE_PAGES", value)
+    assert env_switch("PIATTN_HUGE_PAGES") is expected
+
+
+@pytest.mark.parametrize("name", ["PIATTN_HUGE_PAGES", "PIATTN_NATIVE"])
+@pytest.mark.parametrize("value", ["", "disable", "2"])
+def test_a_switch_variable_with_another_value_is_refused_in_one_line(name, value):
+    """Before, only the exact string '0' meant off: 'false', 'off', '' left the feature on silently."""
+    code = ("import torch, piattn\n"
+            "q = torch.randn(1, 1, 1 << 16, 64)\n"
+            "piattn.pi_attention(q, q, q, backend='fused')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, name: value}, timeout=300)
+    assert done.returncode != 0
+    assert f"{name}={value!r} is not an on/off value" in done.stderr

@@ -41,7 +41,7 @@ import sys
 import threading
 import warnings
 
-from .checks import is_int
+from .checks import env_switch, is_int
 
 # glibc's malloc.h
 _M_TRIM_THRESHOLD = -1
@@ -102,15 +102,22 @@ def keep_freed_pages(mmap_threshold: int = MMAP_THRESHOLD_MAX, trim_threshold: i
 HUGE_PAGE_THRESHOLD = 4 << 20  # bytes: outputs at least this large are placed on huge pages
 _MADV_HUGEPAGE = 14  # Linux's asm-generic/mman-common.h (the same on every architecture)
 _THP = "/sys/kernel/mm/transparent_hugepage"
-_huge = {"enabled": os.environ.get("PIATTN_HUGE_PAGES", "1") != "0"}
+_huge: dict = {}  # "enabled": read from PIATTN_HUGE_PAGES on first use (`_enabled`), so a bad value is an
+# error of the call that reads it, not of `import piattn`
 _huge_lock = threading.Lock()
+
+
+def _enabled() -> bool:
+    if "enabled" not in _huge:
+        _huge["enabled"] = env_switch("PIATTN_HUGE_PAGES")
+    return _huge["enabled"]
 
 
 def huge_pages(enabled: bool | None = None) -> bool:
     """Whether the fused CPU backend places its large outputs on transparent huge pages (on by default;
     PIATTN_HUGE_PAGES=0 in the environment starts it off). With `enabled` given, switch it for the rest of
     the process (e.g. to measure with and without) and return the previous setting."""
-    previous = _huge["enabled"]
+    previous = _enabled()
     if enabled is not None:
         if not isinstance(enabled, bool):
             raise ValueError(f"enabled must be a bool or None, got {enabled!r}")
@@ -188,10 +195,13 @@ def advise_huge_pages(tensor) -> tuple[int, int] | None:
     writes fault in a huge page each (see above); call it before anything writes the tensor. Returns the
     (start address, length) advised, or None where nothing was: huge pages switched off, a tensor below
     HUGE_PAGE_THRESHOLD bytes or not on the CPU, no huge page inside it, or THP unavailable here (said once
-    per process, by a RuntimeWarning). Never raises for the system's reasons."""
-    if not _huge["enabled"] or tensor.device.type != "cpu":
+    per process, by a RuntimeWarning), or a tensor that is not contiguous (an expanded or strided view: its
+    numel · element size is not the memory it spans). Never raises for the system's reasons."""
+    if not _enabled() or tensor.device.type != "cpu" or not tensor.is_contiguous():
         return None
-    nbytes = tensor.numel() * tensor.element_size()
+    # the bytes from the tensor's first element to its storage's end bound what may be advised
+    storage = tensor.untyped_storage()
+    nbytes = min(tensor.numel() * tensor.element_size(), storage.data_ptr() + storage.nbytes() - tensor.data_ptr())
     if nbytes < HUGE_PAGE_THRESHOLD:
         return None
     with _huge_lock:

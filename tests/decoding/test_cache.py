@@ -45,8 +45,9 @@ def test_windowed_cache_bytes_do_not_grow_dense_ones_do():
         dense(chunk, dense_cache)
     assert pi_cache.position == 100_100
     assert pi_cache.nbytes == at_100
-    # ring of max(window, period) + 1 = 9 positions, 2 layers, k and v, fp32
-    assert at_100 == 2 * 2 * (1 * 2 * 9 * 16) * 4
+    # ring of max(window, period) + 1 = 9 positions, 2 layers, k and v, fp32, and each ring's slot table
+    # (2 · 9 int64)
+    assert at_100 == 2 * (2 * (1 * 2 * 9 * 16) * 4 + 2 * 9 * 8)
     assert dense_cache.nbytes == dense_at_100 * 11
 
 

@@ -31,8 +31,9 @@ def test_generate_streams_what_the_model_generates(run_dir, capsys):
     model, tokenizer = load_language_model(resolve_checkpoint(run_dir), torch.device("cpu"))
     expected = model.generate(torch.tensor([tokenizer.encode("abc")]), 20, temperature=0)
     assert captured.out == tokenizer.decode(expected[0].tolist()) + "\n"
-    # π ring: max(window 4, period 16) + 1 = 17 positions, k and v, 1 layer, 2 heads of 16, fp32
-    assert "cache 4,352 bytes at position 22" in captured.err
+    # π ring: max(window 4, period 16) + 1 = 17 positions, k and v, 1 layer, 2 heads of 16, fp32 (4,352 bytes),
+    # and its slot table, 2 · 17 int64 (272 bytes)
+    assert "cache 4,624 bytes at position 22" in captured.err
 
 
 @pytest.mark.parametrize("argv, match", [

@@ -93,6 +93,7 @@ def test_token_byte_lengths_add_up_to_the_utf8_length(kind):
     (["--attention", "magic"], "--attention must be one of"),
     (["--config", "huge"], "--config must be one of ['tiny', 'small', 'medium', 'large'], got 'huge'"),
     (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--attention", "pi", "--sinks", "100000"], "--sinks must be smaller than --seq-len"),
     (["--tokenizer", "bpe"], "--vocab-size is required with --tokenizer bpe"),
 ])
 def test_bad_flags_give_one_line_naming_the_flag(tmp_path, capsys, extra, message):

@@ -65,6 +65,9 @@ def checked_config(cfg: TrainConfig) -> TrainConfig:
     if cfg.data.seq_len % cfg.run.sequence_parallel:
         raise ValueError(f"--seq-len {cfg.data.seq_len} must be divisible by --sequence-parallel "
                          f"{cfg.run.sequence_parallel}: each rank of a sequence group takes seq-len / N positions")
+    if cfg.model.sinks and cfg.model.sinks >= cfg.data.seq_len:
+        # every key of a sequence would be a sink: the window and the skip would have nothing left to add
+        raise ValueError(f"--sinks must be smaller than --seq-len ({cfg.data.seq_len}), got {cfg.model.sinks}")
     if cfg.run.sequence_parallel > 1 and (cfg.data.pack_documents or cfg.model.sinks):
         # The halo exchange carries window and skip rows only: documents and sink keys would cross shards.
         raise ValueError(f"--{'pack-documents' if cfg.data.pack_documents else 'sinks'} does not run with "

@@ -19,6 +19,33 @@ import torch
 
 from ..checks import is_int
 
+# Positions up to which a ring keeps the slot of every run as a table (2·capacity int64: 16 MiB at the bound),
+# sliced in one op per decoding step; a longer ring computes them per read (an arange and a modulo) instead of
+# holding a table that grows with the period (a period of 10⁹ asked 16 GB of it, whatever the batch).
+SLOT_TABLE_MAX = 1 << 20
+
+
+def device_memory(device: torch.device) -> int | None:
+    """The bytes a new buffer on `device` can take at most: the memory available now (Linux MemAvailable on a
+    CPU, free memory on CUDA), or None where that cannot be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def _refuse_beyond_memory(nbytes: int, what: str, device: torch.device, fix: str) -> None:
+    """ValueError with the numbers when `nbytes` exceed what `device` has available now."""
+    available = device_memory(device)
+    if available is not None and nbytes > available:
+        raise ValueError(f"{what} needs {nbytes / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB "
+                         f"available on {device}: {fix}")
+
 
 def _check_sizes(**sizes: int) -> None:
     for name, (value, least) in sizes.items():
@@ -69,13 +96,20 @@ class RingCache:
             _check_sizes(max_positions=(max_positions, 1))
         self.max_positions = max_positions
         self.batch_size, self.n_heads, self.head_dim = batch_size, n_heads, head_dim
+        device = torch.empty(0, device=device).device
+        table = 2 * capacity + sinks if capacity <= SLOT_TABLE_MAX else 0
+        _refuse_beyond_memory(
+            2 * batch_size * n_heads * (sinks + capacity) * head_dim * dtype.itemsize + 8 * table,
+            f"a ring cache of {capacity:,} positions and {sinks} sinks for batch {batch_size}", device,
+            "pass max_positions (the prompt plus the tokens to generate) to init_cache to size the ring to what "
+            "decoding reaches")
         self.kv = torch.zeros((2, batch_size, n_heads, sinks + capacity, head_dim), device=device, dtype=dtype)
         self.k, self.v = self.kv[0], self.kv[1]
         self.capacity, self.sinks, self.seen = capacity, sinks, 0
         # Slot of every position in a run of up to `capacity` starting anywhere (then the sink slots): slicing
-        # it costs one op per decoding step instead of an arange and a modulo.
+        # it costs one op per decoding step instead of an arange and a modulo (up to SLOT_TABLE_MAX).
         self._slots = torch.cat([sinks + torch.arange(2 * capacity, device=device) % capacity,
-                                 torch.arange(sinks, device=device)])
+                                 torch.arange(sinks, device=device)]) if table else None
         self._recent: dict[tuple[int, int], torch.Tensor] = {}
         # What `check` accepted, (batch_size, n_heads, head_dim, capacity, sinks): a model's layers ask the same
         # on every step of generation, and the answer depends on nothing that changes.
@@ -108,12 +142,20 @@ class RingCache:
         m = min(self.sinks, self.seen - n)
         start = (self.seen - n) % self.capacity
         if not m:
-            return self._slots[start:start + n]
+            return self._run(start, n)
+        if self._slots is None:
+            return torch.cat([torch.arange(m, device=self.kv.device), self._run(start, n)])
         key = (m, start)
         if key not in self._recent:  # at most `capacity` distinct ones once the sinks have left the ring
             self._recent[key] = torch.cat([self._slots[2 * self.capacity:2 * self.capacity + m],
-                                           self._slots[start:start + n]])
+                                           self._run(start, n)])
         return self._recent[key]
+
+    def _run(self, start: int, n: int) -> torch.Tensor:
+        """The ring slots of n consecutive positions from ring offset `start`, int64 [n]."""
+        if self._slots is not None:
+            return self._slots[start:start + n]
+        return self.sinks + (start + torch.arange(n, device=self.kv.device)) % self.capacity
 
     def recent(self) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [B, H, m + n, D]: positions 0 … m − 1, then seen−n … seen−1, n = min(seen, capacity),
@@ -149,7 +191,7 @@ class RingCache:
             self.v[:, :, self.seen:self.seen + n] = v[:, :, :n]
         keep = min(t, self.capacity)
         start = (self.seen + t - keep) % self.capacity
-        slots = self._slots[start:start + keep]
+        slots = self._run(start, keep)
         self.k.index_copy_(2, slots, k[:, :, t - keep:].to(self.k.dtype))
         self.v.index_copy_(2, slots, v[:, :, t - keep:].to(self.v.dtype))
         self.seen += t
@@ -184,7 +226,9 @@ class RingCache:
 
     @property
     def nbytes(self) -> int:
-        return self.kv.nbytes
+        """Every buffer it holds: keys and values, the slot table and the sink-and-ring slot runs kept."""
+        tables = [] if self._slots is None else [self._slots]
+        return self.kv.nbytes + sum(t.nbytes for t in (*tables, *self._recent.values()))
 
 
 class GrowingCache:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..caching import untainted
 from ..config import ModelConfig
 from ..masks.bigbird import check_bigbird, check_block, random_blocks
 from ..masks.local import check_window
@@ -85,7 +86,7 @@ class BigBirdAttention(AttentionLayer):
         """(index [ceil(n / block), M], valid [n, M]) of `bigbird_candidates`, kept for the last (n, device)."""
         key = (n, torch.device(device))
         if self._candidates is None or self._candidates[0] != key:
-            self._candidates = key, bigbird_candidates(n, self.block, self.window_blocks, self.n_global,
+            self._candidates = key, untainted(bigbird_candidates)(n, self.block, self.window_blocks, self.n_global,
                                                        self.n_random, self.causal, self.seed, key[1])
         return self._candidates[1]
 

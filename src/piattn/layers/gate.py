@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.modules import module as _module
 
+from ..caching import untainted
 from ..ops.pi.decode import gate_tail
 from ..ops.pi.dtypes import accumulation_dtype
 
@@ -35,6 +36,7 @@ def start_gate_at(gate: nn.Sequential, alpha: float) -> None:
 
 
 @functools.lru_cache(maxsize=64)
+@untainted
 def _clip(eps: float, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """ε and 1 − 2ε as 0-dim tensors: addcmul(ε, σ, 1 − 2ε) is the clip in one op."""
     return torch.tensor(eps, dtype=dtype, device=device), torch.tensor(1 - 2 * eps, dtype=dtype, device=device)

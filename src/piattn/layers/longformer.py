@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..caching import untainted
 from ..config import PI_DEFAULTS, ModelConfig
 from ..masks.local import check_window
 from ..masks.longformer import check_count
@@ -53,7 +54,7 @@ class LongformerAttention(AttentionLayer):
         """(index, valid) [n, M] of `longformer_candidates`, kept for the last (n, device) asked for."""
         key = (n, torch.device(device))
         if self._candidates is None or self._candidates[0] != key:
-            self._candidates = key, longformer_candidates(n, self.window, self.n_global, self.causal, key[1])
+            self._candidates = key, untainted(longformer_candidates)(n, self.window, self.n_global, self.causal, key[1])
         return self._candidates[1]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..caching import untainted
+
 
 class Rotary(nn.Module):
     """Rotates channel pairs (i, i + D/2) of q and k by position·θ_i, θ_i = base^(-2i/D).
@@ -27,6 +29,7 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    @untainted  # kept for later calls, which may train
     def _table(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [≥ n, 1, D] fp32 of positions 0 … on `device`, in the layout `rotate` needs: cos twice,
         then −sin and sin."""

@@ -36,6 +36,7 @@ import warnings
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from ...caching import untainted
 from ...masks import local_mask, pi_mask, skip_mask
 from .backends import by_keywords
 from .pattern import Pattern, document_bounds, log_priors, slot_keys
@@ -156,6 +157,7 @@ def _build_block_mask(pat: Pattern, T: int, document_ids: torch.Tensor | None, d
 
 
 @functools.lru_cache(maxsize=32)  # a mask holds O((T / block_size)²) indices: 64 MiB at T = 32K, block 16
+@untainted
 def block_mask(
     T: int, window: int, period: int, causal: bool, device: torch.device, block_size: int, part: str = "all",
     sinks: int = 0,

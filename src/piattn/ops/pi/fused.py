@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 from ... import allocator
+from ...checks import env_switch
 from . import cbuild
 from .backends import by_keywords, refuse_double_backward
 from .operators import register_pair
@@ -122,8 +123,9 @@ def _load() -> dict | None:
             return _state["functions"]
         functions = None
         other = "or pick backend='torch'"
-        if os.environ.get("PIATTN_NATIVE", "1") == "0":
-            _state["reason"] = f"its C kernels are switched off by PIATTN_NATIVE=0: unset it to build them, {other}"
+        if not env_switch("PIATTN_NATIVE"):
+            _state["reason"] = (f"its C kernels are switched off by PIATTN_NATIVE={os.environ['PIATTN_NATIVE']}: "
+                                f"unset it to build them, {other}")
         else:
             try:
                 functions, _state["flags"] = cbuild.load(SOURCE, _open, compiler=os.environ.get("CC") or "cc",

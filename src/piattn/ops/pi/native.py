@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from ...checks import env_switch
 from . import cbuild
 
 SOURCE = Path(__file__).with_name("decode_step.c")
@@ -105,8 +106,8 @@ def _load() -> dict[torch.dtype, ctypes._CFuncPtr] | None:
         if "functions" in _state:
             return _state["functions"]
         functions = None
-        if os.environ.get("PIATTN_NATIVE", "1") == "0":
-            _state["reason"] = "disabled by PIATTN_NATIVE=0"
+        if not env_switch("PIATTN_NATIVE"):
+            _state["reason"] = f"disabled by PIATTN_NATIVE={os.environ['PIATTN_NATIVE']}"
         else:
             compiler = os.environ.get("CC") or "cc"
             try:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from ...caching import untainted
 from .backends import by_keywords, refuse_double_backward
 from .heads import period_groups
 from .operators import register_pair
@@ -82,6 +83,7 @@ class Launch:
 
 
 @functools.lru_cache(maxsize=64)
+@untainted
 def _periods_on(periods: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """The per-head periods as the kernels read them, int32 [H] on `device`: made once per (periods, device),
     so that a call pays no host-to-device copy."""
