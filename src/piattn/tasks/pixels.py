@@ -26,6 +26,7 @@ from ..config import GPTConfig, TrainConfig
 from ..data.examples import ExampleLoader, Examples
 from ..data.raster import RasterImages
 from ..data.text import normalize_split
+from ..decoding.sampling import sample_next
 from ..layers import attention_class
 from ..models import GPT
 from ..train.checkpoint import read_config
@@ -167,3 +168,25 @@ class PixelsTask(Task):
                               for i, (s, e) in enumerate(bands)],
                 "first_row": first, "rows_below": below, "neighbour_lags": neighbour_lags(w),
                 "neighbour_reach": neighbour_reach(self.config.to_dict(), w, h)}
+
+
+@torch.no_grad()
+def complete(model: GPT, pixels: torch.Tensor, given: int, *, temperature: float = 1.0, top_k: int | None = None,
+             top_p: float | None = None, seed: int | None = None) -> torch.Tensor:
+    """pixels int64 [B, N] (whole images row by row) -> [B, N]: the first `given` pixels kept, the rest drawn
+    one at a time from the model (through its decoding cache) over the 256 pixel values, at `temperature`
+    (0: argmax) with `top_k` / `top_p`, from `seed`. The model's mode is left as it is (call in eval mode)."""
+    b, n = pixels.shape
+    if not 0 <= given < n:
+        raise ValueError(f"given must be in [0, {n}) pixels, got {given}")
+    generator = None if seed is None else torch.Generator(pixels.device).manual_seed(seed)
+    cache = model.init_cache(b, max_positions=n)
+    prompt = torch.cat([torch.full_like(pixels[:, :1], START), pixels[:, :given]], 1)
+    logits = model(prompt, cache)[:, -1, :PIXEL_VALUES]
+    drawn = []
+    for step in range(n - given):
+        token = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+        drawn.append(token)
+        if given + step + 1 < n:  # the last pixel is never fed back
+            logits = model(token[:, None], cache)[:, -1, :PIXEL_VALUES]
+    return torch.cat([pixels[:, :given], torch.stack(drawn, 1)], 1)
