@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..config.training import period_text
 from ..safe_files import atomic_writer
 from ..tasks import restore
 from ..tasks.pixels import complete
@@ -25,7 +26,6 @@ from ..train import checkpoint as ckpt
 from ..train.distributed import setup, teardown
 from . import paths
 from .eval import chosen_data, numbered
-from .eval_report import describe_attention
 
 
 def completion_rows(folders: list[Path], args: argparse.Namespace) -> tuple[torch.Tensor, list[torch.Tensor],
@@ -35,7 +35,7 @@ def completion_rows(folders: list[Path], args: argparse.Namespace) -> tuple[torc
     ctx = setup(args.device)
     try:
         originals, rows, labels, given_rows = None, [], [], 0
-        for i, folder in enumerate(folders):
+        for folder in folders:
             task, model, _ = restore(folder, ctx, data=data)
             images = task.images(args.split)
             if originals is None:
@@ -50,12 +50,20 @@ def completion_rows(folders: list[Path], args: argparse.Namespace) -> tuple[torc
             given_rows = h // 2
             pixels = originals.reshape(len(originals), -1).long().to(ctx.device)
             drawn = complete(model.eval(), pixels, given_rows * w, temperature=args.temperature, top_k=args.top_k,
-                             top_p=args.top_p, seed=args.seed + i)
+                             top_p=args.top_p, seed=args.seed)
             rows.append(drawn.view(-1, h, w).to(torch.uint8).cpu())
-            labels.append(f"{describe_attention(task.model_config.to_dict())}\n{ckpt.run_dir_of(folder).name}")
+            labels.append(row_label(task.model_config.to_dict(), ckpt.run_dir_of(folder).name))
     finally:
         teardown(ctx)
     return originals, rows, labels, given_rows
+
+
+def row_label(model: dict, run: str) -> str:
+    """A grid row's label, a few short lines: 'pi, window 4' / 'π 13,14,15,28' / '2 layers' / the run's name."""
+    lines = [model["attention"] + (f", window {model['window']}" if model["attention"] != "dense" else "")]
+    if model["attention"] == "pi":
+        lines.append(f"π {period_text(model['period'])}")
+    return "\n".join([*lines, f"{model['n_layer']} layers", run])
 
 
 def draw_grid(originals: torch.Tensor, rows: list[torch.Tensor], labels: list[str], given_rows: int,
@@ -66,7 +74,8 @@ def draw_grid(originals: torch.Tensor, rows: list[torch.Tensor], labels: list[st
     from matplotlib.figure import Figure
 
     n = len(originals)
-    fig = Figure(figsize=(1.1 * n + 2.4, 1.15 * (len(rows) + 1)))
+    margin = 1.6  # inches left of the grid for the labels
+    fig = Figure(figsize=(1.1 * n + margin, 1.15 * (len(rows) + 1)))
     axes = fig.subplots(len(rows) + 1, n, squeeze=False)
     for r, (images, label) in enumerate([(originals, "original"), *zip(rows, labels, strict=True)]):
         for c in range(n):
@@ -77,7 +86,7 @@ def draw_grid(originals: torch.Tensor, rows: list[torch.Tensor], labels: list[st
             if r:
                 ax.axhline(given_rows - 0.5, color="red", lw=0.8)
         axes[r][0].set_ylabel(label, rotation=0, ha="right", va="center", fontsize=7)
-    fig.subplots_adjust(left=2.3 / (1.1 * n + 2.4), right=0.99, top=0.97, bottom=0.03, wspace=0.05, hspace=0.08)
+    fig.subplots_adjust(left=margin / (1.1 * n + margin), right=0.99, top=0.97, bottom=0.03, wspace=0.05, hspace=0.08)
     with atomic_writer(path) as f:
         FigureCanvasAgg(fig).print_png(f)
     return path
