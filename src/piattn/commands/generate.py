@@ -4,6 +4,11 @@
 
 The model decodes through its cache (constant size for `pi` and `local`); `--stats` reports the cache's
 bytes and the decoding speed at the end, on stderr.
+
+A `--task pixels` checkpoint (or several) completes the bottom half of test images instead and draws them
+as one PNG grid, a row per model (`completions`):
+
+    piattn generate --checkpoint runs/px-pi runs/px-local --images 8 --temperature 0
 """
 
 from __future__ import annotations
@@ -18,12 +23,14 @@ from ..decoding import check_sampling
 from ..tasks.lm import load_language_model
 from ..train import checkpoint as ckpt
 from ..train.distributed import parse_device
+from . import completions
 from .common import add_threads_argument, torch_threads
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True, help="a run directory (its latest checkpoint) or a checkpoint folder")
-    p.add_argument("--prompt", required=True, help="text to continue (at least one token)")
+    p.add_argument("--checkpoint", required=True, nargs="+", action="extend",
+                   help="a run directory (its latest checkpoint) or a checkpoint folder; pixels models: one or more")
+    p.add_argument("--prompt", help="text to continue (at least one token; required for a language model)")
     p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate")
     p.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (0: greedy)")
     p.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
@@ -31,6 +38,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     p.add_argument("--device", default="cpu", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--stats", action="store_true", help="print cache bytes and tokens/s to stderr at the end")
+    images = p.add_argument_group("pixels models: complete the bottom half of images, one PNG grid")
+    images.add_argument("--images", type=int, default=8, help="images to complete (the grid's columns)")
+    images.add_argument("--split", default="test", help="train, validation or test")
+    images.add_argument("--data", help="the image source, when the first checkpoint's is not generated or mnist5k")
+    images.add_argument("--use-stored-data", action="store_true",
+                        help="read the image source the first checkpoint's config.json records")
+    images.add_argument("--output", help="the PNG (default: RUN/completions_<split>.png of the first checkpoint, "
+                        "numbered when it exists)")
+    images.add_argument("--overwrite", action="store_true", help="replace an existing --output")
     add_threads_argument(p)
 
 
@@ -46,8 +62,15 @@ def generate(args: argparse.Namespace) -> int:
         check_sampling(args.temperature, args.top_k, args.top_p)
     except ValueError as err:
         raise ValueError(f"--{err}".replace("_", "-", 1)) from None
+    folders = [ckpt.resolve_checkpoint(path) for path in args.checkpoint]
+    if ckpt.read_config(folders[0]).get("task") == "pixels":
+        return completions.run_completions(args, folders)
+    if len(folders) > 1:
+        raise ValueError("--checkpoint takes one language model (several only for pixels models)")
+    if args.prompt is None:
+        raise ValueError("--prompt is required for a language model")
     device = parse_device(args.device)
-    model, tokenizer = load_language_model(ckpt.resolve_checkpoint(args.checkpoint), device)
+    model, tokenizer = load_language_model(folders[0], device)
     ids = tokenizer.encode(args.prompt)
     if not ids:
         raise ValueError("--prompt must encode to at least one token")

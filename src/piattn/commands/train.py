@@ -32,7 +32,7 @@ import json
 import sys
 
 from ..config import TrainConfig
-from ..config.model import PERIOD_SCHEDULES
+from ..config.model import PERIOD_SCHEDULES, is_geometry_period
 from ..config.training import period_text
 from ..data.tokenizers import KINDS as TOKENIZER_KINDS
 from ..layers import attention_registry
@@ -59,6 +59,10 @@ def checked_config(cfg: TrainConfig) -> TrainConfig:
     """`cfg` with every flag checked (ValueError naming the flag) and the task's --seq-len filled in, so that
     checkpoints record the length used."""
     cfg.check(REGISTRIES)
+    if is_geometry_period(cfg.model.period) and "raster" not in task_class(cfg.task.task).capabilities:
+        raster = [name for name, task in TASKS.items() if "raster" in task.capabilities]
+        raise ValueError(f"--period {cfg.model.period} applies to the tasks on images ({', '.join(raster)}), whose "
+                         f"data gives the width, not to --task {cfg.task.task}; give a number of tokens")
     if cfg.data.seq_len is None:
         seq_len = task_class(cfg.task.task).resolve_seq_len(cfg)
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=seq_len))
@@ -85,7 +89,7 @@ def build_task(cfg, run_dir, ctx, checkpoint):
 def announce_schedule(period: str | None, resolved) -> None:
     """On stderr, the periods a named schedule (--period cover, geometric:8) resolved to for this model, in
     --period's own syntax: the name alone does not say them, and the line repeats the run without it."""
-    if period is None or period.split(":")[0] not in PERIOD_SCHEDULES:
+    if period is None or (period.split(":")[0] not in PERIOD_SCHEDULES and not is_geometry_period(period)):
         return
     print(f"piattn train: --period {period} -> --period {period_text(resolved)} (',' between heads, '/' between "
           "layers)", file=sys.stderr)

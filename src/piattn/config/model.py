@@ -7,6 +7,7 @@ model is built); each kind reads the fields it needs, so a model never changes t
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 from ..analysis.multiscale import SCHEDULES, periods_per_layer, schedule
@@ -44,6 +45,9 @@ class ModelConfig:
     sparse_block tokens (bigbird); sparse_block and n_random (bigbird's block size and random blocks per
     query block); n_hashes and bucket_size (reformer's LSH rounds and bucket width); backend (π operator backend).
     Training: dropout (residual, attention and FFN, 0.1 in the paper), init_std (0.02), rope_base.
+    image_width: the width of raster-scanned images in the sequence; set by image tasks from the data (None:
+    the sequence is not an image). The period words of `geometry_periods` ("width", "neighbourhood", …)
+    resolve from it.
     """
 
     n_layer: int = 12
@@ -70,6 +74,7 @@ class ModelConfig:
     dropout: float = 0.1
     init_std: float = 0.02
     rope_base: float = 10000.0
+    image_width: int | None = None
 
     def __post_init__(self):
         for name in ("n_layer", "n_head", "d_model", "block_size", "vocab_size"):
@@ -86,6 +91,10 @@ class ModelConfig:
             raise ValueError(f"d_ff must be a positive integer, got {self.d_ff!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if self.image_width is not None and (not is_int(self.image_width) or self.image_width < 1):
+            raise ValueError(f"image_width must be a positive integer or None, got {self.image_width!r}")
+        if is_geometry_period(self.period):
+            self.period = geometry_periods(self.period, self.image_width, self.n_head)
         self.period = resolve_periods(self.period, window=self.window, n_layer=self.n_layer, n_head=self.n_head,
                                       block_size=self.block_size)
         for layer in range(self.n_layer):
@@ -140,6 +149,41 @@ class ModelConfig:
 # The period schedules a config may name have one home, the reach analysis that designs them; the analysis
 # sits below the configuration (it imports nothing of piattn but the masks), so this is a plain import.
 PERIOD_SCHEDULES = SCHEDULES
+
+
+# Period words resolved from the image width W (`geometry_periods`): [M]width[+K|-K], and neighbourhood.
+_GEOMETRY = re.compile(r"(\d*)width([+-]\d+)?")
+NEIGHBOURHOOD = ("neighbourhood", "neighborhood")
+
+
+def is_geometry_period(period) -> bool:
+    """Whether `period` is a word resolved from the image width: "width", "2width", "width-1", "2width+3",
+    "neighbourhood" (or "neighborhood")."""
+    return isinstance(period, str) and (period in NEIGHBOURHOOD or _GEOMETRY.fullmatch(period) is not None)
+
+
+def geometry_periods(word: str, width: int | None, n_head: int) -> int | list[int]:
+    """A period word -> the period(s) it means for images W = `width` pixels wide, raster-scanned:
+
+    "width" W (the pixel above), "Mwidth" M·W (M rows up), "width-K" / "width+K" W ∓ K (the pixel above and
+    K to the right / left; with M: M·W ± K); "neighbourhood" per-head periods W − 1, W, W + 1, 2W, repeated
+    over the heads when n_head is a multiple of 4. One-line ValueError naming --period when the width is
+    unknown (not an image), the heads do not fit, or a period comes out below 1.
+    """
+    if width is None:
+        raise ValueError(f"--period {word} needs the image width, which only the image tasks set from their "
+                         "data (image_width); give a number of tokens instead")
+    if word in NEIGHBOURHOOD:
+        if n_head % 4:
+            raise ValueError(f"--period {word} gives 4 heads the periods W - 1, W, W + 1, 2W (W = {width}); it "
+                             f"needs a number of heads that is a multiple of 4, got {n_head} (--n-head)")
+        periods = [width - 1, width, width + 1, 2 * width] * (n_head // 4)
+    else:
+        match = _GEOMETRY.fullmatch(word)
+        periods = [int(match.group(1) or 1) * width + int(match.group(2) or 0)]
+    if min(periods) < 1:
+        raise ValueError(f"--period {word} comes out below 1 for images {width} pixels wide: {periods}")
+    return periods[0] if len(periods) == 1 else periods
 
 
 def resolve_periods(period, *, window: int, n_layer: int, n_head: int, block_size: int) -> int | list:

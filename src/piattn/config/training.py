@@ -27,7 +27,7 @@ from typing import Protocol
 import numpy as np
 
 from .flags import Capability, Notes, add_flags, applies, check_flags, flag, flag_fields, option_name, render_notes
-from .model import PERIOD_SCHEDULES, SIZES, ModelConfig
+from .model import PERIOD_SCHEDULES, SIZES, ModelConfig, is_geometry_period
 from .pi import PI_DEFAULTS, VARIANTS
 
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -78,9 +78,10 @@ class ModelFlags:
 def parse_period(text: str) -> int | list | str:
     """--period's text -> a `ModelConfig.period`: "16" -> 16, "8,16,32,64" -> one period per head,
     "5,6,7,8/9,14,19,24" -> per layer ('/' between layers), a schedule name ("cover", "geometric:8") as is
-    (`ModelConfig` resolves it, and checks the counts against the model). One-line ValueError otherwise."""
+    (`ModelConfig` resolves it, and checks the counts against the model), a word of the image width ("width",
+    "2width", "width-1", "neighbourhood": `geometry_periods`) as is. One-line ValueError otherwise."""
     text = text.strip()
-    if text.split(":")[0] in PERIOD_SCHEDULES:
+    if text.split(":")[0] in PERIOD_SCHEDULES or is_geometry_period(text):
         return text
     try:
         layers = [[int(p) for p in layer.split(",")] for layer in text.split("/")]
@@ -88,7 +89,8 @@ def parse_period(text: str) -> int | list | str:
         layers = None
     if layers is None or any(p < 1 for layer in layers for p in layer):
         raise ValueError(f"--period must be an int >= 1, per-head ints '8,16,32,64', per-layer '5,6,7,8/9,14,19,24' "
-                         f"or a schedule ({', '.join(PERIOD_SCHEDULES)}, optionally ':N'), got {text!r}")
+                         f"or a schedule ({', '.join(PERIOD_SCHEDULES)}, optionally ':N'), or for images width, "
+                         f"2width, width-1, width+1, neighbourhood; got {text!r}")
     if "/" in text:
         return layers
     return layers[0][0] if len(layers[0]) == 1 else layers[0]

@@ -7,6 +7,8 @@
     recall        recall the value after a marker, at a lag drawn per example (recall.py)
     mqar          multi-query associative recall, scored by key–query distance and pairs (mqar.py)
     vl-retrieval  image-text retrieval with a CLIP dual encoder, Recall@K (vl_retrieval.py, ranking.py)
+    pixels        next-pixel modelling of raster-scanned grayscale images, bits/dim (pixels.py, raster.py)
+    image-class   whole-image classification of raster-scanned images, sequential MNIST (image_class.py)
 
 Every task implements `piattn.train.task.Task`, the interface the trainer uses, and declares the flags only
 it reads (`Task.flags`): `config_class()` is the training configuration with the flags of every task
@@ -26,9 +28,11 @@ from ..train import checkpoint as ckpt
 from ..train.distributed import DistContext
 from ..train.loop import saved_train_config, writable_folder
 from ..train.task import Task
+from .image_class import ImageClassTask
 from .lm import LanguageModelTask
 from .lra import ListOpsTask, PathfinderTask, RetrievalTask
 from .mqar import MQARTask
+from .pixels import PixelsTask
 from .reach import ReachTask
 from .recall import RecallTask
 from .vl_retrieval import VisionLanguageTask
@@ -37,7 +41,7 @@ from .vl_retrieval import VisionLanguageTask
 # and the help their notes; the first is --task's default.
 TASKS: dict[str, type[Task]] = {
     task.name: task for task in (LanguageModelTask, ListOpsTask, PathfinderTask, RetrievalTask, ReachTask,
-                                 VisionLanguageTask, RecallTask, MQARTask)}
+                                 VisionLanguageTask, RecallTask, MQARTask, PixelsTask, ImageClassTask)}
 
 
 def config_class(tasks: Mapping[str, type[Task]] | None = None) -> type[TrainConfig]:
@@ -77,5 +81,6 @@ def restore(folder: Path, ctx: DistContext, *, data: str | None = None, batch_si
     return task, model.to(ctx.device), cfg
 
 
-__all__ = ["TASKS", "LanguageModelTask", "ListOpsTask", "MQARTask", "PathfinderTask", "ReachTask", "RecallTask",
-           "RetrievalTask", "Task", "VisionLanguageTask", "config_class", "restore", "task_class"]
+__all__ = ["TASKS", "ImageClassTask", "LanguageModelTask", "ListOpsTask", "MQARTask", "PathfinderTask", "PixelsTask",
+           "ReachTask", "RecallTask", "RetrievalTask", "Task", "VisionLanguageTask", "config_class", "restore",
+           "task_class"]

@@ -53,7 +53,8 @@ class ImageFlags:
     """The flag of the tasks on images."""
 
     image_size: int | None = flag(None, "image side in pixels (default: pathfinder 32; vl-retrieval shapes 32, "
-                                  "coco / flickr30k 224)", low=1)
+                                  "coco / flickr30k 224; pixels and image-class: of generated --data pathfinder "
+                                  "or shapes, 32)", low=1)
 
 
 def split_seed(data_seed: int, split: str) -> int:

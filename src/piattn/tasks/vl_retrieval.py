@@ -80,6 +80,7 @@ class VisionLanguageTask(Task):
                           "DIR/dataset_coco.json or DIR/dataset_flickr30k.json and the images)",
                   "seq_len": " (image-size / patch-size)², the image's patches",
                   "period": ": the image's patches per row, so the skip key is the patch above / below"}
+    capabilities = frozenset({"raster"})  # its patches are raster-scanned: --period width counts patches per row
 
     def __init__(self, cfg: TrainConfig, ctx: DistContext, config: VisionLanguageConfig):
         self.cfg, self.ctx, self.config = cfg, ctx, config

@@ -49,7 +49,8 @@ class Task(ABC):
     adds to the help of a common flag that takes notes ({"seq_len": " 64"} reads "... mqar 64"; "data":
     what its --data takes); `capabilities`, the task capabilities that common flags are scoped by
     ("sequence_parallel": its batches can be split along the sequence; "cache": it caches what it derives
-    from --data under --cache-dir).
+    from --data under --cache-dir; "raster": its sequences are raster-scanned images whose width its model
+    config records, `image_width`, so `--period width` and the other words of the width resolve).
     """
 
     name: ClassVar[str]
