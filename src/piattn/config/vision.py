@@ -29,6 +29,7 @@ class VisionLanguageConfig(ModelConfig):
 
     image_size: side of the square input images in pixels; patch_size: side of a patch (must divide
     image_size); grid = image_size / patch_size patches per row, n_patches = grid² tokens per image.
+    image_width: default `grid`, the raster the 2D kinds (neighbourhood, strided) read.
     period: the π of the image tower, default `grid` (the patch above / below). block_size: default and
     only allowed value n_patches. vocab_size: the text tower's, 257 byte ids. channels: 3 (RGB).
     embed_dim: width of the shared embedding space (default d_model). caption_len: byte ids per caption
@@ -57,6 +58,8 @@ class VisionLanguageConfig(ModelConfig):
             raise ValueError(f"image_size ({self.image_size}) must be a multiple of patch_size ({self.patch_size})")
         if self.period is None:
             self.period = self.grid
+        if self.image_width is None:  # the patches form a raster of `grid` a row (neighbourhood, strided)
+            self.image_width = self.grid
         if self.block_size is None:
             self.block_size = self.n_patches
         if self.block_size != self.n_patches:
@@ -82,7 +85,7 @@ class VisionLanguageConfig(ModelConfig):
 
     def text_config(self) -> EncoderConfig:
         """The text tower: this config's sizes, dropout and window with `text_attention`, `caption_len`
-        positions, the operator's default π (a caption has no rows) and `embed_dim` outputs, mean pooled."""
+        positions, the operator's default π and no image width (a caption has no rows) and `embed_dim` outputs, mean pooled."""
         shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(ModelConfig)}
         return EncoderConfig(**{**shared, "attention": self.text_attention, "block_size": self.caption_len,
-                                "period": PI_DEFAULTS.period}, num_classes=self.embed_dim, pool="mean")
+                                "period": PI_DEFAULTS.period, "image_width": None}, num_classes=self.embed_dim, pool="mean")
