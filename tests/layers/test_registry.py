@@ -173,8 +173,8 @@ def test_a_kind_without_a_declared_reach_is_refused_by_name(toy_kind):
     try:
         assert kinds_with("reach") == ("dense", "local", "neighbourhood", "pi", "reaching", "strided")
         assert Reaching.lag_reach(dict(window=3), 7).reachable.tolist() == [1, 0, 0, 1, 0, 0, 1, 0]
-        with pytest.raises(ValueError, match=r"one of \['dense', 'local', 'neighbourhood', 'pi', 'reaching', 'strided'\] "
-                           r".*got 'toy'"):
+        with pytest.raises(ValueError, match=r"one of \['dense', 'local', 'neighbourhood', 'pi', 'reaching', "
+                           r"'strided'\] .*got 'toy'"):
             ToyAttention.lag_reach({}, 5)
     finally:
         del ATTENTION["reaching"]

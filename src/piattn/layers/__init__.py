@@ -13,9 +13,9 @@ from .longformer import LongformerAttention
 from .neighbourhood import NeighbourhoodAttention
 from .pi import PiAttention
 from .reformer import ReformerAttention
-from .strided import StridedAttention
 from .registry import ATTENTION, attention_class, attention_registry, kinds_with
 from .sharding import sequence_parallel
+from .strided import StridedAttention
 
 __all__ = ["ATTENTION", "attention_class", "attention_registry", "kinds_with", "AttentionLayer", "BigBirdAttention",
            "DenseAttention", "LocalAttention", "LongformerAttention", "NeighbourhoodAttention", "PiAttention",
