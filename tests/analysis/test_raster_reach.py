@@ -16,21 +16,27 @@ from piattn.layers import ATTENTION
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
+def allowed_key(kind: str, i: int, j: int, width: int, s: dict) -> bool:
+    """Whether causal query i sees key j <= i under `kind` with settings s, from its definition."""
+    d = i - j
+    (ri, ci), (rj, cj) = divmod(i, width), divmod(j, width)
+    if kind == "dense":
+        return True
+    if kind == "local":
+        return d <= s["window"]
+    if kind == "pi":
+        return d <= s["window"] or d == s["period"]
+    if kind == "neighbourhood":
+        return ri - rj <= s["radius"] and abs(ci - cj) <= s["radius"]
+    return d < s["stride"] or d % s["stride"] == 0  # strided
+
+
 def one_layer(kind: str, T: int, width: int, s: dict) -> torch.Tensor:
-    """bool [T, T], causal, by loops over (query i, key j) from the definitions."""
+    """bool [T, T], causal, by loops over (query i, key j)."""
     allowed = torch.zeros(T, T, dtype=torch.bool)
     for i in range(T):
         for j in range(i + 1):
-            d = i - j
-            (ri, ci), (rj, cj) = divmod(i, width), divmod(j, width)
-            rule = {
-                "dense": lambda: True,
-                "local": lambda: d <= s["window"],
-                "pi": lambda: d <= s["window"] or d == s["period"],
-                "neighbourhood": lambda: ri - rj <= s["radius"] and abs(ci - cj) <= s["radius"],
-                "strided": lambda: d < s["stride"] or d % s["stride"] == 0,
-            }[kind]
-            allowed[i, j] = rule()
+            allowed[i, j] = allowed_key(kind, i, j, width, s)
     return allowed
 
 

@@ -6,8 +6,8 @@ draws them. `piattn reach --image HxW` (piattn.commands.reach_image) puts the tw
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 import textwrap
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
