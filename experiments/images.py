@@ -210,8 +210,9 @@ def report(out: Path, cost: dict | None = None) -> None:
 def completions(out: Path) -> None:
     """The completion grid: each arm's seed-0 checkpoint completes the bottom half of 8 test digits (argmax)."""
     checkpoints = [str(run_dir(out, arm, 0)) for arm in ARMS if (run_dir(out, arm, 0) / "checkpoints").is_dir()]
-    subprocess.run([sys.executable, "-m", "piattn.cli", "generate", *sum((["--checkpoint", c] for c in checkpoints), []),
-                    "--images", "8", "--temperature", "0", "--out", str(out / "completions.png")], check=True)
+    flags = [flag for c in checkpoints for flag in ("--checkpoint", c)]
+    subprocess.run([sys.executable, "-m", "piattn.cli", "generate", *flags, "--images", "8", "--temperature", "0",
+                    "--out", str(out / "completions.png")], check=True)
 
 
 def main() -> int:

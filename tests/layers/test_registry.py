@@ -18,7 +18,8 @@ from piattn.models import GPT
 from piattn.tasks import config_class
 
 # Another valid value of each model setting a flag is scoped by, to see which kinds' config_kwargs read it.
-OTHER_VALUE = {"window": 40, "period": 7, "variant": "fixed", "prior": 0.3, "sinks": 2, "backend": "torch"}
+OTHER_VALUE = {"window": 40, "period": 7, "variant": "fixed", "prior": 0.3, "sinks": 2, "backend": "torch",
+               "radius": 2, "stride": 3}
 
 
 class ToyAttention(AttentionLayer):
@@ -98,7 +99,8 @@ def test_the_settings_a_kind_takes_are_those_its_config_kwargs_read():
 
 
 def test_decoding_is_the_kinds_that_set_a_cache_capacity():
-    cfg = GPTConfig.from_name("tiny", vocab_size=40, n_layer=1, d_model=32, n_head=4, sparse_block=4, bucket_size=4)
+    cfg = GPTConfig.from_name("tiny", vocab_size=40, n_layer=1, d_model=32, n_head=4, sparse_block=4, bucket_size=4,
+                              image_width=6)
     for name, kind in ATTENTION.items():
         layer = kind.from_config(GPTConfig(**{**cfg.to_dict(), "attention": name}), causal=True)
         if name in kinds_with("decoding"):
@@ -131,7 +133,7 @@ def brute_reach(hops_of_layer, n_layer: int, max_lag: int) -> tuple[set[int], in
     dict(window=4, period=3, n_layer=2, n_head=1),  # the period inside the window
 ])
 def test_the_kinds_that_declare_a_reach_reach_what_their_layers_read(model):
-    assert kinds_with("reach") == ("dense", "local", "pi")
+    assert kinds_with("reach") == ("dense", "local", "neighbourhood", "pi", "strided")
     max_lag = 40
     period = model["period"]
 
@@ -143,7 +145,11 @@ def test_the_kinds_that_declare_a_reach_reach_what_their_layers_read(model):
     hops = {"dense": lambda layer: set(range(max_lag + 1)),
             "local": lambda layer: set(range(model["window"] + 1)),
             "pi": pi_hops}
-    for name in kinds_with("reach"):
+    # neighbourhood's reach depends on the query's column (tests/analysis/test_raster_reach.py); strided's
+    # span is that of hops capped at max_lag, the longest path that stays inside the lags asked for
+    hops["strided"] = lambda layer: set(range(5)) | set(range(0, max_lag + 1, 5))
+    model = {**model, "stride": 5}
+    for name in sorted(hops):
         got = ATTENTION[name].lag_reach({**model, "sinks": 4}, max_lag)  # sinks are not a lag
         lags, span = brute_reach(hops[name], model["n_layer"], max_lag)
         assert set(got.reachable.nonzero().flatten().tolist()) == lags, name
@@ -160,13 +166,15 @@ def test_a_kind_without_a_declared_reach_is_refused_by_name(toy_kind):
     for name in ("toy", "longformer", "bigbird", "reformer"):
         with pytest.raises(ValueError) as err:
             ATTENTION[name].lag_reach(dict(window=3, period=7, n_layer=2, n_head=2), 10)
-        assert str(err.value) == ("attention must be one of ['dense', 'local', 'pi'] (kinds whose reach is a fixed "
+        assert str(err.value) == ("attention must be one of ['dense', 'local', 'neighbourhood', 'pi', 'strided'] "
+                                  "(kinds whose reach is a fixed "
                                   f"set of lags, which they declare: `lag_reach`), got '{name}', which declares none")
     ATTENTION["reaching"] = Reaching
     try:
-        assert kinds_with("reach") == ("dense", "local", "pi", "reaching")
+        assert kinds_with("reach") == ("dense", "local", "neighbourhood", "pi", "reaching", "strided")
         assert Reaching.lag_reach(dict(window=3), 7).reachable.tolist() == [1, 0, 0, 1, 0, 0, 1, 0]
-        with pytest.raises(ValueError, match=r"one of \['dense', 'local', 'pi', 'reaching'\] .*got 'toy'"):
+        with pytest.raises(ValueError, match=r"one of \['dense', 'local', 'neighbourhood', 'pi', 'reaching', "
+                           r"'strided'\] .*got 'toy'"):
             ToyAttention.lag_reach({}, 5)
     finally:
         del ATTENTION["reaching"]

@@ -13,7 +13,8 @@ LENGTHS = ([7, 12, 5], [24], [1, 23])  # one batch row per list: documents packe
 
 
 def tiny(attention="pi", **overrides):
-    base = dict(vocab_size=40, n_layer=2, d_model=32, n_head=4, window=2, period=5, dropout=0.0)
+    base = dict(vocab_size=40, n_layer=2, d_model=32, n_head=4, window=2, period=5, dropout=0.0,
+                image_width=6)  # read by the image kinds (neighbourhood, strided) only
     return GPTConfig.from_name("tiny", **{**base, "attention": attention, **overrides})
 
 

@@ -11,7 +11,7 @@ KINDS = sorted(piattn.layers.ATTENTION)
 
 def small_config(cls=GPTConfig, **overrides):
     base = dict(vocab_size=40, n_layer=2, d_model=32, n_head=2, window=2, period=5, dropout=0.0,
-                sparse_block=4, n_global=1, n_random=1, bucket_size=4)
+                sparse_block=4, n_global=1, n_random=1, bucket_size=4, image_width=6)
     return cls.from_name("tiny", **{**base, **overrides})
 
 

@@ -167,7 +167,7 @@ def test_classes_of_another_checkpoint_and_a_self_comparison(runs, capsys, tmp_p
     (["--compare", "LOCAL", "--by-copy-distance", "--position-bins", "2"], "takes no --position-bins"),
     (["--classes-of", "PI"], "--classes-of names the classes of --by-copy-distance"),
     (["--compare", "LOCAL", "--by-copy-distance", "--classes-of", "LONGFORMER"],
-     "--classes-of: .*attention must be one of \\['dense', 'local', 'pi'\\]"),
+     "--classes-of: .*attention must be one of \\['dense', 'local', 'neighbourhood', 'pi', 'strided'\\]"),
 ])
 def test_refusals_are_one_line(runs, capsys, tmp_path, argv, message):
     names = {"LOCAL": "local", "PI": "pi", "LONGFORMER": "longformer"}
@@ -207,6 +207,7 @@ def test_a_kind_that_declares_no_reach_is_refused_naming_the_declaration(runs, c
                  "--by-copy-distance"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err, err
-    assert re.search(r"--classes-of: .*attention must be one of \['dense', 'local', 'pi'\] \(kinds whose reach is "
+    assert re.search(r"--classes-of: .*attention must be one of \['dense', 'local', 'neighbourhood', 'pi', 'strided'\] "
+                     r"\(kinds whose reach is "
                      r"a fixed set of lags, which they declare: `lag_reach`\), got 'dilated', which declares none$",
                      err), err

@@ -70,6 +70,13 @@ def working_set_size(window: int, period: int | None, causal: bool = True) -> in
     return int(mod(0, 0, torch.tensor(c), torch.arange(2 * c + 1)).sum())
 
 
+def mean_keys(mask: torch.Tensor) -> float:
+    """Keys per query of a one-layer pattern: the mean number of True cells per row of a bool [n, n] mask
+    (0.0 for n = 0). Near the sequence's (or an image's) borders queries see fewer keys than inside, and a
+    causal query fewer than a bidirectional one; the mean counts them all, as the work of a layer does."""
+    return mask.sum(1, dtype=torch.float64).mean().item() if mask.numel() else 0.0
+
+
 def skip_pairs(n: int, period: int | None, causal: bool = True) -> int:
     """How many (query, skip key) pairs fall inside a length-n sequence."""
     if period is None:

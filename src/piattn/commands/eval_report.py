@@ -237,7 +237,11 @@ def recall_marker_lags(cfg: TrainConfig) -> dict[int, tuple[int]]:
 def describe_attention(model: dict) -> str:
     """'pi attention, window 4, period 16, 2 layers' (the period as stored: an int or per-head lists)."""
     parts = [f"{model['attention']} attention"]
-    if model["attention"] != "dense":
+    if model["attention"] == "neighbourhood":
+        parts.append(f"radius {model.get('radius', 1)} on images {model.get('image_width')} wide")
+    elif model["attention"] == "strided":
+        parts.append(f"stride {model.get('stride') or model.get('image_width')}")
+    elif model["attention"] != "dense":
         parts.append(f"window {model.get('window')}")
     if model["attention"] == "pi":
         parts.append(f"period {model.get('period')}")

@@ -3,10 +3,13 @@
     piattn reach --n 48 --window 4 --period 16 --layers 6 [--sinks N] [--bidirectional] [--out PATH.png]
     piattn reach --design --target 256 --window 4 --layers 4 --heads 4 [--out PATH.png]
     piattn reach --periods 5,6,7,8/9,14,19,24 --target 64 --window 4 [--out PATH.png]
+    piattn reach --image 7x7 --layers 4 [--window 4] [--period W] [--radius 1] [--stride W] [--out DIR]
 
 With --design or --periods (multi-scale π: a skip period per head and per layer) it compares, over the
 lags 1 … --target, local attention, single π = --period, geometric heads and the designed or given
-periods (`piattn.analysis.multiscale`), and draws which lag each reaches at which depth.
+periods (`piattn.analysis.multiscale`), and draws which lag each reaches at which depth. With --image HxW
+it shows, per kind (dense, local, π, neighbourhood, strided) and depth, the pixels of an H × W raster-scanned
+image that its bottom-centre pixel reaches (`piattn.commands.reach_image`).
 
 `--out` names the figure file (.png, .pdf or .svg), or a folder to write receptive_field.png in: an
 existing folder, or any path ending in '/'. The reachability is computed as dense n × n matrix powers
@@ -26,6 +29,7 @@ from ..analysis.report import format_summary, plot_receptive_field, reach_summar
 from ..config import PI_DEFAULTS
 from ..config.training import period_text
 from .paths import output_file
+from .reach_image import DEFAULT_LAYERS, IMAGE_NAME, run_image
 
 FIGURE_NAME = "receptive_field.png"
 DEFAULT_OUT = Path("runs/reach") / FIGURE_NAME
@@ -51,10 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n", type=int, default=48, help=f"sequence length, 1 … {MAX_N} (default 48)")
     parser.add_argument("--window", type=int, default=PI_DEFAULTS.window,
                         help=f"local window k, >= 0 (default {PI_DEFAULTS.window})")
-    parser.add_argument("--period", type=int, default=PI_DEFAULTS.period,
-                        help=f"skip distance π, >= 1 (default {PI_DEFAULTS.period})")
-    parser.add_argument("--layers", type=int, default=6,
-                        help=f"depth L, 1 … {MAX_LAYERS}, and n³·L at most {MAX_N}³·8 (default 6)")
+    parser.add_argument("--period", type=int, default=None,
+                        help=f"skip distance π, >= 1 (default {PI_DEFAULTS.period}; with --image the width W)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help=f"depth L, 1 … {MAX_LAYERS}, and n³·L at most {MAX_N}³·8 (default 6; with --image "
+                        f"{DEFAULT_LAYERS})")
     parser.add_argument("--sinks", type=int, default=0,
                         help=f"sink keys (the first N positions, seen by every query): what they add; 0 … n, "
                         f"with n <= {MAX_N_SINKS} (default 0)")
@@ -62,6 +67,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None,
                         help=f"figure file (.png, .pdf, .svg), or a folder (existing, or ending in /) to write "
                         f"{FIGURE_NAME} ({MULTISCALE_NAME} with --design/--periods) in (default runs/reach/)")
+    image = parser.add_argument_group("2D reach on a raster-scanned image (causal)")
+    image.add_argument("--image", default=None, metavar="HxW",
+                       help=f"the image's height and width: per kind and depth, the pixels its bottom-centre pixel "
+                       f"reaches (text, and {IMAGE_NAME} in --out)")
+    image.add_argument("--radius", type=int, default=1, help="neighbourhood attention's radius, >= 0 (default 1)")
+    image.add_argument("--stride", type=int, default=None,
+                       help="strided attention's stride l, >= 1 (default: the width W)")
     multi = parser.add_argument_group("multi-scale π (a skip period per head and per layer)")
     how = multi.add_mutually_exclusive_group()
     how.add_argument("--design", action="store_true",
@@ -173,6 +185,13 @@ def run_multiscale(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.image is not None:
+        if args.design or args.periods is not None:
+            raise ValueError("--image does not combine with --design or --periods")
+        return run_image(args, lambda name: figure_path(args.out, name))
+    # the defaults --image replaces by the image's own (π = W, fewer layers)
+    args.period = PI_DEFAULTS.period if args.period is None else args.period
+    args.layers = 6 if args.layers is None else args.layers
     if args.design or args.periods is not None:
         return run_multiscale(args)
     check_sizes(args)

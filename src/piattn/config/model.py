@@ -44,10 +44,11 @@ class ModelConfig:
     ceil(window / sparse_block) blocks each side); n_global global tokens (longformer) or global blocks of
     sparse_block tokens (bigbird); sparse_block and n_random (bigbird's block size and random blocks per
     query block); n_hashes and bucket_size (reformer's LSH rounds and bucket width); backend (π operator backend).
+    Images: image_width, the width of raster-scanned images in the sequence (set by image tasks from the data;
+    None: the sequence is no image; the period words of `geometry_periods`, "width", "neighbourhood", …,
+    resolve from it); radius (neighbourhood: rows and columns each side) and stride (strided: the Sparse
+    Transformer's l, None: image_width).
     Training: dropout (residual, attention and FFN, 0.1 in the paper), init_std (0.02), rope_base.
-    image_width: the width of raster-scanned images in the sequence; set by image tasks from the data (None:
-    the sequence is not an image). The period words of `geometry_periods` ("width", "neighbourhood", …)
-    resolve from it.
     """
 
     n_layer: int = 12
@@ -70,11 +71,13 @@ class ModelConfig:
     n_random: int = 2
     n_hashes: int = 2
     bucket_size: int = 32
+    image_width: int | None = None
+    radius: int = 1
+    stride: int | None = None
     backend: str = "auto"
     dropout: float = 0.1
     init_std: float = 0.02
     rope_base: float = 10000.0
-    image_width: int | None = None
 
     def __post_init__(self):
         for name in ("n_layer", "n_head", "d_model", "block_size", "vocab_size"):
@@ -91,8 +94,12 @@ class ModelConfig:
             raise ValueError(f"d_ff must be a positive integer, got {self.d_ff!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
-        if self.image_width is not None and (not is_int(self.image_width) or self.image_width < 1):
-            raise ValueError(f"image_width must be a positive integer or None, got {self.image_width!r}")
+        for name, low in (("image_width", 1), ("radius", 0), ("stride", 1)):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value < low):
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if self.radius is None:
+            raise ValueError("radius must be an integer >= 0, got None")
         if is_geometry_period(self.period):
             self.period = geometry_periods(self.period, self.image_width, self.n_head)
         self.period = resolve_periods(self.period, window=self.window, n_layer=self.n_layer, n_head=self.n_head,

@@ -53,6 +53,10 @@ class ModelFlags:
                                  "many as heads)", low=1, applies={"attention": Capability("grouped_query")})
     sinks: int | None = flag(None, "sink keys: the first N tokens of each document, seen by every later query "
                              "(default 0)", low=0, applies={"attention": Capability("sinks")})
+    radius: int | None = flag(None, "neighbourhood attention's radius: rows and columns each side of a pixel "
+                              "(default 1)", low=0, applies={"attention": Capability("radius")})
+    stride: int | None = flag(None, "strided attention's stride l (default: the image width)", low=1,
+                              applies={"attention": Capability("stride")})
     d_model: int | None = flag(None, "width (default: the --config's)", low=1)
     # The size's own d_ff, also under --d-model: 4 × d-model holds for the named sizes only.
     d_ff: int | None = flag(None, "feed-forward width (default: the --config's, 4 × its width, kept when "

@@ -85,7 +85,8 @@ class VisionLanguageConfig(ModelConfig):
 
     def text_config(self) -> EncoderConfig:
         """The text tower: this config's sizes, dropout and window with `text_attention`, `caption_len`
-        positions, the operator's default π (a caption has no rows) and `embed_dim` outputs, mean pooled."""
+        positions, the operator's default π and no image width (a caption has no rows) and `embed_dim` outputs,
+        mean pooled."""
         shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(ModelConfig)}
         return EncoderConfig(**{**shared, "attention": self.text_attention, "block_size": self.caption_len,
                                 "period": PI_DEFAULTS.period, "image_width": None},

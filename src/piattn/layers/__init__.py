@@ -10,11 +10,13 @@ from .bigbird import BigBirdAttention
 from .dense import DenseAttention
 from .local import LocalAttention
 from .longformer import LongformerAttention
+from .neighbourhood import NeighbourhoodAttention
 from .pi import PiAttention
 from .reformer import ReformerAttention
 from .registry import ATTENTION, attention_class, attention_registry, kinds_with
 from .sharding import sequence_parallel
+from .strided import StridedAttention
 
 __all__ = ["ATTENTION", "attention_class", "attention_registry", "kinds_with", "AttentionLayer", "BigBirdAttention",
-           "DenseAttention", "LocalAttention", "LongformerAttention", "PiAttention", "ReformerAttention",
-           "sequence_parallel"]
+           "DenseAttention", "LocalAttention", "LongformerAttention", "NeighbourhoodAttention", "PiAttention",
+           "ReformerAttention", "StridedAttention", "sequence_parallel"]

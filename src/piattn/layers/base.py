@@ -117,6 +117,14 @@ class AttentionLayer(nn.Module):
                          f"of lags, which they declare: `lag_reach`), got {name!r}, which declares none")
 
     @classmethod
+    def keys_per_query(cls, model: Mapping[str, Any], n: int, causal: bool = True) -> float:
+        """The mean number of keys a query of a length-n sequence sees in one layer (queries near the ends, or
+        an image's sides, see fewer), from the model's settings by `ModelConfig` field: what a layer's work
+        grows with, for study tables. A kind with a fixed pattern overrides this; the others refuse."""
+        name = next((key for key, kind in ATTENTION.items() if kind is cls), cls.__name__)
+        raise ValueError(f"attention kind {name!r} declares no keys_per_query (no fixed pattern of keys)")
+
+    @classmethod
     def config_kwargs(cls, cfg: ModelConfig, layer: int) -> dict:
         """Constructor keywords this kind reads from a model config (beyond the shared ones); `layer` is
         the block's index, for kinds that draw a random pattern per layer."""

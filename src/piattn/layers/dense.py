@@ -31,6 +31,11 @@ class DenseAttention(AttentionLayer):
         """Every lag, in one layer (span max_lag)."""
         return full_reach(max_lag)
 
+    @classmethod
+    def keys_per_query(cls, model: Mapping[str, Any], n: int, causal: bool = True) -> float:
+        """n, or (n + 1) / 2 causal (query i sees i + 1 keys)."""
+        return (n + 1) / 2 if causal else float(n)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor,
                document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, H, T, D], k, v [B, H_kv, T, D], document_ids [B, T] or None -> [B, H, T, D]."""

@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..analysis.copy_distance import Reach, local_reach
+from ..analysis.cost import mean_keys
+from ..analysis.reachability import step_mask
 from ..config import PI_DEFAULTS, ModelConfig, PiSettings
 from ..masks.local import check_window
 from .windowed import WindowedAttention
@@ -44,3 +46,8 @@ class LocalAttention(WindowedAttention):
     def lag_reach(cls, model: Mapping[str, Any], max_lag: int) -> Reach:
         """Lags 0 … window·n_layer: one hop of 0 … window a layer (the model's period is not read)."""
         return local_reach(model.get("window"), model["n_layer"], max_lag)
+
+    @classmethod
+    def keys_per_query(cls, model: Mapping[str, Any], n: int, causal: bool = True) -> float:
+        """The window's keys (and the sinks), counted on the pattern's mask: window + 1 (2·window + 1) inside."""
+        return mean_keys(step_mask(n, model.get("window"), None, causal, model.get("sinks") or 0))

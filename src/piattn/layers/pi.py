@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 from ..analysis.copy_distance import Reach, reach
+from ..analysis.cost import mean_keys
 from ..analysis.multiscale import periods_per_layer
+from ..analysis.reachability import step_mask
 from ..config import PI_DEFAULTS, ModelConfig, PiSettings
 from .gate import gate_hidden, gate_hooked, gate_mlp, gate_values, global_hooks
 from .windowed import WindowedAttention
@@ -70,6 +72,16 @@ class PiAttention(WindowedAttention):
         per-head ints, or n_layer lists of them: `periods_per_layer`)."""
         schedule = periods_per_layer(model.get("period"), model["n_layer"], model["n_head"])
         return reach(model.get("window"), schedule, max_lag)
+
+    @classmethod
+    def keys_per_query(cls, model: Mapping[str, Any], n: int, causal: bool = True) -> float:
+        """Window, skip and sinks, counted on the pattern's mask (window + 2 inside, causal), averaged over the
+        heads and layers when their periods differ."""
+        periods = [p for heads in periods_per_layer(model.get("period"), model["n_layer"], model["n_head"])
+                   for p in heads]
+        count = {p: mean_keys(step_mask(n, model.get("window"), p, causal, model.get("sinks") or 0))
+                 for p in set(periods)}
+        return sum(count[p] for p in periods) / len(periods)
 
     def gate_values(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [B, T, d] -> α̃ [B, H, T] in [ε, 1 − ε] (Eq. app_gate), or None for ungated variants."""

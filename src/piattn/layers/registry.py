@@ -22,16 +22,20 @@ from .bigbird import BigBirdAttention
 from .dense import DenseAttention
 from .local import LocalAttention
 from .longformer import LongformerAttention
+from .neighbourhood import NeighbourhoodAttention
 from .pi import PiAttention
 from .reformer import ReformerAttention
+from .strided import StridedAttention
 
 ATTENTION.update({
     "bigbird": BigBirdAttention,
     "dense": DenseAttention,
     "local": LocalAttention,
     "longformer": LongformerAttention,
+    "neighbourhood": NeighbourhoodAttention,
     "pi": PiAttention,
     "reformer": ReformerAttention,
+    "strided": StridedAttention,
 })
 
 

@@ -13,9 +13,10 @@ from .bigbird import bigbird_mask, random_blocks
 from .local import MaskMod, local_mask
 from .longformer import longformer_mask
 from .pi import pi_mask, skip_mask
+from .raster import neighbourhood_mask, strided_mask
 
-__all__ = ["MaskMod", "bigbird_mask", "dense_mask", "local_mask", "longformer_mask", "pi_mask", "random_blocks",
-           "skip_mask"]
+__all__ = ["MaskMod", "bigbird_mask", "dense_mask", "local_mask", "longformer_mask", "neighbourhood_mask", "pi_mask",
+           "random_blocks", "skip_mask", "strided_mask"]
 
 
 def dense_mask(mask_mod: MaskMod, n: int, device: torch.device | str | None = None) -> torch.Tensor:
