@@ -24,7 +24,8 @@ def untainted(build: Callable[..., Built]) -> Callable[..., Built]:
 
     @functools.wraps(build)
     def outside_inference_mode(*args, **kwargs):
-        if torch.is_inference_mode_enabled():
+        # dynamo cannot trace the mode's query, and what a compiled graph builds is not kept
+        if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
             with torch.inference_mode(False):
                 return build(*args, **kwargs)
         return build(*args, **kwargs)

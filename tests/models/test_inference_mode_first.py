@@ -14,7 +14,7 @@ from utils import tiny_model
 
 @pytest.mark.parametrize("attention", sorted(ATTENTION))
 def test_a_model_first_run_under_inference_mode_then_trains(attention):
-    model = tiny_model(attention)
+    model = tiny_model(attention, image_width=6)  # the image kinds read the raster's width (24 tokens: 4 rows)
     idx = torch.randint(0, 50, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         expected = model(idx)
