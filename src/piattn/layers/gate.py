@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.modules import module as _module
 
-from ..ops.pi.decode import gate_tail
+from ..ops.pi.decode_torch import gate_tail
 from ..ops.pi.dtypes import accumulation_dtype
 
 
