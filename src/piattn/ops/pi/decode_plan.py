@@ -15,8 +15,8 @@ steps) and `pi_decode` / `decode_ring` all use:
   compiled one), else None, having written nothing.
 
 `decode_plan` builds (and remembers) the plan of a settings, head count, ring capacity (None: a block of keys),
-device and operator backend: "auto" decodes with every step of `decode_steps.ORDER`, "fused" (compiled code
-asked for by name) with the compiled step only (`decode_steps.FOR_BACKEND`).
+device and operator backend: "auto" decodes with every registered step, in order, "fused" (compiled code asked
+for by name) with the compiled step only (`decode_steps.FOR_BACKEND`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 from ...config.pi import PiSettings
 from . import native
 from .decode_slots import block_slots, head_table, ring_slots
-from .decode_steps import FOR_BACKEND, REGISTRY, DecodeStep
+from .decode_steps import DecodeStep, steps_for
 from .pattern import log_priors
 from .settings import OpSettings
 from .validate import head_periods
@@ -141,23 +141,24 @@ def decode_plan(settings: OpSettings, n_heads: int, *, capacity: int | None = No
     (`FOR_BACKEND`; such a model runs its operator) or whose steps all refuse the variant; ValueError where none
     of "auto"'s does (no step declares the variant), with each one's reason. Remembered per distinct arguments
     and registered steps."""
-    names = FOR_BACKEND.get(backend)
-    if names is None:
+    candidates = steps_for(backend)
+    if candidates is None:
         return None
-    return _plan(settings, n_heads, capacity, device, backend == "auto", tuple(REGISTRY[name] for name in names))
+    return _plan(settings, n_heads, capacity, device, backend == "auto", candidates)
 
 
 @functools.lru_cache(maxsize=256)
 def _plan(settings: OpSettings, n_heads: int, capacity: int | None, device: torch.device, required: bool,
           candidates: tuple[DecodeStep, ...]) -> DecodePlan | None:
     variant = settings.variant
-    steps = tuple(step for step in candidates if step.refusal(variant) is None)
+    periods = head_periods(settings.period, n_heads)  # the one form: one period per query head
+    per_head = len(set(periods)) > 1
+    steps = tuple(step for step in candidates if step.refusal(variant, per_head=per_head) is None)
     if not steps:
         if not required:
             return None
         raise ValueError(f"no decoding step runs variant {variant!r}: "
-                         + "; ".join(step.refusal(variant) for step in candidates))
-    periods = head_periods(settings.period, n_heads)  # the one form: one period per query head
+                         + "; ".join(step.refusal(variant, per_head=per_head) for step in candidates))
     settings = settings._replace(period=periods)
     window, sinks = settings.window, settings.sinks
     table = head_table(window, periods, sinks, device)

@@ -13,7 +13,8 @@ device, a gradient asked for, whether the compiled library loaded) the step's ow
 where it does not run, in the one place of each step that decides it (`decode_native.refusal`). A plan tries its
 steps in `ORDER` and runs the first that takes the call.
 
-A new step (a CUDA one, say) is its module, with `run` and `unavailable`, and one line of `REGISTRY`.
+A new step (a CUDA one, say) is its module, with `run` and `unavailable`, and one line of `REGISTRY`, placed
+where "auto" should try it (`ORDER` is the registry's order).
 """
 
 from __future__ import annotations
@@ -44,15 +45,18 @@ class DecodeStep:
     gradients: bool = True
 
     def load(self) -> ModuleType:
-        return importlib.import_module(f"{__package__}.{self.module}")
+        """Its module: a module of piattn.ops.pi by name, or any module by its dotted path."""
+        return importlib.import_module(self.module if "." in self.module else f"{__package__}.{self.module}")
 
-    def refusal(self, variant: str, *, dtype: torch.dtype | None = None, device: str | None = None,
-                batch: int | None = None, needs_grad: bool = False) -> str | None:
-        """Why this step cannot run a call of `variant` (and, where given, dtype, device type, batch size, a
-        gradient asked for); None when it can, as declared (the compiled library may still be missing:
-        `unavailable`)."""
+    def refusal(self, variant: str, *, per_head: bool = False, dtype: torch.dtype | None = None,
+                device: str | None = None, batch: int | None = None, needs_grad: bool = False) -> str | None:
+        """Why this step cannot run a call of `variant` (and, where given, heads of different periods, dtype,
+        device type, batch size, a gradient asked for); None when it can, as declared (the compiled library may
+        still be missing: `unavailable`)."""
         if variant not in self.variants:
             return f"the {self.name} step runs variants {', '.join(sorted(self.variants))}, not {variant!r}"
+        if per_head and not self.per_head_periods:
+            return f"the {self.name} step reads one slot table for every head, not one period per head"
         if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
             return f"the {self.name} step runs {', '.join(sorted(map(str, self.dtypes)))}, not {dtype}"
         if device is not None and self.devices is not None and device not in self.devices:
@@ -73,13 +77,23 @@ REGISTRY: dict[str, DecodeStep] = {
     "compiled": DecodeStep("compiled", "decode_native", frozenset(native.PRIOR_MODES), gate_in_step=True,
                            per_head_periods=True, token=True, dtypes=frozenset(native.DTYPES),
                            devices=frozenset({"cpu"}), gradients=False),
-    # A dozen torch ops on the gathered rows: every variant, device and dtype, with autograd.
-    "torch": DecodeStep("torch", "decode_torch", TORCH_OPS_VARIANTS, gate_in_step=True),
+    # A dozen torch ops on the gathered rows: every variant, device and dtype, with autograd; per-head periods in
+    # one call (a pass per distinct period over every head, each head's rows kept from its own).
+    "torch": DecodeStep("torch", "decode_torch", TORCH_OPS_VARIANTS, gate_in_step=True, per_head_periods=True),
 }
-# The order in which a plan tries its steps: the first that takes a call runs it.
-ORDER: tuple[str, ...] = ("compiled", "torch")
-# The steps that decode a model by its operator backend (`decode_plan.decode_plan`): "auto" every step, in
-# order; "fused" (compiled code asked for by name) the compiled step alone, never torch ops in its place (where
-# it does not run, such a model runs its operator, which runs or refuses with its reason). Any other backend
-# named runs its operator on every step.
-FOR_BACKEND: dict[str, tuple[str, ...]] = {"auto": ORDER, "fused": ("compiled",)}
+# The order in which a plan tries its steps (the registry's): the first that takes a call runs it.
+ORDER: tuple[str, ...] = tuple(REGISTRY)
+# The steps that decode a model by its operator backend (`decode_plan.decode_plan`): "auto" every registered step,
+# in order (None); "fused" (compiled code asked for by name) the compiled step alone, never torch ops in its place
+# (where it does not run, such a model runs its operator, which runs or refuses with its reason). Any other
+# backend named runs its operator on every step.
+FOR_BACKEND: dict[str, tuple[str, ...] | None] = {"auto": None, "fused": ("compiled",)}
+
+
+def steps_for(backend: str) -> tuple[DecodeStep, ...] | None:
+    """The steps that decode a model of operator backend `backend`, in the order they are tried; None for a
+    backend that has none (`FOR_BACKEND`)."""
+    if backend not in FOR_BACKEND:
+        return None
+    names = FOR_BACKEND[backend]
+    return tuple(REGISTRY.values()) if names is None else tuple(REGISTRY[name] for name in names)
