@@ -197,7 +197,8 @@ def pi_attention_forward(
 
     Tk > Tq when a cache supplied Tk − Tq earlier keys: those of the positions just before the queries; but
     after a PiCache layer's one-token update (its `stored_in_ring`), key/value are that layer's ring [B, Hkv,
-    size, D] in slot order, read by slot from the layer (`_ring_step`), or oldest first (`ordered()`).
+    size, D] in slot order, read by slot through the layer's decoding plan (`DecodePlan.rows`), or oldest first
+    (`ordered()`).
     `attention_mask` is what `pi_attention_mask` returned: None, or the 2D padding mask [B, P] over all P
     positions so far. `dropout` is HF's (already 0 outside training); `scaling` is the module's score scale.
     The key/value heads go to the operator as they are (grouped-query attention is the operator's).
