@@ -29,7 +29,7 @@ import torch
 
 from ...config.pi import PiSettings
 from . import native
-from .decode_slots import block_slots, head_table, ring_slots
+from .decode_slots import HeadTable, block_slots, head_table, ring_slots
 from .decode_steps import DecodeStep, steps_for
 from .pattern import log_priors
 from .settings import OpSettings
@@ -58,6 +58,7 @@ class DecodePlan:
     steps: tuple[DecodeStep, ...]  # in the order they are tried
     modules: tuple[ModuleType, ...]  # their modules (`run`), read at each call
     token_module: ModuleType | None  # the step that runs a layer's whole one-token step, if any
+    table: HeadTable  # the key offsets of every head's slots (`decode_slots.head_table`)
     kind: torch.Tensor  # [S] int64: 0 local prior (local and sink slots), 1 skip prior
     n_local: int
     n_skip: int
@@ -84,7 +85,7 @@ class DecodePlan:
         s = self.settings
         if position < self.steady:
             return ring_slots(s.window, s.period, s.sinks, self.capacity, position, self.device)
-        table = head_table(s.window, s.period, s.sinks, self.device)
+        table = self.table
         if self.phases is not None:
             return self.phases[position % self.capacity], table.steady_valid
         slot = (table.offsets + position).remainder_(self.capacity).add_(s.sinks)
@@ -174,6 +175,6 @@ def _plan(settings: OpSettings, n_heads: int, capacity: int | None, device: torc
         phases = torch.cat([slot, table.sink_index.expand(capacity, n_heads, sinks)], 2).contiguous().unbind(0)
     modules = tuple(step.load() for step in steps)
     token = next((module for step, module in zip(steps, modules, strict=True) if step.token), None)
-    return DecodePlan(settings, n_heads, capacity, device, steps, modules, token, table.kind, table.n_local,
+    return DecodePlan(settings, n_heads, capacity, device, steps, modules, token, table, table.kind, table.n_local,
                       table.n_skip, mode, log_priors(variant, None, settings.prior, settings.eps)
                       if mode == native.PRIOR_CONST else (0.0, 0.0), groups, sinks + max(window, *periods), phases)
