@@ -48,7 +48,6 @@ def _check(q, k, v) -> None:
         raise ValueError(f"k must hold at least the t = {t} new rows of q, got N = {k.shape[2]}")
 
 
-
 def pi_decode(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -90,7 +89,6 @@ def pi_decode(
     return decode_plan(settings, q.shape[1], device=q.device).rows(q, (k, v), gate)
 
 
-
 def decode_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | None, settings: OpSettings, *,
                 capacity: int, position: int,
                 gate_head: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -120,10 +118,8 @@ def _settings_checked(window, period, variant, prior, logit_clamp, eps, sinks) -
                       sinks=sinks)
 
 
-
 def _shape(x) -> str:
     return str(tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
-
 
 
 def check_ring(q: torch.Tensor, kv_store: torch.Tensor, gate: torch.Tensor | None, capacity: int, position: int,
