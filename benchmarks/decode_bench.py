@@ -48,40 +48,16 @@ from piattn.models import GPT, GPTConfig
 # Kind name -> GPTConfig overrides; "pi-union" is π without the gate MLP (what the gate costs a step);
 # "pi-torchops" is π with the compiled decoding step switched off (`torch_ops_only`).
 KIND_CONFIG = {"pi": dict(attention="pi"), "pi-union": dict(attention="pi", variant="union"),
-               # multi-scale π (the designer's per-head periods); "-by-period": its one-token step as it ran
-               # before one call took every head (the layer's general path, one ring step per period)
-               "ms-pi": dict(attention="pi", period="cover"), "ms-pi-by-period": dict(attention="pi", period="cover"),
+               # multi-scale π (the designer's per-head periods: every head over its own slots in one call a layer)
+               "ms-pi": dict(attention="pi", period="cover"),
                "local": dict(attention="local"), "dense": dict(attention="dense"),
                "pi-torchops": dict(attention="pi"),
                # diagnostics of π's gate (`hold_gate_layers`, `share_gate_storage`): not paths the library offers
                "pi-gate-held": dict(attention="pi"), "pi-gate-one-storage": dict(attention="pi"),
                # Hugging Face kinds (--interleaved only): a small converted Llama with PiCache (`_hf_model`).
-               **dict.fromkeys(("hf-pi", "hf-pi-torchops", "hf-pi-operator", "hf-dense", "hf-ms-pi",
-                                "hf-ms-pi-by-period"), {})}
+               **dict.fromkeys(("hf-pi", "hf-pi-torchops", "hf-pi-operator", "hf-dense", "hf-ms-pi"), {})}
 KINDS = ("pi", "local", "dense")  # the default; pi and dense are always measured (their ratio is the table's)
 POSITIONS = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
-
-
-@contextlib.contextmanager
-def per_period_calls(kind: str):
-    """For "ms-pi-by-period" and "hf-ms-pi-by-period": the one-call step over per-head slots switched off for
-    the duration, so that a step of per-head periods runs one compiled call per distinct period (how it ran
-    before)."""
-    if not kind.endswith("ms-pi-by-period"):
-        yield
-        return
-    from piattn.integrations.hf import attention
-    from piattn.ops.pi import decode
-
-    modules = (attention, decode)  # the step's callers: the PiCache ring step, the layers' (`decode._decode_ring`)
-    saved = [module.per_head_ring_step for module in modules]
-    for module in modules:
-        module.per_head_ring_step = lambda *args, **kwargs: None
-    try:
-        yield
-    finally:
-        for module, step in zip(modules, saved, strict=True):
-            module.per_head_ring_step = step
 
 
 @contextlib.contextmanager
@@ -104,10 +80,7 @@ def torch_ops_only(kind: str):
 def _model(kind: str, config: str) -> GPT:
     torch.manual_seed(0)
     model = GPT(GPTConfig.from_name(config, **KIND_CONFIG[kind], vocab_size=256, dropout=0.0)).eval()
-    if kind == "ms-pi-by-period":  # the layers' general path (with `per_period_calls`: one ring step per period)
-        for block in model.blocks:
-            block.attn._ring_settings = None
-    elif kind == "pi-gate-held":
+    if kind == "pi-gate-held":
         hold_gate_layers(model)
     elif kind == "pi-gate-one-storage":
         share_gate_storage(model)
@@ -249,7 +222,7 @@ def run_interleaved(kinds: list[str], positions: list[int], steps: int, repeats:
                 for position in positions:
                     turn = kinds[repeat % len(kinds):] + kinds[:repeat % len(kinds)]
                     for kind in turn:
-                        with torch_ops_only(kind), per_period_calls(kind):
+                        with torch_ops_only(kind):
                             if kind in HF_KINDS:
                                 per_token = time_hf_steps(kind, models[kind], position, steps, tokens, batch)
                             else:
@@ -272,8 +245,8 @@ def interleaved_markdown(result: dict) -> str:
           for r in result["rows"]}
     pairs = (("pi", "local"), ("pi", "dense"), ("pi", "pi-torchops"), ("pi-union", "local"), ("pi-gate-held", "local"),
              ("pi-gate-one-storage", "local"), ("hf-pi", "hf-pi-torchops"),
-             ("hf-pi", "hf-pi-operator"), ("hf-pi", "hf-dense"), ("hf-ms-pi", "hf-ms-pi-by-period"),
-             ("hf-ms-pi", "hf-pi"), ("ms-pi", "ms-pi-by-period"), ("ms-pi", "pi"), ("ms-pi", "local"),
+             ("hf-pi", "hf-pi-operator"), ("hf-pi", "hf-dense"),
+             ("hf-ms-pi", "hf-pi"), ("ms-pi", "pi"), ("ms-pi", "local"),
              ("ms-pi", "dense"))
     ratios = [(a, b) for a, b in pairs if a in kinds and b in kinds]
     out = [f"# Decoding, kinds interleaved in one process ({m['processor']}, {m['cpu_count']} thread(s), "
@@ -309,7 +282,7 @@ GATE_NOTE = ("; `pi-union`: π without the gate MLP (the same ring, slots and co
              "for hooks per step (a diagnostic, not a path the library offers); `pi-gate-one-storage`: π with every "
              "layer's gate parameters in layer 0's memory (its own modules and parameter objects kept), the gate's "
              "weights in memory once")
-HF_KINDS = ("hf-pi", "hf-pi-torchops", "hf-pi-operator", "hf-dense", "hf-ms-pi", "hf-ms-pi-by-period")
+HF_KINDS = ("hf-pi", "hf-pi-torchops", "hf-pi-operator", "hf-dense", "hf-ms-pi")
 # The per-head periods of the hf-ms-pi kinds: one per query head, all beyond the window (multi-scale π).
 HF_MS_PERIODS = [5, 6, 7, 9, 12, 16, 24, 32]
 
@@ -324,8 +297,7 @@ HF_NOTE = ("; `hf-*`: a Llama of 4 layers, width 256, 8 query heads on 4 key/val
            "period 16) with `PiCache` (`hf-pi`: compiled step, `hf-pi-torchops`: torch-ops step, `hf-pi-operator`: "
            "backend \"torch\", every step the full operator on the cached block, as every step ran before the PiCache "
            "steps took the decoding path; `hf-dense`: the plain model, sdpa, DynamicCache; `hf-ms-pi`: per-head "
-           "periods 5, 6, 7, 9, 12, 16, 24, 32, every head over its own slots in one compiled call a layer; "
-           "`hf-ms-pi-by-period`: the same model, one compiled call a layer and period, as before that; position = "
+           "periods 5, 6, 7, 9, 12, 16, 24, 32, every head over its own slots in one compiled call a layer; position = "
            "prompt length)")
 
 

@@ -3,7 +3,7 @@
 The first GPU run (benchmarks/results/gpu_first_bench.md) timed a bf16 forward at B=1, H=16, T=4K at
 0.47 ms against a floor of 0.008 ms, and about the same at T=32K: a fixed cost per call, not the kernel.
 An eager call syncs with the host twice: `pi_attention` checks that the gate lies in (0, 1) (validate.py,
-`_check_gate`) and the backward checks that its inputs are finite (triton.py, `triton_gradients`). This
+`check_gate`) and the backward checks that its inputs are finite (triton.py, `triton_gradients`). This
 script separates, per shape and pass (fwd, fwd+bwd), each a median over repeats:
 
 - `kernels`: the device time of the Triton kernels alone, from torch.profiler;
@@ -44,15 +44,15 @@ SMOKE_SHAPES = ((1, 2, 64, 16),)
 @contextlib.contextmanager
 def checks_off(gate: bool, finite: bool):
     """Replace the gate's value check and/or the backward's finiteness check by no-ops, for measuring."""
-    saved = validate._check_gate, triton_backend.all_finite
+    saved = validate.check_gate, triton_backend.all_finite
     if gate:
-        validate._check_gate = lambda q, g, variant: None
+        validate.check_gate = lambda q, g, variant: None
     if finite:
         triton_backend.all_finite = lambda *xs: True
     try:
         yield
     finally:
-        validate._check_gate, triton_backend.all_finite = saved
+        validate.check_gate, triton_backend.all_finite = saved
 
 
 def inputs(B, H, T, D, device, dtype):

@@ -6,7 +6,7 @@ differences of a few percent drown in the run-to-run noise of separate runs.
   (outputs allocated once and reused, no autograd), in ms. B 1, H 8, D 64, causal adaptive, window 4,
   period 16 (cpu_bench's settings), at each of --lengths and --dtypes.
 - `--kernels step`: the compiled decoding step (`decode_step.c`), one call of a tiny GPT's one-token layer
-  step (`native._token_step_unchecked`'s call, the packed arguments of layer 0 at position 512 taken from a
+  step (`decode_native.run`'s call with the token to store, the packed arguments of layer 0 at position 512 taken from a
   real step), in µs, for each of --cases (the GPT kinds of `decode_bench.py`) and --batches.
 
     python benchmarks/kernel_ab.py --revisions HEAD~1 HEAD --lengths 8192 16384 --dtypes float32 bfloat16
@@ -14,7 +14,7 @@ differences of a few percent drown in the run-to-run noise of separate runs.
 
 A revision is a git revision of this repository (its C source) or `worktree` (the file as it is now). Each is
 built as piattn builds its own (same compiler, flags and cache) and called through today's Python: the
-revisions compared must share the C entry points (`fused._Call`'s layout, `native._ARGS`).
+revisions compared must share the C entry points (`fused._Call`'s layout, `native.ARGS`).
 Prints, and writes with --name to --out, the min and the median over rounds of each kernel, and each
 revision's min as a ratio to the first's.
 """
@@ -36,7 +36,7 @@ from unittest import mock
 import torch
 
 from piattn.benchmarking import fill_cache
-from piattn.ops.pi import cbuild, fused, native
+from piattn.ops.pi import cbuild, decode_native, fused, native
 from piattn.ops.pi.settings import OpSettings
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -107,17 +107,18 @@ class Step:
         self.cache = model.init_cache(batch)
         fill_cache(self.cache, self.POSITION, torch.Generator().manual_seed(0))
         self.packed, self.kept = None, []
-        real_function, real_step = native._function, native._token_step_unchecked
+        real_functions, real_step = native.functions, decode_native.run
 
-        def recording(*args):  # the first step of layer 0: its packed block
-            function = real_function(*args)
-            if function is None or self.packed is not None:
-                return function
+        def recording():  # the first step of layer 0: its packed block
+            functions = real_functions()
+            if functions is None or self.packed is not None:
+                return functions
 
-            def record(packed):
-                self.packed = packed
+            def record(packed, function=functions[torch.float32]):
+                if self.packed is None:
+                    self.packed = packed
                 return function(packed)
-            return record
+            return {**functions, torch.float32: record}
 
         def keeping(*args, **kwargs):  # every step's output and arguments kept alive: the block points to them
             y = real_step(*args, **kwargs)
@@ -128,8 +129,8 @@ class Step:
         with torch.no_grad():
             for _ in range(3):  # warm-up, as decode_bench's: the first steps build the step and settle the cache
                 model(token, self.cache)
-            with mock.patch.object(native, "_function", recording), \
-                    mock.patch.object(native, "_token_step_unchecked", keeping):
+            with mock.patch.object(native, "functions", recording), \
+                    mock.patch.object(decode_native, "run", keeping):
                 model(token, self.cache)
         if self.packed is None:
             raise SystemExit(f"--cases: the {case!r} model's step does not run the compiled step "

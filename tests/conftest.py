@@ -76,17 +76,19 @@ def native_step_built():
 
 @pytest.fixture
 def compiled_calls(monkeypatch) -> list:
-    """Whether each call of the compiled step for a few rows (`native._rows_step_unchecked`, the route of
-    `_decode_rows` and of the HF cached steps) ran (True) or declined (False)."""
-    import piattn.ops.pi.native as native
+    """Whether each call of the compiled step for rows (`decode_native.run` without a token to store: the route
+    of `DecodePlan.rows`, the layers' steps of a few tokens and the HF cached steps) ran (True) or declined
+    (False)."""
+    import piattn.ops.pi.decode_native as decode_native
 
     taken = []
-    real = native._rows_step_unchecked
+    real = decode_native.run
 
     def spy(*args, **kwargs):
         y = real(*args, **kwargs)
-        taken.append(y is not None)
+        if kwargs.get("fresh_slot") is None:
+            taken.append(y is not None)
         return y
 
-    monkeypatch.setattr(native, "_rows_step_unchecked", spy)
+    monkeypatch.setattr(decode_native, "run", spy)
     return taken

@@ -11,7 +11,7 @@ from unittest import mock
 
 import pytest
 
-from piattn.ops.pi import native
+from piattn.ops.pi import decode_native, native
 from utils import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_profile.py"
@@ -27,14 +27,15 @@ def test_the_module_view_keeps_pi_on_the_compiled_step_and_removes_its_hooks(pro
         pytest.skip(f"the compiled decoding step is not available here: {native.unavailable()}")
     model = profile._model("pi", "tiny")
     steps, ran = 4, []
-    real = native._token_step_unchecked
+    real = decode_native.run
 
-    def counted(*args, **kwargs):  # each layer's one-token step: did the compiled step take it, gate and all?
-        y = real(*args, **kwargs)
-        ran.append(y is not None and kwargs["prior_mode"] == native.PRIOR_INPUT)
+    def counted(plan, x, kv, slot, valid, gate, gate_layers, **kwargs):
+        # each layer's one-token step: did the compiled step take it, gate and all (its whole MLP: PRIOR_INPUT)?
+        y = real(plan, x, kv, slot, valid, gate, gate_layers, **kwargs)
+        ran.append(y is not None and kwargs.get("fresh_slot") is not None and len(gate_layers or ()) == 4)
         return y
 
-    with mock.patch.object(native, "_token_step_unchecked", counted):
+    with mock.patch.object(decode_native, "run", counted):
         parts = profile.by_module(model, 40, 2, steps)
     calls = len(ran)
     assert all(ran)

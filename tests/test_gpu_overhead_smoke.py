@@ -37,7 +37,7 @@ def test_checks_off_restores_both_checks():
     from piattn.ops.pi import triton as triton_backend
     from piattn.ops.pi import validate
 
-    before = validate._check_gate, triton_backend.all_finite
+    before = validate.check_gate, triton_backend.all_finite
     with gpu_overhead.checks_off(gate=True, finite=True):
-        assert validate._check_gate is not before[0] and triton_backend.all_finite is not before[1]
-    assert (validate._check_gate, triton_backend.all_finite) == before
+        assert validate.check_gate is not before[0] and triton_backend.all_finite is not before[1]
+    assert (validate.check_gate, triton_backend.all_finite) == before

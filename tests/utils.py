@@ -255,3 +255,19 @@ def load_script(path: Path, name: str):
     sys.modules[name] = module  # as an import does: a dataclass looks its module up there
     spec.loader.exec_module(module)
     return module
+
+
+def decode_rows(q, k, v, gate, settings, *, gate_head=None, backend: str = "auto"):
+    """The decoding rows of q [B, H, t, D] over the block k, v (the queries' keys last) through the plan of
+    `settings` (`DecodePlan.rows`): the compiled step where it takes the call, else torch ops; with
+    backend="fused" the compiled step alone (None where it declines)."""
+    from piattn.ops.pi.decode_plan import decode_plan
+
+    plan = decode_plan(settings, q.shape[1], device=q.device, backend=backend)
+    return None if plan is None else plan.rows(q, (k, v), gate, gate_head)
+
+
+def compiled_rows(q, k, v, gate, settings, *, gate_head=None):
+    """`decode_rows` through the compiled step alone: its rows, or None where it does not take the call."""
+    return decode_rows(q, k, v, gate, settings, gate_head=gate_head, backend="fused")
+

@@ -1,6 +1,6 @@
-"""The decoding functions with per-head periods (multi-scale π): `_decode_rows` (a few new rows) and
-`decode_ring` (one new row read from a ring cache) take one period per query head themselves, grouping the
-heads by period in `ops/pi` (not in the layers), with grouped-query heads, sinks, every variant and the gate's
+"""The decoding plans with per-head periods (multi-scale π): `DecodePlan.rows` (a few new rows) and
+`decode_ring` (one new row read from a ring cache) take one period per query head themselves, every head over
+its own slot table in `ops/pi` (not in the layers), with grouped-query heads, sinks, every variant and the gate's
 last layer; their rows equal the full operator's, and bad per-head periods are a one-line ValueError."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import torch
 from piattn.config import PI_DEFAULTS
 from piattn.decoding.cache import RingCache
 from piattn.ops.pi import pi_attention
-from piattn.ops.pi.decode import _decode_rows, decode_ring, decode_settings, gate_tail
+from piattn.ops.pi.decode import decode_ring, decode_settings, gate_tail
 from piattn.ops.pi.settings import OpSettings
+from utils import decode_rows
 
 PERIODS = (5, 2, 9, 5)  # 2 folds into the window; heads 0 and 3 share a period across key/value groups
 SETTINGS = dict(window=3, prior=0.3, logit_clamp=4.0, eps=1e-4)
@@ -50,7 +51,7 @@ def test_per_head_periods_equal_the_full_operator(variant, H_kv, sinks):
         q, k, v, gate = _inputs(N, H_kv, seed=N + 10 * H_kv)
         full = pi_attention(q, k, v, gate if gated else None, causal=True, period=PERIODS, **kw)
         for t in {1, min(3, N)}:
-            rows = _decode_rows(q[:, :, -t:], k, v, gate[:, :, -t:] if gated else None,
+            rows = decode_rows(q[:, :, -t:], k, v, gate[:, :, -t:] if gated else None,
                                 _settings(period=PERIODS, scale=8**-0.5, **kw))
             torch.testing.assert_close(rows, full[:, :, -t:], rtol=1e-12, atol=1e-12, msg=f"rows t={t} N={N}")
         cache = _ring(k, v, sinks)
@@ -69,8 +70,8 @@ def test_per_head_periods_cut_the_gate_head_per_period():
     eps = SETTINGS["eps"]
     alpha = eps + (1 - 2 * eps) * gate_tail(hidden, weight, bias).transpose(1, 2)  # α as the step computes it
     settings = _settings(**SETTINGS, variant="adaptive", period=PERIODS, scale=8**-0.5)
-    rows = _decode_rows(q[:, :, -3:], k, v, hidden, settings, gate_head=(weight, bias))
-    torch.testing.assert_close(rows, _decode_rows(q[:, :, -3:], k, v, alpha, settings), rtol=1e-12, atol=1e-12)
+    rows = decode_rows(q[:, :, -3:], k, v, hidden, settings, gate_head=(weight, bias))
+    torch.testing.assert_close(rows, decode_rows(q[:, :, -3:], k, v, alpha, settings), rtol=1e-12, atol=1e-12)
     cache = _ring(k, v, 0)
     ring = dict(capacity=cache.capacity, position=19)
     torch.testing.assert_close(decode_ring(q[:, :, -1:], cache.kv, hidden[:, -1:], settings, gate_head=(weight, bias),
@@ -81,7 +82,7 @@ def test_per_head_periods_cut_the_gate_head_per_period():
 
 @pytest.mark.parametrize("period, message", [
     ((5, 2, 9), r"^period has 3 entries; per-head periods need one per query head, H=4$"),
-    ((5, 0, 9, 5), r"^period must be an int >= 1, got 0$"),
+    ((5, 0, 9, 5), r"^period\[1\] must be an int >= 1, got 0; period must be an int >= 1 or a sequence"),
     ((5, 2, 30, 5), r"^capacity must be an int >= max\(window, period\) \+ 1 = 31"),
 ])
 def test_bad_per_head_periods_are_a_one_line_value_error(period, message):

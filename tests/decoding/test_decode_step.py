@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-import piattn.layers.windowed as windowed_module
 from piattn.models import GPT, GPTConfig
 from piattn.ops.pi import pi_attention
 from piattn.ops.pi.decode import pi_decode
+from piattn.ops.pi.decode_plan import DecodePlan
 
 VARIANTS = ("union", "separate", "fixed", "adaptive")
 # (window, period): skip beyond the window, period == window, period inside the window, no window at all
@@ -109,22 +109,21 @@ def test_steps_of_one_to_four_tokens_equal_the_full_forward(variant, window, per
         torch.testing.assert_close(torch.cat(pieces, 1), model(idx), rtol=0, atol=1e-5)
 
 
-def _spy(monkeypatch, module):
-    """Records the rows of each call to the decoding paths: `_decode_rows` (a few tokens against the
-    gathered cache), `decode_ring` and `_decode_ring` (one token, read straight from the ring) and
-    `_decode_token` (the layer's whole one-token step in one compiled call; counted when it ran, since where it
-    does not apply `_decode_ring` runs after it)."""
+def _spy(monkeypatch):
+    """Records the rows of each call of a decoding plan that ran: `DecodePlan.rows` (a few tokens against the
+    gathered cache, or one read straight from the ring) and `DecodePlan.token` (the layer's whole one-token step
+    in one compiled call; counted when it ran, since where it does not apply `rows` runs after it)."""
     calls = []
-    for name in ("_decode_rows", "decode_ring", "_decode_ring", "_decode_token"):
-        real = getattr(module, name)
+    for name in ("rows", "token"):
+        real = getattr(DecodePlan, name)
 
-        def spy(*args, real=real, name=name, **kwargs):
-            y = real(*args, **kwargs)
+        def spy(self, *args, real=real, name=name, **kwargs):
+            y = real(self, *args, **kwargs)
             if y is not None:
-                calls.append(args[0].shape[1] if name == "_decode_token" else args[0].shape[2])
+                calls.append(args[0].shape[1] if name == "token" else args[0].shape[2])
             return y
 
-        monkeypatch.setattr(module, name, spy)
+        monkeypatch.setattr(DecodePlan, name, spy)
     return calls
 
 
@@ -140,7 +139,7 @@ def test_attend_cached_takes_the_fast_path_for_one_token(monkeypatch, attention)
         def refuse(*args, **kwargs):
             raise AssertionError("a one-token step ran the full operator")
 
-        calls = _spy(monkeypatch, windowed_module)
+        calls = _spy(monkeypatch)
         for block in model.blocks:
             monkeypatch.setattr(block.attn, "attend", refuse)
         step = model(idx[:, 11:], cache)[:, -1]
@@ -150,7 +149,7 @@ def test_attend_cached_takes_the_fast_path_for_one_token(monkeypatch, attention)
 
 def test_long_chunks_and_training_with_dropout_keep_the_full_operator(monkeypatch):
     model = _model("pi")
-    calls = _spy(monkeypatch, windowed_module)
+    calls = _spy(monkeypatch)
     idx = torch.randint(0, 50, (1, 12), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         model(idx[:, :5], model.init_cache(1))  # 5 > fast_decode_max_tokens = 4

@@ -1,6 +1,7 @@
 """Decoding that trusts nothing it is handed: caches made for another model, inconsistent direct calls of
-`decode_ring`, `native.ring_step` and the C function itself, the compiled library's folder, a wide gate in a
-thread with a small stack, non-finite values in slots nobody reads, and an empty batch.
+`decode_ring`, the compiled step (`decode_native.check_step`, then `decode_native.run`) and the C function
+itself, the compiled library's folder, a wide gate in a thread with a small stack, non-finite values in slots
+nobody reads, and an empty batch.
 
 Cases that crashed the interpreter before (SIGFPE, SIGSEGV, SIGBUS) run in a child process, so that they
 fail as a test rather than end the run.
@@ -14,10 +15,12 @@ import stat
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import piattn.ops.pi.decode_native as decode_native
 import piattn.ops.pi.native as native
 from piattn.config import PI_DEFAULTS
 from piattn.decoding.cache import RingCache
@@ -64,6 +67,17 @@ def decode_ring(q, kv_store, gate, *, capacity, position, gate_head=None, scale,
     decode_ring checks them)."""
     return decode.decode_ring(q, kv_store, gate, decode_settings(PI_DEFAULTS, scale)._replace(**settings),
                               capacity=capacity, position=position, gate_head=gate_head)
+
+
+def ring_step(q, kv_store, slot, valid, kind, *, prior_mode, gate=None, gate_weight=None, gate_bias=None,
+              logit_clamp, eps, scale):
+    """One query of the compiled step on arguments built by hand: `decode_native.check_step`, then
+    `decode_native.run` with a stand-in for the plan (the slot kinds, prior mode and settings it reads)."""
+    layers = None if gate_weight is None and gate_bias is None else (gate_weight, gate_bias)
+    decode_native.check_step(q, kv_store, slot, valid, kind, prior_mode, gate, layers)
+    plan = SimpleNamespace(kind=kind, prior_mode=prior_mode, log_priors=(0.0, 0.0), n_heads=q.shape[1],
+                           settings=SimpleNamespace(logit_clamp=logit_clamp, eps=eps, scale=scale))
+    return decode_native.run(plan, q, kv_store, slot, valid, gate, layers)
 
 
 def _one_line_value_error(call, match: str) -> None:
@@ -247,7 +261,7 @@ def test_ring_step_refuses_every_inconsistent_call_in_one_line(case):
     assert native.unavailable() is None
     change, match = BAD_STEP_CALLS[case]
     args = {**_step_args(), **change}
-    _one_line_value_error(lambda: native.ring_step(**args), match)
+    _one_line_value_error(lambda: ring_step(**args), match)
 
 
 @needs_cc
@@ -268,7 +282,7 @@ def test_the_c_step_checks_every_size_itself(tmp_path):
                  fresh=False, fresh_slot=0, rope=False, D=4, packed=None, slot_sh=0):
             s, k = torch.tensor(slot), torch.tensor(kind)
             ptr = lambda t: t.data_ptr() if pointers else 0
-            args = native._ARGS.pack(ptr(q), 8, 4, 4, ptr(kv), B, 2, H_kv, N, D, Q, s.data_ptr(), 0, slot_sh,
+            args = native.ARGS.pack(ptr(q), 8, 4, 4, ptr(kv), B, 2, H_kv, N, D, Q, s.data_ptr(), 0, slot_sh,
                                      k.data_ptr(),
                                      len(kind), mode, 0.0, 0.0, gate_ptr, 2, 1, 1, 0, 0, 0, 0.5, 4.0, 1e-3, ptr(y),
                                      new.data_ptr() if fresh else 0, 8, fresh_slot, cos.data_ptr() if rope else 0,
@@ -441,7 +455,10 @@ def test_a_wide_gate_decodes_in_a_thread_with_a_small_stack(tmp_path):
     done = _child("""
         import threading, torch
         import piattn.ops.pi.native as native
-        from piattn.ops.pi.decode import gate_tail, ring_slots
+        import piattn.ops.pi.decode_native as decode_native
+        from piattn.config import PI_DEFAULTS
+        from piattn.ops.pi.decode import gate_tail
+        from piattn.ops.pi.decode_plan import decode_plan, decode_settings
         assert native.unavailable() is None
         g = torch.Generator().manual_seed(0)
         f64 = dict(dtype=torch.float64)
@@ -449,12 +466,15 @@ def test_a_wide_gate_decodes_in_a_thread_with_a_small_stack(tmp_path):
         q = torch.randn(1, 2, 1, 8, generator=g, **f64)
         hidden = torch.randn(1, 1, 40_000, generator=g, **f64)
         weight, bias = torch.randn(2, 40_000, generator=g, **f64) / 200, torch.zeros(2, **f64)
-        slot, valid, kind, _, _ = ring_slots(3, 8, 0, 9, 30, q.device)
+        settings = decode_settings(PI_DEFAULTS, 0.5)._replace(window=3, period=8, sinks=0, variant="adaptive",
+                                                              logit_clamp=None, eps=1e-3)
+        plan = decode_plan(settings, 2, capacity=9)
+        slot, valid = plan.ring_slots(30)
+        kind, slot = plan.kind, slot[0]  # one table for both heads
         out = {}
 
         def step():
-            out["y"] = native.ring_step(q, kv, slot, valid, kind, prior_mode=native.PRIOR_HIDDEN, gate=hidden,
-                                        gate_weight=weight, gate_bias=bias, logit_clamp=None, eps=1e-3, scale=0.5)
+            out["y"] = decode_native.run(plan, q, kv, slot, valid, hidden, (weight, bias))
 
         threading.stack_size(256 * 1024)
         thread = threading.Thread(target=step)
@@ -547,15 +567,20 @@ def test_the_torch_ops_step_reads_a_cache_of_another_dtype(torch_ops):
 
 
 
-def test_the_unchecked_steps_are_not_public():
-    """The decoding steps that skip their argument checks (for callers whose inputs are right by
-    construction) are private: a public name of these modules checks what it is given, since the C step
-    reads its buffers by the sizes it is told (inconsistent calls read past them; one ended in SIGSEGV)."""
+def test_the_front_doors_check_and_the_binding_computes_no_rows():
+    """The decoding calls that skip their argument checks (a plan's `rows` and `token`, a step's `run`: for
+    callers whose inputs are right by construction) live on the plans and in the steps' modules; the front door
+    of decoding (`decode`: `pi_decode`, `decode_ring`) checks what it is given, and the binding of the C step
+    (`native`) computes no rows of its own, since the C step reads its buffers by the sizes it is told
+    (inconsistent calls read past them; one ended in SIGSEGV)."""
+    import inspect
+
     from piattn.ops.pi import decode, native
 
-    for module, names in ((decode, ("decode_rows", "compiled_rows")),
-                          (native, ("rows_step_unchecked", "ring_step_unchecked"))):
-        public = {name for name in dir(module) if not name.startswith("_")}
-        assert not public & set(names), module.__name__
-        assert not any("unchecked" in name for name in public), module.__name__
-        assert all(hasattr(module, "_" + name) for name in names)
+    rows = {name for name, f in inspect.getmembers(decode, inspect.isfunction) if f.__module__ == decode.__name__
+            and not name.startswith("_") and "check" not in name}
+    assert rows == {"pi_decode", "decode_ring"}
+    for name in ("pi_decode", "decode_ring"):
+        assert "check" in inspect.getsource(getattr(decode, name)).split('"""')[-1]
+    public = {name for name in dir(native) if not name.startswith("_")}
+    assert not any("step" in name or "unchecked" in name or "rows" in name for name in public), public

@@ -1,25 +1,35 @@
-"""Which decoding step runs which variant: each declares its own (`decode.TORCH_OPS_VARIANTS`,
-`native.PRIOR_MODES`), every variant decodes exactly on a step that declares it, the compiled step is never
-handed one it does not declare, and a variant no step declares is refused with the reason, never run as
-another."""
+"""Which decoding step runs which variant: each declares its own (`decode_steps.REGISTRY`: the torch step
+`decode_torch.TORCH_OPS_VARIANTS`, the compiled one `native.PRIOR_MODES`), every variant decodes exactly on a
+step that declares it, the compiled step is never handed one it does not declare, and a variant no step
+declares is refused with the reason, never run as another."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 import piattn.config.pi as pi_config
 import piattn.ops.pi.decode as decode
+import piattn.ops.pi.decode_native as decode_native
 import piattn.ops.pi.native as native
 from piattn.config.pi import GATED_VARIANTS, VARIANTS
 from piattn.decoding.cache import RingCache
 from piattn.models import GPT, GPTConfig
 from piattn.ops.pi.decode import decode_ring, decode_settings, pi_decode
+from piattn.ops.pi.decode_steps import REGISTRY
 
 
 def test_every_variant_has_a_decoding_step_that_declares_it():
-    assert set(VARIANTS) == decode.TORCH_OPS_VARIANTS
-    assert set(native.PRIOR_MODES) == {"union", "fixed", "adaptive"}  # not "separate": two softmaxes
+    assert set(VARIANTS) == decode.TORCH_OPS_VARIANTS == REGISTRY["torch"].variants
+    assert set(native.PRIOR_MODES) == {"union", "fixed", "adaptive"} == REGISTRY["compiled"].variants  # one softmax
+
+
+def _declare(monkeypatch, step: str, variants) -> None:
+    """Step `step` of the registry declaring `variants` only, for the test: a plan is remembered per registered
+    step, so the plans built from now on are of the step so declared."""
+    monkeypatch.setitem(REGISTRY, step, dataclasses.replace(REGISTRY[step], variants=frozenset(variants)))
 
 
 def _model(variant: str) -> GPT:
@@ -35,18 +45,18 @@ def _model(variant: str) -> GPT:
 
 @pytest.fixture
 def handed_to_the_compiled_step(monkeypatch) -> list:
-    """The prior mode of each call `decode_ring` makes of the compiled step (whether or not it applies)."""
+    """The prior mode of each call the plans make of the compiled step (whether or not it applies): the ring
+    step's and the layers' whole one-token step (`DecodePlan.token`) alike."""
     modes = []
-    # decode_ring's call, and the layers' whole one-token step (`decode._decode_token`), which takes the place
-    # of decode_ring's when it runs.
-    for name in ("_ring_step_unchecked", "_token_step_unchecked"):
-        real = getattr(native, name)
+    real = decode_native.run
 
-        def spy(*args, real=real, prior_mode, **kwargs):
-            modes.append(prior_mode)
-            return real(*args, prior_mode=prior_mode, **kwargs)
+    def spy(plan, *args, **kwargs):
+        gate_layers = args[5]
+        modes.append(plan.prior_mode if gate_layers is None else
+                     native.PRIOR_HIDDEN if len(gate_layers) == 2 else native.PRIOR_INPUT)
+        return real(plan, *args, **kwargs)
 
-        monkeypatch.setattr(native, name, spy)
+    monkeypatch.setattr(decode_native, "run", spy)
     return modes
 
 
@@ -63,8 +73,8 @@ def test_every_variant_decodes_exactly_on_a_step_that_declares_it(variant, hande
             steps = torch.cat([model(idx[:, t:t + n], cache) for t in range(0, idx.shape[1], n)], 1)
             torch.testing.assert_close(steps, full, rtol=0, atol=2e-5, msg=f"steps of {n}")
     calls = handed_to_the_compiled_step
-    if variant in native.PRIOR_MODES:
-        assert len(calls) == idx.shape[1] * len(model.blocks)
+    if variant in native.PRIOR_MODES:  # every step of one token, and every step of three, of every layer
+        assert len(calls) == (idx.shape[1] + idx.shape[1] // 3) * len(model.blocks)
     else:
         assert calls == []
 
@@ -86,7 +96,7 @@ def _ring_case(variant: str):
 def test_a_variant_the_compiled_step_does_not_declare_runs_in_torch_ops(monkeypatch, handed_to_the_compiled_step):
     q, kv, gate, settings, kw, _ = _ring_case("union")
     declared = decode_ring(q, kv, gate, settings, **kw)
-    monkeypatch.setattr(native, "PRIOR_MODES", {"fixed": native.PRIOR_CONST})
+    _declare(monkeypatch, "compiled", {"fixed"})
     handed_to_the_compiled_step.clear()
     y = decode_ring(q, kv, gate, settings, **kw)
     assert handed_to_the_compiled_step == []
@@ -95,9 +105,10 @@ def test_a_variant_the_compiled_step_does_not_declare_runs_in_torch_ops(monkeypa
 
 def test_a_variant_the_torch_ops_do_not_declare_is_refused(monkeypatch):
     """"separate" without its torch-ops declaration: no step runs it, and both ways of decoding say so."""
-    monkeypatch.setattr(decode, "TORCH_OPS_VARIANTS", decode.TORCH_OPS_VARIANTS - {"separate"})
+    _declare(monkeypatch, "torch", decode.TORCH_OPS_VARIANTS - {"separate"})
     q, kv, gate, settings, kw, (k, v) = _ring_case("separate")
-    reason = r"no decoding step runs variant 'separate': torch ops run adaptive, fixed, union; the compiled step"
+    reason = (r"^no decoding step runs variant 'separate': the compiled step runs variants adaptive, fixed, union, "
+              r"not 'separate'; the torch step runs variants adaptive, fixed, union, not 'separate'$")
     with pytest.raises(ValueError, match=reason):
         decode_ring(q, kv, gate, settings, **kw)
     with pytest.raises(ValueError, match=reason):

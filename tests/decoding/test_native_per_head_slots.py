@@ -1,5 +1,5 @@
-"""Per-head periods in one call of the compiled step (`decode.per_head_ring_slots` over a ring,
-`decode._per_head_slots` over a block of keys; `slot_sh` in decode_step.c): each head over its own slot table
+"""Per-head periods in one call of the compiled step (a plan's tables, `DecodePlan.ring_slots` over a ring,
+`decode_slots.block_slots` over a block of keys; `slot_sh` in decode_step.c): each head over its own slot table
 gives, bit for bit, the rows that head gets from the call of its own period alone; heads whose period lies within
 the window (no skip slot of their own) and skips not yet reached included, for every prior form, fp64 and fp32,
 with grouped heads, sinks and a ring still growing."""
@@ -9,16 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import piattn.ops.pi.decode as decode
-import piattn.ops.pi.native as native
+import piattn.ops.pi.decode_native as decode_native
+import piattn.ops.pi.decode_plan as plans
 from piattn.config import PI_DEFAULTS
-from piattn.ops.pi.decode import (
-    _compiled_per_head_rows,
-    _compiled_rows,
-    decode_settings,
-    per_head_ring_slots,
-    ring_slots,
-)
+from piattn.ops.pi.decode_plan import decode_plan, decode_settings
+from utils import compiled_rows
 
 pytestmark = pytest.mark.usefixtures("native_step_built")
 
@@ -42,27 +37,35 @@ def _inputs(B, H, H_kv, D, N, dtype, seed):
     return q, kv, alpha, hidden, head
 
 
-def _prior(form, alpha, hidden, head, rows=slice(None)):
-    """The prior mode and its arguments of `native._rows_step_unchecked` for the query heads `rows`."""
+VARIANT = {"alpha": "adaptive", "hidden": "adaptive", "fixed": "fixed", "union": "union"}
+
+
+def _plan(window, periods, sinks, capacity, H, form, D):
+    """The ring plan of these settings for the prior form `form` (one period, or one per query head)."""
+    settings = decode_settings(PI_DEFAULTS, D ** -0.5)._replace(window=window, period=periods, sinks=sinks,
+                                                                variant=VARIANT[form], prior=0.3, logit_clamp=4.0,
+                                                                eps=EPS)
+    return decode_plan(settings, H, capacity=capacity)
+
+
+def _gate(form, alpha, hidden, head, rows=slice(None)):
+    """The gate and gate layers of the compiled step for the prior form `form`, for the query heads `rows`."""
     if form == "alpha":
-        return dict(prior_mode=native.PRIOR_ALPHA, gate=alpha[:, rows].contiguous())
+        return alpha[:, rows].contiguous(), None
     if form == "hidden":
-        return dict(prior_mode=native.PRIOR_HIDDEN, gate=hidden, gate_weight=head[0][rows].contiguous(),
-                    gate_bias=head[1][rows].contiguous())
-    if form == "fixed":
-        return dict(prior_mode=native.PRIOR_CONST, log_priors=(-0.2, -1.7))
-    return dict(prior_mode=native.PRIOR_NONE)
+        return hidden, (head[0][rows].contiguous(), head[1][rows].contiguous())
+    return None, None
 
 
 @pytest.fixture(params=["tables by phase", "arithmetic"])
 def steady_slots(request, monkeypatch):
-    """Both ways `per_head_ring_slots` gives a long generation's tables: a table per phase of the ring
-    (`_steady_slots`), or the tensor ops of a ring too large for that (here forced, by a limit of 0 bytes)."""
+    """Both ways a ring plan gives a long generation's tables: a table per phase of the ring (`DecodePlan.phases`),
+    or the tensor ops of a ring too large for that (here forced, by a limit of 0 bytes)."""
     if request.param == "arithmetic":
-        monkeypatch.setattr(decode, "STEADY_SLOTS_BYTES", 0)
-    decode._steady_slots.cache_clear()
+        monkeypatch.setattr(plans, "STEADY_SLOTS_BYTES", 0)
+    plans._plan.cache_clear()
     yield request.param
-    decode._steady_slots.cache_clear()
+    plans._plan.cache_clear()
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -72,38 +75,40 @@ def test_one_call_over_per_head_slots_is_each_head_alone_bit_for_bit(case, form,
     B, H, H_kv, D, window, periods, sinks, capacity, positions = CASES[case]
     N = sinks + capacity
     q, kv, alpha, hidden, head = _inputs(B, H, H_kv, D, N, dtype, seed=case)
-    common = dict(logit_clamp=4.0, eps=EPS, scale=D ** -0.5)
     group = H // H_kv
+    plan = _plan(window, periods, sinks, capacity, H, form, D)
+    assert (plan.phases is None) == (steady_slots == "arithmetic")
     for position in positions:
         # a ring still growing holds only the rows up to the position (as a Hugging Face PiCache's does)
         rows = kv[:, :, :, :sinks + min(capacity, position + 1)].contiguous()
-        slot, valid, kind, _, _ = per_head_ring_slots(window, periods, sinks, capacity, position, q.device)
-        assert slot.shape[0] == H and slot.shape[1] == kind.shape[0]
-        y = native._rows_step_unchecked(q, rows, slot, valid, kind, **_prior(form, alpha, hidden, head), **common)
+        slot, valid = plan.ring_slots(position)
+        assert slot.shape[0] == H and slot.shape[1] == plan.kind.shape[0]
+        y = decode_native.run(plan, q, rows, slot, valid, *_gate(form, alpha, hidden, head))
         assert y is not None and y.shape == (B, H, 1, D)
         for h, period in enumerate(periods):
             # head h alone: its own period's slots, over its own key/value head, as a call of one head
-            s_h, v_h, k_h, _, _ = ring_slots(window, period, sinks, capacity, position, q.device)
+            alone_plan = _plan(window, period, sinks, capacity, 1, form, D)
+            s_h, v_h = alone_plan.ring_slots(position)
             kv_h = rows[:, :, h // group:h // group + 1].contiguous()
-            alone = native._rows_step_unchecked(q[:, h:h + 1], kv_h, s_h, v_h, k_h,
-                                                **_prior(form, alpha, hidden, head, slice(h, h + 1)), **common)
+            alone = decode_native.run(alone_plan, q[:, h:h + 1], kv_h, s_h, v_h,
+                                      *_gate(form, alpha, hidden, head, slice(h, h + 1)))
             assert torch.equal(y[:, h], alone[:, 0]), (position, h, period)
 
 
 def test_per_head_slots_refuse_a_table_of_the_wrong_number_of_heads():
     q, kv, alpha, _, _ = _inputs(1, 4, 2, 8, 14, torch.float64, seed=0)
-    slot, valid, kind, _, _ = per_head_ring_slots(3, (5, 8, 6), 0, 14, 20, q.device)  # three tables, four heads
+    plan = _plan(3, (5, 8, 6), 0, 14, 3, "union", 8)  # three tables, four heads
+    slot, valid = plan.ring_slots(20)
     with pytest.raises(ValueError, match="per-head slot tables must be"):
-        native._rows_step_unchecked(q, kv, slot, valid, kind, prior_mode=native.PRIOR_NONE, logit_clamp=None,
-                                    eps=EPS, scale=1.0)
+        decode_native.run(plan, q, kv, slot, valid, None, None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("t", [1, 2, 4])
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_a_few_queries_over_per_head_slots_are_each_head_alone_bit_for_bit(case, t, dtype):
-    """The same for steps of t tokens over a block of keys (`_compiled_per_head_rows`, `_per_head_slots`): one
-    call, each head's rows those of its own period's call (`_compiled_rows` with one period)."""
+    """The same for steps of t tokens over a block of keys (`DecodePlan.rows`, `decode_slots.block_slots`): one
+    call, each head's rows those of its own period's call (a plan of one period)."""
     B, H, H_kv, D, window, periods, sinks, _, _ = CASES[case]
     q, kv, alpha, _, _ = _inputs(B, H, H_kv, D, 23, dtype, seed=case)
     q = q.expand(B, H, t, D).contiguous() + torch.arange(t, dtype=dtype)[:, None]  # t different queries
@@ -111,10 +116,10 @@ def test_a_few_queries_over_per_head_slots_are_each_head_alone_bit_for_bit(case,
     k, v = kv[0], kv[1]
     settings = decode_settings(PI_DEFAULTS, D ** -0.5)._replace(window=window, period=periods, sinks=sinks,
                                                                 logit_clamp=4.0, eps=EPS)
-    y = _compiled_per_head_rows(q, k, v, gate, None, settings)
+    y = compiled_rows(q, k, v, gate, settings)
     assert y is not None and y.shape == (B, H, t, D)
     group = H // H_kv
     for h, period in enumerate(periods):
-        alone = _compiled_rows(q[:, h:h + 1], k[:, h // group:h // group + 1], v[:, h // group:h // group + 1],
-                               gate[:, h:h + 1], settings._replace(period=period))
+        alone = compiled_rows(q[:, h:h + 1], k[:, h // group:h // group + 1], v[:, h // group:h // group + 1],
+                              gate[:, h:h + 1], settings._replace(period=period))
         assert torch.equal(y[:, h], alone[:, 0]), (h, period)

@@ -1,4 +1,4 @@
-"""Steps of 2–4 tokens through the compiled step (`decode._decode_rows` -> `native._rows_step_unchecked`): each new
+"""Steps of 2–4 tokens through the compiled step (`DecodePlan.rows` -> `decode_native.run`): each new
 query its own one-query step in one C call, equal to the full operator and to the torch-ops step (fp64 to
 1e-12, fp32 stated below) for every form it takes (α, the gate MLP's hidden layer, fixed, union), with sinks,
 grouped-query attention and short texts; the models' few-token steps go through it (a spy counts the calls),
@@ -13,8 +13,9 @@ import piattn.ops.pi.native as native
 from piattn.config import PI_DEFAULTS
 from piattn.models import GPT, GPTConfig
 from piattn.ops.pi import pi_attention
-from piattn.ops.pi.decode import _compiled_rows, _decode_rows, decode_settings, gate_tail
+from piattn.ops.pi.decode import decode_settings, gate_tail
 from piattn.ops.pi.settings import OpSettings
+from utils import compiled_rows, decode_rows
 
 TOL = {torch.float32: dict(rtol=2e-5, atol=2e-6), torch.float64: dict(rtol=1e-12, atol=1e-12)}
 EPS = 1e-3
@@ -66,34 +67,33 @@ def test_compiled_rows_equal_the_full_operator_and_the_torch_ops(case, form, dty
               scale=D**-0.5)
     step_gate = None if variant != "adaptive" else hidden if form == "hidden" else gate[:, :, -t:]
     gate_head = head if form == "hidden" else None
-    compiled = _compiled_rows(q[:, :, -t:], k, v, step_gate, _settings(**kw), gate_head=gate_head)
+    compiled = compiled_rows(q[:, :, -t:], k, v, step_gate, _settings(**kw), gate_head=gate_head)
     assert compiled is not None and compiled.shape == (B, H, t, D)
-    assert _decode_rows(q[:, :, -t:], k, v, step_gate, _settings(**kw), gate_head=gate_head).equal(compiled)
+    assert decode_rows(q[:, :, -t:], k, v, step_gate, _settings(**kw), gate_head=gate_head).equal(compiled)
     assert compiled_calls == [True, True]
     full = pi_attention(q, k, v, gate if variant == "adaptive" else None, causal=True, **kw)[:, :, -t:]
     torch.testing.assert_close(compiled, full, **TOL[dtype])
     _torch_ops(monkeypatch)
-    torch_ops = _decode_rows(q[:, :, -t:], k, v, step_gate, _settings(**kw), gate_head=gate_head)
+    torch_ops = decode_rows(q[:, :, -t:], k, v, step_gate, _settings(**kw), gate_head=gate_head)
     torch.testing.assert_close(compiled, torch_ops, **TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_compiled_rows_take_per_head_periods_whole(dtype, compiled_calls, monkeypatch):
-    """Per-head periods: one compiled call, each head over its own slot table (`decode._per_head_slots`; the
-    head whose period folds into the window reads nothing in the others' skip place), rows equal to
-    `_decode_rows`' and the full operator's; where the step declines that call, one call per distinct period
-    (`decode._per_period`), and where it declines any one of those, None for the whole."""
+    """Per-head periods: one compiled call, each head over its own slot table (`decode_slots.block_slots`; the
+    head whose period folds into the window reads nothing in the others' skip place), rows equal to the "auto"
+    plan's and the full operator's; where the step declines that call, None for the whole (never half of it)."""
     periods = (5, 2, 9, 5)  # 2 folds into the window: 4 slots a query, the others 5
     q, k, v, gate, _, _ = _inputs(2, 4, 2, 8, 30, 3, dtype, seed=11)
     kw = dict(window=3, period=periods, variant="adaptive", prior=0.3, logit_clamp=4.0, eps=EPS, sinks=1,
               scale=8**-0.5)
-    compiled = _compiled_rows(q[:, :, -3:], k, v, gate[:, :, -3:], _settings(**kw))
+    compiled = compiled_rows(q[:, :, -3:], k, v, gate[:, :, -3:], _settings(**kw))
     assert compiled is not None and compiled_calls == [True]
-    assert _decode_rows(q[:, :, -3:], k, v, gate[:, :, -3:], _settings(**kw)).equal(compiled)
+    assert decode_rows(q[:, :, -3:], k, v, gate[:, :, -3:], _settings(**kw)).equal(compiled)
     full = pi_attention(q, k, v, gate, causal=True, **kw)[:, :, -3:]
     torch.testing.assert_close(compiled, full, **TOL[dtype])
-    monkeypatch.setattr(native, "MAX_SLOTS", 5)  # 6 slots a query in one call; the period-2 group's 5 only
-    assert _compiled_rows(q[:, :, -3:], k, v, gate[:, :, -3:], _settings(**kw)) is None
+    monkeypatch.setattr(native, "MAX_SLOTS", 5)  # 6 slots a query in one call (the period-2 head's 5 among them)
+    assert compiled_rows(q[:, :, -3:], k, v, gate[:, :, -3:], _settings(**kw)) is None
 
 
 @pytest.mark.parametrize("why", ["separate", "autograd", "bf16"])
@@ -104,9 +104,9 @@ def test_what_the_compiled_step_does_not_take_runs_in_torch_ops(why, compiled_ca
         q.requires_grad_(True)
     variant = "separate" if why == "separate" else "adaptive"
     kw = dict(window=3, period=8, variant=variant, prior=0.3, logit_clamp=4.0, eps=EPS, sinks=1, scale=8**-0.5)
-    assert _compiled_rows(q[:, :, -3:], k, v, gate[:, :, -3:], _settings(**kw)) is None
-    y = _decode_rows(q[:, :, -3:], k, v, gate[:, :, -3:], _settings(**kw))
-    assert compiled_calls == []
+    assert compiled_rows(q[:, :, -3:], k, v, gate[:, :, -3:], _settings(**kw)) is None
+    y = decode_rows(q[:, :, -3:], k, v, gate[:, :, -3:], _settings(**kw))
+    assert not any(compiled_calls)  # offered (autograd, bf16) or not even that ("separate"), never run
     full = pi_attention(q.detach().float(), k.float(), v.float(), gate.float(), causal=True, **kw)[:, :, -3:]
     torch.testing.assert_close(y.detach().float(), full, **({} if dtype == torch.float32 else
                                                             dict(rtol=2e-2, atol=2e-2)))

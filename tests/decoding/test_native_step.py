@@ -1,6 +1,7 @@
-"""The compiled decoding step (`piattn.ops.pi.native`): equal to the full operator and to the torch-ops
-step for every variant it takes, NaN-poisoned outputs fully written, non-finite values kept in the rows
-that read them, the same refusals as documented, and the models' steps actually going through it."""
+"""The compiled decoding step (`decode_native.py`, through `native.py`'s binding): equal to the full operator
+and to the torch-ops step for every variant it takes, NaN-poisoned outputs fully written, non-finite values
+kept in the rows that read them, the same refusals as documented, and the models' steps actually going
+through it."""
 
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import piattn.ops.pi.decode_native as decode_native
 import piattn.ops.pi.native as native
 from piattn.config import PI_DEFAULTS
 from piattn.decoding.cache import RingCache
 from piattn.models import GPT, GPTConfig
 from piattn.ops.pi import cbuild, pi_attention
-from piattn.ops.pi.decode import decode_ring, decode_settings, ring_slots
+from piattn.ops.pi.decode import decode_ring, decode_settings
+from piattn.ops.pi.decode_plan import decode_plan
 
 TOL = {torch.float32: dict(rtol=2e-5, atol=2e-6), torch.float64: dict(rtol=1e-12, atol=1e-12)}
 EPS = 1e-3  # large enough that the clip of the gate changes the rows
@@ -133,8 +136,8 @@ def test_a_tokens_gate_is_the_same_bits_alone_and_in_any_batch(mode, dtype):
     """The C step runs the gate MLP for up to 8 tokens at once (fp32: several tokens in vector lanes, one token
     alone by itself): 19 sequences (chunks of 8, 8 and 3), 5 heads (four side by side, then one) and a
     13-wide gate give each sequence's row the bits it gets alone, and the rows agree with the gate written out
-    in fp64. "hidden": the gate's last layers from its hidden layer (`ring_step`); "input": its whole MLP from
-    the layer input, in the one-token step that also stores the token (`_token_step_unchecked`)."""
+    in fp64. "hidden": the gate's last layers from its hidden layer (a ring read); "input": its whole MLP from
+    the layer input, in the one-token step that also stores the token (`DecodePlan.token`'s call)."""
     B, H, H_kv, D, n_hidden, n_in, window, period = 19, 5, 1, 8, 13, 11, 3, 7
     g = torch.Generator().manual_seed(5)
     kv = torch.randn(2, B, H_kv, period + 1, D, generator=g, dtype=dtype)
@@ -144,18 +147,20 @@ def test_a_tokens_gate_is_the_same_bits_alone_and_in_any_batch(mode, dtype):
                                                                                        dtype=dtype)
     w, b = torch.randn(H, n_hidden, generator=g, dtype=dtype), torch.randn(H, generator=g, dtype=dtype)
     hidden = x @ w_in.T + b_in
-    slot, valid, kind, _, _ = ring_slots(window, period, 0, period + 1, 20, torch.device("cpu"))
+    settings = decode_settings(PI_DEFAULTS, 0.5)._replace(window=window, period=period, variant="adaptive",
+                                                          logit_clamp=None, eps=EPS, sinks=0)
+    plan = decode_plan(settings, H, capacity=period + 1)
+    slot, valid = plan.ring_slots(20)
+    kind = plan.kind
 
     def step(rows):
         store = kv[:, rows].clone()
         if mode == "hidden":
             q = fresh[rows, :, :H * D].reshape(-1, 1, H, D).transpose(1, 2)
-            y = native.ring_step(q, store, slot, valid, kind, prior_mode=native.PRIOR_HIDDEN, gate=hidden[rows],
-                                 gate_weight=w, gate_bias=b, logit_clamp=None, eps=EPS, scale=0.5)
+            y = decode_native.run(plan, q, store, slot, valid, hidden[rows], (w, b))
         else:
-            y = native._token_step_unchecked(fresh[rows], H, store, slot, valid, kind, int(slot[0]), None,
-                                             (0.0, 0.0), x[rows], (w_in, b_in, w, b), None, EPS, 0.5,
-                                             prior_mode=native.PRIOR_INPUT)
+            y = decode_native.run(plan, fresh[rows], store, slot, valid, x[rows], (w_in, b_in, w, b),
+                                  fresh_slot=int(slot[0, 0]))
         assert y is not None
         return y, store
 
@@ -167,7 +172,7 @@ def test_a_tokens_gate_is_the_same_bits_alone_and_in_any_batch(mode, dtype):
     alpha = _gate_from_hidden(hidden.double(), w, b, EPS)  # [B, H, 1]
     store = store.double()
     q = fresh[:, 0, :H * D].reshape(B, H, D).double()
-    keys, values = store[0, :, 0][:, slot], store[1, :, 0][:, slot]  # [B, S, D]
+    keys, values = store[0, :, 0][:, slot[0]], store[1, :, 0][:, slot[0]]  # [B, S, D] (every head's table)
     prior = torch.where(kind.bool(), (1 - alpha).clamp_min(EPS).log(), alpha.clamp_min(EPS).log())  # [B, H, S]
     scores = torch.einsum("bhd,bsd->bhs", q, keys) * 0.5 + prior
     assert valid is None  # a full ring: every slot reads a key
@@ -212,13 +217,13 @@ def test_non_finite_values_reach_only_the_rows_that_read_them(where, bad, monkey
 @pytest.mark.parametrize("why", ["bf16", "autograd", "separate"])
 def test_what_the_compiled_step_does_not_take_runs_in_torch_ops(why, monkeypatch):
     calls = []
-    real = native._ring_step_unchecked  # what decode_ring calls (its own checks come first)
+    real = decode_native.run  # what decode_ring's plan calls (its own checks come first)
 
     def spy(*args, **kwargs):
         calls.append(real(*args, **kwargs))
         return calls[-1]
 
-    monkeypatch.setattr(native, "_ring_step_unchecked", spy)
+    monkeypatch.setattr(decode_native, "run", spy)
     dtype = torch.bfloat16 if why == "bf16" else torch.float32
     q, k, v, cache, gate, _ = _case(1, 2, 2, 8, 20, 3, 8, 0, dtype, seed=5)
     variant = "separate" if why == "separate" else "adaptive"
@@ -252,17 +257,16 @@ def _model(attention, **extra):
 def test_model_steps_go_through_the_compiled_step_and_match_the_full_forward(attention, extra, monkeypatch):
     model = _model(attention, **extra)
     taken = []
-    # What decode_ring calls (its own checks come first), and the layers' whole one-token step (RoPE and the
-    # cache's store included), which the first positions of a cache with sinks do not take.
-    for name in ("_ring_step_unchecked", "_token_step_unchecked"):
-        real = getattr(native, name)
+    # The compiled step's calls: the layers' whole one-token step (RoPE and the cache's store included), and the
+    # ring read of the first positions of a cache with sinks, which do not take that.
+    real = decode_native.run
 
-        def spy(*args, real=real, **kwargs):
-            y = real(*args, **kwargs)
-            taken.append(y is not None)
-            return y
+    def spy(*args, **kwargs):
+        y = real(*args, **kwargs)
+        taken.append(y is not None)
+        return y
 
-        monkeypatch.setattr(native, name, spy)
+    monkeypatch.setattr(decode_native, "run", spy)
     idx = torch.randint(0, 50, (2, 24), generator=torch.Generator().manual_seed(1))
     cache = model.init_cache(2)
     with torch.no_grad():

@@ -1,7 +1,8 @@
 """The decoding layers' one-token step (`WindowedAttention._ring_forward`): the q, k, v projection, then one
 compiled call that runs the whole gate MLP from the layer's live weights (`PiAttention.whole_gate_layers`,
 `native.PRIOR_INPUT`), rotates q and the new key, stores the key and value in the ring and attends
-(`decode._decode_token`, `native._token_step_unchecked`), and the cache's checks remembered (`RingCache.check`).
+(`DecodePlan.token`, `decode_native.run` with the token to store), and the cache's checks remembered
+(`RingCache.check`).
 It must give the rows and the cache of the general path (`AttentionLayer.forward`: heads, append,
 `decode_ring`), follow every change of the weights (an update through `.data` included: the folded projection
 it replaced missed that one), step aside for hooks, observers and autograd, and refuse what the general path
@@ -9,6 +10,7 @@ refuses."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -17,13 +19,13 @@ import pytest
 import torch
 from torch import nn
 
+import piattn.ops.pi.decode_native as decode_native
 import piattn.ops.pi.native as native
 from piattn.decoding.cache import RingCache
 from piattn.layers import LocalAttention, PiAttention
 from piattn.layers.base import AttentionLayer
 from piattn.models import GPT, GPTConfig
 from piattn.models.block import dropped
-from piattn.ops.pi.decode import ring_slots
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.float64: dict(rtol=1e-12, atol=1e-12)}
 
@@ -57,14 +59,15 @@ def _general(layer, x, cache):
 def token_steps(monkeypatch) -> list:
     """Whether each call of the compiled one-token step ran (True) or declined (False)."""
     taken = []
-    real = native._token_step_unchecked
+    real = decode_native.run
 
     def spy(*args, **kwargs):
         y = real(*args, **kwargs)
-        taken.append(y is not None)
+        if kwargs.get("fresh_slot") is not None:
+            taken.append(y is not None)
         return y
 
-    monkeypatch.setattr(native, "_token_step_unchecked", spy)
+    monkeypatch.setattr(decode_native, "run", spy)
     return taken
 
 
@@ -267,11 +270,12 @@ def _token_call(layer, cache, *, fresh_slot, kind=None):
     B = cache.batch_size
     x = torch.randn(B, 1, 32)
     proj = layer.qkv(x)
-    slot, valid, kinds, _, _ = ring_slots(3, 7, 0, cache.capacity, cache.seen, torch.device("cpu"))
+    plan = layer._plan(cache.capacity, x.device)  # window 3, period 7: the layer's own
+    slot, valid = plan.ring_slots(cache.seen)
     rotation = (*layer.rotary._table(cache.seen + 1, x.device), cache.seen)
-    return native._token_step_unchecked(proj, 4, cache.kv, slot, valid, kinds if kind is None else kind, fresh_slot,
-                                        rotation, (0.0, 0.0), x, layer.whole_gate_layers(), 20.0, 1e-4, 0.25,
-                                        prior_mode=native.PRIOR_INPUT)
+    plan = plan if kind is None else dataclasses.replace(plan, kind=kind)
+    return decode_native.run(plan, proj, cache.kv, slot, valid, x, layer.whole_gate_layers(), fresh_slot=fresh_slot,
+                             rotation=rotation)
 
 
 def test_the_packed_step_refuses_what_is_out_of_range_and_writes_nothing():
@@ -301,7 +305,7 @@ def test_a_library_whose_argument_block_differs_is_not_used(tmp_path):
                       "int pi_decode_step_packed_f64(const void *a) { return 0; }\n")
     library = tmp_path / "other.so"
     subprocess.run([os.environ.get("CC") or "cc", "-shared", "-fPIC", str(source), "-o", str(library)], check=True)
-    with pytest.raises(OSError, match=f"argument block has 8 bytes where {native._ARGS.size} are packed"):
+    with pytest.raises(OSError, match=f"argument block has 8 bytes where {native.ARGS.size} are packed"):
         native._open(library)
 
 

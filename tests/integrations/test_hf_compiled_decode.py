@@ -1,4 +1,4 @@
-"""Decoding a converted Hugging Face model with `PiCache` through the compiled step (`piattn.ops.pi.native`):
+"""Decoding a converted Hugging Face model with `PiCache` through the compiled step (`decode_native.py`):
 one-token steps and steps of 2–4 tokens equal the full forward and the torch-ops step (fp64 to 1e-10, fp32
 to the HF tests' 1e-5), with sinks, grouped-query attention (the tiny Llama's 4 query heads on 2 key/value
 heads) and per-head and per-layer periods; a spy proves the compiled step ran every step of every layer; an
@@ -21,6 +21,8 @@ from test_hf import randomize_gates, tiny_llama, tokens  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 import piattn.integrations.hf.attention as hf_attention  # noqa: E402
+import piattn.ops.pi.decode_native as decode_native  # noqa: E402
+import piattn.ops.pi.decode_torch as decode_torch  # noqa: E402
 import piattn.ops.pi.native as native  # noqa: E402
 from piattn.integrations.hf import PiCache, convert_to_pi  # noqa: E402
 
@@ -59,7 +61,7 @@ def _steps(model, ids: torch.Tensor, n: int) -> torch.Tensor:
 
 def _calls(model) -> int:
     """Compiled calls per decoding step: one per layer, per-head periods included (each head over its own
-    period's slot table: `per_head_ring_slots`, `_per_head_slots`)."""
+    period's slot table: `DecodePlan.ring_slots`, `decode_slots.block_slots`)."""
     return model.config.num_hidden_layers
 
 
@@ -148,7 +150,7 @@ def test_an_explicit_fused_backend_decodes_in_compiled_code_only(compiled_calls,
     assert len(compiled_calls) == (16 - PROMPT) * model.config.num_hidden_layers and all(compiled_calls)
 
     torch_ops = []
-    monkeypatch.setattr(hf_attention, "_decode_rows", lambda *a, **k: torch_ops.append(1))
+    monkeypatch.setattr(decode_torch, "run", lambda *a, **k: torch_ops.append(1))
     monkeypatch.setattr(native, "_state", {"functions": None, "reason": "switched off by the test"})
     operator_backends.clear()
     torch.testing.assert_close(_steps(model, ids, 1), full, **TOL[torch.float64])
@@ -200,16 +202,17 @@ def test_without_the_compiled_step_picache_and_model_decoding_still_run(tmp_path
 
 @pytest.fixture
 def step_priors(monkeypatch) -> list:
-    """(prior_mode, whether gate_weight was given, the gate's shape) of each call of the compiled step for a few
-    rows, which then runs as it would."""
+    """(prior_mode, whether the gate's last layer was given, the gate's shape) of each call of the compiled step
+    for rows, which then runs as it would."""
     seen = []
-    real = native._rows_step_unchecked
+    real = decode_native.run
 
-    def spy(*args, prior_mode, gate=None, gate_weight=None, **kwargs):
-        seen.append((prior_mode, gate_weight is not None, None if gate is None else tuple(gate.shape)))
-        return real(*args, prior_mode=prior_mode, gate=gate, gate_weight=gate_weight, **kwargs)
+    def spy(plan, x, kv, slot, valid, gate, gate_layers, **kwargs):
+        mode = plan.prior_mode if gate_layers is None else native.PRIOR_HIDDEN
+        seen.append((mode, gate_layers is not None, None if gate is None else tuple(gate.shape)))
+        return real(plan, x, kv, slot, valid, gate, gate_layers, **kwargs)
 
-    monkeypatch.setattr(native, "_rows_step_unchecked", spy)
+    monkeypatch.setattr(decode_native, "run", spy)
     return seen
 
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import piattn.layers.windowed as windowed_module
-import piattn.ops.pi.decode as decode_module
+import piattn.ops.pi.decode_native as decode_native
+import piattn.ops.pi.decode_torch as decode_torch
 import piattn.ops.pi.native as native
 from piattn.analysis.multiscale import SCHEDULES, schedule
 from piattn.config import PiSettings
@@ -64,22 +65,23 @@ def test_cached_decoding_equals_the_full_forward(variant):
 
 def test_one_token_steps_take_one_compiled_call_per_layer_over_each_heads_own_slots(monkeypatch):
     """A layer's one-token step with per-head periods is its projections and one call of the compiled step
-    (`decode._decode_token`), every head over the slot table of its own period (`per_head_ring_slots`): as many
+    (`DecodePlan.token`), every head over the slot table of its own period (`DecodePlan.ring_slots`): as many
     tables as heads, a head whose period folds into the window (2, 3) reading nothing in the skip place."""
     m = model()
     idx = torch.randint(0, 50, (1, 40), generator=torch.Generator().manual_seed(5))
     cache = m.init_cache(1)
     tables = []
-    real = native._token_step_unchecked
+    real = decode_native.run
 
-    def spy(proj, n_heads, kv_store, slot, valid, *args, **kwargs):
+    def spy(plan, proj, kv_store, slot, valid, *args, **kwargs):
+        assert kwargs["fresh_slot"] is not None  # the whole one-token step
         tables.append((slot.shape, None if valid is None else valid[:, 0].tolist()))
-        return real(proj, n_heads, kv_store, slot, valid, *args, **kwargs)
+        return real(plan, proj, kv_store, slot, valid, *args, **kwargs)
 
     with torch.no_grad():
         expected = m(idx)[:, -1]
         m(idx[:, :39], cache)
-        monkeypatch.setattr(native, "_token_step_unchecked", spy)
+        monkeypatch.setattr(decode_native, "run", spy)
         step = m(idx[:, 39:], cache)[:, -1]
     S = 3 + 1 + 1  # the local keys i − 3 … i, one skip place
     no_skip = [True] * 4 + [False]
@@ -89,23 +91,24 @@ def test_one_token_steps_take_one_compiled_call_per_layer_over_each_heads_own_sl
 
 
 def test_without_the_compiled_step_the_ring_step_runs_once_per_period(monkeypatch):
-    """Where the compiled step does not run (here switched off), a layer's one-token step reads the ring once
-    per distinct period of its heads (`decode._decode_ring_period`), the same logits."""
+    """Where the compiled step does not run (here switched off), a layer's one-token step is one call of the
+    torch-ops step, which reads the ring once per distinct period of its heads (`DecodePlan.groups`), every head
+    kept from the pass of its own period: the same logits."""
     m = model()
     idx = torch.randint(0, 50, (1, 40), generator=torch.Generator().manual_seed(5))
     cache = m.init_cache(1)
     calls = []
-    real = decode_module._decode_ring_period
+    real = decode_torch.run
 
-    def spy(*args):
-        calls.append(args[5].period)  # the settings, positional after q, kv_store, gate, capacity, position
-        return real(*args)
+    def spy(plan, *args):
+        calls.extend(plan.settings.period[row] for row, _ in plan.groups)
+        return real(plan, *args)
 
     with torch.no_grad():
         expected = m(idx)[:, -1]
         m(idx[:, :39], cache)
         monkeypatch.setattr(native, "_state", {"functions": None, "reason": "switched off by the test"})
-        monkeypatch.setattr(decode_module, "_decode_ring_period", spy)
+        monkeypatch.setattr(decode_torch, "run", spy)
         step = m(idx[:, 39:], cache)[:, -1]
     assert calls == [2, 5, 9, 3, 7, 12, 30]
     torch.testing.assert_close(step, expected, rtol=0, atol=1e-5)

@@ -18,9 +18,9 @@ Checked, for every build:
   multiple of the vector width, two OpenMP threads: against `pi_attention(..., backend="reference")` (fp64 at
   1e-10; fp32 against the fp64 reference of the same values at test_fused_cpu's 2e-5, 1e-4 for dgate;
   bf16, fp16 by the reference-error rule of tests/utils.py) and against the x86-64 build (CROSS_ULPS below);
-- the decoding step (`pi_decode_step_packed_*`, its 35 arguments packed by native._ARGS) in fp32 and fp64,
+- the decoding step (`pi_decode_step_packed_*`, its 35 arguments packed by native.ARGS) in fp32 and fp64,
   prior modes none, const, alpha and hidden, all T queries of a sequence in one call (each over its own
-  `decode._slots`): its rows against the reference backend's rows of the whole sequence; and the one-token
+  `decode_slots.block_slots`): its rows against the reference backend's rows of the whole sequence; and the one-token
   step of a layer (the new key and value stored in the ring, RoPE on q and the key, fp32 and fp64 angle
   tables): the stored key bit for bit `Rotary.rotate`'s, the row against the reference.
 
@@ -49,7 +49,8 @@ import torch
 
 import piattn
 from piattn.layers.rotary import Rotary
-from piattn.ops.pi import cbuild, decode, fused, native
+from piattn.ops.pi import cbuild, fused, native
+from piattn.ops.pi.decode_slots import block_slots, head_table
 from piattn.ops.pi.pattern import Pattern
 from utils import FLOOR_ULPS, TOLERANCES, compare_to_exact, divmod_index, exact_run, forward_backward, param_id
 
@@ -430,7 +431,7 @@ STEP_CASES = {  # name: (H, H_kv, D, prior mode, settings)
 EPS = 1e-4
 N_HIDDEN = 7
 N_IN = 11
-_POINTERS = [i for i, c in enumerate(native._ARGS.format.lstrip("@=<>!")) if c == "P"]
+_POINTERS = [i for i, c in enumerate(native.ARGS.format.lstrip("@=<>!")) if c == "P"]
 
 
 def _step_field_names() -> list[str]:
@@ -445,12 +446,12 @@ def _step_field_names() -> list[str]:
 
 
 def _step_fields(**values) -> bytes:
-    """native._ARGS packed as native.py packs it (fields by name, 0 where not given), pointers as buffer numbers
+    """native.ARGS packed as native.py packs it (fields by name, 0 where not given), pointers as buffer numbers
     + 1."""
     names = _step_field_names()
-    assert len(names) == len(native._ARGS.format.lstrip("@=<>!")), names
+    assert len(names) == len(native.ARGS.format.lstrip("@=<>!")), names
     assert not set(values) - set(names), set(values) - set(names)
-    return native._ARGS.pack(*(values.get(name, 0) for name in names))
+    return native.ARGS.pack(*(values.get(name, 0) for name in names))
 
 
 def _step_inputs(H, H_kv, D, mode, dtype):
@@ -470,6 +471,14 @@ def _step_inputs(H, H_kv, D, mode, dtype):
     return [None if t is None else t.to(dtype) for t in (q, k, v, alpha, hidden, w, bias, w_in, b_in)]
 
 
+def _slots(window, period, sinks, t, n):
+    """One slot table for every head (slot [t·S], valid [t, S] or None, kind [S]) of t queries over n keys: a
+    plan's table of one head (`decode_slots.block_slots`)."""
+    cpu = torch.device("cpu")
+    idx, valid = block_slots(window, (period,), sinks, t, n, cpu)
+    return idx[0], None if valid is None else valid[0], head_table(window, (period,), sinks, cpu).kind
+
+
 def _hidden_alpha(hidden, w, bias, H):
     """α of PRIOR_HIDDEN, in fp64: ε + (1 − 2ε)·σ(w·GELU(hidden) + bias), [B, H, T]."""
     act = torch.nn.functional.gelu(hidden.double())
@@ -483,7 +492,7 @@ def test_decode_step_every_query(builds, case, dtype, tmp_path):
     H, H_kv, D, mode, kw = STEP_CASES[case]
     q, k, v, alpha, hidden, w, bias, w_in, b_in = _step_inputs(H, H_kv, D, mode, dtype)
     window, period, sinks = kw["window"], kw["period"], kw.get("sinks", 0)
-    slot, valid, kind, _, _ = decode._slots(window, period, sinks, T, T, torch.device("cpu"))
+    slot, valid, kind = _slots(window, period, sinks, T, T)
     clamp = kw.get("logit_clamp", 20.0)
     prior = kw.get("prior", 0.5)
     p = Program()
@@ -523,8 +532,8 @@ def test_decode_step_every_query(builds, case, dtype, tmp_path):
 @pytest.mark.parametrize("table", (torch.float32, torch.float64), ids=param_id)
 @pytest.mark.parametrize("dtype", STEP_DTYPES, ids=param_id)
 def test_decode_one_token_step_with_rope(builds, dtype, table, tmp_path):
-    """The layer's step (`native._token_step_unchecked`'s call): the new token's key rotated and stored in its
-    ring row and its value beside it, q rotated, then the step over the query's slots. The stored key is
+    """The layer's step (`decode_native.run`'s call with a token to store): the new token's key rotated and
+    stored in its ring row and its value beside it, q rotated, then the step over the query's slots. The stored key is
     `Rotary.rotate`'s bit for bit (no FMA: -ffp-contract=off); the row is the reference's last row of the
     sequence whose last key and query are the rotated ones."""
     H, H_kv, D, window, period = 2, 1, 16, 3, 7
@@ -535,7 +544,7 @@ def test_decode_one_token_step_with_rope(builds, dtype, table, tmp_path):
     fresh = torch.randn(B, 2, H_kv, D, generator=g, dtype=torch.float64).to(dtype)
     alpha = (0.02 + 0.96 * torch.rand(B, H, 1, generator=g, dtype=torch.float64)).to(dtype)
     cos, sin = (t[position, 0].to(table).contiguous() for t in Rotary(D).cos_sin(T))
-    slot, valid, kind, _, _ = decode._slots(window, period, 0, 1, T, torch.device("cpu"))
+    slot, valid, kind = _slots(window, period, 0, 1, T)
     p = Program()
     y = p.output((B, H, 1, D), dtype)
     store = p.input(kv, role=UPDATED)

@@ -14,7 +14,7 @@ from torch.nn import functional as F
 from torch.nn.modules import module as _module
 
 from ..caching import untainted
-from ..ops.pi.decode import gate_tail
+from ..ops.pi.decode_torch import gate_tail
 from ..ops.pi.dtypes import accumulation_dtype
 
 

@@ -88,7 +88,7 @@ class PiAttention(WindowedAttention):
         return None if self.gate is None else gate_values(self.gate, x, self.settings.eps)
 
     def ring_gate(self, x: torch.Tensor) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
-        """The gate arguments of `decode_ring` (one new token) and `_decode_rows` (a few) for x [B, t, d].
+        """The gate arguments of `decode_ring` (one new token) and `DecodePlan.rows` (a few) for x [B, t, d].
 
         For "adaptive", the gate MLP's hidden pre-activation [B, t, d_hidden] and its last layer (weight,
         bias): the step finishes the gate itself (GELU, linear, σ, clip: in the compiled step, one call for

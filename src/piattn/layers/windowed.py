@@ -10,7 +10,8 @@ from torch.nn import functional as F
 
 from ..config import PiSettings
 from ..decoding.cache import RingCache
-from ..ops.pi.decode import _decode_ring, _decode_rows, _decode_token, decode_ring, decode_settings
+from ..ops.pi.decode import decode_ring
+from ..ops.pi.decode_plan import DecodePlan, decode_plan, decode_settings
 from ..ops.pi.validate import head_periods
 from .base import AttentionLayer
 from .gate import global_hooks
@@ -29,9 +30,9 @@ class WindowedAttention(AttentionLayer):
     `settings.sinks` fixed ones).
 
     `settings.period` may hold one period per query head (multi-scale π, n_heads of them): the forward
-    hands them to `pi_attention`, and the cached decoding paths (`attend_recent`, `attend_ring`) to the
-    decoding functions (`_decode_rows`, `decode_ring`), which run once per distinct period on that period's
-    heads (`piattn.ops.pi.decode`), the ring holding max(window, largest period) + 1 positions.
+    hands them to `pi_attention`, and the cached decoding paths (`attend_recent`, `attend_ring`, the one-token
+    step) to the layer's decoding plans (`piattn.ops.pi.decode_plan`: every head over its own slot table), the
+    ring holding max(window, largest period) + 1 positions.
     Sequence-parallel, each period group runs its own halo exchange
     (`piattn.parallel.sequence_parallel_pi_attention`).
 
@@ -58,9 +59,10 @@ class WindowedAttention(AttentionLayer):
         # rather than per step.
         self._decode_settings = decode_settings(settings, self.head_dim**-0.5)
         self._gate_observer: Callable[[torch.Tensor], None] | None = None
-        # `_ring_forward`'s settings (those of `_decode_token` and `_decode_ring`: one period, or one per head), or
-        # None where the layer takes the general path (`AttentionLayer.forward`): a subclass that overrides a
-        # method of that path (its override is then what runs).
+        # The layer's decoding plans by ring capacity (None: blocks of keys), built on first use (`_plan`).
+        self._plans: dict[int | None, DecodePlan] = {}
+        # `_ring_forward`'s settings (those of its plans), or None where the layer takes the general path
+        # (`AttentionLayer.forward`): a subclass that overrides a method of that path (its override is then what runs).
         kind = type(self)
         lean = (kind.heads is AttentionLayer.heads
                 and kind.attend_cached is AttentionLayer.attend_cached
@@ -100,6 +102,14 @@ class WindowedAttention(AttentionLayer):
     def cache_sinks(self) -> int:
         return self.settings.sinks
 
+    def _plan(self, capacity: int | None, device: torch.device) -> DecodePlan:
+        """The layer's decoding plan over a ring of `capacity` (None: blocks of keys) on `device`, built once."""
+        plan = self._plans.get(capacity)
+        if plan is None or plan.device != device:
+            plan = self._plans[capacity] = decode_plan(self._decode_settings, self.n_heads, capacity=capacity,
+                                                       device=device)
+        return plan
+
     def forward(self, x: torch.Tensor, cache=None, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """`AttentionLayer.forward`; a step of one token on a ring cache, without autograd, takes `_ring_forward`."""
         if (type(cache) is RingCache and document_ids is None and x.dim() == 3 and x.shape[1] == 1
@@ -113,9 +123,9 @@ class WindowedAttention(AttentionLayer):
         through `attend_cached` and `attend_ring`, in fewer calls. The cache is checked as there
         (`RingCache.check`, which remembers what it accepted); then the q, k, v projection and one call of the
         compiled step that runs the gate (its whole MLP where `_ring_projection` hands it over), rotates q and
-        the new key, stores the key and value in the ring and attends (`decode._decode_token`), or where that
-        step does not apply, RoPE, `RingCache.append_token` and `decode._decode_ring`. The decoding functions
-        are called unchecked: every argument is the layer's or the accepted cache's. Equal to the general path
+        the new key, stores the key and value in the ring and attends (`DecodePlan.token`), or where no step
+        of the plan does that, RoPE, `RingCache.append_token` and `DecodePlan.rows` over the ring. The plan is
+        called unchecked: every argument is the layer's or the accepted cache's. Equal to the general path
         up to the rounding of the gate's first layer in the compiled step (the rest is the same arithmetic)."""
         B = x.shape[0]
         H, H_kv, D = self.n_heads, self.n_kv_heads, self.head_dim
@@ -125,11 +135,11 @@ class WindowedAttention(AttentionLayer):
         qkv, gate, gate_layers = self._ring_projection(x, modules)
         rotary = modules.get("rotary")  # None is kept as a plain attribute, not a module
         position = cache.seen
+        plan = self._plan(cache.capacity, x.device)
         fresh_slot = cache.next_token_slot()
         if fresh_slot is not None:
             rotation = None if rotary is None else (*rotary._table(position + 1, x.device), position)
-            y = _decode_token(qkv, H, cache.kv, gate, gate_layers, fresh_slot, rotation, cache.capacity, position,
-                              settings)
+            y = plan.token(qkv, cache.kv, gate, gate_layers, fresh_slot, rotation, position)
             if y is not None:
                 cache.token_stored()
                 return modules["out"](y.view(B, 1, H * D))
@@ -140,8 +150,7 @@ class WindowedAttention(AttentionLayer):
         if rotary is not None:  # as `heads` does, at the cache's position
             qk = rotary.rotate(qk, *rotary.cos_sin(1, position, None, x.device))
         cache.append_token(qk[:, :, H:].transpose(1, 2), v.transpose(1, 2))
-        y = _decode_ring(qk[:, :, :H].transpose(1, 2), cache.kv, gate, cache.capacity, position, settings,
-                         gate_layers)
+        y = plan.rows(qk[:, :, :H].transpose(1, 2), cache.kv, gate, gate_layers, position)
         return modules["out"](y.reshape(B, 1, H * D))
 
     def _ring_projection(self, x: torch.Tensor, modules) -> tuple[torch.Tensor, torch.Tensor | None,
@@ -174,19 +183,19 @@ class WindowedAttention(AttentionLayer):
 
     def attend_recent(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The last t rows of `attend` (causal, eval) from the t new rows' q, x and all N rows' k, v: one call
-        of the compiled step where it applies (`_decode_rows`, which takes per-head periods itself), the gate's
-        last layers included as in `attend_ring`."""
+        of the compiled step where it applies (`DecodePlan.rows` over the block), the gate's last layers included as
+        in `attend_ring`."""
         gate, gate_head = self.ring_gate(x)
-        return _decode_rows(q, k, v, gate, self._decode_settings, gate_head=gate_head)
+        return self._plan(None, q.device).rows(q, (k, v), gate, gate_head)
 
     def attend_ring(self, q: torch.Tensor, cache: RingCache, x: torch.Tensor) -> torch.Tensor:
         """One new query's output [B, H, 1, D] read from the ring `cache` that already holds its key
-        (`decode_ring`, which takes per-head periods itself)."""
+        (`decode_ring`: checked, then the plan of the settings and ring)."""
         gate, gate_head = self.ring_gate(x)
         return decode_ring(q, cache.kv, gate, self._decode_settings, capacity=cache.capacity,
                            position=cache.seen - 1, gate_head=gate_head)
 
     def ring_gate(self, x: torch.Tensor) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
-        """The gate arguments of `decode_ring` / `_decode_rows` for new tokens x [B, t, d]: (α̃ [B, H, t] or None,
+        """The gate arguments of `decode_ring` / `DecodePlan.rows` for new tokens x [B, t, d]: (α̃ [B, H, t] or None,
         None)."""
         return self.observed_gate(x), None

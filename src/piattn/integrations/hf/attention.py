@@ -14,25 +14,13 @@ import torch
 from torch import nn
 from transformers import AttentionInterface, AttentionMaskInterface
 
-from ... import models as _models  # noqa: F401  (lends the period schedules to `resolve_periods`)
 from ...analysis.multiscale import periods_per_layer
 from ...config.model import resolve_periods
 from ...config.pi import PI_DEFAULTS, PiSettings
 from ...layers.base import AttentionLayer
-from ...layers.gate import clip_gate, gate_hidden, gate_hooked, gate_values
-from ...ops.pi import BACKENDS, native, pi_attention
-from ...ops.pi.decode import (
-    _compiled_prior,
-    _compiled_rows,
-    _decode_rows,
-    decode_gathered,
-    decode_settings,
-    gate_tail,
-    per_head_ring_step,
-    per_period_masked,
-    ring_slots,
-)
-from ...ops.pi.settings import OpSettings
+from ...layers.gate import gate_hidden, gate_hooked, gate_values
+from ...ops.pi import BACKENDS, pi_attention
+from ...ops.pi.decode_plan import decode_plan, decode_settings
 from .padding import EMPTY, TEXT, document_ids, text_bounds
 
 ATTENTION_NAME = "pi_attention"
@@ -209,7 +197,8 @@ def pi_attention_forward(
 
     Tk > Tq when a cache supplied Tk − Tq earlier keys: those of the positions just before the queries; but
     after a PiCache layer's one-token update (its `stored_in_ring`), key/value are that layer's ring [B, Hkv,
-    size, D] in slot order, read by slot from the layer (`_ring_step`), or oldest first (`ordered()`).
+    size, D] in slot order, read by slot through the layer's decoding plan (`DecodePlan.rows`), or oldest first
+    (`ordered()`).
     `attention_mask` is what `pi_attention_mask` returned: None, or the 2D padding mask [B, P] over all P
     positions so far. `dropout` is HF's (already 0 outside training); `scaling` is the module's score scale.
     The key/value heads go to the operator as they are (grouped-query attention is the operator's).
@@ -226,22 +215,23 @@ def pi_attention_forward(
     _forget(module, "_pi_cache_layer")  # don't keep the cache alive past its one use
     if cache_layer is not None and cache_layer.stored_in_ring:
         # A one-token step that the PiCache layer stored in place: key/value are its ring in slot order, not
-        # its positions oldest first (`PiCacheLayer`). The decoding step reads the ring by slot, copying
-        # nothing; any other path (padding, dropout, another backend, tracing) reads the positions oldest
-        # first, as from any cache (one copy of the ring).
-        if (attention_mask is None and not dropout and Tq == 1 and settings.backend in DECODE_BACKENDS
-                and not torch.compiler.is_compiling()):
-            # "adaptive": the gate's hidden pre-activation and last layer, which the compiled step finishes
-            # (GELU, linear, σ, clip) in the same call, as the decoding layers' `ring_gate` hands it.
-            hidden, head = _ring_gate(module, gate_input, pi)
-            if head is None:
-                gate = _gate_values(module, pi, gate_input)
-            y = _ring_step(settings.backend, pi, query, gate if head is None else hidden,
-                           D**-0.5 if scaling is None else scaling, cache_layer, head)
+        # its positions oldest first (`PiCacheLayer`). The layer's decoding plan reads the ring by slot, copying
+        # nothing; any other path (padding, dropout, a backend without decoding steps, tracing, a plan whose
+        # steps decline the call) reads the positions oldest first, as from any cache (one copy of the ring).
+        plan = None
+        if attention_mask is None and not dropout and Tq == 1 and not torch.compiler.is_compiling():
+            plan = decode_plan(decode_settings(pi, D**-0.5 if scaling is None else scaling), H,
+                               capacity=cache_layer.capacity, device=query.device, backend=settings.backend)
+        if plan is not None:
+            # "adaptive": the gate's hidden pre-activation and last layer, which the step finishes (GELU, linear,
+            # σ, clip) in the same call, as the decoding layers' `ring_gate` hands it.
+            hidden, head = _ring_gate(module, gate_input, pi) if plan.gate_in_step else (None, None)
+            gate = _gate_values(module, pi, gate_input) if head is None else hidden
+            y = plan.rows(query, cache_layer.kv, gate, head, cache_layer.cumulative_length - 1)
             if y is not None:
                 return y.transpose(1, 2), None
             if head is not None:
-                gate = _gate_from_hidden(hidden, head, pi.eps)
+                gate = None  # α̃ from the gate's input below, what the step would have computed from its hidden layer
         key, value = cache_layer.ordered()
     if gate is None:
         gate = _gate_values(module, pi, gate_input)
@@ -268,10 +258,15 @@ def pi_attention_forward(
         if bool((ids == ids[:, :1]).all()):
             ids = None  # one document: the operator's plain (faster) path
     if (ids is None and not dropout and Tq <= AttentionLayer.fast_decode_max_tokens
-            and (past or cache_layer is not None) and settings.backend in DECODE_BACKENDS
-            and not torch.compiler.is_compiling()):
-        # A decoding step of one text per row: the block (sinks, then the recent positions) reads as one text.
-        y = _decode_step(settings.backend, pi, query, key, value, gate, D**-0.5 if scaling is None else scaling)
+            and (past or cache_layer is not None) and not torch.compiler.is_compiling()):
+        # A decoding step of one text per row: the block (sinks, then the recent positions: as `RingCache.recent`)
+        # reads as one text without changing any row, since every local and skip key of a query lies in the recent
+        # positions and the sinks lie farther back in both. The plan of the model's backend runs it where it has
+        # steps that take it (`decode_steps.FOR_BACKEND`: "auto" the compiled step, else torch ops; "fused" the
+        # compiled step only); else the full operator runs, or refuses with its reason.
+        plan = decode_plan(decode_settings(pi, D**-0.5 if scaling is None else scaling), H, device=query.device,
+                           backend=settings.backend)
+        y = None if plan is None else plan.rows(query, (key, value), gate)
         if y is not None:
             return y.transpose(1, 2), None
     ahead = key.shape[2] - Tq
@@ -283,87 +278,6 @@ def pi_attention_forward(
     out = pi_attention(query, key, value, gate, scale=scaling, dropout_p=dropout, document_ids=ids,
                        **settings.operator_kwargs(layer))
     return out[:, :, ahead:].transpose(1, 2), None
-
-
-# The backends under which a decoding step (a cached step of at most `fast_decode_max_tokens` tokens, no padding,
-# no dropout) runs as the model's does (`piattn.ops.pi.decode._decode_rows`: the compiled step where it applies,
-# else torch ops that read only the keys each query attends to), rather than through the full operator:
-# "auto", and "fused" (compiled code asked for by name) through the compiled step only, where it applies; where
-# it does not, "fused" runs the full operator, which runs or refuses with its reason. Any other backend named
-# runs the operator it names.
-DECODE_BACKENDS = ("auto", "fused")
-
-
-def _decode_step(backend: str, pi: PiSettings, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 gate: torch.Tensor | None, scale: float) -> torch.Tensor | None:
-    """The rows [B, H, Tq, D] of the Tq queries at the end of the block key/value [B, Hkv, N, D] (the sinks the
-    recent keys no longer hold, then the recent positions: as `RingCache.recent`, read as one text without
-    changing any row, since every local and skip key of a query lies in the recent positions and the sinks
-    lie farther back in both); None where `backend` is "fused" and the compiled step does not take the call.
-    Per-head periods go to the decoding function whole: it groups the heads itself."""
-    rows = _decode_rows if backend == "auto" else _compiled_rows
-    return rows(query, key, value, gate, decode_settings(pi, scale))
-
-
-def _ring_step(backend: str, pi: PiSettings, query: torch.Tensor, gate: torch.Tensor | None, scale: float,
-               layer, gate_head: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
-    """The rows [B, H, 1, D] of the one new query of a PiCache `layer` that has just stored its key in place,
-    read from the layer's storage `kv` [2, B, Hkv, sinks + size, D] (laid out as a `RingCache`'s: the sinks in
-    slots 0 … sinks − 1, position p in slot sinks + p mod capacity) through the slots `ring_slots` gives, as
-    the decoding layers read their ring: no copy of the ring. Called only without padding (the sink slots
-    then hold positions 0 … sinks − 1 of every row, as `ring_slots` reads them). None where `backend` is
-    "fused" and the compiled step does not take the call (the caller then runs the operator).
-
-    gate is α̃ [B, H, 1], or with gate_head = (weight [H, n_hidden], bias [H]) ("adaptive" only) the gate MLP's
-    hidden pre-activation [B, 1, n_hidden], which the compiled step finishes (`native.PRIOR_HIDDEN`); where it
-    does not take that call, α̃ is computed from it once (`_gate_from_hidden`) and the step runs on α̃."""
-    position = layer.cumulative_length - 1
-    kv, capacity = layer.kv, layer.capacity
-    settings = decode_settings(pi, scale)
-    if isinstance(settings.period, tuple):  # per-head periods: one call of the compiled step, where it applies
-        y = per_head_ring_step(query, kv, gate, capacity, position, settings, gate_head)
-        if y is not None:
-            return y
-
-    # Else one step per distinct period over all the heads, each head's row taken from the step of its own
-    # period (`per_period_masked`, which says why the heads are not split by period here).
-    def rows(one: OpSettings) -> torch.Tensor | None:
-        nonlocal gate, gate_head
-        y = _ring_rows(backend, one, query, gate, kv, capacity, position, gate_head)
-        if y is None and gate_head is not None:
-            gate, gate_head = _gate_from_hidden(gate, gate_head, one.eps), None
-            y = _ring_rows(backend, one, query, gate, kv, capacity, position)
-        return y
-
-    return per_period_masked(rows, settings, query.shape[1], query.device)
-
-
-def _ring_rows(backend: str, settings: OpSettings, query: torch.Tensor, gate: torch.Tensor | None, kv: torch.Tensor,
-               capacity: int, position: int,
-               gate_head: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
-    """`_decode_step`'s rows [B, H, 1, D] for settings of one period, from the ring storage kv [2, B, Hkv, N, D]:
-    the compiled step (`native._rows_step_unchecked`, over the storage as it lies) where it applies; else, under
-    "auto", one gather of the slots' keys and values and the torch ops (`decode_gathered`), and None under
-    "fused". With gate_head (gate the gate's hidden pre-activation, `_ring_step`): the compiled step only, else
-    None."""
-    slot, valid, kind, n_local, n_skip = ring_slots(settings.window, settings.period, settings.sinks, capacity,
-                                                    position, query.device)
-    compiled = _compiled_prior(settings, gate, gate_head)
-    if compiled is not None:
-        mode, extra = compiled
-        # None where the compiled step does not apply (`native.applies`, which it asks itself: asking first too
-        # would decide twice per step).
-        y = native._rows_step_unchecked(query, kv, slot, valid, kind, prior_mode=mode,
-                                        logit_clamp=settings.logit_clamp, eps=settings.eps, scale=settings.scale,
-                                        **extra)
-        if y is not None:
-            return y
-    if backend != "auto" or gate_head is not None:
-        return None
-    # Rows of a [2·B·Hkv, N, D] view gathered along N, as `decode._decode_ring` gathers a ring's.
-    two, B, Hkv, N, D = kv.shape
-    kg, vg = kv.reshape(two * B * Hkv, N, D).index_select(1, slot).view(two, B, Hkv, slot.shape[0], D).unbind(0)
-    return decode_gathered(query, kg, vg, valid, kind, n_local, n_skip, gate, settings)
 
 
 def pi_attention_mask(*, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
@@ -460,20 +374,13 @@ def _gate_values(module: nn.Module, settings: PiSettings, x: torch.Tensor | None
 
 def _ring_gate(module: nn.Module, x: torch.Tensor | None,
                settings: PiSettings) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
-    """For "adaptive" (which the compiled step can finish from the gate's hidden layer): (the gate MLP's hidden
+    """For "adaptive" (which a decoding step can finish from the gate's hidden layer): (the gate MLP's hidden
     pre-activation [B, Tq, n_hidden], (its last layer's weight [H, n_hidden], bias [H])), as `PiAttention.ring_gate`
     gives them; (None, None) otherwise, and for a gate with hooks registered on it (computed whole, as a module,
     by `gate_values`)."""
-    if x is None or settings.variant != "adaptive" or native.PRIOR_MODES.get("adaptive") is None:
-        return None, None
-    if gate_hooked(module.pi_gate):
+    if x is None or settings.variant != "adaptive" or gate_hooked(module.pi_gate):
         return None, None
     return gate_hidden(module.pi_gate, x)
-
-
-def _gate_from_hidden(hidden: torch.Tensor, head: tuple[torch.Tensor, torch.Tensor], eps: float) -> torch.Tensor:
-    """α̃ [B, H, Tq] from `_ring_gate`'s (hidden, head): what `gate_values` gives from the gate's input."""
-    return clip_gate(gate_tail(hidden, *head), eps)
 
 
 def _forget(module: nn.Module, name: str) -> None:

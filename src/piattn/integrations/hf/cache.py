@@ -15,7 +15,7 @@ class PiCacheLayer(DynamicLayer):
     positions, in one ring written in place.
 
     Storage: `kv` [2, B, Hkv, sinks + size, D], keys then values in one contiguous block (as the compiled
-    decoding step reads a ring: `piattn.ops.pi.native`), made at the first update and grown by doubling up to
+    decoding step reads a ring: `piattn.ops.pi.decode_native`), made at the first update and grown by doubling up to
     size = capacity (a short text never holds a long layer's whole ring):
 
     - slots 0 … sinks − 1: row b's sinks, positions text_start[b] … text_start[b] + sinks − 1 (`sink_keys`,
@@ -31,7 +31,7 @@ class PiCacheLayer(DynamicLayer):
     - t = 1 (a decoding step): writes the position into its slot, overwriting the oldest, and returns the
       ring itself, (keys, values) in slot order, with `stored_in_ring` True: O(1) per step, where
       concatenating and trimming copied the whole ring twice per step and layer. The attention function
-      (`pi_attention_forward`) reads the ring by slot (`decode.ring_slots`, as the decoding layers read a
+      (`pi_attention_forward`) reads the ring by slot (the layer's `DecodePlan`, as the decoding layers read a
       `RingCache`), or `ordered()` off its decoding path.
     - t > 1 (a prompt, or a step of a few tokens): returns the stored positions oldest first followed by the
       new ones [B, Hkv, n + t, D] (n = min(seen, capacity); one copy, none for the first update), as a

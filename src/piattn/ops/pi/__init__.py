@@ -14,11 +14,9 @@ import torch as _torch
 
 from ...config.pi import PI_DEFAULTS
 from .backends import AUTO_ORDER, REGISTRY, BackendRun, select
-from .compiled import is_symbolic, run_torch_op
-from .fused import run_fused_op
+from .compiled import is_symbolic
 from .heads import by_period, period_groups
 from .pattern import Pattern
-from .reference import run_reference
 from .settings import OpSettings
 from .validate import all_finite, check_arguments, check_qkv_tensors, gate_or_prior, head_periods
 from .weights import SlotWeights, pi_attention_weights  # noqa: F401 (public: piattn.pi_attention_weights)
@@ -162,17 +160,15 @@ def _pi_attention(q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor, gate: _t
     return run(q, k, v, gate, s._replace(window=used.window, period=used.period, sinks=used.sinks), keep, document_ids)
 
 
-# What runs inside torch.compile, and where q has no values (meta and fake tensors): "torch", "fused" and
-# "triton" as custom operators (`compiled.py`, the ends of `fused.py` and `triton.py`), "reference" traced as
-# is; imported here, since dynamo cannot trace the import in `Backend.load` ("triton" only where it can run,
-# so that no other install pays for importing triton). "fused"'s probe (its C library) is asked while
-# tracing, its answer a constant of the graph (`backends._probe`). "flex" builds its block mask with
-# data-dependent shapes: under torch.compile "auto" picks from these only.
-_SYMBOLIC: dict[str, BackendRun] = {"torch": run_torch_op, "fused": run_fused_op, "reference": run_reference}
-if REGISTRY["triton"].available():
-    from .triton import run_triton_op
-
-    _SYMBOLIC["triton"] = run_triton_op
+# What runs inside torch.compile, and where q has no values (meta and fake tensors): each backend's declared
+# `operator` ("torch", "fused" and "triton" as custom operators: `compiled.py`, the ends of `fused.py` and
+# `triton.py`; "reference" traced as is), of those this install can run ("triton" only where it can, so that no
+# other install pays for importing triton). Loaded here, since dynamo cannot trace the import in
+# `Backend.load`. "fused"'s probe (its C library) is asked while tracing, its answer a constant of the graph
+# (`backends._probe`). "flex" declares none (its block mask has data-dependent shapes): under torch.compile
+# "auto" picks from these only.
+_SYMBOLIC: dict[str, BackendRun] = {name: b.load_operator() for name, b in REGISTRY.items()
+                                    if b.operator is not None and b.available()}
 COMPILABLE = tuple(_SYMBOLIC)
 _COMPILE_ORDER = {device: tuple(n for n in order if n in COMPILABLE) for device, order in AUTO_ORDER.items()}
 

@@ -135,6 +135,10 @@ class Backend:
     # this install can run the backend, else why not and what to do, e.g. "fused"'s C library that cannot be
     # built here. Its refusal, like any other: "auto" takes the next backend, a call naming it raises.
     probe: str | None = None
+    # What runs it inside torch.compile and on tensors without values (meta, fake): "module.function" of
+    # piattn.ops.pi, a `BackendRun` calling its custom operators ("reference": its plain torch code, traced as
+    # is); None where it cannot run there ("flex": its block mask has data-dependent shapes).
+    operator: str | None = None
 
     def available(self) -> bool:
         """Whether this install can run it at all: its modules exist and one of its devices is present."""
@@ -175,6 +179,11 @@ class Backend:
         """The backend function (its module is imported on first use, so that `import piattn` stays cheap)."""
         return _load(self.module, self.function)
 
+    def load_operator(self) -> BackendRun:
+        """The function of `operator` (imported now)."""
+        module, _, function = self.operator.rpartition(".")
+        return _load(module, function)
+
 
 @functools.cache
 def _load(module: str, function: str) -> Callable:
@@ -199,11 +208,11 @@ REGISTRY: dict[str, Backend] = {
     for b in (
         # The ground truth: a loop over offsets, O(T·|U|·D) memory.
         Backend("reference", "reference", "run_reference", variants=PAPER_VARIANTS, features=ALL_FEATURES,
-                contains_nonfinite=True),
+                contains_nonfinite=True, operator="reference.run_reference"),
         # Blocked matrix products with a hand-written backward; any device torch runs on. With a non-finite
         # input it goes slot by slot (`all_finite`), so that a bad value stays in the rows that read it.
         Backend("torch", "torch", "run_torch", variants=PAPER_VARIANTS, features=ALL_FEATURES,
-                contains_nonfinite=True),
+                contains_nonfinite=True, operator="compiled.run_torch_op"),
         # Fused kernels; tl.dot has no fp64, and D is padded to a power of two of at most 256. Per-head periods
         # in one launch of each kernel (each program reads its query head's period).
         Backend(
@@ -212,14 +221,15 @@ REGISTRY: dict[str, Backend] = {
             note="" if TRITON_INTERPRET else " (set TRITON_INTERPRET=1 before importing triton for its CPU "
                                              "interpreter)", features=ALL_FEATURES,
             contains_nonfinite=True,  # the forward kernel itself; the backward falls back to "torch" then
-            per_head_periods=True,
+            per_head_periods=True, operator="triton.run_triton_op",
         ),
         # Fused C kernels for the CPU (fused_cpu.c, compiled on first use): fp32 and fp64, and bf16 and fp16 read
         # and written as such, computed in fp32; per-head periods in one call. Where the library cannot be built
         # or loaded (no C compiler, PIATTN_NATIVE=0) its probe refuses every call with the reason.
         Backend("fused", "fused", "run_fused", variants=PAPER_VARIANTS,
                 dtypes=(torch.float32, torch.float64, torch.bfloat16, torch.float16), devices=("cpu",),
-                features=ALL_FEATURES, contains_nonfinite=True, per_head_periods=True, probe="unavailable"),
+                features=ALL_FEATURES, contains_nonfinite=True, per_head_periods=True, probe="unavailable",
+                operator="fused.run_fused_op"),
         # torch's FlexAttention: no fp64 kernels, no CPU backward, no per-slot dropout mask.
         Backend(
             "flex", "flex", "run_flex", variants=PAPER_VARIANTS, dtypes=_LOW_AND_FP32,

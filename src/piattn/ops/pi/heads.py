@@ -1,7 +1,7 @@
 """Per-head periods (multi-scale π): run a one-period computation once per distinct period, on that
 period's query heads, and put the outputs back in head order.
 
-Every one-period path (each backend of `pi_attention`, the decoding functions of `decode.py`) is exact on
+Every one-period path (each backend of `pi_attention`, the operators built on it) is exact on
 any subset of heads, so grouping makes each of them exact for per-head periods without touching it; the
 price is one call per distinct period. Autograd carries gradients back through the split, index_select
 and cat.

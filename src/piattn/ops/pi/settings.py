@@ -24,8 +24,8 @@ class OpSettings(NamedTuple):
     """A checked call's settings besides its tensors, built once by `piattn.pi_attention` and handed to the
     backend (`backends.BackendRun`): see `pi_attention` for their meaning. scale is never None here; period
     is one int, or a tuple of one int per query head for a backend that takes them (`per_head_periods`).
-    The decoding functions (`decode.py`) take one too, causal and without dropout: `pi_decode` builds it from
-    its keywords, a layer from its `PiSettings` (`decode.decode_settings`)."""
+    Decoding takes one too, causal and without dropout (`decode_plan.py`): `pi_decode` builds it from its
+    keywords, a layer from its `PiSettings` (`decode_plan.decode_settings`)."""
 
     window: int
     period: int | tuple[int, ...]

@@ -47,7 +47,7 @@ def check_arguments(
         raise ValueError(f"scale must be > 0 or None (None means 1/sqrt(D)), got {scale!r}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p!r}")
-    _check_gate(q, gate, variant)
+    check_gate(q, gate, variant)
     check_document_ids(document_ids, q)
 
 
@@ -111,7 +111,7 @@ def check_document_ids(document_ids, q: torch.Tensor) -> None:
         raise ValueError(f"document_ids must be on the device of q ({q.device}), got {document_ids.device}")
 
 
-def _check_gate(q: torch.Tensor, gate, variant: str) -> None:
+def check_gate(q: torch.Tensor, gate, variant: str) -> None:
     from torch._subclasses.fake_tensor import is_fake  # here: this module's imports stay torch's public API
 
     if variant not in GATED_VARIANTS:
