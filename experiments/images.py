@@ -212,7 +212,7 @@ def completions(out: Path) -> None:
     checkpoints = [str(run_dir(out, arm, 0)) for arm in ARMS if (run_dir(out, arm, 0) / "checkpoints").is_dir()]
     flags = [flag for c in checkpoints for flag in ("--checkpoint", c)]
     subprocess.run([sys.executable, "-m", "piattn.cli", "generate", *flags, "--images", "8", "--temperature", "0",
-                    "--out", str(out / "completions.png")], check=True)
+                    "--output", str(out / "completions.png")], check=True)
 
 
 def main() -> int:
