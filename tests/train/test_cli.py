@@ -88,8 +88,8 @@ def test_token_byte_lengths_add_up_to_the_utf8_length(kind):
     (["--tokenizer", "words"], "--tokenizer must be one of ['bpe', 'byte', 'char'], got 'words'"),
     (["--precision", "fp8"], "--precision must be one of ['auto', 'fp32', 'bf16'], got 'fp8'"),
     (["--task", "chess"],
-     "--task must be one of ['listops', 'lm', 'mqar', 'pathfinder', 'reach', 'recall', 'retrieval', "
-     "'vl-retrieval'], got 'chess'"),
+     "--task must be one of ['image-class', 'listops', 'lm', 'mqar', 'pathfinder', 'pixels', 'reach', 'recall', "
+     "'retrieval', 'vl-retrieval'], got 'chess'"),
     (["--attention", "magic"], "--attention must be one of"),
     (["--config", "huge"], "--config must be one of ['tiny', 'small', 'medium', 'large'], got 'huge'"),
     (["--steps", "0"], "--steps must be >= 1, got 0"),
