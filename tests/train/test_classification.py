@@ -240,13 +240,13 @@ def test_interrupted_reach_run_resumes_bit_for_bit(tmp_path):
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--task", "chess"],
-     "--task must be one of ['listops', 'lm', 'mqar', 'pathfinder', 'reach', 'recall', 'retrieval', "
-     "'vl-retrieval'], got 'chess'"),
+     "--task must be one of ['image-class', 'listops', 'lm', 'mqar', 'pathfinder', 'pixels', 'reach', 'recall', "
+     "'retrieval', 'vl-retrieval'], got 'chess'"),
     (["--task", "lm"], "--data is required with --task lm"),
     (["--task", "listops", "--lag", "3"], "--lag applies to --task reach only, not 'listops'"),
     (["--task", "lm", "--data", "x", "--train-size", "5"],
-     "--train-size applies to --task listops / pathfinder / retrieval / reach / vl-retrieval / recall / mqar only, "
-     "not 'lm'"),
+     "--train-size applies to --task listops / pathfinder / retrieval / reach / vl-retrieval / recall / mqar / "
+     "pixels / image-class only, not 'lm'"),
     (["--task", "pathfinder", "--no-causal"], "--causal / --no-causal applies to --task reach only"),
     (["--task", "reach"], "--lag is required with --task reach"),
     (["--task", "reach", "--lag", "64"], "--lag must be in [1, --seq-len - 1 = 63], got 64"),
