@@ -11,7 +11,7 @@ from torch import nn
 from ..analysis.copy_distance import Reach, reach
 from ..analysis.multiscale import periods_per_layer
 from ..config import PI_DEFAULTS, ModelConfig, PiSettings
-from .gate import gate_hidden, gate_hooked, gate_mlp, gate_values, global_hooks
+from .gate import clip_stays_open, gate_hidden, gate_hooked, gate_mlp, gate_values, global_hooks
 from .windowed import WindowedAttention
 
 
@@ -70,6 +70,15 @@ class PiAttention(WindowedAttention):
         per-head ints, or n_layer lists of them: `periods_per_layer`)."""
         schedule = periods_per_layer(model.get("period"), model["n_layer"], model["n_head"])
         return reach(model.get("window"), schedule, max_lag)
+
+    def gate_in_range(self) -> bool:
+        """True for the layer's own gate: ε + (1 − 2ε)·σ(MLP(x)) in fp32 (`gate_values`) lies in [ε, 1 − ε],
+        inside (0, 1) for every ε the settings take (`clip_stays_open`). Not when hooks on the gate MLP (or on
+        every module) may change its output, nor when a subclass computes the gate or its observed value
+        differently: `pi_attention` then checks the values (a host sync on a GPU)."""
+        return (self.gate is not None and type(self).gate_values is PiAttention.gate_values
+                and type(self).observed_gate is WindowedAttention.observed_gate
+                and clip_stays_open(self.settings.eps) and not gate_hooked(self.gate))
 
     def gate_values(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [B, T, d] -> α̃ [B, H, T] in [ε, 1 − ε] (Eq. app_gate), or None for ungated variants."""
