@@ -65,7 +65,7 @@ from piattn.benchmarking import command_line  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # Seconds per step, in the order they run: the one home of the run's budget (docs/gpu.md states the total).
-BUDGETS = dict(env=10.0, tests=150.0, kernels=80.0, d128=30.0, tune=40.0, overhead=30.0, model=80.0)
+BUDGETS = dict(env=10.0, tests=130.0, kernels=100.0, d128=30.0, tune=40.0, overhead=30.0, model=80.0)
 RUN_S = 420.0  # 7 minutes of a session's 15, the machine's start and the copies back besides
 assert sum(BUDGETS.values()) <= RUN_S
 TAIL_LINES = 300
@@ -266,6 +266,7 @@ class KernelPlan:
         self.modes = ("fwd", "fwd+bwd")
         self.flex_configs = SMOKE_FLEX_CONFIGS if smoke else FLEX_CONFIGS
         self.flex_modes = self.modes if cuda else ("fwd",)  # torch's flex has no CPU backward
+        self.flex_T = self.T[-1:]  # flex compiles per shape (10-40 s each on a GPU): the longest T only
 
 
 def _pi(backend: str, **kwargs):
@@ -400,16 +401,17 @@ def measured_baselines(path: Path = BASELINE_FILE) -> dict:
 
 
 def time_rows(setup: gb.Setup, plan: KernelPlan, ops: dict, checks: dict, bandwidth: float,
-              modes: tuple[str, ...], known: dict | None = None) -> list[dict]:
+              modes: tuple[str, ...], known: dict | None = None, lengths: tuple[int, ...] | None = None) -> list[dict]:
     """Every (B, H, D) × dtype × T × mode (of modes) × op, rows with ms, the one-pass floor and ratio_to_floor
     (and for π's own kernels the design's floor, ratio_to_design_floor, and the target × floor); ops not
     passing their check (checks[(label, dtype)]) are rows with that status; a baseline in `known`
-    (`measured_baselines`) takes its ms from there (source) instead of being timed."""
+    (`measured_baselines`) takes its ms from there (source) instead of being timed. lengths: the T to run
+    (plan.T without)."""
     known = known or {}
     rows = []
     for (B, H, D), dtype in ((bhd, dt) for bhd in plan.BHD for dt in plan.dtypes):
         elem = torch.finfo(dtype).bits // 8
-        for T in plan.T:
+        for T in lengths or plan.T:
             inputs = None
             for mode in modes:
                 floor_ms = gb.floor_bytes(B, H, T, D, mode, elem) / bandwidth * 1e3
@@ -553,7 +555,8 @@ def kernels_step(plan: KernelPlan, clock: Clock, bandwidth: float | None, peer: 
         result.update(flex_config=label)
         result["checks"].update({f"{k}/bfloat16": v for k, v in flex_checks.items()})
         if label is not None:
-            result["rows"] += time_rows(setup, plan, flex_ops(plan, label), {}, bandwidth, plan.flex_modes)
+            result["rows"] += time_rows(setup, plan, flex_ops(plan, label), {}, bandwidth, plan.flex_modes,
+                                        lengths=plan.flex_T)
             add_ratios(result["rows"])
     result["targets"] = targets(result["rows"])
     return result

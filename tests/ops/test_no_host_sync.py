@@ -141,3 +141,20 @@ def test_clip_stays_open():
 
     assert clip_stays_open(1e-4) and clip_stays_open(1e-6)
     assert not clip_stays_open(1e-9)  # fl(1e-9 + fl(1 − 2e-9)) = 1 in fp32
+
+
+def test_a_gpt_training_step_reads_no_value(no_host_reads):
+    """A whole π GPT's forward, loss and backward on backend "triton" (embeddings, rotary tables, layers,
+    cross-entropy): what a CUDA graph captures of a training step, besides the optimizer (AdamW reads its
+    step count on the host unless made with capturable=True, as the GPU run's capture does)."""
+    from piattn.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.from_name("tiny", attention="pi", vocab_size=32, block_size=16, dropout=0.0,
+                                    backend="triton")).to(DEVICE)
+    idx = torch.randint(32, (2, 17), device=DEVICE)
+    with no_host_reads():
+        logits = model(idx[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx[:, 1:].flatten())
+        loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
