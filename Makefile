@@ -54,9 +54,11 @@ bench-cpu: $(DEMO_STAMP)
 bench-gpu:
 	PYTHONPATH=src $(PYTHON) benchmarks/gpu_bench.py --out benchmarks/results
 
-# The prepared GPU session (docs/gpu.md): env, CUDA tests, kernels, model, about 7 minutes.
+# The prepared GPU session (docs/gpu.md), e.g. `make gpu OUT=/tmp/gpu_run`: its files go to OUT, which it needs
+# (none by default: a run's files are read, then copied into benchmarks/results by hand). STEPS=kernels reruns one.
 gpu:
-	PYTHONPATH=src $(PYTHON) benchmarks/gpu_run.py --out benchmarks/results
+	@test -n "$(OUT)" || { echo "make gpu needs OUT=DIR (the run's files go there)"; exit 2; }
+	PYTHONPATH=src $(PYTHON) benchmarks/gpu_run.py --out "$(OUT)" $(if $(STEPS),--steps $(STEPS))
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis

@@ -161,6 +161,20 @@ def floor_bytes(B: int, H: int, T: int, D: int, mode: str, elem: int = 2) -> int
     return B * H * (fwd + (bwd if mode == "fwd+bwd" else 0))
 
 
+def design_floor_bytes(B: int, H: int, T: int, D: int, mode: str, elem: int = 2) -> int:
+    """Bytes the design that runs must move (`floor_bytes` is a one-pass design's): the forward also writes the
+    second fp32 statistic per query (c_local and c_skip); the backward is two kernels, dQ then dK/dV
+    (ops/pi/TRITON.md), each reading q, k, v and dY and both the statistics, the first writing dQ, Δ (two fp32
+    per query, read by the second) and dα in fp32, which is then cast to the gate's dtype. Its ratio to
+    `floor_bytes` is the design's own cost; a kernel's time over `design_floor_bytes` ÷ bandwidth, its own
+    inefficiency."""
+    fwd = elem * (3 * T * D + T) + elem * T * D + 8 * T
+    dq = elem * (4 * T * D + T) + 8 * T + elem * T * D + 8 * T + 4 * T
+    dkdv = elem * 4 * T * D + 8 * T + 8 * T + elem * 2 * T * D
+    cast = 4 * T + elem * T
+    return B * H * (fwd + (dq + dkdv + cast if mode == "fwd+bwd" else 0))
+
+
 # ----------------------------------------------------------------------------------------------- operators
 
 def pi_op(backend: str):

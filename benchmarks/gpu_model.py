@@ -1,11 +1,15 @@
-"""Model step of the GPU run: the `small` GPT with dense, local and π attention at long contexts.
+"""Model step of the GPU run: training throughput of the `small` GPT, and decoding of a SmolLM2-shaped model.
 
-For each attention kind and sequence length T (batch 1), in this order so that a run cut short by its budget
-still has every kind at the shorter lengths:
-- train: one training step (forward, cross-entropy, backward, AdamW step), median ms;
-- prefill: forward over a T-token prompt into a fresh `model.init_cache(1)`, median ms;
-- decode: median ms per token of feeding one token at a time after that prompt;
-each with the peak memory of that phase (torch.cuda.max_memory_allocated after a reset; None on a CPU).
+Training (`run`): for each sequence length T and attention kind (dense SDPA, local, π, multi-scale π), in
+this order so that a run cut short by its budget still has every kind at the shorter lengths, one AdamW
+training step (forward, cross-entropy, backward, step) at batch B = max(2, TOKENS // T): median ms, tokens
+per second and the peak memory (torch.cuda.max_memory_allocated after a reset; None on a CPU).
+
+Decoding (`run_decode`): a SmolLM2-135M-shaped Llama (30 layers, d 576, 9 heads, 3 key/value heads, random
+weights: speed and memory do not depend on them) through `piattn.integrations.hf`, with HF's dense
+`DynamicCache`, and converted (`convert_to_pi`) to local attention with sinks and to π with sinks, each with
+`PiCache`: after a prompt of T tokens, the median ms per decoded token, tokens per second, and the cache's
+bytes (`cache_nbytes`). Needs transformers; a row says so where it is missing.
 """
 
 from __future__ import annotations
@@ -18,7 +22,16 @@ import torch.nn.functional as F
 
 from piattn.models import GPT, GPTConfig
 
-KINDS = ("dense", "local", "pi")
+# kind -> (GPTConfig attention, its overrides): multi-scale π takes the geometric schedule (heads at 16, 32, …).
+KINDS = {"dense": ("dense", {}), "local": ("local", {}), "pi": ("pi", {}),
+         "pi-ms": ("pi", dict(period="geometric:16"))}
+# kind -> convert_to_pi's settings (None: the dense model and DynamicCache). Local: period = window adds no key.
+DECODE_KINDS = {"dense": None, "local+sinks": dict(window=64, period=64, sinks=4),
+                "pi+sinks": dict(window=64, period=256, sinks=4)}
+SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0)
+SMOLLM2_SMOKE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=256)
 
 
 class ModelPlan:
@@ -28,10 +41,16 @@ class ModelPlan:
         self.device = torch.device("cpu" if smoke else "cuda")
         self.dtype = torch.float32 if smoke else torch.bfloat16
         self.size = "tiny" if smoke else "small"
-        self.lengths = (128,) if smoke else (4096, 8192, 16384)
+        self.lengths = (128,) if smoke else (8192, 16384, 32768)
+        self.tokens = 256 if smoke else 65536  # per training step: batch max(2, tokens // T)
         self.vocab = 512 if smoke else 50257
-        self.decode_tokens = 4 if smoke else 32
         self.repeats = 1 if smoke else 3
+        self.decode_lengths = (32,) if smoke else (2048, 4096, 8192, 16384, 32768)
+        self.decode_tokens = 2 if smoke else 16
+        self.llama = SMOLLM2_SMOKE if smoke else SMOLLM2
+
+    def batch(self, T: int) -> int:
+        return max(2, self.tokens // T)
 
 
 def _sync(device: torch.device) -> None:
@@ -65,15 +84,16 @@ def _median_ms(fn, device: torch.device, repeats: int, warm: bool = False) -> fl
 
 
 def build(plan: ModelPlan, kind: str, T: int) -> GPT:
-    """The plan's GPT with attention `kind`, dropout off (timing, not regularisation), on the plan's device."""
-    cfg = GPTConfig.from_name(plan.size, attention=kind, vocab_size=plan.vocab,
-                              block_size=T + plan.decode_tokens, dropout=0.0)
+    """The plan's GPT with attention `kind` (a key of KINDS), dropout off (timing, not regularisation)."""
+    attention, overrides = KINDS[kind]
+    cfg = GPTConfig.from_name(plan.size, attention=attention, vocab_size=plan.vocab, block_size=T, dropout=0.0,
+                              **overrides)
     torch.manual_seed(0)
     return GPT(cfg).to(plan.device, plan.dtype)
 
 
 def time_train(plan: ModelPlan, model: GPT, idx: torch.Tensor) -> dict:
-    """One AdamW training step on idx [1, T] (next-token loss): {ms, peak_mib}."""
+    """One AdamW training step on idx [B, T + 1] (next-token loss): {ms, peak_mib}."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step():
@@ -90,46 +110,17 @@ def time_train(plan: ModelPlan, model: GPT, idx: torch.Tensor) -> dict:
     return dict(ms=ms, peak_mib=_peak_mib(plan.device))
 
 
-@torch.no_grad()
-def time_prefill_decode(plan: ModelPlan, model: GPT, idx: torch.Tensor) -> dict:
-    """Prefill of idx [1, T] into a fresh cache, then decode_tokens single-token steps:
-    {prefill_ms, prefill_peak_mib, decode_ms_per_token, decode_peak_mib, cache_mib}."""
-    model.eval()
-    _reset_peak(plan.device)
-
-    def prefill():
-        cache = model.init_cache(1)
-        model(idx, cache)
-        return cache
-
-    prefill_ms = _median_ms(prefill, plan.device, plan.repeats)
-    prefill_peak = _peak_mib(plan.device)
-    cache = prefill()
-    token = idx[:, -1:]
-    _reset_peak(plan.device)
-    times = []
-    for _ in range(plan.decode_tokens):
-        _sync(plan.device)
-        t0 = time.perf_counter()
-        token = model(token, cache)[:, -1].argmax(-1, keepdim=True)
-        _sync(plan.device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return dict(prefill_ms=prefill_ms, prefill_peak_mib=prefill_peak,
-                decode_ms_per_token=statistics.median(times), decode_peak_mib=_peak_mib(plan.device),
-                cache_mib=cache.nbytes / 2**20)
-
-
 def measure(plan: ModelPlan, kind: str, T: int) -> dict:
-    """One row: kind, T, and the train / prefill / decode measures, or status saying why not."""
-    row = dict(kind=kind, T=T, size=plan.size, dtype=str(plan.dtype).removeprefix("torch."), batch=1)
+    """One training row: kind, T, batch, ms, tokens/s and peak memory, or status saying why not."""
+    B = plan.batch(T)
+    row = dict(kind=kind, T=T, batch=B, size=plan.size, dtype=str(plan.dtype).removeprefix("torch."))
     model = None
     try:
         model = build(plan, kind, T)
-        idx = torch.randint(plan.vocab, (1, T + 1), device=plan.device)
+        idx = torch.randint(plan.vocab, (B, T + 1), device=plan.device)
         train = time_train(plan, model, idx)
-        row.update(train_ms=train["ms"], train_peak_mib=train["peak_mib"])
-        row.update(time_prefill_decode(plan, model, idx[:, :T]))
-        row["status"] = "ok"
+        row.update(train_ms=train["ms"], train_tokens_per_s=B * T / train["ms"] * 1e3,
+                   train_peak_mib=train["peak_mib"], status="ok")
     except torch.OutOfMemoryError:
         row["status"] = "skipped: out of memory"
     except Exception as exc:  # one kind failing must not lose the others
@@ -140,17 +131,84 @@ def measure(plan: ModelPlan, kind: str, T: int) -> dict:
     return row
 
 
-def run(plan: ModelPlan, out_of_time, log) -> list[dict]:
+def run(plan: ModelPlan, out_of_time, log, kinds=tuple(KINDS)) -> list[dict]:
     """Every (T, kind) of the plan until out_of_time() says stop; skipped ones get a row saying so."""
     rows = []
     for T in plan.lengths:
-        for kind in KINDS:
-            if out_of_time():
-                rows.append(dict(kind=kind, T=T, status="skipped: time budget"))
-            else:
-                rows.append(measure(plan, kind, T))
+        for kind in kinds:
+            rows.append(dict(kind=kind, T=T, status="skipped: time budget") if out_of_time()
+                        else measure(plan, kind, T))
             r = rows[-1]
-            shown = (f"train {r['train_ms']:.1f} ms, prefill {r['prefill_ms']:.1f} ms, decode "
-                     f"{r['decode_ms_per_token']:.2f} ms/token" if r["status"] == "ok" else r["status"])
-            log(f"  model {kind:<6} T={T:<6} {shown}")
+            shown = (f"batch {r['batch']}, {r['train_ms']:.1f} ms, {r['train_tokens_per_s']:.0f} tokens/s"
+                     if r["status"] == "ok" else r["status"])
+            log(f"  train {kind:<6} T={T:<6} {shown}")
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------- decoding
+
+def build_llama(plan: ModelPlan, kind: str, T: int):
+    """A SmolLM2-shaped LlamaForCausalLM with random weights, converted for `kind` (DECODE_KINDS), in eval."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from piattn.integrations.hf import convert_to_pi
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**plan.llama, max_position_embeddings=T + plan.decode_tokens + 8, bos_token_id=None,
+                      eos_token_id=None, pad_token_id=None, attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg)
+    if DECODE_KINDS[kind] is not None:
+        model = convert_to_pi(model, **DECODE_KINDS[kind])
+    return model.to(plan.device, plan.dtype).eval()
+
+
+@torch.no_grad()
+def measure_decode(plan: ModelPlan, kind: str, T: int) -> dict:
+    """Prefill T random tokens into the kind's cache, then decode_tokens single-token steps: median ms per
+    token, tokens/s, the cache's MiB after them, the peak memory while decoding."""
+    row = dict(kind=kind, T=T, batch=1, dtype=str(plan.dtype).removeprefix("torch."))
+    model = None
+    try:
+        from transformers import DynamicCache
+
+        from piattn.integrations.hf import PiCache, cache_nbytes
+
+        model = build_llama(plan, kind, T)
+        cache = DynamicCache() if DECODE_KINDS[kind] is None else PiCache(model.config)
+        idx = torch.randint(plan.llama["vocab_size"], (1, T), device=plan.device)
+        model(idx, past_key_values=cache, use_cache=True)
+        token = idx[:, -1:]
+        _reset_peak(plan.device)
+        times = []
+        for _ in range(plan.decode_tokens):
+            _sync(plan.device)
+            t0 = time.perf_counter()
+            token = model(token, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            _sync(plan.device)
+            times.append((time.perf_counter() - t0) * 1e3)
+        ms = statistics.median(times)
+        row.update(decode_ms_per_token=ms, decode_tokens_per_s=1e3 / ms, cache_mib=cache_nbytes(cache) / 2**20,
+                   decode_peak_mib=_peak_mib(plan.device), status="ok")
+    except ImportError as exc:
+        row["status"] = f"skipped: {exc}"
+    except torch.OutOfMemoryError:
+        row["status"] = "skipped: out of memory"
+    except Exception as exc:
+        row["status"] = f"error: {type(exc).__name__}: {str(exc).strip()[:300]}"
+    finally:
+        del model
+        _reset_peak(plan.device)
+    return row
+
+
+def run_decode(plan: ModelPlan, out_of_time, log) -> list[dict]:
+    rows = []
+    for T in plan.decode_lengths:
+        for kind in DECODE_KINDS:
+            rows.append(dict(kind=kind, T=T, status="skipped: time budget") if out_of_time()
+                        else measure_decode(plan, kind, T))
+            r = rows[-1]
+            shown = (f"{r['decode_ms_per_token']:.2f} ms/token, cache {r['cache_mib']:.2f} MiB"
+                     if r["status"] == "ok" else r["status"])
+            log(f"  decode {kind:<11} T={T:<6} {shown}")
     return rows

@@ -1,25 +1,29 @@
-"""Where a Triton π call's time goes on a GPU: kernels, host work, and the two host syncs of an eager call.
+"""Where a Triton π call's time goes on a GPU: kernels, host work, and what compiling or a CUDA graph saves.
 
 The first GPU run (benchmarks/results/gpu_first_bench.md) timed a bf16 forward at B=1, H=16, T=4K at
 0.47 ms against a floor of 0.008 ms, and about the same at T=32K: a fixed cost per call, not the kernel.
-An eager call syncs with the host twice: `pi_attention` checks that the gate lies in (0, 1) (validate.py,
-`check_gate`) and the backward checks that its inputs are finite (triton.py, `triton_gradients`). This
-script separates, per shape and pass (fwd, fwd+bwd), each a median over repeats:
+Two host syncs were part of it (benchmarks/results/gpu_overhead.md): the gate's value check and the
+backward's finiteness check. The backward now keeps a bad value local in its kernels (no check); the gate's
+check runs unless the caller vouches for its gate (`pi_attention(check_gate=False)`, what `PiAttention` does
+for its own). This script separates, per shape and pass (fwd, fwd+bwd), each a median over repeats:
 
 - `kernels`: the device time of the Triton kernels alone, from torch.profiler;
-- `eager`: CUDA-event time of `pi_attention(..., backend="triton")` as a user calls it;
-- `no_gate_check` / `no_finite_check` / `no_checks`: the same with the gate's value check, the backward's
-  finiteness check, or both replaced by no-ops (measurement only: the library keeps both);
-- `host_us`: host time per call with no sync, N calls then one synchronize (the launch cost a CPU pays).
+- `eager`: CUDA-event time of `pi_attention(..., backend="triton")` with a user's gate (checked: one sync);
+- `no_gate_check`: the same with check_gate=False (a layer's call: no sync);
+- `compiled`: the call under `torch.compile` (default mode);
+- `graph`: one replay of a CUDA graph captured around the call (forward, or forward and backward: what
+  `mode="reduce-overhead"` does), `graph_capture` saying whether the capture succeeded (it fails on a host
+  sync);
+- `*_host_us`: host time per call with no sync, N calls then one synchronize (the launch cost a CPU pays).
 
-    PYTHONPATH=src python3 benchmarks/gpu_overhead.py --out DIR          # on a GPU, about 30 s
+    PYTHONPATH=src python3 benchmarks/gpu_overhead.py --out DIR          # on a GPU, about 40 s
     PYTHONPATH=src python3 benchmarks/gpu_overhead.py --smoke --out DIR  # CPU, Triton interpreter, seconds
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import functools
 import os
 import sys
 import time
@@ -33,26 +37,10 @@ if not torch.cuda.is_available():
 import piattn  # noqa: E402
 from gpu_bench import event_ms  # noqa: E402
 from piattn.benchmarking import command_line, save_results  # noqa: E402
-from piattn.ops.pi import triton as triton_backend  # noqa: E402
-from piattn.ops.pi import validate  # noqa: E402
 
 OP = dict(window=4, period=16, causal=True, variant="adaptive", backend="triton")
 SHAPES = ((1, 16, 4096, 64), (8, 16, 32768, 64))
 SMOKE_SHAPES = ((1, 2, 64, 16),)
-
-
-@contextlib.contextmanager
-def checks_off(gate: bool, finite: bool):
-    """Replace the gate's value check and/or the backward's finiteness check by no-ops, for measuring."""
-    saved = validate.check_gate, triton_backend.all_finite
-    if gate:
-        validate.check_gate = lambda q, g, variant: None
-    if finite:
-        triton_backend.all_finite = lambda *xs: True
-    try:
-        yield
-    finally:
-        validate.check_gate, triton_backend.all_finite = saved
 
 
 def inputs(B, H, T, D, device, dtype):
@@ -63,10 +51,30 @@ def inputs(B, H, T, D, device, dtype):
     return [t.requires_grad_() for t in (q, k, v, gate)], dy
 
 
-def step(xs, dy, backward: bool):
-    y = piattn.pi_attention(*xs, **OP)
+def step(xs, dy, backward: bool, check_gate: bool = True):
+    y = piattn.pi_attention(*xs, **OP, check_gate=check_gate)
     if backward:
-        torch.autograd.grad(y, xs, dy)
+        return torch.autograd.grad(y, xs, dy)
+    return y
+
+
+def graph_of(fn, cuda: bool):
+    """(replay, status): a CUDA graph captured around fn (after warm-up on a side stream), or None and why not."""
+    if not cuda:
+        return None, "needs CUDA"
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return graph.replay, "ok"
+    except Exception as exc:  # a host sync inside fn refuses the capture: the finding to record
+        return None, f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
 
 
 def host_us(fn, calls: int, cuda: bool) -> float:
@@ -107,16 +115,30 @@ def measure(shape, device, dtype, repeats: int, calls: int) -> list[dict]:
         def fn(xs=xs, dy=dy, backward=backward):
             step(xs, dy, backward)
 
+        def trusted(xs=xs, dy=dy, backward=backward):
+            step(xs, dy, backward, check_gate=False)
+
         for _ in range(3):  # warm-up: the first call compiles the kernels
             fn()
         row = dict(B=shape[0], H=shape[1], T=shape[2], D=shape[3], mode=mode)
-        for label, gate_off, finite_off in (("eager", False, False), ("no_gate_check", True, False),
-                                            ("no_finite_check", False, True), ("no_checks", True, True)):
-            with checks_off(gate_off, finite_off):
-                row[f"{label}_ms"] = event_ms(fn, repeats, cuda)
-                row[f"{label}_host_us"] = host_us(fn, calls, cuda)
+        for label, call in (("eager", fn), ("no_gate_check", trusted)):
+            row[f"{label}_ms"] = event_ms(call, repeats, cuda)
+            row[f"{label}_host_us"] = host_us(call, calls, cuda)
         if cuda:
             row["kernels_ms"], row["per_kernel_ms"] = kernel_ms(fn, repeats)
+            try:
+                compiled = functools.partial(torch.compile(functools.partial(step, backward=backward,
+                                                                             check_gate=False)), xs, dy)
+                for _ in range(3):
+                    compiled()
+                row["compiled_ms"] = event_ms(compiled, repeats, cuda)
+                row["compiled_host_us"] = host_us(compiled, calls, cuda)
+            except Exception as exc:  # recorded, not fatal
+                row["compiled_error"] = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
+        replay, row["graph_capture"] = graph_of(trusted, cuda)
+        if replay is not None:
+            row["graph_ms"] = event_ms(replay, repeats, cuda)
+            row["graph_host_us"] = host_us(replay, calls, cuda)
         rows.append(row)
         print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
                        if not isinstance(v, dict)), flush=True)
@@ -125,8 +147,8 @@ def measure(shape, device, dtype, repeats: int, calls: int) -> list[dict]:
 
 def markdown(result: dict) -> str:
     env = result["environment"]
-    cols = ("kernels_ms", "eager_ms", "no_gate_check_ms", "no_finite_check_ms", "no_checks_ms", "eager_host_us",
-            "no_checks_host_us")
+    cols = ("kernels_ms", "eager_ms", "no_gate_check_ms", "compiled_ms", "graph_ms", "eager_host_us",
+            "no_gate_check_host_us", "graph_capture")
     out = [f"# Where a Triton π call's time goes ({env['device']})", "",
            f"torch {env['torch']}, triton {env['triton']}, {result['dtype']}, {OP}. Command: "
            f"`{result['command']}`. Medians over {result['repeats']} repeats; host µs per call over "
@@ -134,7 +156,7 @@ def markdown(result: dict) -> str:
            "| B | H | T | D | mode | " + " | ".join(cols) + " |", "|" + "---|" * (5 + len(cols))]
     for r in result["rows"]:
         cells = [str(r[k]) for k in ("B", "H", "T", "D", "mode")]
-        cells += [f"{r[c]:.4g}" if isinstance(r.get(c), float) else "" for c in cols]
+        cells += [f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 

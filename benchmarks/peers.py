@@ -84,8 +84,11 @@ def load_flash_sparse() -> tuple[object | None, dict]:
     return flash_dense_attn_func, dict(status="ok", version=flash_sparse_attn.__version__, stubbed=stubbed)
 
 
-def window_sizes(window: int, period: int, n_kv_heads: int, device) -> torch.Tensor:
-    """int32 [n_kv_heads, 4] = [sink 0, far 1, gap π - k - 1, near k + 1]: π's causal union pattern."""
+def window_sizes(window: int, period: int, n_kv_heads: int, device, *, skip: bool = True) -> torch.Tensor:
+    """int32 [n_kv_heads, 4] = [sink 0, far 1, gap π - k - 1, near k + 1]: π's causal union pattern; without
+    the skip key (skip=False) [0, 0, 0, k + 1], a sliding window of k + 1 keys (π's "local")."""
+    if not skip:
+        return torch.tensor([[0, 0, 0, window + 1]] * n_kv_heads, dtype=torch.int32, device=device)
     if period <= window + 1:
         raise ValueError(f"flash-sparse-attn needs a gap before the far band: period {period} > window {window} + 1")
     row = [0, 1, period - window - 1, window + 1]
@@ -102,18 +105,19 @@ def emulated_mask(T: int, sizes: torch.Tensor) -> torch.Tensor:
 
 
 class FlashSparseOp:
-    """flash-sparse-attn as π's causal union variant: op(q, k, v, gate) -> [B, H, T, D], gate ignored.
+    """flash-sparse-attn as π's causal union variant (or, skip=False, as a sliding window of window + 1 keys):
+    op(q, k, v, gate) -> [B, H, T, D], gate ignored.
 
     Fixed 64×64 tiles, no autotuning: its autotuner compiles 54 configurations per kernel and shape, more than
     the run's budget. q, k, v may be any [B, H, T, D] tensors; `prepare` gives them [B, T, H, D] storage so the
     timed call copies nothing.
     """
 
-    def __init__(self, func, window: int, period: int):
-        self.func, self.window, self.period = func, window, period
+    def __init__(self, func, window: int, period: int, skip: bool = True):
+        self.func, self.window, self.period, self.skip = func, window, period, skip
 
     def __call__(self, q, k, v, gate=None):
-        sizes = window_sizes(self.window, self.period, k.shape[1], q.device)
+        sizes = window_sizes(self.window, self.period, k.shape[1], q.device, skip=self.skip)
         y = self.func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
                       window_sizes=sizes, is_autotune=False)
         return y.transpose(1, 2)

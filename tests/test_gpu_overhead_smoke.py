@@ -1,5 +1,5 @@
 """benchmarks/gpu_overhead.py end to end in its CPU smoke mode (Triton interpreter, one tiny shape): it runs
-through, writes its JSON and markdown, and restores the checks it switches off for measuring."""
+through and writes its JSON and markdown (on a CPU without compiled or graph rows: they need CUDA)."""
 
 from __future__ import annotations
 
@@ -23,21 +23,7 @@ def test_gpu_overhead_smoke(tmp_path):
     result = json.loads((tmp_path / "gpu_overhead.json").read_text())
     assert [r["mode"] for r in result["rows"]] == ["fwd", "fwd+bwd"]
     for row in result["rows"]:
-        for label in ("eager", "no_gate_check", "no_finite_check", "no_checks"):
+        for label in ("eager", "no_gate_check"):
             assert row[f"{label}_ms"] > 0 and row[f"{label}_host_us"] > 0
+        assert row["graph_capture"] == "needs CUDA"
     assert "| B | H | T | D | mode |" in (tmp_path / "gpu_overhead.md").read_text()
-
-
-def test_checks_off_restores_both_checks():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import gpu_overhead
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    from piattn.ops.pi import triton as triton_backend
-    from piattn.ops.pi import validate
-
-    before = validate.check_gate, triton_backend.all_finite
-    with gpu_overhead.checks_off(gate=True, finite=True):
-        assert validate.check_gate is not before[0] and triton_backend.all_finite is not before[1]
-    assert (validate.check_gate, triton_backend.all_finite) == before

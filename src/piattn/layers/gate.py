@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 
 import torch
 from torch import nn
@@ -87,6 +88,16 @@ def clip_gate(s: torch.Tensor, eps: float) -> torch.Tensor:
         return (s * (1 - 2 * eps) + eps).transpose(1, 2)
     floor, width = _clip(eps, s.dtype, s.device)
     return torch.addcmul(floor, s, width).transpose(1, 2)
+
+
+@functools.lru_cache(maxsize=64)
+def clip_stays_open(eps: float) -> bool:
+    """Whether ε + (1 − 2ε)·σ, in fp32 (the least `gate_sigmoid` computes in), stays inside (0, 1) for every σ
+    in [0, 1]: its ends are ε > 0 and fl(fl(ε) + fl(1 − 2ε)), which rounds to 1 for ε below about 3e-8."""
+    def f32(x: float) -> float:
+        return struct.unpack("f", struct.pack("f", x))[0]
+
+    return f32(eps) > 0.0 and f32(f32(eps) + f32(1 - 2 * eps)) < 1.0
 
 
 def gate_values(gate: nn.Sequential, x: torch.Tensor, eps: float) -> torch.Tensor:

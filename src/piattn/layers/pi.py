@@ -13,7 +13,7 @@ from ..analysis.cost import mean_keys
 from ..analysis.multiscale import periods_per_layer
 from ..analysis.reachability import step_mask
 from ..config import PI_DEFAULTS, ModelConfig, PiSettings
-from .gate import gate_hidden, gate_hooked, gate_mlp, gate_values, global_hooks
+from .gate import clip_stays_open, gate_hidden, gate_hooked, gate_mlp, gate_values, global_hooks
 from .windowed import WindowedAttention
 
 
@@ -82,6 +82,15 @@ class PiAttention(WindowedAttention):
         count = {p: mean_keys(step_mask(n, model.get("window"), p, causal, model.get("sinks") or 0))
                  for p in set(periods)}
         return sum(count[p] for p in periods) / len(periods)
+
+    def gate_in_range(self) -> bool:
+        """True for the layer's own gate: ε + (1 − 2ε)·σ(MLP(x)) in fp32 (`gate_values`) lies in [ε, 1 − ε],
+        inside (0, 1) for every ε the settings take (`clip_stays_open`). Not when hooks on the gate MLP (or on
+        every module) may change its output, nor when a subclass computes the gate or its observed value
+        differently: `pi_attention` then checks the values (a host sync on a GPU)."""
+        return (self.gate is not None and type(self).gate_values is PiAttention.gate_values
+                and type(self).observed_gate is WindowedAttention.observed_gate
+                and clip_stays_open(self.settings.eps) and not gate_hooked(self.gate))
 
     def gate_values(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [B, T, d] -> α̃ [B, H, T] in [ε, 1 − ε] (Eq. app_gate), or None for ungated variants."""

@@ -83,13 +83,14 @@ def sequence_parallel(group):
 
 
 def pi_operator(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, settings: PiSettings,
-                **call) -> torch.Tensor:
+                *, check_gate: bool = True, **call) -> torch.Tensor:
     """`pi_attention(q, k, v, gate, **call)` with the operator settings `settings` (a layer's `PiSettings`,
     handed over whole: its one conversion to `pi_attention`'s keywords is here), or, inside
     `sequence_parallel(group)`, the same operator on the sequence whose shard q, k, v [B, H, S, D] are
     (`sequence_parallel_pi_attention` over group). call: the keywords that are not settings (causal,
-    dropout_p, document_ids, backend, scale)."""
+    dropout_p, document_ids, backend, scale); check_gate: `pi_attention`'s (sequence-parallel calls check
+    the gate as `sequence_parallel_pi_attention` does)."""
     shard = active_shard()
     if shard is None:
-        return pi_attention(q, k, v, gate, **settings.as_kwargs(), **call)
+        return pi_attention(q, k, v, gate, **settings.as_kwargs(), check_gate=check_gate, **call)
     return sequence_parallel_pi_attention(q, k, v, gate, group=shard.group, **settings.as_kwargs(), **call)

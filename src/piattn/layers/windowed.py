@@ -179,7 +179,13 @@ class WindowedAttention(AttentionLayer):
         """q [B, H, T, D], k, v [B, H_kv, T, D], x [B, T, d] (the gate's input), document_ids [B, T] or None
         -> [B, H, T, D]."""
         return pi_operator(q, k, v, self.observed_gate(x), self.settings, causal=self.causal,
-                           dropout_p=self.attention_dropout, document_ids=document_ids, backend=self.backend)
+                           dropout_p=self.attention_dropout, document_ids=document_ids, backend=self.backend,
+                           check_gate=not self.gate_in_range())
+
+    def gate_in_range(self) -> bool:
+        """Whether `gate_values` gives values in (0, 1) by construction, so that the operator need not read
+        them (a host sync on a GPU): False here; `PiAttention` says True for its own clipped gate."""
+        return False
 
     def attend_recent(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The last t rows of `attend` (causal, eval) from the t new rows' q, x and all N rows' k, v: one call

@@ -43,6 +43,7 @@ def pi_attention(
     sinks: int = PI_DEFAULTS.sinks,
     document_ids: _torch.Tensor | None = None,
     backend: str = "auto",
+    check_gate: bool = True,
 ) -> _torch.Tensor:
     """π-Attention: each query attends to a local window plus the keys ±period away, under one softmax.
 
@@ -86,7 +87,13 @@ def pi_attention(
             "torch"; elsewhere "torch"; "reference" last. A backend that cannot run the call raises a
             ValueError saying why. A call with a NaN or ±inf in q, k or v reaches only the outputs (and
             gradients) that read it, on every backend: "flex", whose kernels would carry it further, hands
-            such a call to "torch", and "triton" computes such a call's gradients with "torch".
+            such a call to "torch"; "triton"'s kernels keep it local themselves, forward and backward.
+        check_gate: whether to check that the gate's values lie in (0, 1) (ValueError otherwise). Reading
+            them is a device-to-host sync on a GPU (and would stop a CUDA graph's capture): a caller that
+            vouches for its gate passes False. `PiAttention` does so for its own gate, ε + (1 − 2ε)·σ(·) in
+            fp32, which lies in (0, 1) by construction (not for a gate MLP with hooks, nor a subclass's
+            gate). The gate's shape, device and dtype are checked either way; under torch.compile and on
+            meta or fake tensors the values are never read.
 
     Returns:
         [B, H, T, D] in the dtype of q.
@@ -98,6 +105,7 @@ def pi_attention(
     check_arguments(
         q, k, v, gate, window=window, period=periods[0], causal=causal, variant=variant, prior=prior,
         logit_clamp=logit_clamp, eps=eps, scale=scale, dropout_p=dropout_p, sinks=sinks, document_ids=document_ids,
+        check_gate=check_gate,
     )
     # The one settings object of the call, handed down to the backend (`backends.BackendRun`): heads that all
     # share a period run as the one-period call exactly.

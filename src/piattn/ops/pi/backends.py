@@ -220,7 +220,7 @@ REGISTRY: dict[str, Backend] = {
             devices=("cuda", "cpu") if TRITON_INTERPRET else ("cuda",), max_head_dim=256, requires=("triton",),
             note="" if TRITON_INTERPRET else " (set TRITON_INTERPRET=1 before importing triton for its CPU "
                                              "interpreter)", features=ALL_FEATURES,
-            contains_nonfinite=True,  # the forward kernel itself; the backward falls back to "torch" then
+            contains_nonfinite=True,  # forward and backward kernels alike (`triton_kernels._contained_dot`)
             per_head_periods=True, operator="triton.run_triton_op",
         ),
         # Fused C kernels for the CPU (fused_cpu.c, compiled on first use): fp32 and fp64, and bf16 and fp16 read

@@ -31,7 +31,7 @@ from ...config.pi import GATED_VARIANTS, PI_DEFAULTS, check_pi_settings, period_
 from .decode_plan import DecodePlan, decode_plan, decode_settings  # noqa: F401 (public: the plan and its settings)
 from .decode_torch import TORCH_OPS_VARIANTS, gate_tail  # noqa: F401 (public: the torch step's variants, the gate)
 from .settings import OpSettings
-from .validate import check_gate, check_qkv_tensors, head_periods
+from .validate import check_qkv_tensors, head_periods, validate_gate
 
 
 def _check(q, k, v) -> None:
@@ -82,7 +82,7 @@ def pi_decode(
                       eps=eps, sinks=sinks)
     if scale is not None and not scale > 0:
         raise ValueError(f"scale must be > 0 or None (None means 1/sqrt(D)), got {scale!r}")
-    check_gate(q, gate, variant)
+    validate_gate(q, gate, variant)
     settings = OpSettings(window=window, period=period, causal=True, variant=variant, prior=prior,
                           logit_clamp=logit_clamp, eps=eps, scale=q.shape[3]**-0.5 if scale is None else scale,
                           dropout_p=0.0, sinks=sinks)

@@ -199,13 +199,15 @@ def _kernel_options(device: torch.device, block_size: int) -> dict | None:
 
 def run_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, settings: OpSettings,
              dropout_keep: torch.Tensor | None = None, document_ids: torch.Tensor | None = None, *,
-             block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
+             block_size: int = DEFAULT_BLOCK_SIZE, kernel_options: dict | None = None) -> torch.Tensor:
     """π-Attention through FlexAttention with sparse tiles of `block_size` rows and columns.
 
     q, k, v [B, H, T, D] (fp32, bf16 or fp16), gate [B, H, T] or None -> [B, H, T, D]: the contract,
     `backends.BackendRun` (one period), without dropout (dropout_keep must be None). On CUDA, a block_size
     below 128 also sets the kernel's own tiles to it; Triton's matrix products need at least 16, the smallest
-    block size to try. `pi_attention` checks the limits declared in `backends.py` before it calls here; a
+    block size to try. kernel_options: entries added to (and overriding) those FlexAttention's kernels get
+    (e.g. num_stages, num_warps, tile sizes: benchmarks/gpu_run.py's probe for a configuration that fits a
+    GPU's shared memory). `pi_attention` checks the limits declared in `backends.py` before it calls here; a
     direct caller must keep to them (on CPU: no gradients, the inputs are detached).
     """
     window, period, causal, sinks = settings.window, settings.period, settings.causal, settings.sinks
@@ -217,6 +219,8 @@ def run_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tens
         q, k, v = q.detach(), k.detach(), v.detach()
     T = q.shape[2]
     options = _kernel_options(q.device, block_size)
+    if kernel_options:
+        options = {**(options or {}), **kernel_options}
     pat = settings.pattern
 
     def run(part: str, priors: torch.Tensor | None = None) -> torch.Tensor:

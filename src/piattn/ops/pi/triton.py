@@ -27,11 +27,9 @@ import triton
 
 from ...caching import untainted
 from .backends import by_keywords, refuse_double_backward
-from .heads import period_groups
 from .operators import register_pair
 from .pattern import Pattern, document_bounds, log_priors
 from .settings import OpSettings
-from .torch import slot_plan, torch_backward, torch_forward
 from .triton_kernels import (
     MODE_ADAPTIVE,
     MODE_CONSTANT,
@@ -40,7 +38,6 @@ from .triton_kernels import (
     pi_bwd_dq_kernel,
     pi_fwd_kernel,
 )
-from .validate import all_finite
 
 
 def _tiles(D: int, halo: int, elem_size: int) -> tuple[int, int, int, int]:
@@ -183,21 +180,16 @@ def triton_backward(dy, q, k, v, gate, keep, stats, launch: Launch, *, want_dgat
 def triton_gradients(dy, q, k, v, gate, keep, document_ids, stats, launch: Launch, settings: OpSettings, *,
                      want_dgate: bool, bounds=(None, None)):
     """What both wrappers (`_PiAttentionTriton`, the operator `piattn::pi_triton_bwd`) run backward:
-    `triton_backward`, or for a call with a non-finite input or cotangent the "torch" backend's gradients
-    (document_ids [B, T] or None: for those).
-
-    The forward kernel keeps a bad value in the rows that read it, the backward kernels do not (their tiles
-    multiply masked slots by 0, and 0·NaN = NaN): such a call's gradients come from the "torch" backend,
-    which keeps it where it belongs. The check costs a host sync.
-    """
-    if not all_finite(q, k, v, gate, dy):
-        return _contained_gradients(dy, q, k, v, gate, keep, document_ids, settings, want_dgate)
+    `triton_backward`. A NaN or ±inf in an input or the cotangent stays in the gradient rows that read it,
+    as in the forward (`triton_kernels._contained_dot`): no check of the values, no host sync.
+    (document_ids and settings: the operator's signature; the kernels take the bounds and the launch.)"""
+    del document_ids, settings
     return triton_backward(dy, q, k, v, gate, keep, stats, launch, want_dgate=want_dgate, bounds=bounds)
 
 
 class _PiAttentionTriton(torch.autograd.Function):
-    """Autograd around the launchers: q, k, v, gate differentiable; keep, the document bounds, document_ids
-    (for the "torch" gradients of a non-finite call), launch and settings are not."""
+    """Autograd around the launchers: q, k, v, gate differentiable; keep, the document bounds, document_ids,
+    launch and settings are not."""
 
     @staticmethod
     def forward(ctx, q, k, v, gate, keep, start, end, document_ids, launch, settings):
@@ -214,38 +206,6 @@ class _PiAttentionTriton(torch.autograd.Function):
         dq, dk, dv, dgate = triton_gradients(dy, q, k, v, gate, keep, document_ids, stats, ctx.launch, ctx.settings,
                                              want_dgate=want_dgate, bounds=(start, end))
         return dq, dk, dv, dgate, None, None, None, None, None, None
-
-
-def _contained_gradients(dy, q, k, v, gate, keep, document_ids, settings: OpSettings, want_dgate: bool):
-    """(dq, dk, dv, dgate or None) of the call, computed by the "torch" backend's plain functions; keep: the
-    dropout mask as uint8, or None. Per-head periods (settings.period a tuple): once per period group
-    (`heads.period_groups`, as `pi_attention` runs a backend without per-head periods) on its heads, each
-    head's mask in its first slots; the gradients of a key/value head that several groups read are summed."""
-    keep = None if keep is None else keep.view(torch.bool)
-    if isinstance(settings.period, int):
-        return _torch_gradients(dy, q, k, v, gate, keep, document_ids, settings, want_dgate)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    dgate = torch.zeros_like(gate) if want_dgate else None
-    for period, heads, kv_heads in period_groups(settings.period, k.shape[1]):
-        one = settings._replace(period=period)
-        h, kv = (torch.tensor(i, device=q.device) for i in (heads, kv_heads))
-        keep_h = None if keep is None else keep[:, h, :, :one.pattern.n_slots].contiguous()
-        grads = _torch_gradients(dy[:, h], q[:, h], k[:, kv], v[:, kv], None if gate is None else gate[:, h], keep_h,
-                                 document_ids, one, want_dgate)
-        dq[:, h] = grads[0]
-        dk.index_add_(1, kv, grads[1])
-        dv.index_add_(1, kv, grads[2])
-        if want_dgate:
-            dgate[:, h] = grads[3]
-    return dq, dk, dv, dgate
-
-
-def _torch_gradients(dy, q, k, v, gate, keep, document_ids, settings: OpSettings, want_dgate: bool):
-    """`_contained_gradients` of one period; keep: the bool dropout mask or None."""
-    slots = slot_plan(q, k, document_ids, settings)
-    with torch.no_grad():
-        _, saved = torch_forward(q, k, v, gate, keep, slots, settings)
-        return torch_backward(dy, q, k, v, gate, keep, slots, saved, settings, want_dgate=want_dgate)
 
 
 def _kernel_inputs(q, k, v, gate):

@@ -90,6 +90,23 @@ def _dot(a, b, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _contained_dot(acc, a, b, reads, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ b [M, D], where the rows of b [K, D] (keys, values, queries or cotangents of a chunk) may hold
+    NaN or ±inf: a weight of 0 in a (a slot not read) would carry such a value to every output row (0·NaN =
+    NaN). Where b holds any, its bad entries are left out of the product and the outputs that read them
+    (reads [M, K] bool: row m reads row k) made NaN, column by column; what the "reference" gives. The check
+    is one reduction of the chunk; the masked product runs only for a chunk that holds a bad value."""
+    bad = ~(tl.abs(b.to(tl.float32)) < float("inf"))  # [K, D] NaN or ±inf
+    if tl.max(tl.max(bad.to(tl.int32), 1), 0) > 0:
+        acc += _dot(a, tl.where(bad, 0.0, b).to(b.dtype), DOT_PREC, UPCAST)
+        hit = _dot(reads.to(b.dtype), bad.to(b.dtype), DOT_PREC, UPCAST)  # [M, D]: bad values read
+        acc = tl.where(hit > 0, float("nan"), acc)
+    else:
+        acc += _dot(a, b, DOT_PREC, UPCAST)
+    return acc
+
+
+@triton.jit
 def _row_dot(x, y):
     """Row-wise dot products of two [R, D] blocks, in fp32 -> [R]."""
     return tl.sum(x.to(tl.float32) * y.to(tl.float32), 1)
@@ -202,16 +219,8 @@ def pi_fwd_kernel(
         l_loc = l_loc * alpha + tl.sum(p, 1)
         if HAS_DROPOUT:
             p = p * _keep_factor(KEEP, n, T, rows[:, None], rel + window, band, keep_scale, N_SLOTS)
-        acc = acc * alpha[:, None]
-        bad = ~(tl.abs(v.to(tl.float32)) < float("inf"))  # [BK, D] NaN or ±inf
-        if tl.max(tl.max(bad.to(tl.int32), 1), 0) > 0:
-            # In P·V a non-finite value would reach every query of the tile through its weight 0
-            # (0·NaN = NaN): leave it out of the product and mark the outputs of the queries that read it.
-            acc += _dot(p.to(v.dtype), tl.where(bad, 0.0, v).to(v.dtype), DOT_PREC, UPCAST)
-            hit = _dot(band.to(v.dtype), bad.to(v.dtype), DOT_PREC, UPCAST)  # [BT, D]: bad values read
-            acc = tl.where(hit > 0, float("nan"), acc)
-        else:
-            acc += _dot(p.to(v.dtype), v, DOT_PREC, UPCAST)
+        # In P·V a non-finite value would reach every query of the tile through its weight 0 (0·NaN = NaN).
+        acc = _contained_dot(acc * alpha[:, None], p.to(v.dtype), v, band, DOT_PREC, UPCAST)
         m_loc = m_new
 
     # Sink slots join the local group (local prior, local branch of "separate"): one gathered key and
@@ -297,7 +306,9 @@ def _dq_band_terms(
     dw = _dot(dy, tl.trans(v), DOT_PREC, UPCAST)
     if HAS_DROPOUT:
         dw = dw * _keep_factor(KEEP, n, T, rows[:, None], rel + window, band, keep_scale, N_SLOTS)
-    return z, w, dw, k
+    # Off the band a bad value's column of dW would reach other queries' Δ through a weight of 0.
+    dw = tl.where(band, dw, 0.0)
+    return z, w, dw, k, band
 
 
 @triton.jit
@@ -367,9 +378,9 @@ def pi_bwd_dq_kernel(
 
     sig_loc = tl.zeros([BLOCK_T], tl.float32)
     for c in range(0, n_chunks):
-        z, w, dw, k = _dq_band_terms(q, dy, K, V, KEEP, n, kbase, T, lo, hi, c, rows, lo_q, hi_q, offs_d, c_loc,
-                                     window, right, scale, clamp, keep_scale, N_SLOTS, HAS_CLAMP,
-                                     HAS_DROPOUT, HAS_DOCS, D, BLOCK_K, DOT_PREC, UPCAST)
+        z, w, dw, k, band = _dq_band_terms(q, dy, K, V, KEEP, n, kbase, T, lo, hi, c, rows, lo_q, hi_q, offs_d,
+                                           c_loc, window, right, scale, clamp, keep_scale, N_SLOTS, HAS_CLAMP,
+                                           HAS_DROPOUT, HAS_DOCS, D, BLOCK_K, DOT_PREC, UPCAST)
         sig_loc += tl.sum(w * dw, 1)
     for s in range(0, SINKS):
         key, ok = _sink_slot(s, rows, lo_q, hi_q, window, right, period, CAUSAL, N_SKIP)
@@ -391,19 +402,19 @@ def pi_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_T, D], tl.float32)
     g_loc = tl.zeros([BLOCK_T], tl.float32)  # Σ_local dlogit, for dα
     for c in range(0, n_chunks):
-        z, w, dw, k = _dq_band_terms(q, dy, K, V, KEEP, n, kbase, T, lo, hi, c, rows, lo_q, hi_q, offs_d, c_loc,
-                                     window, right, scale, clamp, keep_scale, N_SLOTS, HAS_CLAMP,
-                                     HAS_DROPOUT, HAS_DOCS, D, BLOCK_K, DOT_PREC, UPCAST)
+        z, w, dw, k, band = _dq_band_terms(q, dy, K, V, KEEP, n, kbase, T, lo, hi, c, rows, lo_q, hi_q, offs_d,
+                                           c_loc, window, right, scale, clamp, keep_scale, N_SLOTS, HAS_CLAMP,
+                                           HAS_DROPOUT, HAS_DOCS, D, BLOCK_K, DOT_PREC, UPCAST)
         ds = w * (dw - delta_loc[:, None])  # [BT, BK]
         g_loc += tl.sum(ds, 1)
         if HAS_CLAMP:
             ds = tl.where(tl.abs(z) <= clamp, ds, 0.0)  # torch.clamp passes the gradient inside [-L, L]
-        dq += _dot(ds.to(k.dtype), k, DOT_PREC, UPCAST)
+        dq = _contained_dot(dq, ds.to(k.dtype), k, band, DOT_PREC, UPCAST)
     for s in range(0, SINKS):
         key, ok = _sink_slot(s, rows, lo_q, hi_q, window, right, period, CAUSAL, N_SKIP)
         z, w, dw, kf = _dq_row_terms(q, dy, K, V, KEEP, n, kbase, T, rows, key, ok, offs_d, n_local + n_skip + s,
                                      c_loc, scale, clamp, keep_scale, N_SLOTS, HAS_CLAMP, HAS_DROPOUT, D)
-        ds = w * (dw - delta_loc)
+        ds = tl.where(ok, w * (dw - delta_loc), 0.0)  # a slot not read stores 0, even in a row whose Δ is NaN
         g_loc += ds
         if HAS_CLAMP:
             ds = tl.where(tl.abs(z) <= clamp, ds, 0.0)
@@ -520,16 +531,18 @@ def pi_bwd_dkdv_kernel(
             z = _dot(k, tl.trans(q), DOT_PREC, UPCAST) * scale  # [BT, BK]
             w = tl.where(band, tl.exp(_clamp(z, clamp, HAS_CLAMP) - c_loc[None, :]), 0.0)
             dw = _dot(v, tl.trans(dy), DOT_PREC, UPCAST)  # [BT, BK]
+            wd = w
             if HAS_DROPOUT:
                 kf = _keep_factor(KEEP, n, T, qrows[None, :], rel + window, band, keep_scale, N_SLOTS)
-                dv += _dot((w * kf).to(dy.dtype), dy, DOT_PREC, UPCAST)
+                wd = w * kf
                 dw = dw * kf
-            else:
-                dv += _dot(w.to(dy.dtype), dy, DOT_PREC, UPCAST)
-            ds = w * (dw - delta[None, :])
+            # A bad query's row of Q or dY, or its Δ, must reach only the keys in its band: products over
+            # the chunk's queries leave bad values out (`_contained_dot`), dlogits are 0 off the band.
+            dv = _contained_dot(dv, wd.to(dy.dtype), dy, band, DOT_PREC, UPCAST)
+            ds = tl.where(band, w * (dw - delta[None, :]), 0.0)
             if HAS_CLAMP:
                 ds = tl.where(tl.abs(z) <= clamp, ds, 0.0)
-            dk += _dot(ds.to(q.dtype), q, DOT_PREC, UPCAST)
+            dk = _contained_dot(dk, ds.to(q.dtype), q, band, DOT_PREC, UPCAST)
         # Skip slots after the band, so that their rows are not live during it.
         if N_SKIP >= 1:  # slot n_local of query j + period
             wd0, ds0, ok0 = _dkdv_skip_terms(k, v, Q, DY, KEEP, C_SKIP, DELTA_SKIP, n, qbase, T, keys, lo_k, hi_k,
@@ -555,8 +568,9 @@ def pi_bwd_dkdv_kernel(
                 wk = tl.load(SINK_WK + n * T * SINKS + at, mask=read, other=0.0)
                 q = _load_rows(Q, qbase, qrows, q_ok, offs_d, D)  # [BK, D]
                 dy = _load_rows(DY, qbase, qrows, q_ok, offs_d, D)
-                dk += _dot(ds.to(q.dtype), q, DOT_PREC, UPCAST)
-                dv += _dot(wk.to(dy.dtype), dy, DOT_PREC, UPCAST)
+                # Bad values of queries that do not read a sink key stay out (a slot not read stored 0).
+                dk = _contained_dot(dk, ds.to(q.dtype), q, ds != 0.0, DOT_PREC, UPCAST)
+                dv = _contained_dot(dv, wk.to(dy.dtype), dy, wk != 0.0, DOT_PREC, UPCAST)
 
     out = kvbase + keys[:, None] * D + offs_d[None, :]
     tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=key_ok[:, None])

@@ -33,7 +33,7 @@ def check_qkv_tensors(q, k, v, layout: str = "[B, H, T, D]") -> None:
 
 def check_arguments(
     q, k, v, gate, *, window, period, causal, variant, prior, logit_clamp, eps, scale, dropout_p, sinks=0,
-    document_ids=None,
+    document_ids=None, check_gate=True,
 ) -> None:
     check_qkv_tensors(q, k, v)
     check_kv_heads(q, k, v)
@@ -47,7 +47,7 @@ def check_arguments(
         raise ValueError(f"scale must be > 0 or None (None means 1/sqrt(D)), got {scale!r}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p!r}")
-    check_gate(q, gate, variant)
+    validate_gate(q, gate, variant, values=check_gate)
     check_document_ids(document_ids, q)
 
 
@@ -111,7 +111,10 @@ def check_document_ids(document_ids, q: torch.Tensor) -> None:
         raise ValueError(f"document_ids must be on the device of q ({q.device}), got {document_ids.device}")
 
 
-def check_gate(q: torch.Tensor, gate, variant: str) -> None:
+def validate_gate(q: torch.Tensor, gate, variant: str, *, values: bool = True) -> None:
+    """The gate's presence, type, shape, device and dtype; and, where `values`, that its values lie in (0, 1):
+    a device-to-host sync on a GPU, which a caller vouching for its gate skips with values=False (a layer's
+    own gate, clipped into [ε, 1 − ε] by construction: `pi_attention(check_gate=False)`)."""
     from torch._subclasses.fake_tensor import is_fake  # here: this module's imports stay torch's public API
 
     if variant not in GATED_VARIANTS:
@@ -130,7 +133,7 @@ def check_gate(q: torch.Tensor, gate, variant: str) -> None:
         raise ValueError(f"gate must be on the device of q ({q.device}), got {gate.device}")
     if not gate.is_floating_point():
         raise ValueError(f"gate must be a floating-point tensor, got {gate.dtype}")
-    if torch.compiler.is_compiling() or gate.device.type == "meta" or is_fake(gate):
+    if not values or torch.compiler.is_compiling() or gate.device.type == "meta" or is_fake(gate):
         # No values to read: under torch.compile a data-dependent check would break the graph, and meta and
         # fake tensors (shape inference) hold none. Eager calls check them.
         return
