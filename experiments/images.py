@@ -7,6 +7,7 @@ these runs).
     python experiments/images.py --only pi-w1 local-4 --limit 2
     python experiments/images.py --report           # the tables, verdicts and figure of the finished runs only
     python experiments/images.py --completions      # the completion grid of each arm's seed-0 run
+    python experiments/images.py --cost             # clause 5: step times side by side, one process
 
 Each run is `piattn train --task pixels` then `piattn eval` on the test split (experiments/runs.py), one
 intra-op thread each; `--jobs` runs that many at once. Resumable: OUT/runs.json holds every finished run and is
@@ -49,6 +50,59 @@ BEATS = 0.05
 AT_LEAST_AS_GOOD = 0.01
 CLOSE = 0.05
 CEILING = 0.01
+
+
+def arm_config(arm: str):
+    """The GPTConfig of `arm` in the main setting (its flags read as config fields; period words resolve
+    from the image width)."""
+    from piattn.models import GPTConfig
+
+    flags = ARMS[arm]
+    fields = {flag[2:].replace("-", "_"): value for flag, value in zip(flags[::2], flags[1::2], strict=True)}
+    for name in ("window", "radius"):
+        if name in fields:
+            fields[name] = int(fields[name])
+    s = SETTING
+    return GPTConfig.from_name("tiny", **fields, image_width=WIDTH, n_layer=s["n_layer"], d_model=s["d_model"],
+                               n_head=s["n_head"], d_ff=s["d_ff"], dropout=s["dropout"], vocab_size=257,
+                               block_size=WIDTH * WIDTH)
+
+
+def step_costs(rounds: int = 15) -> dict:
+    """Clause 5: one training step (forward, backward, AdamW) of every arm on one batch of the main setting's
+    shape (random pixels), one thread, in one process, the arms in a rotated order each round; per arm the
+    median ms and the median of its per-round ratio to local-4."""
+    import time
+
+    import torch
+
+    from piattn.models import GPT
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    models = {arm: GPT(arm_config(arm)) for arm in ARMS}
+    optimizers = {arm: torch.optim.AdamW(m.parameters(), SETTING["lr"]) for arm, m in models.items()}
+    batch = torch.randint(0, 256, (SETTING["batch_size"], WIDTH * WIDTH + 1))
+
+    def step(arm: str) -> float:
+        start = time.perf_counter()
+        logits = models[arm](batch[:, :-1])
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).backward()
+        optimizers[arm].step()
+        optimizers[arm].zero_grad(set_to_none=True)
+        return (time.perf_counter() - start) * 1e3
+
+    arms = list(ARMS)
+    for arm in arms:  # warm-up
+        step(arm)
+    times: dict[str, list[float]] = {arm: [] for arm in arms}
+    for r in tqdm(range(rounds), desc="step costs", unit="round"):
+        for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
+            times[arm].append(step(arm))
+    ratios = {arm: statistics.median(t / b for t, b in zip(times[arm], times["local-4"], strict=True))
+              for arm in arms}
+    return dict(rounds=rounds, ms={arm: statistics.median(t) for arm, t in times.items()}, x_local4=ratios,
+                load=__import__("os").getloadavg()[0])
 
 
 def run_dir(out: Path, arm: str, seed: int) -> Path:
@@ -161,7 +215,11 @@ def markdown(summary: dict, verdict_lines: list[tuple[str, str]], cost: dict | N
     lines += ["", "## Verdicts (the rule's clauses)", ""]
     lines += [f"- **{clause}**: {verdict}" for clause, verdict in verdict_lines]
     if cost:
-        lines += ["", f"- **5. cost**: {cost['verdict']} ({cost['source']})"]
+        ratio = cost["x_local4"]["pi-w1"]
+        lines += [f"- **5. pi's step ≤ 1.1× local-4's**: {'supported' if ratio <= 1.1 else 'not supported'}: "
+                  f"pi-w1 {ratio:.2f}× local-4 (median of {cost['rounds']} interleaved rounds, one thread, one "
+                  f"process; load average {cost['load']:.1f})", "", "| arm | step ms | × local-4 |", "|---|---:|---:|"]
+        lines += [f"| {arm} | {cost['ms'][arm]:.0f} | {cost['x_local4'][arm]:.2f} |" for arm in ARMS]
     return "\n".join(lines) + "\n"
 
 
@@ -193,8 +251,10 @@ def plot(runs: dict[str, dict], summary: dict, path: Path) -> None:
     save_figure(fig, path)
 
 
-def report(out: Path, cost: dict | None = None) -> None:
+def report(out: Path) -> None:
     runs = load_runs(out)
+    cost_path = out / "cost.json"
+    cost = json.loads(cost_path.read_text()) if cost_path.exists() else None
     if not runs:
         print("no finished runs yet", file=sys.stderr)
         return
@@ -208,11 +268,23 @@ def report(out: Path, cost: dict | None = None) -> None:
 
 
 def completions(out: Path) -> None:
-    """The completion grid: each arm's seed-0 checkpoint completes the bottom half of 8 test digits (argmax)."""
-    checkpoints = [str(run_dir(out, arm, 0)) for arm in ARMS if (run_dir(out, arm, 0) / "checkpoints").is_dir()]
+    """The completion grids: each arm's seed-0 checkpoint completes the bottom half of 8 test digits (sampled,
+    and argmax).
+    Arms whose kind has no incremental decoding (the 2D neighbourhood, strided) are left out, said on stderr."""
+    from piattn.layers import kinds_with
+
+    decoding = set(kinds_with("decoding"))
+    left_out = [arm for arm in ARMS if arm_config(arm).attention not in decoding]
+    if left_out:
+        print(f"completions: {', '.join(left_out)} left out (no incremental decoding)", file=sys.stderr)
+    checkpoints = [str(run_dir(out, arm, 0)) for arm in ARMS
+                   if arm not in left_out and (run_dir(out, arm, 0) / "checkpoints").is_dir()]
     flags = [flag for c in checkpoints for flag in ("--checkpoint", c)]
-    subprocess.run([sys.executable, "-m", "piattn.cli", "generate", *flags, "--images", "8", "--temperature", "0",
-                    "--output", str(out / "completions.png")], check=True)
+    # sampled (temperature 1, one seed for every model) and argmax, which collapses to runs of one value
+    for name, sampling in (("completions_sampled.png", ["--temperature", "1", "--seed", "0"]),
+                           ("completions.png", ["--temperature", "0"])):
+        subprocess.run([sys.executable, "-m", "piattn.cli", "generate", *flags, "--images", "8", *sampling,
+                        "--output", str(out / name)], check=True)
 
 
 def main() -> int:
@@ -224,6 +296,7 @@ def main() -> int:
     parser.add_argument("--plan", action="store_true", help="list the runs, done or not, and stop")
     parser.add_argument("--report", action="store_true", help="tables, verdicts and figure of the finished runs")
     parser.add_argument("--completions", action="store_true", help="the completion grid of the seed-0 runs")
+    parser.add_argument("--cost", action="store_true", help="clause 5: step times side by side (OUT/cost.json)")
     args = parser.parse_args()
     runs = load_runs(args.out)
     todo = [(a, s) for a, s in planned(args.only) if f"{a}/seed{s}" not in runs]
@@ -233,6 +306,10 @@ def main() -> int:
         return 0
     if args.completions:
         completions(args.out)
+        return 0
+    if args.cost:
+        write_json(args.out / "cost.json", step_costs())
+        report(args.out)
         return 0
     if not args.report:
         todo = todo[: args.limit] if args.limit is not None else todo
