@@ -43,10 +43,10 @@ def test_given_periods_rows_match_a_walk(spec):
     (["--design"], "--target must be in 1"),
     (["--design", "--target", "0"], "--target must be in 1"),
     (["--design", "--target", "10", "--heads", "0"], "--heads must be >= 1"),
-    (["--periods", "5,x", "--target", "10"], "--periods must be integers"),
+    (["--periods", "5,x", "--target", "10"], "--periods must be an int >= 1, per-head ints"),
     (["--periods", "5,6/7", "--target", "10", "--layers", "2"], "--periods 5,6/7 with --layers 2"),
     (["--periods", "4/5/6", "--target", "10", "--layers", "2"], "--periods 4/5/6 with --layers 2"),
-    (["--periods", "-3", "--target", "10"], "period must be an int >= 1"),
+    (["--periods", "-3", "--target", "10"], "--periods must be an int >= 1"),
 ])
 def test_bad_input_is_one_line(argv, message, capsys, tmp_path):
     assert main(["reach", *argv, "--out", f"{tmp_path}/"]) == 2

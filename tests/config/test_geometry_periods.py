@@ -75,3 +75,19 @@ def test_vision_tower_counts_patches_per_row():
     assert cfg.image_width == 8 and cfg.period == 16
     assert cfg.text_config().image_width is None
     assert VisionLanguageConfig(n_layer=1, n_head=4, d_model=32).period == 8  # the default stays the grid
+
+
+@pytest.mark.parametrize("text", ["5,x", "0", "8,16/0,3", "a/b", "4,,8"])
+def test_train_and_reach_read_period_numbers_alike(text):
+    """One syntax, one message: what `piattn train --period` and `piattn reach --periods` parse their values with
+    refuse the same texts in the same words (guarded by behaviour, not by the parsers' names)."""
+    from piattn.commands.reach import parse_periods
+
+    messages = []
+    for parse in (parse_period, lambda t: parse_periods(t, 2, 4)):
+        with pytest.raises(ValueError) as refused:
+            parse(text)
+        messages.append(str(refused.value))
+    syntax = "an int >= 1, per-head ints '8,16,32,64' or per-layer '5,6,7,8/9,14,19,24'"
+    assert messages[0].startswith(f"--period must be {syntax}") and messages[0].endswith(f"got {text!r}")
+    assert messages[1] == f"--periods must be {syntax}, got {text!r}"

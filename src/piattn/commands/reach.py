@@ -27,7 +27,7 @@ from ..analysis.multiscale import ReachBudgetError, periods_per_layer
 from ..analysis.multiscale_report import compare_schedules, format_schedules, plot_schedules
 from ..analysis.report import format_summary, plot_receptive_field, reach_summary
 from ..config import PI_DEFAULTS
-from ..config.training import period_text
+from ..config.training import period_numbers, period_text
 from .paths import output_file
 from .reach_image import DEFAULT_LAYERS, IMAGE_NAME, run_image
 
@@ -138,17 +138,10 @@ def figure_path(out: str | None, name: str = FIGURE_NAME) -> Path:
 
 
 def parse_periods(spec: str, n_layer: int, n_head: int):
-    """--periods SPEC -> a Schedule of n_layer layers: one int (every head of every layer), H ints (every
-    layer; H replaces --heads) or n_layer '/'-separated groups of H ints. ValueError naming --periods."""
-    try:
-        groups = [[int(p) for p in group.split(",")] for group in spec.split("/")]
-    except ValueError:
-        raise ValueError(f"--periods must be integers separated by ',' (heads) and '/' (layers), "
-                         f"got {spec!r}") from None
-    if len(groups) == 1:
-        value, heads = (groups[0][0], n_head) if len(groups[0]) == 1 else (groups[0], len(groups[0]))
-    else:
-        value, heads = groups, len(groups[0])
+    """--periods SPEC -> a Schedule of n_layer layers: `period_numbers`' syntax, one int (every head of every
+    layer), H ints (every layer; H replaces --heads) or n_layer '/'-separated groups of H ints."""
+    value = period_numbers(spec, "--periods")
+    heads = n_head if isinstance(value, int) else len(value if isinstance(value[0], int) else value[0])
     try:
         return periods_per_layer(value, n_layer, heads)
     except ValueError as e:

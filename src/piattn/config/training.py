@@ -79,25 +79,38 @@ class ModelFlags:
         return given
 
 
+# The one message for the numeric syntax of periods, whichever flag reads it.
+PERIOD_NUMBERS = "an int >= 1, per-head ints '8,16,32,64' or per-layer '5,6,7,8/9,14,19,24'"
+
+
+def period_numbers(text: str, flag: str = "--period") -> int | list[int] | list[list[int]]:
+    """The numeric syntax of periods, its one home: "16" -> 16, "8,16,32,64" -> one per head, "5,6/9,14" -> per
+    layer ('/' between layers). One-line ValueError naming `flag` and the syntax (`PERIOD_NUMBERS`) otherwise."""
+    try:
+        layers = [[int(p) for p in layer.split(",")] for layer in text.strip().split("/")]
+    except ValueError:
+        layers = None
+    if layers is None or any(p < 1 for layer in layers for p in layer):
+        raise ValueError(f"{flag} must be {PERIOD_NUMBERS}, got {text!r}")
+    if len(layers) > 1:
+        return layers
+    return layers[0][0] if len(layers[0]) == 1 else layers[0]
+
+
 def parse_period(text: str) -> int | list | str:
-    """--period's text -> a `ModelConfig.period`: "16" -> 16, "8,16,32,64" -> one period per head,
-    "5,6,7,8/9,14,19,24" -> per layer ('/' between layers), a schedule name ("cover", "geometric:8") as is
-    (`ModelConfig` resolves it, and checks the counts against the model), a word of the image width ("width",
-    "2width", "width-1", "neighbourhood": `geometry_periods`) as is. One-line ValueError otherwise."""
+    """--period's text -> a `ModelConfig.period`: the numeric syntax (`period_numbers`), a schedule name
+    ("cover", "geometric:8") as is (`ModelConfig` resolves it, and checks the counts against the model), or a
+    word of the image width ("width", "2width", "width-1", "neighbourhood": `geometry_periods`) as is.
+    One-line ValueError otherwise."""
     text = text.strip()
     if text.split(":")[0] in PERIOD_SCHEDULES or is_geometry_period(text):
         return text
     try:
-        layers = [[int(p) for p in layer.split(",")] for layer in text.split("/")]
+        return period_numbers(text)
     except ValueError:
-        layers = None
-    if layers is None or any(p < 1 for layer in layers for p in layer):
-        raise ValueError(f"--period must be an int >= 1, per-head ints '8,16,32,64', per-layer '5,6,7,8/9,14,19,24' "
-                         f"or a schedule ({', '.join(PERIOD_SCHEDULES)}, optionally ':N'), or for images width, "
-                         f"2width, width-1, width+1, neighbourhood; got {text!r}")
-    if "/" in text:
-        return layers
-    return layers[0][0] if len(layers[0]) == 1 else layers[0]
+        raise ValueError(f"--period must be {PERIOD_NUMBERS}, a schedule ({', '.join(PERIOD_SCHEDULES)}, "
+                         f"optionally ':N'), or for images width, 2width, width-1, width+1, neighbourhood; "
+                         f"got {text!r}") from None
 
 
 def period_text(periods) -> str:
