@@ -284,3 +284,19 @@ class Cache:
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def nbytes_by_layer(self) -> list[int]:
+        """Bytes each layer's cache holds now (a ring stays constant, a growing cache grows with the text):
+        what a hybrid stack's windowed and dense layers each cost; they sum to `nbytes`."""
+        return [layer.nbytes for layer in self.layers]
+
+    def describe(self) -> str:
+        """One line per layer: its cache's kind, positions held and bytes, then the total."""
+        lines = []
+        for i, layer in enumerate(self.layers):
+            held = (f"ring of {layer.capacity} + {layer.sinks} sinks" if isinstance(layer, RingCache)
+                    else f"growing, {layer.seen} positions")
+            lines.append(f"layer {i}: {held}, {layer.nbytes:,} bytes")
+        lines.append(f"total: {self.nbytes:,} bytes at position {self.position}")
+        return "\n".join(lines)

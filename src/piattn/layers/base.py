@@ -132,15 +132,17 @@ class AttentionLayer(nn.Module):
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, *, causal: bool, layer: int = 0) -> AttentionLayer:
-        """The attention of block `layer` of a model of config `cfg`: RoPE on, dropout and sizes from it."""
+        """The attention of block `layer` of a model of config `cfg`: RoPE on (off on the dense layers of a
+        `nope_global` config: `ModelConfig.rotary_at`), dropout and sizes from it."""
         heads = {}
         if cfg.kv_heads != cfg.n_head:
             if not cls.grouped_query:
-                raise ValueError(f"n_kv_head must equal n_head ({cfg.n_head}) for attention {cfg.attention!r}, "
+                name = next((n for n, kind in ATTENTION.items() if kind is cls), cls.__name__)
+                raise ValueError(f"n_kv_head must equal n_head ({cfg.n_head}) for attention {name!r}, "
                                  f"got {cfg.kv_heads}; kinds with grouped-query attention: "
                                  f"{kinds_listed('grouped_query')}")
             heads["n_kv_heads"] = cfg.kv_heads
-        return cls(cfg.d_model, cfg.n_head, causal=causal, dropout=cfg.dropout, rotary=True,
+        return cls(cfg.d_model, cfg.n_head, causal=causal, dropout=cfg.dropout, rotary=cfg.rotary_at(layer),
                    rope_base=cfg.rope_base, **heads, **cls.config_kwargs(cfg, layer))
 
     @property
