@@ -90,8 +90,8 @@ def test_a_dense_layer_makes_every_lag_reachable():
 
 
 @pytest.mark.parametrize("pattern, nope", [("pi,pi,dense", False), ("local,dense", True)])
-@pytest.mark.parametrize("prompt", [1, 5])
-def test_hybrid_decoding_is_exact_at_every_position(pattern, nope, prompt):
+@pytest.mark.parametrize("prompt, max_positions", [(1, None), (5, None), (3, 24)])
+def test_hybrid_decoding_is_exact_at_every_position(pattern, nope, prompt, max_positions):
     torch.manual_seed(1)
     n_layer = len(pattern.split(","))
     cfg = GPTConfig(n_layer=n_layer, layers=pattern, nope_global=nope, **{**SMALL, "sinks": 0})
@@ -99,7 +99,7 @@ def test_hybrid_decoding_is_exact_at_every_position(pattern, nope, prompt):
     idx = torch.randint(0, cfg.vocab_size, (2, 24))
     with torch.no_grad():
         full = model(idx)
-        cache = model.init_cache(2)
+        cache = model.init_cache(2, max_positions=max_positions)
         kinds = [type(layer) for layer in cache.layers]
         assert kinds == [GrowingCache if k == "dense" else RingCache for k in cfg.layer_kinds()]
         steps = [model(idx[:, :prompt], cache)]
@@ -111,4 +111,20 @@ def test_hybrid_decoding_is_exact_at_every_position(pattern, nope, prompt):
     grown = [s for s, k in zip(sizes, cfg.layer_kinds(), strict=True) if k == "dense"]
     assert grown[0] == 2 * 2 * cfg.kv_heads * 24 * cfg.head_dim * 4  # k and v of all 24 positions, fp32
     assert all(s < grown[0] for s in ring)  # the rings hold a few positions
-    assert "layer 0: ring" in cache.describe() and "growing, 24 positions" in cache.describe()
+    held = "growing, 24 positions" if max_positions is None else "dense, 24 of 24 positions"
+    assert "layer 0: ring" in cache.describe() and held in cache.describe()
+    if max_positions is not None:  # allocated once: one position more is refused, not grown into
+        with pytest.raises(ValueError, match="at most 24 positions"):
+            model(idx[:, :1], cache)
+
+
+def test_a_dense_cache_given_max_positions_is_allocated_once():
+    cache = GrowingCache(1, 2, 4, max_positions=3)
+    assert cache.nbytes == 2 * 2 * 3 * 4 * 4  # the whole buffer, from the start
+    k = torch.randn(1, 2, 2, 4)
+    cache.append(k, -k)
+    torch.testing.assert_close(cache.recent()[0], k)
+    torch.testing.assert_close(cache.recent()[1], -k)
+    with pytest.raises(ValueError, match="at most 3 positions"):
+        cache.append(k, k)
+    assert cache.seen == 2

@@ -34,7 +34,7 @@ def test_train_eval_resume_generate_with_a_hybrid_stack(tmp_path, capsys):
     assert main(["generate", "--checkpoint", str(run), "--prompt", "ab", "--max-new-tokens", "4", "--seed", "0",
                  "--device", "cpu", "--stats"]) == 0
     err = capsys.readouterr().err
-    assert "layer 0: ring of" in err and "layer 1: growing, 5 positions" in err and "total:" in err
+    assert "layer 0: ring of" in err and "layer 1: dense, 5 of 6 positions" in err and "total:" in err
 
 
 def test_global_every_is_a_layer_pattern(tmp_path, capsys):

@@ -177,12 +177,13 @@ class AttentionLayer(nn.Module):
     def init_cache(self, batch_size: int, *, max_positions: int | None = None, device=None,
                    dtype=torch.float32) -> LayerCache:
         """An empty cache for this layer (H_kv heads): a ring of `cache_capacity()` positions (plus
-        `cache_sinks()` fixed ones), or a growing one. max_positions: the most positions it will be given
-        (prompt + generated tokens), which caps the ring: a period of 10^9 then costs what the text
-        needs, not a ring of 10^9 positions."""
+        `cache_sinks()` fixed ones), or a growing one (allocated once at max_positions when given).
+        max_positions: the most positions it will be given (prompt + generated tokens), which caps the ring: a
+        period of 10^9 then costs what the text needs, not a ring of 10^9 positions."""
         capacity = self.cache_capacity()
         if capacity is None:
-            return GrowingCache(batch_size, self.n_kv_heads, self.head_dim, device=device, dtype=dtype)
+            return GrowingCache(batch_size, self.n_kv_heads, self.head_dim, max_positions=max_positions,
+                                device=device, dtype=dtype)
         if max_positions is not None:
             capacity = max(1, min(capacity, max_positions))
         return RingCache(batch_size, self.n_kv_heads, self.head_dim, capacity, sinks=self.cache_sinks(),
