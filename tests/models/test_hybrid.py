@@ -128,3 +128,11 @@ def test_a_dense_cache_given_max_positions_is_allocated_once():
     with pytest.raises(ValueError, match="at most 3 positions"):
         cache.append(k, k)
     assert cache.seen == 2
+
+
+def test_eval_describes_a_hybrid_by_its_pattern():
+    from piattn.commands.eval_report import describe_attention
+
+    model = dict(attention="pi", layers="local,dense", n_layer=2, window=2, period=16, nope_global=True, sinks=0)
+    assert describe_attention(model) == "layers local,dense, window 2, no RoPE on dense layers, 2 layers"
+    assert "period 16" in describe_attention({**model, "layers": "pi,dense", "nope_global": False})

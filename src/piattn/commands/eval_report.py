@@ -33,7 +33,7 @@ import math
 import torch
 
 from ..config import TrainConfig
-from ..layers import model_reach
+from ..layers import model_kinds, model_reach
 from ..tasks import config_class
 from ..tasks.mqar import pairs_view
 from ..tasks.recall import RecallTask
@@ -238,7 +238,9 @@ def recall_marker_lags(cfg: TrainConfig) -> dict[int, tuple[int]]:
 def describe_attention(model: dict) -> str:
     """'pi attention, window 4, period 16, 2 layers' (the period as stored: an int or per-head lists)."""
     if model.get("layers"):  # a hybrid stack: its pattern, then the windowed layers' settings
-        parts = [f"layers {model['layers']}", f"window {model.get('window')}", f"period {model.get('period')}"]
+        kinds = set(model_kinds(model))
+        parts = [f"layers {model['layers']}", *([f"window {model.get('window')}"] if kinds - {"dense"} else []),
+                 *([f"period {model.get('period')}"] if "pi" in kinds else [])]
         if model.get("nope_global"):
             parts.append("no RoPE on dense layers")
         if model.get("sinks"):
