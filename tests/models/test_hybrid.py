@@ -136,3 +136,13 @@ def test_eval_describes_a_hybrid_by_its_pattern():
     model = dict(attention="pi", layers="local,dense", n_layer=2, window=2, period=16, nope_global=True, sinks=0)
     assert describe_attention(model) == "layers local,dense, window 2, no RoPE on dense layers, 2 layers"
     assert "period 16" in describe_attention({**model, "layers": "pi,dense", "nope_global": False})
+
+
+def test_the_encoder_stacks_a_hybrid_too():
+    from piattn.config import EncoderConfig
+    from piattn.models import Encoder
+
+    cfg = EncoderConfig(n_layer=2, layers="local,dense", nope_global=True, **SMALL)
+    model = Encoder(cfg).eval()
+    assert [type(b.attn) for b in model.blocks] == [LocalAttention, DenseAttention]
+    assert model(torch.randint(0, cfg.vocab_size, (2, 12))).shape == (2, 2)
