@@ -24,7 +24,7 @@ from ..analysis.copy_distance import (
     lag_classes,
     paired_class_stats,
 )
-from ..layers import attention_class
+from ..layers import attention_class, model_kinds, model_reach
 from ..train import checkpoint as ckpt
 
 RESAMPLES = 1000
@@ -42,12 +42,15 @@ def checkpoint_reach(folder: Path, flag: str, max_lag: int):
     model = ckpt.read_config(folder)["model"]
     kind = model.get("attention")
     try:
-        layer = attention_class(kind)
-        reach = layer.lag_reach(model, max_lag)
+        kinds = model_kinds(model)
+        reach = model_reach(model, max_lag)  # a hybrid stack (`layers`): the sum set of its layers' reaches
     except ValueError as err:
         raise ValueError(f"{flag}: {folder}: {err}") from None
     described = {"checkpoint": str(folder), "attention": kind, "n_layer": model["n_layer"]}
-    described.update({s: model.get(s) for s in ("window", "period") if s in layer.model_settings()})
+    if model.get("layers"):
+        described["layers"] = model["layers"]
+    settings = set().union(*(attention_class(k).model_settings() for k in set(kinds)))
+    described.update({s: model.get(s) for s in ("window", "period") if s in settings})
     if model.get("sinks"):
         described["sinks"] = model["sinks"]
     return reach, {**described, "span": reach.span, "reachable_lags": int(reach.reachable[1:].sum())}

@@ -33,7 +33,7 @@ import math
 import torch
 
 from ..config import TrainConfig
-from ..layers import attention_class
+from ..layers import model_kinds, model_reach
 from ..tasks import config_class
 from ..tasks.mqar import pairs_view
 from ..tasks.recall import RecallTask
@@ -152,9 +152,10 @@ def reachable_lags(model: dict, cfg: TrainConfig, lags: list[int]) -> tuple[dict
         return None, "no reachability marks: the analysis covers causal models, not --no-causal"
     seq_len = cfg.data.seq_len
     try:
-        reach = attention_class(model["attention"]).lag_reach(model, seq_len - 1).reachable
+        reach = model_reach(model, seq_len - 1).reachable  # a hybrid stack: the sum set of its layers' reaches
     except ValueError:  # longformer, bigbird, reformer: they declare no fixed set of lags
-        return None, f"no reachability marks: the analysis has no fixed reach for {model['attention']} attention"
+        return None, ("no reachability marks: the analysis has no fixed reach for "
+                      f"{model.get('layers') or model['attention']} attention")
     sinks = model.get("sinks") or 0
     task, note = cfg.task.task, ""
     if task == "mqar":
@@ -236,6 +237,15 @@ def recall_marker_lags(cfg: TrainConfig) -> dict[int, tuple[int]]:
 
 def describe_attention(model: dict) -> str:
     """'pi attention, window 4, period 16, 2 layers' (the period as stored: an int or per-head lists)."""
+    if model.get("layers"):  # a hybrid stack: its pattern, then the windowed layers' settings
+        kinds = set(model_kinds(model))
+        parts = [f"layers {model['layers']}", *([f"window {model.get('window')}"] if kinds - {"dense"} else []),
+                 *([f"period {model.get('period')}"] if "pi" in kinds else [])]
+        if model.get("nope_global"):
+            parts.append("no RoPE on dense layers")
+        if model.get("sinks"):
+            parts.append(f"{model['sinks']} sinks")
+        return ", ".join([*parts, f"{model['n_layer']} layers"])
     parts = [f"{model['attention']} attention"]
     if model["attention"] == "neighbourhood":
         parts.append(f"radius {model.get('radius', 1)} on images {model.get('image_width')} wide")

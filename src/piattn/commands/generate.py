@@ -93,6 +93,8 @@ def generate(args: argparse.Namespace) -> int:
     if args.stats:
         seconds = time.perf_counter() - start
         print(f"{len(produced)} tokens in {seconds:.2f} s ({len(produced) / max(seconds, 1e-9):.1f} tokens/s); "
-              f"attention {model.config.attention}, cache {cache.nbytes:,} bytes at position {cache.position}",
-              file=sys.stderr)
+              f"attention {model.config.layers or model.config.attention}, cache {cache.nbytes:,} bytes at position "
+              f"{cache.position}", file=sys.stderr)
+        if model.config.is_hybrid():  # each layer's cache is sized for its kind: say what each holds
+            print(cache.describe(), file=sys.stderr)
     return 0

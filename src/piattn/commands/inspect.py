@@ -32,7 +32,8 @@ from ..train.loop import writable_folder
 from ..train.metrics import METRICS_FILE, read_metrics
 from .common import add_threads_argument, torch_threads
 
-MODEL_FIELDS = ("attention", "n_layer", "n_head", "n_kv_head", "d_model", "window", "period", "variant", "sinks")
+MODEL_FIELDS = ("attention", "layers", "nope_global", "n_layer", "n_head", "n_kv_head", "d_model", "window", "period",
+                "variant", "sinks")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -120,7 +121,7 @@ def inspect(args: argparse.Namespace) -> int:
     for label, (_, r, _) in zip(labels, runs, strict=True):
         shares = "; ".join(f"layer {e['layer']}: " + ", ".join(f"{c} {v:.1%}" for c, v in e["mass"].items())
                            + (f", α {e['alpha_mean']:.3f}" if "alpha_mean" in e else "") for e in r["layers"])
-        print(f"{label} ({r['model']['attention']}, {r['tokens']:,} tokens): {shares}")
+        print(f"{label} ({r['model'].get('layers') or r['model']['attention']}, {r['tokens']:,} tokens): {shares}")
     written = ["inspect.json", *(p.name for p in (flow_png, gate_png, phase_png) if p is not None)]
     print(f"written to {out}: {', '.join(written)}", file=sys.stderr)
     return 0

@@ -196,7 +196,7 @@ def check_flags(obj, registries: Mapping[str, Iterable] | None = None, context: 
             continue
         for other, scope in meta.applies.items():
             allowed = allowed_values(other, scope, registries)
-            if context.get(other) not in allowed:
+            if not _within(context.get(other), allowed):
                 shown = " / ".join(map(str, allowed))
                 raise ValueError(f"{name} applies to {option_name(other)} {shown} only, "
                                  f"not {context.get(other)!r}")
@@ -204,5 +204,13 @@ def check_flags(obj, registries: Mapping[str, Iterable] | None = None, context: 
 
 def applies(meta: Flag, context: Mapping, registries: Mapping | None = None) -> bool:
     """Whether a flag means something under the values of other fields in `context` (its `applies`)."""
-    return meta.applies is None or all(context.get(other) in allowed_values(other, scope, registries)
+    return meta.applies is None or all(_within(context.get(other), allowed_values(other, scope, registries))
                                        for other, scope in meta.applies.items())
+
+
+def _within(value, allowed: tuple) -> bool:
+    """Whether `value` is among `allowed`; a tuple of values (the kinds of a hybrid stack's layers) is when one
+    of them is."""
+    if isinstance(value, tuple):
+        return any(v in allowed for v in value)
+    return value in allowed

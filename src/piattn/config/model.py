@@ -49,6 +49,11 @@ class ModelConfig:
     resolve from it); radius (neighbourhood: rows and columns each side) and stride (strided: the Sparse
     Transformer's l, None: image_width).
     Training: dropout (residual, attention and FFN, 0.1 in the paper), init_std (0.02), rope_base.
+    Hybrid stacks: layers, a pattern of kinds repeated over depth ("pi*3,dense": three π layers, then a
+    dense one; `parse_layers`), None: every layer `attention`; `layer_kinds()` gives one kind per layer.
+    Every layer takes the shared settings of its kind (window, sinks, its periods). nope_global: no RoPE on the
+    dense (global) layers (NoPE, as Llama 4 and Command A); a `period` schedule "cover" is designed for the π
+    layers only (a dense layer reaches every lag by itself).
     """
 
     n_layer: int = 12
@@ -78,6 +83,8 @@ class ModelConfig:
     dropout: float = 0.1
     init_std: float = 0.02
     rope_base: float = 10000.0
+    layers: str | None = None
+    nope_global: bool = False
 
     def __post_init__(self):
         for name in ("n_layer", "n_head", "d_model", "block_size", "vocab_size"):
@@ -100,12 +107,31 @@ class ModelConfig:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if self.radius is None:
             raise ValueError("radius must be an integer >= 0, got None")
+        if not isinstance(self.nope_global, bool):
+            raise ValueError(f"nope_global must be a bool, got {self.nope_global!r}")
+        kinds = self.layer_kinds()  # checks the pattern against n_layer
         if is_geometry_period(self.period):
             self.period = geometry_periods(self.period, self.image_width, self.n_head)
+        pi_layers = None if self.layers is None else [i for i, kind in enumerate(kinds) if kind == PI_KIND]
         self.period = resolve_periods(self.period, window=self.window, n_layer=self.n_layer, n_head=self.n_head,
-                                      block_size=self.block_size)
+                                      block_size=self.block_size, pi_layers=pi_layers)
         for layer in range(self.n_layer):
             self.pi_settings(layer)  # checks every layer's settings
+
+    def layer_kinds(self) -> tuple[str, ...]:
+        """The attention kind of each of the n_layer layers: `layers` expanded (`parse_layers`), or `attention`
+        everywhere. The kinds' names are checked when the model is built (the registry sits above the config)."""
+        if self.layers is None:
+            return (self.attention,) * self.n_layer
+        return parse_layers(self.layers, self.n_layer)
+
+    def is_hybrid(self) -> bool:
+        """Whether the layers are of more than one kind."""
+        return len(set(self.layer_kinds())) > 1
+
+    def rotary_at(self, layer: int) -> bool:
+        """Whether layer `layer` rotates q and k by RoPE: every layer but the dense ones under `nope_global`."""
+        return not (self.nope_global and self.layer_kinds()[layer] == GLOBAL_KIND)
 
     @property
     def head_dim(self) -> int:
@@ -153,6 +179,43 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
 
+# The kind whose periods `resolve_periods` designs in a hybrid stack, and the global kind of `nope_global`.
+PI_KIND, GLOBAL_KIND = "pi", "dense"
+_LAYER_ITEM = re.compile(r"([A-Za-z_][A-Za-z0-9_-]*)(?:\*(\d+))?")
+
+
+def parse_layers(pattern: str, n_layer: int) -> tuple[str, ...]:
+    """A layer pattern -> the kind of each of n_layer layers: comma-separated items "kind" or "kind*N" (N
+    layers of it), the whole repeated over depth ("pi*3,dense" with 8 layers: pi, pi, pi, dense, pi, pi, pi,
+    dense). One-line ValueError for an empty pattern or item, a count below 1, or a pattern whose length does
+    not divide n_layer."""
+    kinds = pattern_kinds(pattern)
+    if n_layer % len(kinds):
+        raise ValueError(f"layers {pattern!r} gives {len(kinds)} layers, which must divide n_layer ({n_layer}): "
+                         f"the pattern repeats over depth")
+    return kinds * (n_layer // len(kinds))
+
+
+def pattern_kinds(pattern: str) -> tuple[str, ...]:
+    """A layer pattern's kinds, one per layer of one repeat ("pi*2,dense" -> pi, pi, dense); `parse_layers`."""
+    if not isinstance(pattern, str) or not pattern.strip():
+        raise ValueError(f"layers must be a pattern of attention kinds like 'pi*3,dense', got {pattern!r}")
+    kinds: list[str] = []
+    for item in pattern.split(","):
+        match = _LAYER_ITEM.fullmatch(item.strip())
+        if match is None or (match.group(2) is not None and int(match.group(2)) < 1):
+            raise ValueError(f"layers {pattern!r}: each item must be a kind or kind*N (N >= 1), got {item.strip()!r}")
+        kinds += [match.group(1)] * int(match.group(2) or 1)
+    return tuple(kinds)
+
+
+def global_every_pattern(every: int, attention: str) -> str:
+    """--global-every N as a layer pattern: N − 1 layers of `attention`, then a dense one ("dense" for N = 1)."""
+    if not is_int(every) or every < 1:
+        raise ValueError(f"--global-every must be an int >= 1, got {every!r}")
+    return GLOBAL_KIND if every == 1 else f"{attention}*{every - 1},{GLOBAL_KIND}"
+
+
 # The period schedules a config may name have one home, the reach analysis that designs them; the analysis
 # sits below the configuration (it imports nothing of piattn but the masks), so this is a plain import.
 PERIOD_SCHEDULES = SCHEDULES
@@ -193,7 +256,8 @@ def geometry_periods(word: str, width: int | None, n_head: int) -> int | list[in
     return periods[0] if len(periods) == 1 else periods
 
 
-def resolve_periods(period, *, window: int, n_layer: int, n_head: int, block_size: int) -> int | list:
+def resolve_periods(period, *, window: int, n_layer: int, n_head: int, block_size: int,
+                    pi_layers: list[int] | None = None) -> int | list:
     """A config's period -> the form it is stored in: an int when every head of every layer shares it, a
     list of n_head ints when every layer has the same heads, else a list of n_layer lists of n_head ints.
 
@@ -202,6 +266,8 @@ def resolve_periods(period, *, window: int, n_layer: int, n_head: int, block_siz
     "geometric" (heads at N, 2N, 4N, … in every layer), N defaulting to the default period 16; "cover"
     (`design_periods`: every lag up to N reachable through the layers), N defaulting to block_size − 1,
     the longest lag a sequence of the model has. One-line ValueError naming `period` for anything else.
+    pi_layers: in a hybrid stack, the layers that are π layers: "cover" is designed over those alone (the
+    other layers take the first π layer's periods, which they do not read).
     """
     if not is_int(period) and not isinstance(period, (str, list, tuple)):
         raise ValueError(f"period must be an int, a list of n_head ints, a list of n_layer lists of n_head ints "
@@ -215,10 +281,15 @@ def resolve_periods(period, *, window: int, n_layer: int, n_head: int, block_siz
                              f"(N an int: the period, or cover's target lag), got {period!r}")
         n = int(arg) if arg else (block_size - 1 if name == "cover" else PI_DEFAULTS.period)
         given = dict(target=n) if name == "cover" else dict(period=n)
+        designed = n_layer if pi_layers is None or name != "cover" else len(pi_layers)
         try:
-            resolved = schedule(name, window, n_layer, n_head, **given)
+            resolved = schedule(name, window, designed, n_head, **given) if designed else ()
         except ValueError as e:
             raise ValueError(f"period {period!r}: {e}") from None
+        if designed != n_layer:  # a hybrid's π layers take the design in order, the others its first layer
+            fill = resolved[0] if resolved else (PI_DEFAULTS.period,) * n_head
+            by_layer = dict(zip(pi_layers, resolved, strict=True))
+            resolved = [by_layer.get(i, fill) for i in range(n_layer)]
     else:
         resolved = periods_per_layer(period, n_layer, n_head)
     layers = [list(heads) for heads in resolved]

@@ -27,7 +27,15 @@ from typing import Protocol
 import numpy as np
 
 from .flags import Capability, Notes, add_flags, applies, check_flags, flag, flag_fields, option_name, render_notes
-from .model import PERIOD_SCHEDULES, SIZES, ModelConfig, is_geometry_period
+from .model import (
+    GLOBAL_KIND,
+    PERIOD_SCHEDULES,
+    SIZES,
+    ModelConfig,
+    global_every_pattern,
+    is_geometry_period,
+    pattern_kinds,
+)
 from .pi import PI_DEFAULTS, VARIANTS
 
 PRECISIONS = ("auto", "fp32", "bf16")
@@ -64,16 +72,37 @@ class ModelFlags:
     backend: str | None = flag(None, "π operator backend (default auto)", choices="backend",
                                applies={"attention": Capability("backend")})
     dropout: float = flag(0.1, "residual, attention and FFN dropout", low=0, below=1)
+    layers: str | None = flag(None, "one attention kind per layer, a pattern repeated over depth: 'pi*3,dense' "
+                              "(three pi layers, then a dense one; its length divides the layers); each layer takes "
+                              "its kind's flags (default: --attention in every layer)")
+    global_every: int | None = flag(None, "every Nth layer dense, the others --attention (a --layers pattern: "
+                                    "'pi*3,dense' for 4)", low=1)
+    nope_global: bool = flag(False, "no rotary embedding on the dense (global) layers (NoPE)")
 
     def __post_init__(self):
         if self.period is not None:  # a checkpoint written before --period took text stores an int
             self.period = str(self.period)
+
+    def kinds(self) -> tuple[str, ...]:
+        """The attention kinds of the model's layers, each once: --attention, or those of --layers or
+        --global-every (ValueError when both are given, or for a malformed pattern)."""
+        if self.layers is not None and self.global_every is not None:
+            raise ValueError("--layers and --global-every both set the kind of each layer: give one")
+        if self.global_every is not None:
+            return tuple(dict.fromkeys((self.attention, GLOBAL_KIND)))
+        if self.layers is not None:
+            return tuple(dict.fromkeys(pattern_kinds(self.layers)))
+        return (self.attention,)
 
     def model_fields(self) -> dict:
         """The `ModelConfig` fields these flags set (every flag named like a field, when given), for
         `ModelConfig.from_name(config, ...)`: a new model flag needs no code here."""
         fields = {f.name for f in dataclasses.fields(ModelConfig)}
         given = {k: v for k, v in dataclasses.asdict(self).items() if k in fields and v is not None}
+        if not self.nope_global:  # off unless given, as the model's own default
+            given.pop("nope_global", None)
+        if self.global_every is not None:
+            given["layers"] = global_every_pattern(self.global_every, self.attention)
         if "period" in given:
             given["period"] = parse_period(given["period"])
         return given
@@ -283,9 +312,16 @@ class TrainConfig:
         attention kinds as a `flags.Registry` that also says which kinds have a capability.
         """
         flat = self.to_flat()
-        context = {**flat, "variant": flat["variant"] or PI_DEFAULTS.variant}
+        kinds = self.model.kinds()
+        # A flag scoped to attention kinds applies to a hybrid stack when one of its kinds takes it.
+        context = {**flat, "variant": flat["variant"] or PI_DEFAULTS.variant,
+                   "attention": kinds[0] if len(kinds) == 1 else kinds}
         for section in self.sections:
             check_flags(getattr(self, section), registries, context)
+        names = (registries or {}).get("attention")
+        unknown = [kind for kind in kinds if names is not None and kind not in tuple(names)]
+        if unknown:
+            raise ValueError(f"--layers kinds must be among {sorted(names)}, got {unknown[0]!r}")
 
     def differences(self, other: TrainConfig) -> list[tuple[str, object, object]]:
         """(flag, my value, other's value) for each run-defining flag whose values differ."""

@@ -1,4 +1,5 @@
-"""Decoding caches: a fixed-size ring per layer for windowed attention, a growing one for dense.
+"""Decoding caches: a fixed-size ring per layer for windowed attention, a growing one for dense (allocated
+once when the most positions it will hold are known). A hybrid stack's `Cache` holds one of each kind's.
 
 Decoding position t with π-Attention reads keys t−window … t and t−π, so a ring of
 max(window, period) + 1 positions per layer is exact: its size never depends on how far the text has run.
@@ -232,15 +233,29 @@ class RingCache:
 
 
 class GrowingCache:
-    """Every key and value seen so far, [B, H, seen, D] each: what dense attention must keep."""
+    """Every key and value seen so far, [B, H, seen, D] each: what dense attention must keep.
 
-    def __init__(self, batch_size: int, n_heads: int, head_dim: int, *,
+    max_positions: the most positions it will be given (prompt + new tokens), when known: the buffer is then
+    allocated once at that size and `k`, `v` are views of its first `seen` positions (no copy of the whole
+    cache per step); storing more is refused. None: the buffers grow by concatenation, with no limit."""
+
+    def __init__(self, batch_size: int, n_heads: int, head_dim: int, *, max_positions: int | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype = torch.float32):
         _check_sizes(batch_size=(batch_size, 0), n_heads=(n_heads, 1), head_dim=(head_dim, 1))
         self.batch_size, self.n_heads, self.head_dim = batch_size, n_heads, head_dim
-        shape = (batch_size, n_heads, 0, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.max_positions, self._kv = max_positions, None
+        if max_positions is not None:
+            _check_sizes(max_positions=(max_positions, 1))
+            device = torch.empty(0, device=device).device
+            _refuse_beyond_memory(2 * batch_size * n_heads * max_positions * head_dim * dtype.itemsize,
+                                  f"a dense cache of {max_positions:,} positions for batch {batch_size}", device,
+                                  "lower max_positions (the prompt plus the tokens to generate)")
+            self._kv = torch.zeros((2, batch_size, n_heads, max_positions, head_dim), device=device, dtype=dtype)
+            self.k, self.v = self._kv[0, :, :, :0], self._kv[1, :, :, :0]
+        else:
+            shape = (batch_size, n_heads, 0, head_dim)
+            self.k = torch.zeros(shape, device=device, dtype=dtype)
+            self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.seen = 0
 
     def check(self, *, batch_size: int, n_heads: int, head_dim: int, capacity: int | None, sinks: int) -> None:
@@ -253,13 +268,24 @@ class GrowingCache:
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         _check_rows(self, k, v)
-        self.k = torch.cat([self.k, k.to(self.k.dtype)], 2)
-        self.v = torch.cat([self.v, v.to(self.v.dtype)], 2)
-        self.seen += k.shape[2]
+        t = k.shape[2]
+        if self._kv is None:
+            self.k = torch.cat([self.k, k.to(self.k.dtype)], 2)
+            self.v = torch.cat([self.v, v.to(self.v.dtype)], 2)
+            self.seen += t
+            return
+        if self.seen + t > self.max_positions:
+            raise ValueError(f"cache was made for at most {self.max_positions} positions (init_cache's "
+                             f"max_positions) and holds {self.seen}; {t} more do not fit: make it with a larger "
+                             f"max_positions, or None")
+        self._kv[0, :, :, self.seen:self.seen + t] = k.detach()
+        self._kv[1, :, :, self.seen:self.seen + t] = v.detach()
+        self.seen += t
+        self.k, self.v = self._kv[0, :, :, :self.seen], self._kv[1, :, :, :self.seen]
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return self.k.nbytes + self.v.nbytes if self._kv is None else self._kv.nbytes
 
 
 LayerCache = RingCache | GrowingCache
@@ -284,3 +310,23 @@ class Cache:
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def nbytes_by_layer(self) -> list[int]:
+        """Bytes each layer's cache holds now (a ring stays constant, a growing cache grows with the text):
+        what a hybrid stack's windowed and dense layers each cost; they sum to `nbytes`."""
+        return [layer.nbytes for layer in self.layers]
+
+    def describe(self) -> str:
+        """One line per layer: its cache's kind, positions held and bytes, then the total."""
+        lines = []
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, RingCache):
+                held = f"ring of {layer.capacity} + {layer.sinks} sinks"
+            elif layer.max_positions is not None:
+                held = f"dense, {layer.seen} of {layer.max_positions} positions"
+            else:
+                held = f"growing, {layer.seen} positions"
+            lines.append(f"layer {i}: {held}, {layer.nbytes:,} bytes")
+        lines.append(f"total: {self.nbytes:,} bytes at position {self.position}")
+        return "\n".join(lines)

@@ -132,15 +132,17 @@ class AttentionLayer(nn.Module):
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, *, causal: bool, layer: int = 0) -> AttentionLayer:
-        """The attention of block `layer` of a model of config `cfg`: RoPE on, dropout and sizes from it."""
+        """The attention of block `layer` of a model of config `cfg`: RoPE on (off on the dense layers of a
+        `nope_global` config: `ModelConfig.rotary_at`), dropout and sizes from it."""
         heads = {}
         if cfg.kv_heads != cfg.n_head:
             if not cls.grouped_query:
-                raise ValueError(f"n_kv_head must equal n_head ({cfg.n_head}) for attention {cfg.attention!r}, "
+                name = next((n for n, kind in ATTENTION.items() if kind is cls), cls.__name__)
+                raise ValueError(f"n_kv_head must equal n_head ({cfg.n_head}) for attention {name!r}, "
                                  f"got {cfg.kv_heads}; kinds with grouped-query attention: "
                                  f"{kinds_listed('grouped_query')}")
             heads["n_kv_heads"] = cfg.kv_heads
-        return cls(cfg.d_model, cfg.n_head, causal=causal, dropout=cfg.dropout, rotary=True,
+        return cls(cfg.d_model, cfg.n_head, causal=causal, dropout=cfg.dropout, rotary=cfg.rotary_at(layer),
                    rope_base=cfg.rope_base, **heads, **cls.config_kwargs(cfg, layer))
 
     @property
@@ -175,12 +177,13 @@ class AttentionLayer(nn.Module):
     def init_cache(self, batch_size: int, *, max_positions: int | None = None, device=None,
                    dtype=torch.float32) -> LayerCache:
         """An empty cache for this layer (H_kv heads): a ring of `cache_capacity()` positions (plus
-        `cache_sinks()` fixed ones), or a growing one. max_positions: the most positions it will be given
-        (prompt + generated tokens), which caps the ring: a period of 10^9 then costs what the text
-        needs, not a ring of 10^9 positions."""
+        `cache_sinks()` fixed ones), or a growing one (allocated once at max_positions when given).
+        max_positions: the most positions it will be given (prompt + generated tokens), which caps the ring: a
+        period of 10^9 then costs what the text needs, not a ring of 10^9 positions."""
         capacity = self.cache_capacity()
         if capacity is None:
-            return GrowingCache(batch_size, self.n_kv_heads, self.head_dim, device=device, dtype=dtype)
+            return GrowingCache(batch_size, self.n_kv_heads, self.head_dim, max_positions=max_positions,
+                                device=device, dtype=dtype)
         if max_positions is not None:
             capacity = max(1, min(capacity, max_positions))
         return RingCache(batch_size, self.n_kv_heads, self.head_dim, capacity, sinks=self.cache_sinks(),

@@ -16,7 +16,15 @@ and the tests all ask `kinds_with`, so a new kind is its module plus its line in
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..analysis.copy_distance import Reach
+from ..analysis.multiscale import periods_per_layer
 from ..config.flags import Registry
+from ..config.model import parse_layers
 from .base import ATTENTION, AttentionLayer, kinds_with
 from .bigbird import BigBirdAttention
 from .dense import DenseAttention
@@ -50,3 +58,37 @@ def attention_registry() -> Registry:
     """The kinds as the training flags' checks take them (`TrainConfig.check(registries)`): their names now, and
     `kinds_with` to say which have a capability, asked at each check."""
     return Registry(tuple(ATTENTION), kinds_with)
+
+
+def model_kinds(model: Mapping[str, Any]) -> tuple[str, ...]:
+    """The attention kind of each layer of a model of settings `model` (a checkpoint's config "model"): its
+    `layers` pattern expanded (`parse_layers`), or `attention` in every layer."""
+    if model.get("layers"):
+        return parse_layers(model["layers"], model["n_layer"])
+    return (model["attention"],) * model["n_layer"]
+
+
+def model_reach(model: Mapping[str, Any], max_lag: int) -> Reach:
+    """The lags 0 … max_lag a model of settings `model` reaches: its kind's `lag_reach`, or for a hybrid stack
+    (`layers`) the sum set of its layers' reaches, each asked of its kind as a one-layer model with that
+    layer's periods (a path takes one hop per layer, so a dense layer makes every lag reachable). ValueError
+    from a kind that declares no reach."""
+    kinds = model_kinds(model)
+    if len(set(kinds)) == 1 and not model.get("layers"):
+        return attention_class(kinds[0]).lag_reach(model, max_lag)
+    schedule = periods_per_layer(model.get("period"), model["n_layer"], model["n_head"])
+    mask = (1 << (max_lag + 1)) - 1
+    bits, span = 1, 0  # before any layer: lag 0, the query itself
+    for layer, kind in enumerate(kinds):
+        one = attention_class(kind).lag_reach(
+            {**model, "attention": kind, "layers": None, "n_layer": 1, "period": [list(schedule[layer])]}, max_lag)
+        span += one.span
+        if bool(one.reachable.all()):
+            bits = mask
+            continue
+        out = 0
+        for hop in one.reachable.nonzero().flatten().tolist():
+            out |= bits << hop
+        bits = out & mask
+    reachable = torch.tensor([bool(bits >> d & 1) for d in range(max_lag + 1)])
+    return Reach(reachable, span)

@@ -30,12 +30,14 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """x + drop(attn(LN(x))), then x + ffn(LN(x)); the attention kind is `cfg.attention`, by registry name."""
+    """x + drop(attn(LN(x))), then x + ffn(LN(x)); the attention kind is layer `layer`'s of the config
+    (`cfg.layer_kinds()`: `cfg.attention`, or the kinds of a hybrid stack's `layers`), by registry name."""
 
     def __init__(self, cfg: ModelConfig, *, causal: bool, layer: int = 0):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.attn = attention_class(cfg.attention).from_config(cfg, causal=causal, layer=layer)
+        self.kind = cfg.layer_kinds()[layer]
+        self.attn = attention_class(self.kind).from_config(cfg, causal=causal, layer=layer)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.ffn = FeedForward(cfg)
         self.drop = nn.Dropout(cfg.dropout)

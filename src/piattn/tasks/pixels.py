@@ -27,7 +27,7 @@ from ..data.examples import ExampleLoader, Examples
 from ..data.raster import RasterImages
 from ..data.text import normalize_split
 from ..decoding.sampling import sample_next
-from ..layers import attention_class
+from ..layers import model_reach
 from ..models import GPT
 from ..train.checkpoint import read_config
 from ..train.distributed import DistContext
@@ -60,7 +60,7 @@ def neighbour_reach(model: dict, width: int, height: int) -> dict[str, bool] | N
     declares no fixed reach (longformer, bigbird, reformer)."""
     lags = neighbour_lags(width)
     try:
-        reach = attention_class(model["attention"]).lag_reach(model, max(height * width - 1, max(lags.values())))
+        reach = model_reach(model, max(height * width - 1, max(lags.values())))
     except ValueError:
         return None
     return {name: bool(reach.reachable[lag]) for name, lag in lags.items()}
