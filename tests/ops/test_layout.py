@@ -91,3 +91,17 @@ def test_shape_errors_name_the_layout():
         piattn.pi_attention(bthd(q), k, v, bthd(gate), layout="bthd")
     with pytest.raises(ValueError, match=r"^q must have shape \[B, T, H, D\] \(layout='bthd'\) \(4 dims\)"):
         piattn.pi_attention(q[0], k, v, gate, layout="bthd")
+
+
+def test_bthd_compiles_whole():
+    """The layout's transposes trace into one graph (torch.compile, fullgraph) with the same gradients."""
+    q, k, v, gate = (bthd(t) for t in make_inputs(1, 4, 20, 8))
+
+    def f(q, k, v, gate):
+        return piattn.pi_attention(q, k, v, gate, window=3, period=8, backend="reference",
+                                   layout="bthd").square().sum()
+
+    want = torch.autograd.grad(f(q, k, v, gate), (q, k, v, gate))
+    got = torch.autograd.grad(torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v, gate), (q, k, v, gate))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
