@@ -6,7 +6,7 @@
       perplexity  2.589 (per token)
       bits/byte   1.3723  (= loss / ln 2: byte tokenizer, one token per byte)
 
-    full JSON written to runs/pi-tiny/eval/step_00002000_test_books-data-books.json
+    full JSON written to runs/pi-tiny/eval/step_00002000_test_books.json
 
 stdout gets the summary (`eval_report`: the task, checkpoint and split, the main metrics with their units,
 for the recall and reach tasks accuracy by lag with the lags the reachability analysis says the model
@@ -107,9 +107,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(--output) or writing a numbered name (default)")
 
 
+def data_label(source: str) -> str:
+    """A short name for a data source in a file name: the last part of its path, after its scheme when that
+    differs: `books:../shared/data/books` -> `books`, `/data/my.txt` -> `my.txt`, `coco:/data/coco2014` ->
+    `coco-coco2014`, `mnist5k` -> `mnist5k`. At most 32 characters of letters, digits, '.', '-'. The full
+    source is in the file (its "data")."""
+    scheme, sep, rest = source.partition(":")
+    if not sep or not rest or "/" in scheme or "\\" in scheme:
+        scheme, rest = "", source
+    base = Path(rest.rstrip("/\\")).name or rest
+    label = base if not scheme or scheme == base else f"{scheme}-{base}"
+    return re.sub(r"[^A-Za-z0-9.]+", "-", label).strip("-.")[:32].strip("-.") or "data"
+
+
 def default_name(checkpoint: Path, args: argparse.Namespace) -> str:
-    """`step_…_<split>.json`, with the data source appended when it is not the training one."""
-    data = "" if args.data is None else "_" + re.sub(r"[^A-Za-z0-9.]+", "-", args.data).strip("-")[-48:]
+    """`step_…_<split>.json`, with a short name of the data source (`data_label`) appended when it is not the
+    training one."""
+    data = "" if args.data is None else "_" + data_label(args.data)
     return f"{checkpoint.name}_{args.split}{data}.json"
 
 
