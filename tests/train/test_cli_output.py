@@ -148,3 +148,30 @@ def test_torch_threads_sets_and_restores():
     with torch_threads(3, "cuda") as n:
         assert n == 3
     assert torch.get_num_threads() == before
+
+
+def test_train_and_eval_draw_one_progress_bar_style(tmp_path):
+    """Both bars are `piattn.progress.progress_bar`: tqdm, named by what it counts, with its rate and time left."""
+    import io
+
+    from piattn.commands.eval import Progress
+    from piattn.progress import progress_bar
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Terminal()
+    with Progress(3, stream=stream) as progress:
+        for _ in range(3):
+            progress.step()
+    assert re.search(r"eval: 100%\|.*\| 3/3 \[\d\d:\d\d<\d\d:\d\d, .*batch/s\]", stream.getvalue()), stream.getvalue()
+    piped = io.StringIO()  # eval draws only on a terminal
+    with Progress(3, stream=piped) as progress:
+        progress.step()
+    assert piped.getvalue() == ""
+    train = Terminal()
+    bar = progress_bar(4, desc="train", unit="step", initial=1, file=train)
+    bar.update(3)
+    bar.close()
+    assert re.search(r"train: 100%\|.*\| 4/4 \[.*step/s\]", train.getvalue()), train.getvalue()
