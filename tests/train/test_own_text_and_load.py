@@ -80,3 +80,14 @@ def test_load_refuses_a_foreign_or_corrupted_folder_in_one_line(run, tmp_path):
     with pytest.raises(ValueError, match="model.safetensors: not a readable safetensors file") as err:
         piattn.load(broken)
     assert "\n" not in str(err.value)
+
+
+def test_load_a_run_of_another_task_has_no_tokenizer(tmp_path, capsys):
+    out = tmp_path / "reach"
+    assert main(["train", "--task", "reach", "--lag", "4", "--window", "2", "--n-layer", "1", "--d-model", "16",
+                 "--n-head", "2", "--seq-len", "16", "--train-size", "16", "--eval-size", "8", "--batch-size", "4",
+                 "--steps", "1", "--warmup", "0", "--eval-every", "0", "--device", "cpu", "--no-progress",
+                 "--out", str(out)]) == 0
+    loaded = piattn.load(out)
+    assert loaded.task == "reach" and loaded.tokenizer is None and not loaded.model.training
+    assert loaded.config == type(loaded.config).from_dict(read_config(loaded.checkpoint)["model"])
