@@ -68,7 +68,7 @@ def test_train_checks_out_before_any_work(out, capsys):
 
 
 @pytest.mark.parametrize("source, label", [
-    ("books:../shared/data/books", "books"), ("/data/my.txt", "my.txt"), ("corpus/", "corpus"),
+    ("books:../data/books", "books"), ("/data/my.txt", "my.txt"), ("corpus/", "corpus"),
     ("coco:/data/coco2014", "coco-coco2014"), ("wikitext:data/wikitext-103/", "wikitext-wikitext-103"),
     ("hf:roneneldan/TinyStories", "hf-TinyStories"), ("mnist5k", "mnist5k"), ("../", "data"),
     ("a" * 80 + ".txt", "a" * 32),

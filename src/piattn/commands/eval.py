@@ -110,7 +110,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def data_label(source: str) -> str:
     """A short name for a data source in a file name: the last part of its path, after its scheme when that
-    differs: `books:../shared/data/books` -> `books`, `/data/my.txt` -> `my.txt`, `coco:/data/coco2014` ->
+    differs: `books:data/books` -> `books`, `/data/my.txt` -> `my.txt`, `coco:/data/coco2014` ->
     `coco-coco2014`, `mnist5k` -> `mnist5k`. At most 32 characters of letters, digits, '.', '-'. The full
     source is in the file (its "data")."""
     scheme, sep, rest = source.partition(":")
