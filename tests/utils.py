@@ -271,3 +271,13 @@ def compiled_rows(q, k, v, gate, settings, *, gate_head=None):
     """`decode_rows` through the compiled step alone: its rows, or None where it does not take the call."""
     return decode_rows(q, k, v, gate, settings, gate_head=gate_head, backend="fused")
 
+
+
+def train_summary(run: Path, capsys=None) -> dict:
+    """The end-of-run summary `piattn train` wrote to RUN/summary.json (stdout holds the one for a person,
+    which `capsys`, when given, is read past)."""
+    import json
+
+    if capsys is not None:
+        capsys.readouterr()
+    return json.loads((Path(run) / "summary.json").read_text(encoding="utf-8"))

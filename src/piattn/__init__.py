@@ -16,8 +16,9 @@ _EXPORTS = {
     "pi_attention": "piattn.ops.pi",
     "pi_attention_weights": "piattn.ops.pi",
     "PiAttention": "piattn.layers",
+    "load": "piattn.loading",
 }
-__all__ = ["BACKENDS", "PiAttention", "layers", "pi_attention", "pi_attention_weights"]
+__all__ = ["BACKENDS", "PiAttention", "layers", "load", "pi_attention", "pi_attention_weights"]
 
 
 def __getattr__(name: str):

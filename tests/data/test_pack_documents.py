@@ -1,6 +1,5 @@
 """Packed documents: sequences cut from one stream that carry each token's document, and the LM task on them."""
 
-import json
 
 import numpy as np
 import pytest
@@ -10,7 +9,7 @@ from piattn.cli import main
 from piattn.data.packing import PackedSequences, SequenceLoader
 from piattn.models import GPT, GPTConfig
 from piattn.tasks.lm import IGNORE, LanguageModelTask
-from utils import write_word_corpus
+from utils import train_summary, write_word_corpus
 
 STARTS = [0, 5, 7, 20, 21]  # documents of 5, 2, 13, 1 and 9 tokens
 TOKENS = np.arange(30) % 11
@@ -71,7 +70,7 @@ def test_training_with_packed_documents(tmp_path, capsys):
                 "--device", "cpu", "--no-progress", *extra]
 
     assert main(argv(tmp_path / "run", "--pack-documents")) == 0
-    assert json.loads(capsys.readouterr().out)["step"] == 2
+    assert train_summary(tmp_path / "run", capsys)["step"] == 2
     assert main(argv(tmp_path / "run2", "--pack-documents", "--cross-documents")) == 2
     assert "exclude each other" in capsys.readouterr().err
     # Sequence parallelism: refused before any process group starts or anything is written.

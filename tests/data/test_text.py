@@ -68,8 +68,6 @@ def test_folder_of_files_without_split(tmp_path):
 def test_single_file_is_one_document_with_bom_and_crlf_normalised(tmp_path):
     file = write(tmp_path / "book.txt", b"\xef\xbb\xbfline one\r\nline two\r\n")
     assert list(load_documents(str(file))) == ["line one\nline two\n"]
-    with pytest.raises(ValueError, match="split must be None when path is a single file"):
-        text_documents(file, "train")
 
 
 def test_missing_and_empty_paths_fail_naming_the_path(tmp_path):
@@ -366,3 +364,75 @@ def test_invalid_byte_offset_across_read_chunks(tmp_path, monkeypatch):
     for data, offset in [("abc日".encode() + b"\xff", 6), ("ab日".encode()[:4] + b"zz", 2), (b"abcd\xc3", 4)]:
         bad = write(tmp_path / "bad.txt", data)
         assert text._first_invalid_utf8(bad)[0] == offset
+
+
+def test_a_single_file_splits_90_5_5_by_contiguous_bytes(tmp_path):
+    body = "".join(f"line {i:03d}\n" for i in range(100))  # 900 bytes
+    file = write(tmp_path / "my.txt", body)
+    parts = {split: "".join(load_documents(str(file), split)) for split in ("train", "validation", "test")}
+    assert parts["train"] + parts["validation"] + parts["test"] == body
+    assert [len(parts[s].encode()) for s in ("train", "validation", "test")] == [810, 45, 45]
+    assert parts["train"] == body[:810] and parts["test"] == body[855:]
+    assert list(load_documents(str(file), "val")) == [parts["validation"]]  # the same, deterministically
+    note = text.split_plan(file).note(str(file))
+    assert "\n" not in note and "90/5/5" in note
+    assert "validation 45 bytes (my.txt bytes 810-855)" in note and "test 45 bytes (my.txt bytes 855-900)" in note
+
+
+def test_a_folder_of_any_text_files_splits_their_concatenation_in_name_order(tmp_path):
+    folder = tmp_path / "corpus"
+    write(folder / "b.md", "b" * 100)
+    write(folder / "a.py", "a" * 880)
+    write(folder / "c", "é" * 10)  # 20 bytes, no suffix: still text
+    write(folder / ".hidden", b"\0\0")
+    (folder / "sub").mkdir()
+    assert text.auto_split_files(folder) == [folder / "a.py", folder / "b.md", folder / "c"]
+    assert list(load_documents(str(folder), "train")) == ["a" * 880, "b" * 20]
+    assert list(load_documents(str(folder), "validation")) == ["b" * 50]
+    assert list(load_documents(str(folder), "test")) == ["b" * 30, "é" * 10]
+    note = text.split_plan(folder).note(str(folder))
+    assert "3 file(s) in name order" in note and "test 50 bytes (b.md bytes 70-100, c bytes 0-20)" in note
+    # the fingerprint follows the content and the split
+    before = source_fingerprint(str(folder), "test")
+    assert before != source_fingerprint(str(folder), "validation")
+    write(folder / "c", "e" * 20)
+    assert source_fingerprint(str(folder), "test") != before
+
+
+def test_a_byte_split_never_cuts_a_character(tmp_path):
+    file = write(tmp_path / "u.txt", "é" * 55)  # 110 bytes; 90 % is byte 99, inside a character
+    parts = [list(load_documents(str(file), split)) for split in ("train", "validation", "test")]
+    assert "".join(doc for part in parts for doc in part) == "é" * 55
+    assert all(part for part in parts)
+
+
+def test_the_split_folders_layout_keeps_working(tmp_path):
+    write(tmp_path / "train" / "a.txt", "train text")
+    write(tmp_path / "valid" / "a.txt", "validation text")
+    write(tmp_path / "test" / "a.txt", "test text")
+    write(tmp_path / "README.md", "not a split")
+    assert not text.is_auto_split(tmp_path)
+    assert list(load_documents(str(tmp_path), "validation")) == ["validation text"]
+    assert list(load_documents(str(tmp_path), "test")) == ["test text"]
+
+
+@pytest.mark.parametrize("content, says", [
+    (b"", "empty file; expected UTF-8 text"),
+    (b"text\0\x01\x02 more", "binary file (NUL byte at byte offset 4); expected UTF-8 text"),
+    (b"caf\xe9 latin-1", "binary or not UTF-8 (invalid byte 0xe9 at byte offset 3); expected UTF-8 text"),
+])
+def test_empty_or_binary_files_are_refused_in_one_line_naming_them(tmp_path, content, says):
+    file = write(tmp_path / "data.bin", content)
+    for source in (file, tmp_path):
+        with pytest.raises(ValueError) as err:
+            load_documents(str(source), "train")
+        assert str(err.value).startswith(f"{file}: ") and says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_too_short_to_split_and_empty_folder(tmp_path):
+    file = write(tmp_path / "tiny.txt", "abc")
+    with pytest.raises(ValueError, match=r"3 bytes are too few to split 90/5/5 \(validation, test would be empty\)"):
+        load_documents(str(file), "test")
+    (tmp_path / "none").mkdir()
+    with pytest.raises(ValueError, match="no files in .*none: expected text files"):
+        load_documents(str(tmp_path / "none"), "train")

@@ -224,11 +224,11 @@ def test_signature_is_the_contract():
     """The public signature is fixed; its setting defaults are piattn.config.pi.PI_DEFAULTS."""
     params = inspect.signature(piattn.pi_attention).parameters
     assert list(params) == ["q", "k", "v", "gate", "window", "period", "causal", "variant", "prior", "logit_clamp",
-                            "eps", "scale", "dropout_p", "sinks", "document_ids", "backend", "check_gate"]
+                            "eps", "scale", "dropout_p", "sinks", "document_ids", "backend", "check_gate", "layout"]
     assert all(params[name].kind is inspect.Parameter.KEYWORD_ONLY for name in list(params)[4:])
     defaults = {name: p.default for name, p in params.items() if p.default is not inspect.Parameter.empty}
     assert defaults == {**PI_DEFAULTS.as_kwargs(), "gate": None, "causal": True, "scale": None, "dropout_p": 0.0,
-                        "document_ids": None, "backend": "auto", "check_gate": True}
+                        "document_ids": None, "backend": "auto", "check_gate": True, "layout": "bhtd"}
     assert PI_DEFAULTS.as_kwargs() == dict(window=4, period=16, variant="adaptive", prior=0.5, logit_clamp=20.0,
                                            eps=1e-4, sinks=0)
 

@@ -28,6 +28,7 @@ from piattn.tasks import ListOpsTask
 from piattn.train.checkpoint import load_trainer_state, load_weights, read_config, read_latest
 from piattn.train.distributed import setup
 from piattn.train.metrics import read_metrics
+from utils import train_summary
 
 TINY = ["--n-layer", "2", "--d-model", "32", "--n-head", "2", "--batch-size", "4", "--warmup", "1",
         "--device", "cpu", "--precision", "fp32", "--no-progress"]
@@ -38,7 +39,7 @@ def train_then_eval(capsys, out, *argv) -> tuple[dict, dict]:
     """(summary of `piattn train` with argv, result of `piattn eval` on its test split)."""
     assert main(["train", "--out", str(out), "--steps", "2", "--eval-every", "2", "--eval-batches", "1",
                  "--log-every", "1", *TINY, *argv]) == 0
-    summary = json.loads(capsys.readouterr().out)
+    summary = train_summary(out, capsys)
     assert main(["eval", "--checkpoint", str(out), "--use-stored-data", "--split", "test", "--device", "cpu",
                  "--json"]) == 0
     result = json.loads(capsys.readouterr().out)

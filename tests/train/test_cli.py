@@ -15,7 +15,7 @@ from piattn.models import GPT, GPTConfig
 from piattn.tasks.lm import token_byte_lengths
 from piattn.train.checkpoint import load_weights, read_config, read_latest
 from piattn.train.metrics import read_metrics
-from utils import write_word_corpus
+from utils import train_summary, write_word_corpus
 
 SEQ = 64
 
@@ -50,7 +50,7 @@ def oracle_test_loss(checkpoint, corpus) -> tuple[float, int]:
 def test_train_then_eval(tmp_path, capsys):
     corpus, run = write_corpus(tmp_path / "corpus"), tmp_path / "run"
     assert main(train_argv(corpus, run)) == 0
-    summary = json.loads(capsys.readouterr().out)
+    summary = train_summary(run, capsys)
     assert summary["step"] == 4 and summary["checkpoint"].endswith("step_00000004")
 
     records = read_metrics(run)  # every line parses as JSON

@@ -85,11 +85,20 @@ def test_train_prints_its_settings_warns_of_warmup_and_summarises_the_gates_brie
     assert "--tokenizer" not in err  # a flag the reach task ignores is not shown
     assert re.search(r"optim +--batch-size 4, .*--steps 3, .*--warmup 3", " ".join(err.split()))
     assert "warning: --warmup 3 >= --steps 3" in err
-    summary = json.loads(captured.out)
+    summary = json.loads((out / "summary.json").read_text())  # every number, in the run folder
     assert not any(k.startswith("alpha/") for k in summary["train"])
     alpha = summary["train"]["alpha"]
     assert alpha["layers"] == 2 and set(alpha) == {"layers", "mean", "q05", "q50", "q95"}
-    assert len(captured.out.splitlines()) < 30  # before: over 60 lines for two layers
+    # stdout: a summary for a person, not a JSON dump
+    lines = captured.out.strip().splitlines()
+    assert len(lines) <= 10 and not captured.out.lstrip().startswith("{")
+    assert lines[0] == f"piattn train: done at step 3, run folder {out}"
+    means = ", ".join(f"{a:.2f}" for a in alpha["mean"])
+    assert re.fullmatch(rf"  training \(last logged step\): loss \d+\.\d{{4}}; [\d,]+ tokens/s; gate α mean by "
+                        rf"layer {means}", lines[1]), lines[1]
+    assert lines[2] == "  validation:" and lines[3].startswith("    accuracy  ")
+    assert f"  checkpoint  {summary['checkpoint']}" in lines
+    assert lines[-1] == f"  all numbers in {out / 'summary.json'}, every logged step in {out / 'metrics.jsonl'}"
     record = [r for r in read_metrics(out) if r["split"] == "train"][-1]
     assert alpha["mean"] == [round(record[f"alpha/layer{i}/mean"], 3) for i in (0, 1)]
     assert len(record["alpha/layer1/head_mean"]) == 2  # metrics.jsonl keeps every statistic
@@ -139,3 +148,30 @@ def test_torch_threads_sets_and_restores():
     with torch_threads(3, "cuda") as n:
         assert n == 3
     assert torch.get_num_threads() == before
+
+
+def test_train_and_eval_draw_one_progress_bar_style(tmp_path):
+    """Both bars are `piattn.progress.progress_bar`: tqdm, named by what it counts, with its rate and time left."""
+    import io
+
+    from piattn.commands.eval import Progress
+    from piattn.progress import progress_bar
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream = Terminal()
+    with Progress(3, stream=stream) as progress:
+        for _ in range(3):
+            progress.step()
+    assert re.search(r"eval: 100%\|.*\| 3/3 \[\d\d:\d\d<\d\d:\d\d, .*batch/s\]", stream.getvalue()), stream.getvalue()
+    piped = io.StringIO()  # eval draws only on a terminal
+    with Progress(3, stream=piped) as progress:
+        progress.step()
+    assert piped.getvalue() == ""
+    train = Terminal()
+    bar = progress_bar(4, desc="train", unit="step", initial=1, file=train)
+    bar.update(3)
+    bar.close()
+    assert re.search(r"train: 100%\|.*\| 4/4 \[.*step/s\]", train.getvalue()), train.getvalue()

@@ -3,13 +3,11 @@ resolved periods, and `piattn eval` / `piattn generate` rebuild that model from 
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from piattn.cli import main
 from piattn.train.checkpoint import read_config
-from utils import write_word_corpus
+from utils import train_summary, write_word_corpus
 
 
 def train(tmp_path, period: str):
@@ -27,7 +25,7 @@ def train(tmp_path, period: str):
                                             ("geometric:3", [3, 6])])
 def test_train_stores_the_resolved_periods_and_eval_generate_rebuild(tmp_path, capsys, period, stored):
     run = train(tmp_path, period)
-    checkpoint = json.loads(capsys.readouterr().out)["checkpoint"]
+    checkpoint = train_summary(run, capsys)["checkpoint"]
     assert read_config(checkpoint)["model"]["period"] == stored
     assert main(["eval", "--checkpoint", str(run), "--use-stored-data", "--split", "test", "--device", "cpu"]) == 0
     assert main(["generate", "--checkpoint", str(run), "--prompt", "ab", "--max-new-tokens", "5", "--seed", "0",
@@ -36,7 +34,7 @@ def test_train_stores_the_resolved_periods_and_eval_generate_rebuild(tmp_path, c
 
 def test_cover_targets_the_sequence(tmp_path, capsys):
     run = train(tmp_path, "cover")
-    periods = read_config(json.loads(capsys.readouterr().out)["checkpoint"])["model"]["period"]
+    periods = read_config(train_summary(run, capsys)["checkpoint"])["model"]["period"]
     from piattn.analysis.multiscale import schedule
 
     assert periods == [list(h) for h in schedule("cover", 2, 2, 2, target=31)]

@@ -16,6 +16,7 @@ from piattn.data import raster
 from piattn.models import GPT, GPTConfig
 from piattn.tasks.pixels import START, complete, neighbour_lags, row_bands
 from piattn.train.checkpoint import load_weights, read_config, read_latest
+from utils import train_summary
 
 TINY = ["--n-layer", "2", "--d-model", "32", "--n-head", "4", "--batch-size", "4", "--warmup", "1", "--device", "cpu",
         "--precision", "fp32", "--no-progress", "--downsample", "4"]
@@ -41,7 +42,7 @@ def train_pixels(out, data, *extra) -> None:
 def test_pixels_trains_and_eval_reports_bits_per_dim_by_row_band(tmp_path, capsys, digits):
     out = tmp_path / "px"
     train_pixels(out, digits, "--period", "width")
-    summary = json.loads(capsys.readouterr().out)
+    summary = train_summary(out, capsys)
     assert summary["validation"]["bits_per_dim"] > 0
     folder = read_latest(out / "checkpoints")
     config = read_config(folder)

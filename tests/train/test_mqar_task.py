@@ -21,6 +21,7 @@ from piattn.tasks import MQARTask
 from piattn.tasks.mqar import pairs_view
 from piattn.train.checkpoint import load_weights, read_config, read_latest
 from piattn.train.distributed import setup
+from utils import train_summary
 
 TINY = ["--n-layer", "2", "--d-model", "32", "--n-head", "2", "--batch-size", "4", "--warmup", "1",
         "--device", "cpu", "--precision", "fp32", "--no-progress"]
@@ -133,7 +134,7 @@ def test_mqar_trains_and_eval_reports_accuracy_by_distance_and_pairs(tmp_path, c
                  "--task", "mqar", "--attention", "pi", "--window", "2", "--period", "8", "--seq-len", "32",
                  "--mqar-pairs", "2,4", "--mqar-keys", "6", "--mqar-values", "5", "--train-size", "8",
                  "--eval-size", "10", *TINY]) == 0
-    summary = json.loads(capsys.readouterr().out)
+    summary = train_summary(out, capsys)
     assert set(summary["validation"]["accuracy_by_pairs"]) <= {"2", "4"}
     assert main(["eval", "--checkpoint", str(out), "--split", "test", "--device", "cpu", "--json"]) == 0
     captured = capsys.readouterr()

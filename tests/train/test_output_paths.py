@@ -65,3 +65,20 @@ def test_train_checks_out_before_any_work(out, capsys):
     assert main(["train", "--task", "reach", "--lag", "3", "--steps", "1", "--out", out]) == 2
     err = capsys.readouterr().err
     assert err.startswith("piattn train: error: --out ") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("source, label", [
+    ("books:../data/books", "books"), ("/data/my.txt", "my.txt"), ("corpus/", "corpus"),
+    ("coco:/data/coco2014", "coco-coco2014"), ("wikitext:data/wikitext-103/", "wikitext-wikitext-103"),
+    ("hf:roneneldan/TinyStories", "hf-TinyStories"), ("mnist5k", "mnist5k"), ("../", "data"),
+    ("a" * 80 + ".txt", "a" * 32),
+])
+def test_eval_files_get_short_names_of_their_data(source, label):
+    import argparse
+    from pathlib import Path
+
+    from piattn.commands.eval import data_label, default_name
+
+    assert data_label(source) == label
+    args = argparse.Namespace(data=source, split="test")
+    assert default_name(Path("step_00000004"), args) == f"step_00000004_test_{label}.json"

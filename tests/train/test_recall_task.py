@@ -17,6 +17,7 @@ from piattn.models import GPT, GPTConfig
 from piattn.tasks import RecallTask
 from piattn.train.checkpoint import load_weights, read_config, read_latest
 from piattn.train.distributed import setup
+from utils import train_summary
 
 TINY = ["--n-layer", "2", "--d-model", "32", "--n-head", "2", "--batch-size", "4", "--warmup", "1",
         "--device", "cpu", "--precision", "fp32", "--no-progress"]
@@ -30,7 +31,7 @@ def test_recall_trains_and_eval_reports_accuracy_by_lag(tmp_path, capsys, order,
                  "--task", "recall", "--attention", "pi", "--window", "2", "--period", "8", "--seq-len", "24",
                  "--recall-symbols", "5", "--lag-min", "3", "--lag-max", "12", "--recall-order", order,
                  "--recall-loss", loss, "--train-size", "8", "--eval-size", "25", *TINY]) == 0
-    summary = json.loads(capsys.readouterr().out)
+    summary = train_summary(out, capsys)
     assert set(summary["validation"]["accuracy_by_lag"]) <= {str(lag) for lag in range(3, 13)}
     assert main(["eval", "--checkpoint", str(out), "--split", "test", "--device", "cpu", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)

@@ -29,6 +29,7 @@ from piattn.models import DualEncoder
 from piattn.tasks.ranking import retrieval_recalls
 from piattn.train.checkpoint import load_weights, read_config, read_latest
 from piattn.train.metrics import read_metrics
+from utils import train_summary
 
 TINY = ["--n-layer", "1", "--d-model", "16", "--n-head", "2", "--caption-len", "24", "--warmup", "1",
         "--device", "cpu", "--precision", "fp32", "--no-progress"]
@@ -89,7 +90,7 @@ def checkpoint_model(out) -> DualEncoder:
 def train_then_eval(capsys, out, *argv) -> tuple[dict, dict]:
     assert main(["train", "--task", "vl-retrieval", "--out", str(out), "--steps", "2", "--eval-every", "2",
                  "--log-every", "1", *TINY, *argv]) == 0
-    summary = json.loads(capsys.readouterr().out)
+    summary = train_summary(out, capsys)
     assert main(["eval", "--checkpoint", str(out), "--use-stored-data", "--split", "test", "--device", "cpu",
                  "--json"]) == 0
     return summary, json.loads(capsys.readouterr().out)

@@ -6,7 +6,7 @@
       perplexity  2.589 (per token)
       bits/byte   1.3723  (= loss / ln 2: byte tokenizer, one token per byte)
 
-    full JSON written to runs/pi-tiny/eval/step_00002000_test_books-data-books.json
+    full JSON written to runs/pi-tiny/eval/step_00002000_test_books.json
 
 stdout gets the summary (`eval_report`: the task, checkpoint and split, the main metrics with their units,
 for the recall and reach tasks accuracy by lag with the lags the reachability analysis says the model
@@ -57,6 +57,7 @@ from ..config import PRECISIONS
 from ..data.examples import ExampleLoader
 from ..data.packing import SequenceLoader
 from ..data.text import normalize_split
+from ..progress import progress_bar
 from ..tasks import LanguageModelTask, PixelsTask, VisionLanguageTask, config_class, restore
 from ..tasks.classification import ClassificationTask
 from ..train import checkpoint as ckpt
@@ -107,9 +108,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(--output) or writing a numbered name (default)")
 
 
+def data_label(source: str) -> str:
+    """A short name for a data source in a file name: the last part of its path, after its scheme when that
+    differs: `books:data/books` -> `books`, `/data/my.txt` -> `my.txt`, `coco:/data/coco2014` ->
+    `coco-coco2014`, `mnist5k` -> `mnist5k`. At most 32 characters of letters, digits, '.', '-'. The full
+    source is in the file (its "data")."""
+    scheme, sep, rest = source.partition(":")
+    if not sep or not rest or "/" in scheme or "\\" in scheme:
+        scheme, rest = "", source
+    base = Path(rest.rstrip("/\\")).name or rest
+    label = base if not scheme or scheme == base else f"{scheme}-{base}"
+    return re.sub(r"[^A-Za-z0-9.]+", "-", label).strip("-.")[:32].strip("-.") or "data"
+
+
 def default_name(checkpoint: Path, args: argparse.Namespace) -> str:
-    """`step_…_<split>.json`, with the data source appended when it is not the training one."""
-    data = "" if args.data is None else "_" + re.sub(r"[^A-Za-z0-9.]+", "-", args.data).strip("-")[-48:]
+    """`step_…_<split>.json`, with a short name of the data source (`data_label`) appended when it is not the
+    training one."""
+    data = "" if args.data is None else "_" + data_label(args.data)
     return f"{checkpoint.name}_{args.split}{data}.json"
 
 
@@ -309,8 +324,9 @@ class Progress:
     def __init__(self, total: int | None, enabled: bool = True, stream=None):
         self.total, self.stream = total, stream if stream is not None else sys.stderr
         self.enabled = enabled and self.stream.isatty()
-        self.done, self._hooks, self._drawn = 0, [], 0.0
-        self._start = time.perf_counter()
+        self.done, self._hooks = 0, []
+        # the one bar style of the commands (`piattn.progress`), as `piattn train` draws its own
+        self.bar = progress_bar(total, desc="eval", unit="batch", enabled=self.enabled, file=self.stream)
 
     def watch(self, model: nn.Module) -> None:
         modules = [model.image, model.text] if hasattr(model, "encode_images") else [model]
@@ -318,21 +334,7 @@ class Progress:
 
     def step(self) -> None:
         self.done += 1
-        now = time.perf_counter()
-        if self.enabled and (now - self._drawn >= 0.1 or self.done == self.total):  # ≤ 10 redraws a second
-            self._drawn = now
-            self.stream.write("\r" + self.line(now - self._start))
-            self.stream.flush()
-
-    def line(self, seconds: float) -> str:
-        rate = self.done / seconds if seconds > 0 else 0.0
-        if not self.total:
-            return f"eval {self.done} batches  {seconds:.0f} s  {rate:.1f} batches/s"
-        width = 30
-        filled = min(width, width * self.done // self.total)
-        left = f", {(self.total - self.done) / rate:.0f} s left" if rate > 0 and self.done < self.total else ""
-        return (f"eval [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} batches  "
-                f"{seconds:.0f} s{left}  ")
+        self.bar.update(1)
 
     def __enter__(self) -> Progress:
         return self
@@ -340,9 +342,7 @@ class Progress:
     def __exit__(self, *exc) -> None:
         for hook in self._hooks:
             hook.remove()
-        if self.enabled and self.done:
-            self.stream.write("\n")
-            self.stream.flush()
+        self.bar.close()
 
 
 def numbered(path: Path, n: int) -> Path:

@@ -15,9 +15,10 @@ is an error. Tasks: `piattn.tasks.TASKS`.
 `--resume` takes every setting from the run's latest checkpoint; a flag given again must have the stored
 value unless it may change (`--steps`, `--cache-dir`, the run group: `--eval-every`, `--device`, …).
 `--threads` sets torch's CPU threads (default 1 on the CPU). The settings are printed as one block at the
-start; the end prints a JSON summary (gate statistics condensed: every one is in RUN/metrics.jsonl) and
-draws RUN/metrics.png. A loss, gradient norm or weight that stops being finite stops the run with a one-line
-error, and nothing of that state is saved.
+start; the end prints a summary for a person (the loss, speed, mean gate by layer, validation metrics,
+checkpoint), writes every number of it to RUN/summary.json (gate statistics condensed: every one is in
+RUN/metrics.jsonl) and draws RUN/metrics.png. A loss, gradient norm or weight that stops being finite
+stops the run with a one-line error, and nothing of that state is saved.
 
 Multi-GPU: `torchrun --nproc_per_node 8 -m piattn.cli train ...` (one process per GPU, DDP). Long sequences:
 `--sequence-parallel N` splits each sequence over N ranks (--task lm, --attention pi or local; the world
@@ -30,6 +31,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from pathlib import Path
 
 from ..config import TrainConfig
 from ..config.model import PERIOD_SCHEDULES, is_geometry_period
@@ -37,7 +39,9 @@ from ..config.training import period_text
 from ..data.tokenizers import KINDS as TOKENIZER_KINDS
 from ..layers import attention_registry
 from ..ops.pi import BACKENDS
+from ..safe_files import atomic_write_text
 from ..tasks import TASKS, config_class, task_class
+from ..train import checkpoint as ckpt
 from ..train.gates import condensed
 from ..train.loop import MicroStepHook, resumed_config, train
 from .common import add_threads_argument, torch_threads
@@ -107,6 +111,9 @@ def config_of(args: argparse.Namespace) -> TrainConfig:
     return resumed_config(cfg, CONFIG.given(args)) if cfg.run.resume else cfg
 
 
+SUMMARY_FILE = "summary.json"  # in the run folder: the end-of-run summary as JSON (`summary_json`)
+
+
 def summary_json(summary: dict) -> str:
     """The end-of-run summary as indented JSON, the training record's gate statistics condensed to a few
     per-layer lists (`condensed`), and each list on one line."""
@@ -122,6 +129,44 @@ def _dumps(value, indent: int = 0) -> str:
     return "{\n" + items + "\n" + " " * indent + "}"
 
 
+def _number(value) -> str:
+    return f"{value:,.0f}" if abs(value) >= 1e4 else f"{value:.4g}"
+
+
+def _validation_lines(result: dict, checkpoint: Path) -> list[str]:
+    """The validation metrics as `piattn eval` shows them (with their units), else every number, one line."""
+    from .eval_report import metric_lines  # the eval command's summary, imported when a run ends
+
+    try:
+        lines = metric_lines(result, ckpt.read_config(checkpoint))
+    except (KeyError, TypeError, ValueError):
+        lines = []
+    if lines:
+        return lines
+    numbers = [f"{key} {_number(value)}" for key, value in result.items()
+               if isinstance(value, (int, float)) and not isinstance(value, bool)]
+    return ["  " + ", ".join(numbers)] if numbers else []
+
+
+def summary_lines(summary: dict, out: Path) -> list[str]:
+    """The end of a run for a person: the step reached, the last logged training loss and speed, the mean gate
+    by layer, the validation metrics, the checkpoint and where the whole summary (summary.json) went."""
+    lines = [f"piattn train: done at step {summary.get('step')}, run folder {out}"]
+    train = condensed(summary["train"]) if summary.get("train") else {}
+    if train:
+        parts = [f"loss {train['loss']:.4f}" if "loss" in train else None,
+                 f"{train['tokens_per_second']:,.0f} tokens/s" if "tokens_per_second" in train else None,
+                 f"gate α mean by layer {', '.join(f'{a:.2f}' for a in train['alpha']['mean'])}"
+                 if train.get("alpha", {}).get("mean") else None]
+        lines.append("  training (last logged step): " + "; ".join(p for p in parts if p))
+    if summary.get("validation"):
+        lines += ["  validation:", *("  " + line for line in _validation_lines(summary["validation"],
+                                                                              Path(summary["checkpoint"])))]
+    lines.append(f"  checkpoint  {summary['checkpoint']}")
+    lines.append(f"  all numbers in {out / SUMMARY_FILE}, every logged step in {out / 'metrics.jsonl'}")
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     output_folder(args.out, "--out")  # before any work: '' (the current folder) or /proc are refused
     cfg = config_of(args)
@@ -129,5 +174,7 @@ def run(args: argparse.Namespace) -> int:
         summary = train_config(cfg)
     if summary.get("checkpoint") is not None:  # rank 0, the one that saves, reports
         summary["checkpoint"] = str(summary["checkpoint"])
-        print(summary_json(summary))
+        out = Path(cfg.run.out)
+        atomic_write_text(out / SUMMARY_FILE, summary_json(summary) + "\n")
+        print("\n".join(summary_lines(summary, out)))
     return 0

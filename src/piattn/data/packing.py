@@ -21,12 +21,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from piattn.data.tokenizers import Tokenizer
 from piattn.safe_files import atomic_save_npy, atomic_writer
 
 from ..checks import is_int
+from ..progress import progress_bar
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def tokenize_corpus(documents: Iterable[str], tokenizer: Tokenizer, path: str | 
     n_tokens = 0
     total = getattr(documents, "size_hint", None) or (len(documents) if hasattr(documents, "__len__") else None)
     with tempfile.TemporaryFile(dir=tokens_file.parent) as raw:
-        for doc in tqdm(documents, total=total, desc="tokenizing", unit="doc", disable=not progress):
+        for doc in progress_bar(total, desc="tokenizing", unit="doc", enabled=progress, iterable=documents):
             ids = np.asarray(tokenizer.encode(doc), dtype=np.int64)
             if ids.size and (ids.min() < 0 or ids.max() >= tokenizer.vocab_size):
                 raise ValueError(f"tokenizer produced ids outside [0, {tokenizer.vocab_size})")

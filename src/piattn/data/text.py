@@ -13,6 +13,9 @@ Documents that are empty or only whitespace are skipped; a source that yields no
                                   a Hugging Face dataset, one document per row    -> hf_documents
     any other string              a text file (one document) or a folder of .txt
                                   files, PG-19 layout when a split is given       -> text_documents
+                                  (with a split, a single file or a folder without
+                                  train/ validation/ test/ is split 90/5/5 by
+                                  contiguous bytes: AUTO_SPLIT, split_plan)
 
 Splits are named "train", "validation" or "test"; "valid" and "val" mean "validation".
 
@@ -28,6 +31,7 @@ import hashlib
 import itertools
 import re
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 SPLITS = ("train", "validation", "test")
@@ -142,8 +146,13 @@ def _files_documents(source: str, files: list[Path], transform: Callable[[Path, 
 
 
 def text_files(path: str | Path, split: str | None = None) -> list[Path]:
-    """The files `text_documents` reads, in the order it reads them (sorted by name)."""
+    """The files `text_documents` reads, in the order it reads them (sorted by name).
+
+    With a split and no split folders (`is_auto_split`): every file of the byte split (`split_plan`).
+    """
     path = _existing(path)
+    if split is not None and is_auto_split(path):
+        return auto_split_files(path)
     if path.is_file():
         if split is not None:
             raise ValueError(f"split must be None when path is a single file, got {split!r} for {path}")
@@ -170,8 +179,149 @@ def text_documents(path: str | Path, split: str | None = None) -> Documents:
     documents are the `*.txt` files of that subfolder. Order is sorted by file name, so it is the same on
     every machine.
     """
+    if split is not None and is_auto_split(path):
+        return split_documents(path, split)
     files = text_files(path, split)
     return _files_documents(str(path) if split is None else f"{path} [{split}]", files)
+
+
+# --- A file, or a folder without split folders, split by bytes --------------------------------------------
+
+# Train, validation and test: contiguous byte ranges of the text (the files concatenated in name order), in
+# this order and these shares, nanoGPT-style: the first 90 % trains, the next 5 % validates, the last 5 % tests.
+AUTO_SPLIT = {"train": 0.90, "validation": 0.05, "test": 0.05}
+_SNIFF = 1024  # bytes of each file checked for NUL bytes and invalid UTF-8 before anything is read
+
+
+def is_auto_split(path: str | Path) -> bool:
+    """Whether `path` is split by bytes: a single file, or a folder with none of the split folders."""
+    path = _existing(path)
+    if path.is_file():
+        return True
+    return not any((path / alias).is_dir() for aliases in SPLIT_ALIASES.values() for alias in aliases)
+
+
+def auto_split_files(path: str | Path) -> list[Path]:
+    """The files split by bytes: `path` itself, or every regular file at the top of the folder (names
+    starting with "." skipped), sorted by name; each checked by `check_text_file`."""
+    path = _existing(path)
+    if path.is_file():
+        files = [path]
+    else:
+        files = sorted(f for f in path.iterdir() if f.is_file() and not f.name.startswith("."))
+        if not files:
+            raise ValueError(f"no files in {path}: expected text files, or train/ validation/ test/ folders of them")
+    for file in files:
+        check_text_file(file)
+    return files
+
+
+def check_text_file(file: Path) -> None:
+    """ValueError in one line naming `file` when it is empty or looks binary: a NUL byte or a byte that is
+    not UTF-8 in its first KB."""
+    expected = "expected UTF-8 text"
+    if file.stat().st_size == 0:
+        raise ValueError(f"{file}: empty file; {expected}")
+    with open(file, "rb") as f:
+        head = f.read(_SNIFF)
+    nul = head.find(b"\0")
+    if nul >= 0:
+        raise ValueError(f"{file}: binary file (NUL byte at byte offset {nul}); {expected}")
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)  # a character cut at the end is fine
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{file}: binary or not UTF-8 (invalid byte 0x{head[err.start]:02x} at byte offset "
+                         f"{err.start}); {expected}, e.g. converted with iconv") from None
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """Where the byte split of a file or folder cuts: `files` in order, their byte `sizes`, and for each
+    split its [start, end) in the concatenation of the files' bytes."""
+
+    files: tuple[Path, ...]
+    sizes: tuple[int, ...]
+    ranges: dict
+
+    def pieces(self, split: str) -> list[tuple[Path, int, int]]:
+        """(file, start, end) byte ranges inside each file that `split` covers, in order."""
+        start, end = self.ranges[normalize_split(split)]
+        out, offset = [], 0
+        for file, size in zip(self.files, self.sizes, strict=True):
+            lo, hi = max(start, offset), min(end, offset + size)
+            if lo < hi:
+                out.append((file, lo - offset, hi - offset))
+            offset += size
+        return out
+
+    def note(self, source: str) -> str:
+        """One line: how the text was split and what went to validation and test."""
+        def where(split: str) -> str:
+            start, end = self.ranges[split]
+            files = ", ".join(f"{file.name} bytes {lo}-{hi}" for file, lo, hi in self.pieces(split))
+            return f"{split} {end - start:,} bytes ({files})"
+
+        order = " in name order" if len(self.files) > 1 else ""
+        return (f"--data {source}: no train/ validation/ test/ folders, so split by contiguous bytes 90/5/5 of "
+                f"{len(self.files)} file(s){order}; {where('validation')}, {where('test')}")
+
+
+def _char_start(plan_files: list[Path], sizes: list[int], cut: int) -> int:
+    """`cut` moved forward past UTF-8 continuation bytes, so that no character is split."""
+    offset = 0
+    for file, size in zip(plan_files, sizes, strict=True):
+        if offset <= cut < offset + size:
+            with open(file, "rb") as f:
+                f.seek(cut - offset)
+                ahead = f.read(4)
+            skip = 0
+            while skip < len(ahead) and 0x80 <= ahead[skip] < 0xC0:
+                skip += 1
+            return cut + skip
+        offset += size
+    return cut
+
+
+def split_plan(path: str | Path) -> SplitPlan:
+    """The byte split of a file or a folder without split folders (AUTO_SPLIT): cuts at 90 % and 95 % of
+    the bytes, each moved forward to the start of a UTF-8 character. Deterministic: it depends only on
+    the files' names and bytes. ValueError when validation or test would be empty."""
+    files = auto_split_files(path)
+    sizes = [f.stat().st_size for f in files]
+    total = sum(sizes)
+    shares = list(AUTO_SPLIT.values())
+    first = _char_start(files, sizes, round(total * shares[0]))
+    second = max(first, _char_start(files, sizes, round(total * (shares[0] + shares[1]))))
+    ranges = dict(zip(AUTO_SPLIT, ((0, first), (first, second), (second, total)), strict=True))
+    short = [name for name, (start, end) in ranges.items() if start >= end]
+    if short:
+        raise ValueError(f"{path}: {total} bytes are too few to split 90/5/5 ({', '.join(short)} would be empty)")
+    return SplitPlan(tuple(files), tuple(sizes), ranges)
+
+
+def _decode_piece(file: Path, start: int, end: int) -> str:
+    with open(file, "rb") as f:
+        f.seek(start)
+        data = f.read(end - start)
+    try:
+        text = data.decode("utf-8-sig" if start == 0 else "utf-8")
+    except UnicodeDecodeError:
+        raise not_utf8_error(file) from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def split_documents(path: str | Path, split: str) -> Documents:
+    """The documents of `split` of a file or a folder without split folders: the part of each file that
+    falls in the split's byte range (`split_plan`) is one document."""
+    plan = split_plan(path)
+    split = normalize_split(split)
+
+    def read():
+        for file, start, end in plan.pieces(split):
+            yield _decode_piece(file, start, end)
+
+    return Documents(f"{path} [{split}, bytes {plan.ranges[split][0]}-{plan.ranges[split][1]}]", read,
+                     size_hint=len(plan.pieces(split)))
 
 
 def strip_gutenberg_boilerplate(text: str) -> str:
@@ -392,7 +542,9 @@ def source_fingerprint(source: str, split: str | None = None) -> str:
             raise ValueError(f"split is required for books, one of {SPLITS}")
         kind, root, files = "books", Path(rest), book_files(rest, split)
     else:
-        kind, files = "text", text_files(source, split)
+        # a byte split (is_auto_split) hashes every file: where it cuts depends on all of them
+        kind = "text-bytes-90-5-5" if split is not None and is_auto_split(source) else "text"
+        files = text_files(source, split)
         root = Path(source) if Path(source).is_dir() else None
     add(FINGERPRINT_VERSION, kind, None if split is None else normalize_split(split), len(files))
     for file in files:

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import hashlib
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -17,7 +18,7 @@ from ..checks import is_int
 from ..config import GPTConfig, TrainConfig
 from ..config.flags import Capability, flag
 from ..data.packing import PackedSequences, SequenceLoader, load_corpus, tokenize_corpus
-from ..data.text import load_documents, source_fingerprint
+from ..data.text import is_auto_split, load_documents, source_fingerprint, split_plan
 from ..data.tokenizers import load_tokenizer, make_tokenizer
 from ..layers import sequence_parallel
 from ..models import GPT
@@ -98,7 +99,8 @@ class LanguageModelTask(Task):
 
     name = "lm"
     flags = (TextFlags,)
-    flag_notes = {"data": " (required): a folder with train/ validation/ test/ text files, books:<dir>, "
+    flag_notes = {"data": " (required): a text file or a folder of text files (split 90/5/5 by contiguous "
+                          "bytes), a folder with train/ validation/ test/ text files, books:<dir>, "
                           "wikitext:<dir>, hf:<name>", "seq_len": f" {LM_SEQ_LEN}"}
     capabilities = frozenset({"cache", "sequence_parallel"})
 
@@ -129,6 +131,8 @@ class LanguageModelTask(Task):
             raise ValueError("--vocab-size is required with --tokenizer bpe (e.g. 8192; at least 256)")
         # Check everything before the tokenizer is fitted and written, so a bad flag leaves no trace.
         _documents(cfg.data.data, "train")
+        if ctx.is_main and is_auto_split(cfg.data.data):
+            print(f"piattn train: {split_plan(cfg.data.data).note(cfg.data.data)}", file=sys.stderr)
         if cfg.run.eval_every:
             _documents(cfg.data.data, "validation", hint=" (or pass --eval-every 0)")
         config = GPTConfig.from_name(cfg.model.config, block_size=cfg.data.seq_len,

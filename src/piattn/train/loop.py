@@ -46,6 +46,7 @@ import piattn
 from .. import safe_files
 from ..config import PRECISIONS, TrainConfig
 from ..layers import attention_registry
+from ..progress import progress_bar
 from ..safe_files import link_refusal
 from . import checkpoint as ckpt
 from .distributed import (
@@ -490,8 +491,7 @@ class Trainer:
         if ctx.is_main:
             self._announce()
         metrics = MetricsWriter(self.run_dir, enabled=ctx.is_main, after_step=self.step)
-        bar = tqdm(total=steps, initial=self.step, unit="step", dynamic_ncols=True,
-                   disable=not (ctx.is_main and r.progress))
+        bar = progress_bar(steps, desc="train", unit="step", initial=self.step, enabled=ctx.is_main and r.progress)
         summary: dict = {}
         if self.resumed_from is not None and self.step >= steps:
             summary["checkpoint"] = self.resumed_from

@@ -18,7 +18,16 @@ from .compiled import is_symbolic
 from .heads import by_period, period_groups
 from .pattern import Pattern
 from .settings import OpSettings
-from .validate import all_finite, check_arguments, check_qkv_tensors, gate_or_prior, head_periods
+from .validate import (
+    all_finite,
+    check_arguments,
+    check_layout,
+    check_layout_shapes,
+    check_qkv_tensors,
+    gate_or_prior,
+    head_periods,
+    layout_name,
+)
 from .weights import SlotWeights, pi_attention_weights  # noqa: F401 (public: piattn.pi_attention_weights)
 
 # "auto" and the backends this install can run.
@@ -44,11 +53,13 @@ def pi_attention(
     document_ids: _torch.Tensor | None = None,
     backend: str = "auto",
     check_gate: bool = True,
+    layout: str = "bhtd",
 ) -> _torch.Tensor:
     """π-Attention: each query attends to a local window plus the keys ±period away, under one softmax.
 
     Args:
-        q: [B, H, T, D] queries; k, v: [B, H_kv, T, D] keys and values, H_kv dividing H (grouped-query
+        q: [B, H, T, D] queries (layout "bhtd"; [B, T, H, D] with "bthd", and so for every shape below);
+            k, v: [B, H_kv, T, D] keys and values, H_kv dividing H (grouped-query
             attention: query head h reads key/value head h // (H // H_kv); H_kv = H is plain multi-head).
             fp64, fp32, bf16 or fp16; low precision accumulates in fp32.
         gate: [B, H, T] the local prior α in (0, 1), for variants "adaptive" and "separate"; else None.
@@ -95,10 +106,26 @@ def pi_attention(
             gate). The gate's shape, device and dtype are checked either way; under torch.compile and on
             meta or fake tensors the values are never read.
 
+        layout: the order of the dimensions of q, k, v, the gate and the result. "bhtd" (the default,
+            SDPA's): q [B, H, T, D], gate [B, H, T]. "bthd" (FlashAttention's, and that of model code which
+            splits [B, T, H·D] into heads): q [B, T, H, D], k, v [B, T, H_kv, D], gate [B, T, H], and the
+            result [B, T, H, D]. "bthd" runs the "bhtd" call on transposed views and returns the result as
+            a transposed view: no copy here (a backend whose kernels read contiguous rows copies its inputs,
+            as it does for any strided input). document_ids stays [B, T]. Shape errors name the layout.
+
     Returns:
-        [B, H, T, D] in the dtype of q.
+        [B, H, T, D] in the dtype of q ([B, T, H, D] with layout "bthd").
     """
-    check_qkv_tensors(q, k, v)
+    check_layout(layout)
+    check_qkv_tensors(q, k, v, layout_name(layout))
+    check_layout_shapes(q, k, v, gate, layout)
+    if layout == "bthd":
+        gate = gate.transpose(1, 2) if isinstance(gate, _torch.Tensor) else gate
+        y = pi_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), gate, window=window,
+                         period=period, causal=causal, variant=variant, prior=prior, logit_clamp=logit_clamp,
+                         eps=eps, scale=scale, dropout_p=dropout_p, sinks=sinks, document_ids=document_ids,
+                         backend=backend, check_gate=check_gate)
+        return y.transpose(1, 2)
     variant, gate = gate_or_prior(q, gate, variant, prior)
     # The period's one normalisation: one int per query head, whatever form it was given in.
     periods = head_periods(period, q.shape[1], device=q.device)

@@ -14,6 +14,46 @@ from ...config.pi import GATED_VARIANTS, check_pi_settings, period_tuple
 
 SUPPORTED_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
+# `pi_attention(layout=...)`: the order of the dimensions of q, k, v (and of the gate, which lacks D).
+# "bhtd" is SDPA's and FlexAttention's; "bthd" FlashAttention's and that of most model code, where the heads
+# come from splitting the last dimension of [B, T, H·D].
+LAYOUTS = {"bhtd": "[B, H, T, D]", "bthd": "[B, T, H, D]"}
+GATE_LAYOUTS = {"bhtd": "[B, H, T]", "bthd": "[B, T, H]"}
+KV_LAYOUTS = {"bhtd": "[B, H_kv, T, D]", "bthd": "[B, T, H_kv, D]"}
+
+
+def check_layout(layout) -> None:
+    """`layout` is one of LAYOUTS; ValueError naming the allowed values otherwise."""
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        allowed = ", ".join(f"{name!r} (q, k, v {shape})" for name, shape in LAYOUTS.items())
+        raise ValueError(f"layout must be one of {allowed}; got {layout!r}")
+
+
+def layout_name(layout: str) -> str:
+    """How a message names a layout's shape: "[B, T, H, D] (layout='bthd')"."""
+    return f"{LAYOUTS[layout]} (layout={layout!r})"
+
+
+def check_layout_shapes(q, k, v, gate, layout: str) -> None:
+    """The shapes of q, k, v and (when a tensor) the gate in `layout`, each message naming the layout; q, k,
+    v must already be 4-dim tensors (`check_qkv_tensors`)."""
+    h, t = (1, 2) if layout == "bhtd" else (2, 1)
+    where = f"(layout={layout!r})"
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must share one shape {KV_LAYOUTS[layout]} {where}; got k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    B, H, T, D = q.shape[0], q.shape[h], q.shape[t], q.shape[3]
+    if (k.shape[0], k.shape[t], k.shape[3]) != (B, T, D):
+        raise ValueError(f"k and v must have shape {KV_LAYOUTS[layout]} {where} with the B, T, D of q "
+                         f"{tuple(q.shape)}; got {tuple(k.shape)}")
+    H_kv = k.shape[h]
+    if H_kv < 1 or H % H_kv:
+        raise ValueError(f"k and v have {H_kv} heads (dim {h} in layout {layout!r}), which must divide the {H} "
+                         f"query heads of q {tuple(q.shape)}")
+    if isinstance(gate, torch.Tensor) and tuple(gate.shape) != tuple(q.shape[:3]):
+        raise ValueError(f"gate must have shape {GATE_LAYOUTS[layout]} = {tuple(q.shape[:3])} for q of shape "
+                         f"{layout_name(layout)} {tuple(q.shape)}, got {tuple(gate.shape)}")
+
 
 def check_qkv_tensors(q, k, v, layout: str = "[B, H, T, D]") -> None:
     """q, k, v are 4-dim tensors of a supported dtype, one dtype and one device (shapes: the caller's)."""
