@@ -32,7 +32,8 @@ def help_of(command: str, capsys) -> dict[str, str]:
 
 def test_train_help_shows_the_choices_and_every_default(capsys):
     options = help_of("train", capsys)
-    assert options["--attention"].startswith("--attention {bigbird,dense,local,longformer,neighbourhood,pi,reformer,strided}")
+    assert options["--attention"].startswith(
+        "--attention {bigbird,dense,local,longformer,neighbourhood,pi,reformer,strided}")
     assert options["--tokenizer"].startswith("--tokenizer {bpe,byte,char}")
     assert options["--config"].startswith("--config {tiny,small,medium,large}")
     assert options["--variant"].startswith("--variant {union,separate,fixed,adaptive}")
