@@ -22,8 +22,7 @@ import torch.nn.functional as F
 import piattn
 from piattn.config import PI_DEFAULTS
 
-# "sdpa" is dense scaled-dot-product attention (causal), the quadratic baseline.
-CASES = ("reference", "torch", "triton", "flex", "sdpa")
+# "sdpa" (a `measure` case) is dense scaled-dot-product attention (causal), the quadratic baseline.
 MODES = ("fwd", "fwd+bwd")
 # A backend is timed only if it matches the reference this closely (fp64, forward and every gradient).
 CHECK_TOLERANCE = 1e-9

@@ -3,11 +3,10 @@
 import pytest
 import torch
 
+from piattn.config.pi import VARIANTS
 from piattn.decoding import RingCache
 from piattn.models import GPT, GPTConfig
 from utils import tiny_model
-
-VARIANTS = ("union", "separate", "fixed", "adaptive")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

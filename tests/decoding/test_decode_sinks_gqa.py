@@ -4,12 +4,11 @@ generation against the full forward, and a cache whose size does not grow."""
 import pytest
 import torch
 
+from piattn.config.pi import VARIANTS
 from piattn.decoding.cache import RingCache
 from piattn.models import GPT, GPTConfig
 from piattn.ops.pi import pi_attention
 from piattn.ops.pi.decode import pi_decode
-
-VARIANTS = ("union", "separate", "fixed", "adaptive")
 
 
 def _inputs(N, H, H_kv, seed):

@@ -3,12 +3,12 @@
 import pytest
 import torch
 
+from piattn.config.pi import VARIANTS
 from piattn.models import GPT, GPTConfig
 from piattn.ops.pi import pi_attention
 from piattn.ops.pi.decode import pi_decode
 from piattn.ops.pi.decode_plan import DecodePlan
 
-VARIANTS = ("union", "separate", "fixed", "adaptive")
 # (window, period): skip beyond the window, period == window, period inside the window, no window at all
 PATTERNS = ((3, 8), (4, 4), (5, 2), (0, 1), (2, 3))
 TOL = {torch.float32: dict(rtol=1e-6, atol=1e-6), torch.float64: dict(rtol=1e-12, atol=1e-12)}

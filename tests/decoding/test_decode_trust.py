@@ -23,6 +23,7 @@ import torch
 import piattn.ops.pi.decode_native as decode_native
 import piattn.ops.pi.native as native
 from piattn.config import PI_DEFAULTS
+from piattn.config.pi import VARIANTS
 from piattn.decoding.cache import RingCache
 from piattn.models import GPT, GPTConfig
 from piattn.ops.pi import decode
@@ -492,7 +493,6 @@ def test_a_wide_gate_decodes_in_a_thread_with_a_small_stack(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 # Finding 5: decoding in torch ops keeps non-finite values in the rows that read them; an empty batch decodes.
 
-VARIANTS = ("union", "separate", "fixed", "adaptive")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

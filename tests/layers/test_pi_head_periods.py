@@ -16,6 +16,7 @@ import piattn.ops.pi.native as native
 from piattn.analysis.multiscale import SCHEDULES, schedule
 from piattn.config import PiSettings
 from piattn.config.model import PERIOD_SCHEDULES
+from piattn.config.pi import VARIANTS
 from piattn.config.training import ModelFlags, parse_period
 from piattn.layers import PiAttention
 from piattn.models import GPT, GPTConfig
@@ -51,7 +52,7 @@ def test_model_hands_each_layer_its_periods():
     assert [b.attn.cache_capacity() for b in m.blocks] == [10, 31]
 
 
-@pytest.mark.parametrize("variant", ["union", "separate", "fixed", "adaptive"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_cached_decoding_equals_the_full_forward(variant):
     """Steps of 1 (the ring step, adaptive's gate head cut per period), 2-4 (few-token rows) and a long chunk."""
     m = model(variant)

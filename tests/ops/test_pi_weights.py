@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import piattn
-from piattn.config.pi import PiSettings
+from piattn.config.pi import VARIANTS, PiSettings
 from piattn.ops.pi.pattern import log_priors
 from piattn.ops.pi.weights import pi_attention_weights
 from utils import make_inputs
@@ -21,7 +21,7 @@ def documents(B: int, T: int) -> torch.Tensor:
     return torch.stack([ids, ids.roll(5)])[:B]
 
 
-@pytest.mark.parametrize("variant", ["union", "separate", "fixed", "adaptive"])
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
 def test_weights_applied_to_v_give_the_operator(variant, causal):
     q, _, _, gate = make_inputs(2, 4, 40, 8, variant=variant, requires_grad=False)
@@ -65,7 +65,7 @@ def test_bad_arguments_are_named():
 HEAD_PERIODS = (2, 8, 8, 13)
 
 
-@pytest.mark.parametrize("variant", ["union", "separate", "fixed", "adaptive"])
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
 def test_per_head_periods_give_the_dense_weights_of_the_reference(variant, causal):
     """The dense [T, T] weights the reference operator applies (its output on one-hot values, D = T) are the
@@ -123,7 +123,7 @@ def test_a_missing_gate_is_the_constant_prior():
     assert torch.equal(w, fixed)
 
 
-@pytest.mark.parametrize("variant", ["union", "separate", "fixed", "adaptive"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_log_priors_of_each_variant(variant):
     """Hand-worked priors: α = 0.25 (the gate, or the fixed prior), ε = 0.01; zeros where no prior enters."""
     gate = torch.full((1, 1, 2), 0.25)

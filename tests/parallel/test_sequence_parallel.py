@@ -14,6 +14,7 @@ from sp_harness import run_ranks
 from sp_jobs import needed_positions
 
 from piattn import pi_attention
+from piattn.config.pi import VARIANTS
 from piattn.parallel import HaloPlan, plan_for, sequence_parallel_pi_attention
 
 pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed"),
@@ -21,7 +22,6 @@ pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="t
               # process group is started once, not once per worker
               pytest.mark.xdist_group("test_sequence_parallel")]
 
-VARIANTS = ("union", "separate", "fixed", "adaptive")
 # name: (shard S, window k, period π); the mode is gapped exactly when π > S + k
 GEOMETRIES = {
     "short_period": (8, 2, 5),          # contiguous, π < S

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import time
 from pathlib import Path
@@ -39,9 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    choices=[b for b in BACKENDS if b != "auto"] + ["sdpa"],
                    help="cases to time (pi_attention backends, or sdpa = dense causal attention)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="torch CPU threads of the reach-task runs (default 1: tiny models, where one thread beats "
-                        "several competing) and, when given, of the timed backend cases too (default: torch's "
-                        "choice in each case's fresh process, the machine's own speed)")
+                   help="torch CPU threads of the reach-task runs and of the timed backend cases (default 1: as "
+                        "training runs, and so that no case's threads fight each other on a busy machine)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,7 +61,9 @@ def run(args: argparse.Namespace) -> int:
 
     info = machine_info()
     print(f"== 3. Backends on this machine ({info['processor']}, {info['cpu_count']} threads, "
-          f"torch {info['torch']}): B=1 H=8 D=64 fp32, window=4 period=16, adaptive, fwd+bwd")
+          f"torch {info['torch']}): B=1 H=8 D=64 fp32, window=4 period=16, adaptive, fwd+bwd; timed with "
+          f"{args.threads or 1} thread(s) each, load average {os.getloadavg()[0]:.1f} (other work on the machine slows "
+          f"every row alike)")
     cases = []
     for case in args.backends:
         if case in ("reference", "sdpa"):
@@ -78,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         if err <= CHECK_TOLERANCE:
             cases.append(case)
     rows = []
-    with child_threads(args.threads):
+    with child_threads(args.threads or 1):
         for T in args.lengths:
             for case in cases:
                 print(f"  timing {case:9s} T={T:6d} …", end="", flush=True)

@@ -122,9 +122,6 @@ class HaloPlan:
         a, _ = self.own(rank)
         return sum(e - s for s, e in self.segments(rank) if e <= a)
 
-    def ext_rows(self, rank: int) -> int:
-        return sum(e - s for s, e in self.segments(rank))
-
     def needs(self, rank: int) -> tuple[Interval, ...]:
         """The non-empty intervals of other ranks' rows `rank` receives, in array order."""
         own = self.own(rank)
