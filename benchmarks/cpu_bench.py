@@ -147,31 +147,27 @@ class Inputs:
         return self.timed(case, mode)
 
     def timed(self, case: str, mode: str) -> float:
-        """ms of one call of backend `case` in `mode` through autograd (gradients cleared before, untimed)."""
-        tensors = (self.q, self.k, self.v, self.gate)
-        for t in tensors:
-            t.grad = None
-        start = time.perf_counter()
-        if mode == "fwd":
-            with torch.no_grad():
-                _call(case, *tensors, self.scale)
-        else:
-            _call(case, *tensors, self.scale).backward(self.dy)
-        return (time.perf_counter() - start) * 1e3
-
+        """ms of one call of backend `case` in `mode` through autograd, with the one cotangent `dy`."""
+        return self._through_autograd(mode, lambda *t: _call(case, *t, self.scale), lambda y: self.dy)
 
     def user_step(self, mode: str) -> float:
         """ms of one `piattn.pi_attention` call on its defaults as a training loop makes it (see USER)."""
+        return self._through_autograd(mode, lambda *t: piattn.pi_attention(*t, **SETTINGS, scale=self.scale),
+                                      lambda y: torch.empty_like(y).copy_(self.dy))
+
+    def _through_autograd(self, mode: str, call, cotangent) -> float:
+        """ms of `call(q, k, v, gate)` (fwd: under no_grad; else backward from `cotangent(y)`, made inside the
+        timing); gradients cleared before, untimed."""
         tensors = (self.q, self.k, self.v, self.gate)
         for t in tensors:
             t.grad = None
         start = time.perf_counter()
         if mode == "fwd":
             with torch.no_grad():
-                piattn.pi_attention(*tensors, **SETTINGS, scale=self.scale)
+                call(*tensors)
         else:
-            y = piattn.pi_attention(*tensors, **SETTINGS, scale=self.scale)
-            y.backward(torch.empty_like(y).copy_(self.dy))
+            y = call(*tensors)
+            y.backward(cotangent(y))
         return (time.perf_counter() - start) * 1e3
 
     def kernel(self, mode: str) -> float:

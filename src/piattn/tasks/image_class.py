@@ -16,20 +16,15 @@ from ..data import raster as images
 from ..data.examples import ExampleLoader, Examples, compact
 from ..train.task import evaluation_sums, per_second
 from . import raster
-from .classification import ClassificationTask, ImageFlags, SplitFlags
-from .lra import PathfinderFlags
+from .classification import ClassificationTask
 
 VOCAB_SIZE = 257
 
 
-class ImageClassTask(ClassificationTask):
+class ImageClassTask(raster.RasterTaskTraits, ClassificationTask):
     """Classify an image read pixel by pixel (module docstring)."""
 
     name = "image-class"
-    flags = (SplitFlags, ImageFlags, PathfinderFlags, raster.RasterFlags)
-    flag_notes = {"data": raster.DATA_NOTE, "seq_len": " H × W of the (downsampled) images",
-                  "period": raster.PERIOD_NOTE}
-    capabilities = frozenset({"raster"})
 
     @classmethod
     def resolve_seq_len(cls, cfg):

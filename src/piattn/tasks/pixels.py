@@ -33,8 +33,6 @@ from ..train.checkpoint import read_config
 from ..train.distributed import DistContext
 from ..train.task import Task, evaluation_sums, per_second
 from . import raster
-from .classification import ImageFlags, SplitFlags
-from .lra import PathfinderFlags
 
 PIXEL_VALUES = 256
 START = 256  # the token before the first pixel
@@ -70,14 +68,10 @@ def bits(nats: float, count: float) -> float:
     return nats / (math.log(2) * count) if count else float("nan")
 
 
-class PixelsTask(Task):
+class PixelsTask(raster.RasterTaskTraits, Task):
     """Next-pixel modelling (module docstring): a causal GPT over START + pixels, bits/dim."""
 
     name = "pixels"
-    flags = (SplitFlags, ImageFlags, PathfinderFlags, raster.RasterFlags)
-    flag_notes = {"data": raster.DATA_NOTE, "seq_len": " H × W of the (downsampled) images",
-                  "period": raster.PERIOD_NOTE}
-    capabilities = frozenset({"raster"})
 
     def __init__(self, cfg: TrainConfig, ctx: DistContext, config: GPTConfig):
         self.cfg, self.ctx, self.config = cfg, ctx, config

@@ -13,7 +13,8 @@ from typing import ClassVar
 from ..config import TrainConfig
 from ..config.flags import flag
 from ..data import raster
-from .classification import GENERATED_EVAL_SIZE, GENERATED_TRAIN_SIZE, split_seed
+from .classification import GENERATED_EVAL_SIZE, GENERATED_TRAIN_SIZE, ImageFlags, SplitFlags, split_seed
+from .lra import PathfinderFlags
 
 DEFAULT_SOURCE = "mnist5k"
 DEFAULT_IMAGE_SIZE = 32  # side of generated pathfinder / shapes images
@@ -100,3 +101,12 @@ def load(cfg: TrainConfig, split: str) -> raster.RasterImages:
     if len(images) == 0:
         raise ValueError(f"--data: the {split} split of {source(cfg)} holds no images")
     return images
+
+
+class RasterTaskTraits:
+    """What both image tasks declare alike (mixed in before `Task`): their flags, the notes of the shared flags
+    and the "raster" capability (the period words of the image width apply)."""
+
+    flags = (SplitFlags, ImageFlags, PathfinderFlags, RasterFlags)
+    flag_notes = {"data": DATA_NOTE, "seq_len": " H × W of the (downsampled) images", "period": PERIOD_NOTE}
+    capabilities = frozenset({"raster"})
