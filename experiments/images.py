@@ -68,7 +68,7 @@ def arm_config(arm: str):
                                block_size=WIDTH * WIDTH)
 
 
-def step_costs(rounds: int = 15) -> dict:
+def step_costs(rounds: int = 41) -> dict:
     """Clause 5: one training step (forward, backward, AdamW) of every arm on one batch of the main setting's
     shape (random pixels), one thread, in one process, the arms in a rotated order each round; per arm the
     median ms and the median of its per-round ratio to local-4."""
