@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from ..safe_files import save_figure
+
 PIXEL, REACHED, NOT_REACHED = "o", "#", "."
 
 
@@ -75,7 +77,4 @@ def plot_image_reach(grids: Mapping[str, Sequence[torch.Tensor]], labels: Mappin
                 # "pi (window 4, period 9): 5.7 keys per query" on three short lines beside the row
                 ax.set_ylabel(labels[kind].replace(" (", "\n(").replace(": ", "\n"), fontsize=8)
     fig.suptitle(textwrap.fill(title, 36 * depths + 20), fontsize=9)  # narrow figures wrap it
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    return out
+    return save_figure(fig, out)
