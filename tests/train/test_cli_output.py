@@ -45,7 +45,7 @@ def test_train_help_shows_the_choices_and_every_default(capsys):
     assert "extending a run" in options["--steps"] and "may change" in options["--resume"]
     assert "578 s" in options["--threads"]
     # every flag says its default, or is one that is off unless given, or is required
-    store_true = {"--cross-documents", "--pack-documents", "--resume", "--fsdp", "-h"}
+    store_true = {"--cross-documents", "--pack-documents", "--resume", "--fsdp", "--nope-global", "-h"}
     silent = [flag for flag, text in options.items()
               if flag not in store_true and "default" not in text and "required" not in text and flag != "--out"]
     assert silent == []

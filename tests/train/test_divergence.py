@@ -77,24 +77,25 @@ def test_an_ungated_run_that_diverges_stops_and_keeps_its_finite_checkpoints(tmp
 
 
 def test_a_gated_run_whose_weights_turn_nan_reports_divergence_not_the_gate_check(tmp_path, monkeypatch, capsys):
-    """The next forward meets NaN gates and the π operator's gate check raises; before, that error was shown
-    after "interrupted; saved step 3", and the saved step held the NaN weights."""
+    """The next forward meets NaN gates. Before, the π operator's gate check raised and that error was shown
+    after "interrupted; saved step 3", the saved step holding the NaN weights; the layer's own gate is no longer
+    value-checked (no host sync), so the NaN reaches the loss, which reports the divergence."""
     run = tmp_path / "run"
     poison_weights_after_update(monkeypatch, at_call=3)
     assert main(reach_argv(run, "--variant", "adaptive", "--save-every", "2", "--log-every", "10")) == 2
     error = last_error(capsys)
-    assert "the weights are not finite after step 3" in error and "gate values" not in error
+    assert "training diverged" in error and "is not finite at step 4" in error and "gate values" not in error
     assert checkpoint_steps(run) == [2] and all_finite(run)
 
 
 def test_finite_weights_whose_forward_overflows_are_reported_as_divergence(tmp_path, capsys):
-    """A learning rate far too high: the weights stay finite but the next forward overflows to NaN, which
-    the gate check meets first. Before: "interrupted; saved step N" and the gate check's error."""
+    """A learning rate far too high: the weights stay finite but the next forward overflows to NaN. Before:
+    "interrupted; saved step N" and the gate check's error; now the loss's check reports the divergence."""
     run = tmp_path / "run"
     assert main(reach_argv(run, "--variant", "adaptive", "--lr", "1e4", "--clip", "0", "--save-every", "0",
                            "--log-every", "10")) == 2
     error = last_error(capsys)
-    assert "gave non-finite values (first in blocks." in error and "gate values" in error and "--lr" in error
+    assert "training diverged" in error and "is not finite at step" in error and "--lr" in error
     assert not (run / "checkpoints").exists()
 
 

@@ -3,13 +3,11 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from piattn.cli import main
 from piattn.train.checkpoint import read_config
-from utils import write_word_corpus
+from utils import train_summary, write_word_corpus
 
 ARGS = ["--n-layer", "2", "--d-model", "32", "--n-head", "2", "--window", "2", "--seq-len", "32", "--batch-size",
         "2", "--warmup", "1", "--eval-every", "2", "--eval-batches", "1", "--save-every", "2", "--device", "cpu",
@@ -25,12 +23,12 @@ def test_train_eval_resume_generate_with_a_hybrid_stack(tmp_path, capsys):
     argv = ["train", "--data", str(corpus(tmp_path)), "--out", str(run), "--layers", "pi,dense", "--nope-global",
             "--period", "cover", *ARGS]
     assert main([*argv, "--steps", "2"]) == 0
-    model = read_config(json.loads(capsys.readouterr().out)["checkpoint"])["model"]
+    model = read_config(train_summary(run, capsys)["checkpoint"])["model"]
     assert model["layers"] == "pi,dense" and model["nope_global"] is True
     assert main(["eval", "--checkpoint", str(run), "--use-stored-data", "--split", "test", "--device", "cpu"]) == 0
     capsys.readouterr()
     assert main([*argv, "--steps", "4", "--resume"]) == 0
-    assert json.loads(capsys.readouterr().out)["step"] == 4
+    assert train_summary(run, capsys)["step"] == 4
     assert main(["generate", "--checkpoint", str(run), "--prompt", "ab", "--max-new-tokens", "4", "--seed", "0",
                  "--device", "cpu", "--stats"]) == 0
     err = capsys.readouterr().err
@@ -42,7 +40,7 @@ def test_global_every_is_a_layer_pattern(tmp_path, capsys):
     # --window applies: the local layers take it, though the dense ones do not
     assert main(["train", "--data", str(corpus(tmp_path)), "--out", str(run), "--attention", "local",
                  "--global-every", "2", "--steps", "2", *ARGS]) == 0
-    model = read_config(json.loads(capsys.readouterr().out)["checkpoint"])["model"]
+    model = read_config(train_summary(run, capsys)["checkpoint"])["model"]
     assert model["layers"] == "local*1,dense"
 
 

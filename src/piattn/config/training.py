@@ -76,7 +76,7 @@ class ModelFlags:
                               "(three pi layers, then a dense one; its length divides the layers); each layer takes "
                               "its kind's flags (default: --attention in every layer)")
     global_every: int | None = flag(None, "every Nth layer dense, the others --attention (a --layers pattern: "
-                                    "'pi*3,dense' for 4)", low=1)
+                                    "'pi*3,dense' for 4; default: no dense layer)", low=1)
     nope_global: bool = flag(False, "no rotary embedding on the dense (global) layers (NoPE)")
 
     def __post_init__(self):

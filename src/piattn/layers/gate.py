@@ -90,8 +90,7 @@ def clip_gate(s: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.addcmul(floor, s, width).transpose(1, 2)
 
 
-@functools.lru_cache(maxsize=64)
-def clip_stays_open(eps: float) -> bool:
+def clip_stays_open(eps: float) -> bool:  # not cached: torch.compile traces it, and ignores a cache, warning
     """Whether ε + (1 − 2ε)·σ, in fp32 (the least `gate_sigmoid` computes in), stays inside (0, 1) for every σ
     in [0, 1]: its ends are ε > 0 and fl(fl(ε) + fl(1 − 2ε)), which rounds to 1 for ε below about 3e-8."""
     def f32(x: float) -> float:

@@ -202,6 +202,9 @@ def sequence_parallel_pi_attention(
         return pi_attention(q, k, v, gate, **pi_attention_kwargs)
     group, rank, world = resolved
     settings = {**OPERATOR_DEFAULTS, **pi_attention_kwargs}
+    if settings["layout"] != "bhtd":  # shards are slices of T in [B, H, T, D]; every rank is given the same
+        raise ValueError(f"layout must be 'bhtd' for sequence-parallel pi_attention (shards of [B, H, T, D] "
+                         f"along T), got {settings['layout']!r}; transpose the shards")
 
     error, shard, fingerprint = None, 0, 0
     try:  # local checks first, but the verdict is shared, so that a bad rank cannot leave others waiting
@@ -209,7 +212,7 @@ def sequence_parallel_pi_attention(
         # One period per query head (a tensor becomes a tuple): what is fingerprinted and grouped.
         periods = head_periods(settings["period"], q.shape[1], device=q.device)
         settings["period"] = periods
-        checked = {n: x for n, x in settings.items() if n not in ("backend", "period")}
+        checked = {n: x for n, x in settings.items() if n not in ("backend", "period", "layout")}
         check_arguments(q, k, v, gate, period=min(periods), **checked)
         if settings["sinks"] or settings["document_ids"] is not None:
             # The exchange carries window and skip rows only: sink keys and documents would cross shards.
