@@ -131,18 +131,23 @@ def measure(plan: ModelPlan, kind: str, T: int) -> dict:
     return row
 
 
-def run(plan: ModelPlan, out_of_time, log, kinds=tuple(KINDS)) -> list[dict]:
-    """Every (T, kind) of the plan until out_of_time() says stop; skipped ones get a row saying so."""
+def _sweep(lengths, kinds, measure_one, describe, out_of_time, log, label: str) -> list[dict]:
+    """measure_one(kind, T) for every (T, kind) until out_of_time() says stop (skipped ones get a row saying so),
+    a log line each: `describe(row)` when it ran."""
     rows = []
-    for T in plan.lengths:
+    for T in lengths:
         for kind in kinds:
-            rows.append(dict(kind=kind, T=T, status="skipped: time budget") if out_of_time()
-                        else measure(plan, kind, T))
-            r = rows[-1]
-            shown = (f"batch {r['batch']}, {r['train_ms']:.1f} ms, {r['train_tokens_per_s']:.0f} tokens/s"
-                     if r["status"] == "ok" else r["status"])
-            log(f"  train {kind:<6} T={T:<6} {shown}")
+            r = dict(kind=kind, T=T, status="skipped: time budget") if out_of_time() else measure_one(kind, T)
+            rows.append(r)
+            log(f"  {label} {kind:<11} T={T:<6} {describe(r) if r['status'] == 'ok' else r['status']}")
     return rows
+
+
+def run(plan: ModelPlan, out_of_time, log, kinds=tuple(KINDS)) -> list[dict]:
+    """Every (T, kind) of the plan's training rows until out_of_time() says stop."""
+    return _sweep(plan.lengths, kinds, lambda kind, T: measure(plan, kind, T),
+                  lambda r: f"batch {r['batch']}, {r['train_ms']:.1f} ms, {r['train_tokens_per_s']:.0f} tokens/s",
+                  out_of_time, log, "train")
 
 
 # ------------------------------------------------------------------------------------------------- decoding
@@ -202,13 +207,7 @@ def measure_decode(plan: ModelPlan, kind: str, T: int) -> dict:
 
 
 def run_decode(plan: ModelPlan, out_of_time, log) -> list[dict]:
-    rows = []
-    for T in plan.decode_lengths:
-        for kind in DECODE_KINDS:
-            rows.append(dict(kind=kind, T=T, status="skipped: time budget") if out_of_time()
-                        else measure_decode(plan, kind, T))
-            r = rows[-1]
-            shown = (f"{r['decode_ms_per_token']:.2f} ms/token, cache {r['cache_mib']:.2f} MiB"
-                     if r["status"] == "ok" else r["status"])
-            log(f"  decode {kind:<11} T={T:<6} {shown}")
-    return rows
+    """Every (T, kind) of the plan's decoding rows until out_of_time() says stop."""
+    return _sweep(plan.decode_lengths, DECODE_KINDS, lambda kind, T: measure_decode(plan, kind, T),
+                  lambda r: f"{r['decode_ms_per_token']:.2f} ms/token, cache {r['cache_mib']:.2f} MiB",
+                  out_of_time, log, "decode")
