@@ -45,19 +45,28 @@ class LinkRefused(OSError):
         super().__init__(errno.ELOOP, f"{path} is a symbolic link, not followed", os.fspath(path))
 
 
-def open_dir(path: str | os.PathLike, *, follow_links: bool = False) -> int:
-    """A descriptor of the folder `path` (close it), to create files in by name with `dir_fd`.
+def open_dir(path: str | os.PathLike, *, follow_links: bool = False, dir_fd: int | None = None) -> int:
+    """A descriptor of the folder `path` (a name in the folder `dir_fd` when given; close it), to create files
+    in by name with `dir_fd`.
 
     Without `follow_links` a link at `path` itself is refused (LinkRefused): the folder
     is the one checked, whatever replaces its name later. A folder the user named may be a link.
     """
     flags = os.O_RDONLY | os.O_DIRECTORY | (0 if follow_links else os.O_NOFOLLOW)
     try:
-        return os.open(path, flags)
+        return os.open(path, flags, dir_fd=dir_fd)
     except OSError as err:
-        if err.errno == errno.ELOOP or (err.errno == errno.ENOTDIR and os.path.islink(path)):
+        if err.errno == errno.ELOOP or (err.errno == errno.ENOTDIR and _is_link(path, dir_fd)):
             raise LinkRefused(path) from None
         raise
+
+
+def _is_link(path: str | os.PathLike, dir_fd: int | None = None) -> bool:
+    """Whether `path` (a name in the folder `dir_fd` when given) is a symbolic link; False when nothing is there."""
+    try:
+        return stat.S_ISLNK(os.stat(path, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except FileNotFoundError:
+        return False
 
 
 class Folder:
@@ -87,18 +96,10 @@ class Folder:
                 if private:
                     raise
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=self.fd)
-        except OSError as err:
-            if err.errno in (errno.ELOOP, errno.ENOTDIR) and self.is_link(name):
-                raise LinkRefused(self.path / name) from None
-            raise
+            fd = open_dir(name, dir_fd=self.fd)
+        except LinkRefused:
+            raise LinkRefused(self.path / name) from None  # the whole path, for the message
         return Folder(self.path / name, fd)
-
-    def is_link(self, name: str) -> bool:
-        try:
-            return stat.S_ISLNK(os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mode)
-        except FileNotFoundError:
-            return False
 
     def exists(self, name: str) -> bool:
         try:
@@ -122,10 +123,6 @@ class Folder:
     def write_text(self, name: str, text: str) -> None:
         """Replace `name` by a file holding `text` (atomic; a link there is replaced, not followed)."""
         atomic_write_text(name, text, dir_fd=self.fd)
-
-    def writer(self, name: str, mode: str = "wb"):
-        """`atomic_writer` for `name` in this folder."""
-        return atomic_writer(name, mode, dir_fd=self.fd)
 
     def rename(self, source: str, target: str) -> None:
         os.rename(source, target, src_dir_fd=self.fd, dst_dir_fd=self.fd)
@@ -264,6 +261,18 @@ def link_refusal(path: Path, writer: str, instead: str | None = None) -> ValueEr
         shown = f"{path} is a symbolic link"
     fix = f"remove the link or pass {instead}" if instead else "remove the link"
     return ValueError(f"{shown}; {writer} writes only inside the run folder: {fix}")
+
+
+def run_subfolder(run_dir: Path, name: str, writer: str, instead: str) -> Path:
+    """RUN/`name`, a folder `writer` ("training", "eval") may create or write in: ValueError when a run folder
+    made elsewhere has put a symbolic link there (the writer would write, or delete, wherever it points) or a
+    file. `instead`: the flag that avoids it."""
+    path = run_dir / name
+    if path.is_symlink():
+        raise link_refusal(path, writer, instead)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path} is a file, not a folder; move it or pass {instead}")
+    return path
 
 
 def foreign_owner(folder: str | os.PathLike) -> str | None:

@@ -160,22 +160,11 @@ def chosen_data(args: argparse.Namespace, folder: Path) -> str | None:
                      "--data SOURCE to score that (or other) data, or --use-stored-data to read the recorded one")
 
 
-def run_subfolder(run_dir: Path, name: str, instead: str) -> Path:
-    """RUN/`name`, a folder eval may create or write in: ValueError when a run folder made elsewhere has put a
-    symbolic link there (eval would write wherever it points) or a file. `instead`: the flag that avoids it."""
-    path = run_dir / name
-    if path.is_symlink():
-        raise safe_files.link_refusal(path, "eval", instead)
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"{path} is a file, not a folder; move it or pass {instead}")
-    return path
-
-
 def check_cache_folder(run_dir: Path) -> None:
     """RUN/cache and the entries in it must not be symbolic links: tokenized splits are written there under
     names a crafted run folder can predict (split and content digest). The writers replace a link rather
     than follow it (`piattn.safe_files`); a link here still says the folder is not what eval made."""
-    cache = run_subfolder(run_dir, "cache", "--cache-dir DIR")
+    cache = safe_files.run_subfolder(run_dir, "cache", "eval", "--cache-dir DIR")
     if cache.is_dir():
         links = sorted(p for p in cache.iterdir() if p.is_symlink())
         if links:
@@ -362,7 +351,7 @@ def output_file(path: str, overwrite: bool) -> Path:
 
 def default_output(folder: Path, args: argparse.Namespace) -> Path:
     """RUN/eval/<default_name>, checked before the evaluation: RUN/eval may not be a link or a file."""
-    eval_dir = run_subfolder(ckpt.run_dir_of(folder), "eval", "--output FILE")
+    eval_dir = safe_files.run_subfolder(ckpt.run_dir_of(folder), "eval", "eval", "--output FILE")
     paths.output_folder(eval_dir, "the default --output folder")
     return eval_dir / default_name(folder, args)
 

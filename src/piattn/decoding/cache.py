@@ -40,8 +40,9 @@ def device_memory(device: torch.device) -> int | None:
         return None
 
 
-def _refuse_beyond_memory(nbytes: int, what: str, device: torch.device, fix: str) -> None:
-    """ValueError with the numbers when `nbytes` exceed what `device` has available now."""
+def _refuse_beyond_memory(nbytes: int, what: str, device: torch.device | str | None, fix: str) -> None:
+    """ValueError with the numbers when `nbytes` exceed what `device` (None: torch's default) has available now."""
+    device = torch.get_default_device() if device is None else torch.device(device)
     available = device_memory(device)
     if available is not None and nbytes > available:
         raise ValueError(f"{what} needs {nbytes / 2**30:.1f} GiB, more than the {available / 2**30:.1f} GiB "
@@ -97,7 +98,6 @@ class RingCache:
             _check_sizes(max_positions=(max_positions, 1))
         self.max_positions = max_positions
         self.batch_size, self.n_heads, self.head_dim = batch_size, n_heads, head_dim
-        device = torch.empty(0, device=device).device
         table = 2 * capacity + sinks if capacity <= SLOT_TABLE_MAX else 0
         _refuse_beyond_memory(
             2 * batch_size * n_heads * (sinks + capacity) * head_dim * dtype.itemsize + 8 * table,
@@ -246,7 +246,6 @@ class GrowingCache:
         self.max_positions, self._kv = max_positions, None
         if max_positions is not None:
             _check_sizes(max_positions=(max_positions, 1))
-            device = torch.empty(0, device=device).device
             _refuse_beyond_memory(2 * batch_size * n_heads * max_positions * head_dim * dtype.itemsize,
                                   f"a dense cache of {max_positions:,} positions for batch {batch_size}", device,
                                   "lower max_positions (the prompt plus the tokens to generate)")

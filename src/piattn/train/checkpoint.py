@@ -28,7 +28,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model, save_model
 from torch import nn
 
-from ..safe_files import TEMP_PREFIX, Folder, fsync_path, link_refusal
+from ..safe_files import TEMP_PREFIX, Folder, fsync_path, run_subfolder
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "trainer_state.pt"
@@ -155,15 +155,10 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.name.startswith(PREFIX) and p.is_dir() and not p.is_symlink())
 
 
-def checkpoint_root(run_dir: Path, writer: str = "training") -> Path:
-    """RUN/checkpoints, where `writer` saves: ValueError when a run folder made elsewhere put a link there
+def checkpoint_root(run_dir: Path) -> Path:
+    """RUN/checkpoints, where training saves: ValueError when a run folder made elsewhere put a link there
     (saving would write into, and keep-N pruning delete from, wherever it points) or a file."""
-    root = run_dir / "checkpoints"
-    if root.is_symlink():
-        raise link_refusal(root, writer, "another --out")
-    if root.exists() and not root.is_dir():
-        raise ValueError(f"{root} is a file, not a folder; move it or choose another --out")
-    return root
+    return run_subfolder(run_dir, "checkpoints", "training", "another --out")
 
 
 def save_checkpoint(root: Path, step: int, *, model: nn.Module, trainer_state: dict, config: dict,
@@ -221,9 +216,15 @@ def save_checkpoint(root: Path, step: int, *, model: nn.Module, trainer_state: d
 
 
 def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    """The process's umask, read without changing it where Linux says it (/proc/self/status): setting it to
+    read it would, for that moment, give files other threads create meanwhile a mask of 0."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0o077)  # elsewhere: set and restore, at worst stricter meanwhile, never looser
+        os.umask(mask)
+        return mask
 
 
 class _StateHolder:
