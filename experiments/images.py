@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -102,7 +103,7 @@ def step_costs(rounds: int = 41) -> dict:
     ratios = {arm: statistics.median(t / b for t, b in zip(times[arm], times["local-4"], strict=True))
               for arm in arms}
     return dict(rounds=rounds, ms={arm: statistics.median(t) for arm, t in times.items()}, x_local4=ratios,
-                load=__import__("os").getloadavg()[0])
+                load=os.getloadavg()[0])
 
 
 def run_dir(out: Path, arm: str, seed: int) -> Path:
