@@ -13,8 +13,9 @@ import torch
 
 from piattn.cli import main
 from piattn.data import raster
+from piattn.masks.raster import neighbourhood_mask
 from piattn.models import GPT, GPTConfig
-from piattn.tasks.pixels import START, complete, neighbour_lags, row_bands
+from piattn.tasks.pixels import START, complete, neighbour_lags, neighbour_reach, row_bands
 from piattn.train.checkpoint import load_weights, read_config, read_latest
 from utils import train_summary
 
@@ -134,3 +135,20 @@ def test_generate_draws_the_completion_grid_of_two_runs(tmp_path, capsys, digits
                  "--output", str(png)]) == 2  # no overwrite without --overwrite
     assert main(["generate", "--checkpoint", str(tmp_path / "pi"), "--data", digits, "--images", "2"]) == 0
     assert (tmp_path / "pi" / "completions_test.png").is_file()
+
+
+@pytest.mark.parametrize("radius", [1, 2])
+def test_neighbour_reach_of_a_2d_kind_is_that_of_an_interior_pixel(radius):
+    """The 2D neighbourhood is clipped at the image's sides, so eval's marks are asked of an interior pixel:
+    checked against the mask composed over the layers, brute force, from the query of the bottom row's middle
+    pixel."""
+    width = height = 7
+    n = width * height
+    positions = torch.arange(n)
+    one = neighbourhood_mask(width, radius)(0, 0, positions[:, None], positions[None, :]).long()  # [q, k]
+    two = (one @ one) > 0  # two layers
+    query = (height - 1) * width + width // 2
+    model = dict(attention="neighbourhood", image_width=width, radius=radius, n_layer=2, n_head=1)
+    reach = neighbour_reach(model, width, height)
+    assert reach == {name: bool(two[query, query - lag]) for name, lag in neighbour_lags(width).items()}
+    assert reach["above"]  # the target's pixel above: the mark the edge column got wrong
