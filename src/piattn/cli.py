@@ -21,6 +21,7 @@ COMMANDS = {
     "convert-eval": ("piattn.commands.convert_eval",
                      "a pretrained LM converted to π-Attention untrained: perplexity, or passkey retrieval by "
                      "distance (--task passkey), against dense, local and sinks"),
+    "data": ("piattn.commands.data", "fetch the data the README's examples read: the Gutenberg books"),
 }
 
 # Options whose value is a list of numbers that may start with '-' ('-1,16'): argparse takes such a word for
