@@ -35,8 +35,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 import piattn  # noqa: E402
-from gpu_bench import event_ms  # noqa: E402
-from piattn.benchmarking import command_line, save_results  # noqa: E402
+from piattn.benchmarking import command_line, median_ms, save_results  # noqa: E402
 
 OP = dict(window=4, period=16, causal=True, variant="adaptive", backend="triton")
 SHAPES = ((1, 16, 4096, 64), (8, 16, 32768, 64))
@@ -122,7 +121,7 @@ def measure(shape, device, dtype, repeats: int, calls: int) -> list[dict]:
             fn()
         row = dict(B=shape[0], H=shape[1], T=shape[2], D=shape[3], mode=mode)
         for label, call in (("eager", fn), ("no_gate_check", trusted)):
-            row[f"{label}_ms"] = event_ms(call, repeats, cuda)
+            row[f"{label}_ms"] = median_ms(call, repeats, cuda=cuda)
             row[f"{label}_host_us"] = host_us(call, calls, cuda)
         if cuda:
             row["kernels_ms"], row["per_kernel_ms"] = kernel_ms(fn, repeats)
@@ -131,13 +130,13 @@ def measure(shape, device, dtype, repeats: int, calls: int) -> list[dict]:
                                                                              check_gate=False)), xs, dy)
                 for _ in range(3):
                     compiled()
-                row["compiled_ms"] = event_ms(compiled, repeats, cuda)
+                row["compiled_ms"] = median_ms(compiled, repeats, cuda=cuda)
                 row["compiled_host_us"] = host_us(compiled, calls, cuda)
             except Exception as exc:  # recorded, not fatal
                 row["compiled_error"] = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
         replay, row["graph_capture"] = graph_of(trusted, cuda)
         if replay is not None:
-            row["graph_ms"] = event_ms(replay, repeats, cuda)
+            row["graph_ms"] = median_ms(replay, repeats, cuda=cuda)
             row["graph_host_us"] = host_us(replay, calls, cuda)
         rows.append(row)
         print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()

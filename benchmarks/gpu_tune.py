@@ -32,8 +32,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 import piattn  # noqa: E402
-from gpu_bench import Setup, copy_bandwidth, event_ms, floor_bytes, make_inputs  # noqa: E402
-from piattn.benchmarking import command_line, save_results  # noqa: E402
+from gpu_bench import Setup, copy_bandwidth, floor_bytes, make_inputs  # noqa: E402
+from piattn.benchmarking import command_line, median_ms, save_results  # noqa: E402
 from piattn.ops.pi import triton as triton_backend  # noqa: E402
 from piattn.ops.pi.settings import OpSettings  # noqa: E402
 
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
     def timer(fn) -> float:
         if cuda:  # a warm-up call: Triton compiles on the first; the interpreter has nothing to warm
             fn()
-        return event_ms(fn, repeats, cuda, before=None if flush is None else flush.zero_)
+        return median_ms(fn, repeats, cuda=cuda, before=None if flush is None else flush.zero_)
 
     import triton
 
