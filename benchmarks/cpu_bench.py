@@ -19,7 +19,7 @@ Huge pages: the fused backend places its large outputs on transparent huge pages
 both ways, interleaved call by call in one process. Beside each time: the page faults of the call (the
 process's minor faults, `getrusage`, median over the repeats): the first touches of fresh memory.
 
-    OMP_WAIT_POLICY=passive python benchmarks/cpu_bench.py --out benchmarks/results   # T = 1K … 16K, ~2 min
+    OMP_WAIT_POLICY=passive python benchmarks/cpu_bench.py --out benchmarks/results/cpu_bench   # T = 1K … 16K, ~2 min
     python benchmarks/cpu_bench.py --lengths 1024 2048 --repeats 3 --out /tmp/b    # quick
     OMP_WAIT_POLICY=passive python benchmarks/cpu_bench.py --lengths 8192 16384 32768 --cases fused \
         --huge-pages on off --name cpu_bench_hugepages --repeats 7
@@ -346,7 +346,7 @@ def _row(rows, case, mode, T, threads, huge_pages=None):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu_bench"))
     p.add_argument("--name", help="results go to NAME.{json,md} (default: cpu_bench, or cpu_bench_kept_pages)")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192, 16384])
     p.add_argument("--cases", nargs="+", default=list(FUNCTIONS), choices=list(FUNCTIONS))

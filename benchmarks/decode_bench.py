@@ -11,10 +11,10 @@ another checkout of piattn, e.g. an older commit unpacked with `git archive`) ev
 with that code, interleaved with the current one, and a before / after table is added. Within a process
 the steps are timed in blocks of 16 and a point's time per token is the median block's.
 
-    python benchmarks/decode_bench.py --out benchmarks/results          # 512 … 128K, ~3 min on 2 cores
-    python benchmarks/decode_bench.py --out benchmarks/results --threads 1 --repeats 5 \
+    python benchmarks/decode_bench.py --out benchmarks/results/decode          # 512 … 128K, ~3 min on 2 cores
+    python benchmarks/decode_bench.py --out benchmarks/results/decode --threads 1 --repeats 5 \
         --positions 128 256 512 1024 2048 4096 8192                    # the medians of the decoding issue
-    python benchmarks/plot_decode.py benchmarks/results/decode_bench.json
+    python benchmarks/plot_decode.py benchmarks/results/decode/decode_bench.json
 
 With `--interleaved` every kind runs in one process instead, π beside local (and dense, and "pi-torchops":
 π with the compiled step switched off) at each point: one model and a freshly filled cache per kind, and
@@ -23,7 +23,7 @@ measurements share the machine's state; the table gives, per point and per token
 1, and steps of 2–4 tokens), each kind's median tokens/s with the range over repeats, and the ratios
 π / local and π / dense computed within each repeat (median and range):
 
-    python benchmarks/decode_bench.py --out benchmarks/results --name decode_interleaved --interleaved \
+    python benchmarks/decode_bench.py --out benchmarks/results/decode --name decode_interleaved --interleaved \
         --threads 1 --repeats 7 --positions 512 4096 32768 --tokens 1 3 --kinds pi local dense pi-torchops
 """
 

@@ -15,7 +15,7 @@ Two views of the same loop:
   after warm-up, in a fresh process per (kind, batch). Without perf the table says so and keeps the module
   view.
 
-    python benchmarks/decode_profile.py --out benchmarks/results --name decode_profile \
+    python benchmarks/decode_profile.py --out benchmarks/results/decode --name decode_profile \
         --kinds pi local dense --position 512 --batch 1 8
 """
 
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=5, help="module-view runs per row (the median is kept)")
     p.add_argument("--seconds", type=float, default=4.0, help="seconds of steps perf samples per row")
     p.add_argument("--config", default="tiny")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/decode"))
     p.add_argument("--name", default="decode_profile")
     p.add_argument("--worker", nargs=4, metavar=("KIND", "POSITION", "BATCH", "SECONDS"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)

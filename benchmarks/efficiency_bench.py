@@ -22,9 +22,9 @@ GPU: `--device cuda --dtype bf16` (autocast) runs the same rows with flash SDPA 
 π kernels, and adds MFU = model FLOPs per token × tokens/s / the device's peak (a table of known peaks);
 no GPU figure has been measured by this script yet. On a CPU MFU is not reported.
 
-    python benchmarks/efficiency_bench.py --out benchmarks/results        # CPU plan: tiny 1K/4K/8K, small 1K
-    python benchmarks/efficiency_bench.py --threads 1 --rounds 2 --out benchmarks/results   # the committed table
-    python benchmarks/efficiency_bench.py --render benchmarks/results   # the .md again from the .json
+    python benchmarks/efficiency_bench.py --out benchmarks/results/efficiency     # CPU plan: tiny 1K/4K/8K, small 1K
+    python benchmarks/efficiency_bench.py --threads 1 --rounds 2 --out benchmarks/results/efficiency  # the table kept
+    python benchmarks/efficiency_bench.py --render benchmarks/results/efficiency  # the .md again from the .json
 
 On a shared machine single timings move a lot between minutes; `--rounds N` runs the whole plan N times,
 rows interleaved, and reports medians, each ratio as the median [range] of the rounds' ratios (each round's
@@ -41,7 +41,7 @@ reporting the growth of its resident set over the process after the model is bui
 in this mode (benchmarks/decode_bench.py has its own interleaved table).
 
     python benchmarks/efficiency_bench.py --interleaved --threads 1 --plan tiny:1024:0:15 tiny:4096:0:11 \
-        tiny:8192:0:7 --out benchmarks/results
+        tiny:8192:0:7 --out benchmarks/results/efficiency
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 One run, one process, about 9 minutes at most on an H100/H200 (a time budget skips what does not fit, and
 says so):
 
-    PYTHONPATH=src python benchmarks/gpu_bench.py --out benchmarks/results/
+    PYTHONPATH=src python benchmarks/gpu_bench.py --out benchmarks/results/gpu/
     PYTHONPATH=src python benchmarks/gpu_bench.py --smoke --out /tmp/smoke    # CPU, tiny, seconds
 
 What it measures (bf16, causal, window=4, period=16, variant "adaptive", logit_clamp=20):

@@ -1,8 +1,8 @@
 """Where a Triton π call's time goes on a GPU: kernels, host work, and what compiling or a CUDA graph saves.
 
-The first GPU run (benchmarks/results/gpu_first_bench.md) timed a bf16 forward at B=1, H=16, T=4K at
+The first GPU run (benchmarks/results/gpu/gpu_first_bench.md) timed a bf16 forward at B=1, H=16, T=4K at
 0.47 ms against a floor of 0.008 ms, and about the same at T=32K: a fixed cost per call, not the kernel.
-Two host syncs were part of it (benchmarks/results/gpu_overhead.md): the gate's value check and the
+Two host syncs were part of it (benchmarks/results/gpu/gpu_overhead.md): the gate's value check and the
 backward's finiteness check. The backward now keeps a bad value local in its kernels (no check); the gate's
 check runs unless the caller vouches for its gate (`pi_attention(check_gate=False)`, what `PiAttention` does
 for its own). This script separates, per shape and pass (fwd, fwd+bwd), each a median over repeats:

@@ -27,7 +27,7 @@ that crashes is recorded and the next one runs:
   model     `small` GPT training tokens/s at 8K-32K, batch > 1 (dense, local, π, multi-scale π), and the
             decode tokens/s and cache memory of a SmolLM2-shaped random-weight model (dense cache, local +
             sinks, π + sinks) at 2K-32K (gpu_model.py).
-Baselines already measured (dense SDPA and flash-sparse-attn's union, benchmarks/results/gpu_run_b8.json) are
+Baselines already measured (dense SDPA and flash-sparse-attn's union, benchmarks/results/gpu/gpu_run_b8.json) are
 taken from that file, not timed again, unless --remeasure-baselines. After every step it writes
 DIR/gpu_run.json and DIR/gpu_run.md (a kill keeps the finished steps), plus gpu_tests_tail.log,
 gpu_tests.xml, gpu_run.png and gpu_tune.{json,md}: seven files.
@@ -75,7 +75,7 @@ CUDA_TESTS = ("tests/ops/test_no_host_sync.py", "tests/ops/test_triton.py", "tes
               "tests/ops/test_conformance.py", "tests/ops/test_head_periods.py", "tests/ops/test_features.py",
               "tests/ops/test_compile.py", "tests/ops/test_flex.py")
 # Measured already (second session, B 8, H 16): taken from the file unless --remeasure-baselines.
-BASELINE_FILE = ROOT / "benchmarks" / "results" / "gpu_run_b8.json"
+BASELINE_FILE = ROOT / "benchmarks" / "results" / "gpu" / "gpu_run_b8.json"
 BASELINES = ("sdpa", "sdpa-fp32", "fsa-union")
 # FlexAttention under torch 2.11 compiled at no block size in the second session (16-64: no kernel
 # configuration; 128: 240 KiB of shared memory asked, 227 KiB there): (label, block size, kernel options),
@@ -250,7 +250,7 @@ class KernelPlan:
         # smoke run takes both, so that both dense SDPA paths are exercised.
         self.dtypes = (torch.bfloat16, torch.float32) if fp32 or smoke else (torch.bfloat16,)
         # B 8: enough heads of work to keep an H100/H200 busy, so that the ratio to the floor measures the
-        # kernels rather than the launch (B 1 was host-bound in the first runs: benchmarks/results/gpu_run.md).
+        # kernels rather than the launch (B 1 was host-bound in the first runs: benchmarks/results/gpu/gpu_run.md).
         self.BHD = ((8, 16, D),) if cuda else ((1, 4, 16 if D == 64 else 32),)
         self.T = ((4096, 8192, 16384, 32768) if D == 64 else (8192, 16384, 32768)) if cuda else (64,)
         self.check_shape = (2, 4, 1000, D) if cuda else (1, 4, 80, self.BHD[0][2])

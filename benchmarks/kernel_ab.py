@@ -191,7 +191,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--calls", type=int, default=2000, help="step: calls per round")
     p.add_argument("--rounds", type=int, default=11)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "kernel_ab")
     p.add_argument("--name", help="write NAME.md and NAME.json to --out")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.threads < 1 or args.calls < 1:
