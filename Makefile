@@ -49,13 +49,13 @@ lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks experiments
 
 bench-cpu: $(DEMO_STAMP)
-	$(PY) benchmarks/cpu_bench.py --out benchmarks/results
+	$(PY) benchmarks/cpu_bench.py --out benchmarks/results/cpu_bench
 
 bench-gpu:
-	PYTHONPATH=src $(PYTHON) benchmarks/gpu_bench.py --out benchmarks/results
+	PYTHONPATH=src $(PYTHON) benchmarks/gpu_bench.py --out benchmarks/results/gpu
 
 # The prepared GPU session (docs/gpu.md), e.g. `make gpu OUT=/tmp/gpu_run`: its files go to OUT, which it needs
-# (none by default: a run's files are read, then copied into benchmarks/results by hand). STEPS=kernels reruns one.
+# (none by default: a run's files are read, then copied into benchmarks/results/gpu by hand). STEPS=kernels reruns one.
 gpu:
 	@test -n "$(OUT)" || { echo "make gpu needs OUT=DIR (the run's files go there)"; exit 2; }
 	PYTHONPATH=src $(PYTHON) benchmarks/gpu_run.py --out "$(OUT)" $(if $(STEPS),--steps $(STEPS))

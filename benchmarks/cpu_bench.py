@@ -19,7 +19,7 @@ Huge pages: the fused backend places its large outputs on transparent huge pages
 both ways, interleaved call by call in one process. Beside each time: the page faults of the call (the
 process's minor faults, `getrusage`, median over the repeats): the first touches of fresh memory.
 
-    OMP_WAIT_POLICY=passive python benchmarks/cpu_bench.py --out benchmarks/results   # T = 1K … 16K, ~2 min
+    OMP_WAIT_POLICY=passive python benchmarks/cpu_bench.py --out benchmarks/results/cpu_bench   # T = 1K … 16K, ~2 min
     python benchmarks/cpu_bench.py --lengths 1024 2048 --repeats 3 --out /tmp/b    # quick
     OMP_WAIT_POLICY=passive python benchmarks/cpu_bench.py --lengths 8192 16384 32768 --cases fused \
         --huge-pages on off --name cpu_bench_hugepages --repeats 7
@@ -35,7 +35,6 @@ import math
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -45,8 +44,7 @@ import torch
 import piattn
 from piattn import allocator
 from piattn.allocator import keep_freed_pages
-from piattn.benchmarking import CHECK_TOLERANCE, machine_info, save_results
-from piattn.config import PI_DEFAULTS
+from piattn.benchmarking import CHECK_TOLERANCE, PI_SETTINGS, compiler_version, cpu_model, machine_info, save_results
 from piattn.ops.pi import fused
 from piattn.ops.pi.fused import pi_attention_fused
 from piattn.ops.pi.reference import pi_attention_reference
@@ -54,8 +52,7 @@ from piattn.ops.pi.settings import OpSettings
 from piattn.ops.pi.torch import pi_attention_torch
 
 SHAPE = dict(B=1, H=8, D=64)
-SETTINGS = dict(window=PI_DEFAULTS.window, period=PI_DEFAULTS.period, causal=True, variant="adaptive",
-                prior=PI_DEFAULTS.prior, logit_clamp=PI_DEFAULTS.logit_clamp, eps=PI_DEFAULTS.eps)
+SETTINGS = PI_SETTINGS  # the operator's settings every CPU benchmark times (kernel_ab's too)
 FUNCTIONS = {"reference": pi_attention_reference, "torch": pi_attention_torch, "fused": pi_attention_fused}
 # Not a backend: allocating the outputs of a call and writing them once, the part of any backend's time that
 # fresh memory costs (the kernel zeroes each new page on its first write: a second write the floor does not
@@ -277,22 +274,6 @@ def add_floors(rows: list[dict], copy_ms: dict[int, list[float]], moved: int) ->
     return bandwidth
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
-    except OSError:
-        return machine_info()["processor"]
-
-
-def _compiler() -> str:
-    try:
-        done = subprocess.run(["cc", "--version"], capture_output=True, text=True, timeout=10)
-        return done.stdout.splitlines()[0] if done.returncode == 0 and done.stdout else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "none"
-
-
 def markdown(result: dict) -> str:
     rows, threads = result["rows"], result["threads"]
     machine = result["machine"]
@@ -365,7 +346,7 @@ def _row(rows, case, mode, T, threads, huge_pages=None):
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/cpu_bench"))
     p.add_argument("--name", help="results go to NAME.{json,md} (default: cpu_bench, or cpu_bench_kept_pages)")
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192, 16384])
     p.add_argument("--cases", nargs="+", default=list(FUNCTIONS), choices=list(FUNCTIONS))
@@ -407,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                             huge_pages=huge_pages, dtype=DTYPES[args.dtype])
     bandwidth = add_floors(rows, copy_ms, copy.moved)
     flags = " ".join(fused.build_flags() or ()) or "–"
-    result = dict(machine=machine_info(), cpu=_cpu_model(), compiler=_compiler(), fused_flags=flags,
+    result = dict(machine=machine_info(), cpu=cpu_model(), compiler=compiler_version(), fused_flags=flags,
                   shape=SHAPE, settings=SETTINGS, lengths=args.lengths, cases=cases, threads=threads,
                   dtype=args.dtype, repeats=args.repeats, copy_mib=args.copy_mib, copy_gb_s=bandwidth,
                   keep_freed_pages=args.keep_freed_pages, huge_pages=list(huge_pages), thp=_thp(),

@@ -11,10 +11,10 @@ another checkout of piattn, e.g. an older commit unpacked with `git archive`) ev
 with that code, interleaved with the current one, and a before / after table is added. Within a process
 the steps are timed in blocks of 16 and a point's time per token is the median block's.
 
-    python benchmarks/decode_bench.py --out benchmarks/results          # 512 … 128K, ~3 min on 2 cores
-    python benchmarks/decode_bench.py --out benchmarks/results --threads 1 --repeats 5 \
+    python benchmarks/decode_bench.py --out benchmarks/results/decode          # 512 … 128K, ~3 min on 2 cores
+    python benchmarks/decode_bench.py --out benchmarks/results/decode --threads 1 --repeats 5 \
         --positions 128 256 512 1024 2048 4096 8192                    # the medians of the decoding issue
-    python benchmarks/plot_decode.py benchmarks/results/decode_bench.json
+    python benchmarks/plot_decode.py benchmarks/results/decode/decode_bench.json
 
 With `--interleaved` every kind runs in one process instead, π beside local (and dense, and "pi-torchops":
 π with the compiled step switched off) at each point: one model and a freshly filled cache per kind, and
@@ -23,7 +23,7 @@ measurements share the machine's state; the table gives, per point and per token
 1, and steps of 2–4 tokens), each kind's median tokens/s with the range over repeats, and the ratios
 π / local and π / dense computed within each repeat (median and range):
 
-    python benchmarks/decode_bench.py --out benchmarks/results --name decode_interleaved --interleaved \
+    python benchmarks/decode_bench.py --out benchmarks/results/decode --name decode_interleaved --interleaved \
         --threads 1 --repeats 7 --positions 512 4096 32768 --tokens 1 3 --kinds pi local dense pi-torchops
 """
 
@@ -42,20 +42,28 @@ from pathlib import Path
 import torch
 
 import piattn.ops.pi.native as native
-from piattn.benchmarking import command_line, fill_cache, machine_info, rss_kib, save_results
-from piattn.models import GPT, GPTConfig
+from piattn.benchmarking import (
+    DECODE_KINDS,
+    block_sizes,
+    command_line,
+    cpu_model,
+    decode_model,
+    fill_cache,
+    machine_info,
+    rss_kib,
+    save_results,
+    spread,
+)
+from piattn.models import GPT
 
-# Kind name -> GPTConfig overrides; "pi-union" is π without the gate MLP (what the gate costs a step);
-# "pi-torchops" is π with the compiled decoding step switched off (`torch_ops_only`).
-KIND_CONFIG = {"pi": dict(attention="pi"), "pi-union": dict(attention="pi", variant="union"),
-               # multi-scale π (the designer's per-head periods: every head over its own slots in one call a layer)
-               "ms-pi": dict(attention="pi", period="cover"),
-               "local": dict(attention="local"), "dense": dict(attention="dense"),
-               "pi-torchops": dict(attention="pi"),
-               # diagnostics of π's gate (`hold_gate_layers`, `share_gate_storage`): not paths the library offers
-               "pi-gate-held": dict(attention="pi"), "pi-gate-one-storage": dict(attention="pi"),
-               # Hugging Face kinds (--interleaved only): a small converted Llama with PiCache (`_hf_model`).
-               **dict.fromkeys(("hf-pi", "hf-pi-torchops", "hf-pi-operator", "hf-dense", "hf-ms-pi"), {})}
+# Kind name -> the DECODE_KINDS model it runs (piattn.benchmarking: pi, pi-union, ms-pi, local, dense, each
+# itself) and what is done to it: "pi-torchops" is π with the compiled decoding step switched off
+# (`torch_ops_only`); the diagnostics of π's gate (`hold_gate_layers`, `share_gate_storage`) are not paths the
+# library offers; the Hugging Face kinds (--interleaved only) are a small converted Llama with PiCache
+# (`_hf_model`), no GPT (None).
+KIND_MODEL = {**{kind: kind for kind in DECODE_KINDS}, "pi-torchops": "pi", "pi-gate-held": "pi",
+               "pi-gate-one-storage": "pi",
+               **dict.fromkeys(("hf-pi", "hf-pi-torchops", "hf-pi-operator", "hf-dense", "hf-ms-pi"))}
 KINDS = ("pi", "local", "dense")  # the default; pi and dense are always measured (their ratio is the table's)
 POSITIONS = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
@@ -78,8 +86,7 @@ def torch_ops_only(kind: str):
 
 
 def _model(kind: str, config: str) -> GPT:
-    torch.manual_seed(0)
-    model = GPT(GPTConfig.from_name(config, **KIND_CONFIG[kind], vocab_size=256, dropout=0.0)).eval()
+    model = decode_model(KIND_MODEL[kind], config)
     if kind == "pi-gate-held":
         hold_gate_layers(model)
     elif kind == "pi-gate-one-storage":
@@ -124,12 +131,6 @@ def run_case(kind: str, position: int, steps: int, config: str) -> dict:
     per_token = statistics.median(blocks)
     return dict(kind=kind, position=position, steps=steps, tokens_per_s=1 / per_token, ms_per_token=1000 * per_token,
                 cache_mib=cache.nbytes / 2**20, rss_mib=rss_kib("VmRSS") / 1024)
-
-
-def block_sizes(steps: int) -> list[int]:
-    """The timed steps cut into blocks of 16 (the last one shorter): a step's time is the median of the
-    blocks' means, so that a spell of a shared machine's other work touches one block, not the figure."""
-    return [16] * (steps // 16) + ([steps % 16] if steps % 16 else [])
 
 
 def median_row(repeats: list[dict]) -> dict:
@@ -234,8 +235,13 @@ def run_interleaved(kinds: list[str], positions: list[int], steps: int, repeats:
                  repeats_tokens_per_s=r) for (b, t, p, k), r in runs.items()]
 
 
+# Kept for experiments/passkey_decode.py, which imports both from here; a script imports piattn.benchmarking's
+# `spread` and `cpu_model` instead.
 def _spread(values: list[float], digits: int) -> str:
-    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+    return spread(values, f".{digits}f")
+
+
+_cpu_model = cpu_model
 
 
 def interleaved_markdown(result: dict) -> str:
@@ -269,8 +275,8 @@ def interleaved_markdown(result: dict) -> str:
     for b in result.get("batches", [1]):
         for t in result["tokens"]:
             for p in result["positions"]:
-                cells = [_spread(by[(b, t, p, k)], 0) for k in kinds]
-                rel = [_spread([x / y for x, y in zip(by[(b, t, p, a0)], by[(b, t, p, b0)], strict=True)], 2) + "×"
+                cells = [spread(by[(b, t, p, k)], ".0f") for k in kinds]
+                rel = [spread([x / y for x, y in zip(by[(b, t, p, a0)], by[(b, t, p, b0)], strict=True)], ".2f") + "×"
                        for a0, b0 in ratios]
                 out.append(f"| {b} | {t} | {p:,} | " + " | ".join(cells) + " | " + " | ".join(rel) + " |")
     return "\n".join(out) + "\n"
@@ -287,12 +293,6 @@ HF_KINDS = ("hf-pi", "hf-pi-torchops", "hf-pi-operator", "hf-dense", "hf-ms-pi")
 HF_MS_PERIODS = [5, 6, 7, 9, 12, 16, 24, 32]
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
-    except OSError:
-        return "unknown"
 HF_NOTE = ("; `hf-*`: a Llama of 4 layers, width 256, 8 query heads on 4 key/value heads, converted to π (window 4, "
            "period 16) with `PiCache` (`hf-pi`: compiled step, `hf-pi-torchops`: torch-ops step, `hf-pi-operator`: "
            "backend \"torch\", every step the full operator on the cached block, as every step ran before the PiCache "
@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=1, help="measurements per point; the table gives medians")
     parser.add_argument("--name", default="decode_bench", help="file name of the results in --out")
     parser.add_argument("--config", default="tiny")
-    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KIND_CONFIG),
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KIND_MODEL),
                         help="what to measure (pi and dense always are)")
     parser.add_argument("--baseline", help="src folder of another piattn to measure alongside (before / after)")
     parser.add_argument("--threads", type=int, help="intra-op threads (default: torch's); 1 is steadier on a "
@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
         result = dict(machine=machine_info(), command=command_line("benchmarks/decode_bench.py", argv),
                       config=args.config, steps=args.steps, repeats=args.repeats, kinds=kinds,
                       positions=args.positions, tokens=args.tokens, batches=args.batch, load=os.getloadavg()[0],
-                      cpu=_cpu_model(), compiled_step=native.unavailable() or "built",
+                      cpu=cpu_model(), compiled_step=native.unavailable() or "built",
                       note="absolute tokens/s move with the machine's load: trust the ratios side by side",
                       rows=rows)
         table = interleaved_markdown(result)
@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.case:  # child process: one measurement, printed as JSON
         print(json.dumps(run_case(args.case[0], int(args.case[1]), args.steps, args.config)))
         return
-    kinds = [k for k in KIND_CONFIG if k in {"pi", "dense", *args.kinds}]
+    kinds = [k for k in KIND_MODEL if k in {"pi", "dense", *args.kinds}]
     codes = {"current": None, **({"baseline": str(Path(args.baseline).resolve())} if args.baseline else {})}
     runs: dict[tuple[str, str, int], list[dict]] = {}
     for repeat in range(args.repeats):

@@ -15,7 +15,7 @@ Two views of the same loop:
   after warm-up, in a fresh process per (kind, batch). Without perf the table says so and keeps the module
   view.
 
-    python benchmarks/decode_profile.py --out benchmarks/results --name decode_profile \
+    python benchmarks/decode_profile.py --out benchmarks/results/decode --name decode_profile \
         --kinds pi local dense --position 512 --batch 1 8
 """
 
@@ -34,11 +34,17 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from decode_bench import _model  # noqa: E402  (the models decode_bench times)
-from piattn.benchmarking import command_line, fill_cache, machine_info, save_results  # noqa: E402
+from piattn.benchmarking import (
+    DECODE_KINDS,
+    command_line,
+    decode_model,
+    fill_cache,
+    machine_info,
+    markdown_table,
+    save_results,
+)
 
-KINDS = ("pi", "local", "dense", "pi-union", "ms-pi")  # the GPT kinds (no Hugging Face ones here)
+KINDS = tuple(DECODE_KINDS)  # the GPT kinds of the decoding benchmarks (no Hugging Face ones here)
 # A model's module name (within a block for the per-layer ones) -> its part of the step. Only whole layers:
 # hooks on the attention layer's own parts (its projections, the gate MLP) would move its decoding off the
 # lean path that the compiled step runs (a hooked linear is computed in torch so that its hooks see it).
@@ -101,7 +107,7 @@ def by_module(model, position: int, batch: int, steps: int) -> dict:
 
 def worker(kind: str, position: int, batch: int, seconds: float, config: str) -> None:
     """The child `by_library` samples: warm up, say "ready", take steps for `seconds`."""
-    model = _model(kind, config)
+    model = decode_model(kind, config)
     cache, token = _warm_cache(model, position, batch)
     print("ready", flush=True)
     deadline = time.perf_counter() + seconds
@@ -159,21 +165,17 @@ def markdown(result: dict) -> str:
              f"sequence of the batch), median of {result['repeats']} runs of {result['steps']} steps, the kinds "
              "taking turns in one process; the "
              "hooks' own cost (about a µs a module call) lands in 'between modules'.", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        lines.append("| " + " | ".join([r["kind"], str(r["batch"]), f"{r['module']['step']:.0f}",
-                                        *(f"{r['module'].get(p, 0.0):.0f}" for p in parts)]) + " |")
+             *markdown_table(head, ([r["kind"], r["batch"], f"{r['module']['step']:.0f}",
+                                     *(f"{r['module'].get(p, 0.0):.0f}" for p in parts)] for r in rows))]
     libraries = [name for name, _ in LIBRARIES] + [OTHER]
     if all(r["library"] is None for r in rows):
         lines += ["", "By library: not measured (no `perf`, or perf may not sample here)."]
     else:
         lines += ["", f"By library: % of CPU samples (`perf record -e cpu-clock`, {result['seconds']} s of steps "
                   "after warm-up, a fresh process per row).", "",
-                  "| kind | batch | " + " | ".join(libraries) + " |", "|" + "---|" * (len(libraries) + 2)]
-        for r in rows:
-            if r["library"] is not None:
-                lines.append(f"| {r['kind']} | {r['batch']} | " +
-                             " | ".join(f"{r['library'].get(lib, 0.0):.1f}" for lib in libraries) + " |")
+                  *markdown_table(["kind", "batch", *libraries],
+                                  ([r["kind"], r["batch"], *(f"{r['library'].get(lib, 0.0):.1f}" for lib in libraries)]
+                                   for r in rows if r["library"] is not None))]
     return "\n".join(lines) + "\n"
 
 
@@ -186,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=5, help="module-view runs per row (the median is kept)")
     p.add_argument("--seconds", type=float, default=4.0, help="seconds of steps perf samples per row")
     p.add_argument("--config", default="tiny")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/decode"))
     p.add_argument("--name", default="decode_profile")
     p.add_argument("--worker", nargs=4, metavar=("KIND", "POSITION", "BATCH", "SECONDS"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -201,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"--{', --'.join(bad)} must be positive")
     # The module view: every kind's model in this process, taking turns within each repeat (the order rotated
     # from one repeat to the next), so that a slow spell of a shared machine touches every kind alike.
-    models = {kind: _model(kind, args.config) for kind in args.kinds}
+    models = {kind: decode_model(kind, args.config) for kind in args.kinds}
     runs: dict[tuple[str, int], list[dict]] = {}
     for repeat in range(args.repeats):
         turn = args.kinds[repeat % len(args.kinds):] + args.kinds[:repeat % len(args.kinds)]

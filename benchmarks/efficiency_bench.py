@@ -22,9 +22,9 @@ GPU: `--device cuda --dtype bf16` (autocast) runs the same rows with flash SDPA 
 π kernels, and adds MFU = model FLOPs per token × tokens/s / the device's peak (a table of known peaks);
 no GPU figure has been measured by this script yet. On a CPU MFU is not reported.
 
-    python benchmarks/efficiency_bench.py --out benchmarks/results        # CPU plan: tiny 1K/4K/8K, small 1K
-    python benchmarks/efficiency_bench.py --threads 1 --rounds 2 --out benchmarks/results   # the committed table
-    python benchmarks/efficiency_bench.py --render benchmarks/results   # the .md again from the .json
+    python benchmarks/efficiency_bench.py --out benchmarks/results/efficiency     # CPU plan: tiny 1K/4K/8K, small 1K
+    python benchmarks/efficiency_bench.py --threads 1 --rounds 2 --out benchmarks/results/efficiency  # the table kept
+    python benchmarks/efficiency_bench.py --render benchmarks/results/efficiency  # the .md again from the .json
 
 On a shared machine single timings move a lot between minutes; `--rounds N` runs the whole plan N times,
 rows interleaved, and reports medians, each ratio as the median [range] of the rounds' ratios (each round's
@@ -41,7 +41,7 @@ reporting the growth of its resident set over the process after the model is bui
 in this mode (benchmarks/decode_bench.py has its own interleaved table).
 
     python benchmarks/efficiency_bench.py --interleaved --threads 1 --plan tiny:1024:0:15 tiny:4096:0:11 \
-        tiny:8192:0:7 --out benchmarks/results
+        tiny:8192:0:7 --out benchmarks/results/efficiency
 """
 
 from __future__ import annotations
@@ -56,7 +56,17 @@ from pathlib import Path
 
 import torch
 
-from piattn.benchmarking import command_line, fill_cache, machine_info, reset_peak_rss, rss_kib, save_results
+from piattn.benchmarking import (
+    command_line,
+    fill_cache,
+    fmt,
+    machine_info,
+    reset_peak_rss,
+    rss_kib,
+    save_results,
+    spread,
+    sync,
+)
 from piattn.models import GPT, GPTConfig
 
 KINDS = ("dense", "local", "pi")
@@ -65,11 +75,6 @@ PEAK_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362e12
 # CONFIG:T[:DROPOUTS[:REPEATS]]; `small` (85M parameters with bytes) takes ~20-40 s a step on 2 CPU cores
 DEFAULT_PLAN = ("tiny:1024", "tiny:4096", "tiny:8192", "small:1024:0:1")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def timed_train_step(model, optimizer, idx: torch.Tensor, device: torch.device, amp) -> float:
@@ -276,11 +281,6 @@ def run_group(group: dict) -> dict:
                 prefill_s=pre)
 
 
-def spread(values: list[float], digits: str = ".3f") -> str:
-    values = sorted(values)
-    return f"{format(statistics.median(values), digits)} [{format(values[0], digits)}–{format(values[-1], digits)}]"
-
-
 def interleaved_markdown(result: dict) -> str:
     m = result["machine"]
     groups = result["groups"]
@@ -308,7 +308,7 @@ def interleaved_markdown(result: dict) -> str:
             return "–"
         if kind == base:
             return "1.00"
-        return spread([a / b for a, b in zip(g[key][kind], g[key][base], strict=True)], ".2f")
+        return spread([a / b for a, b in zip(g[key][kind], g[key][base], strict=True)], ".2f", "[]")
 
     for g in groups:
         mem = g.get("memory", {})
@@ -317,11 +317,12 @@ def interleaved_markdown(result: dict) -> str:
             tp, pp = mem.get(kind, {}).get("train"), mem.get(kind, {}).get("prefill")
             tl = mem.get("local", {}).get("train")
             out.append(
-                f"| {g['config']} | {g['context']:,} | {kind} | {g['repeats']} | {spread(g['train_step_s'][kind])} | "
+                f"| {g['config']} | {g['context']:,} | {kind} | {g['repeats']} | "
+                f"{spread(g['train_step_s'][kind], brackets='[]')} | "
                 f"{g['batch'] * g['context'] / step:,.0f} | {ratio(g, 'train_step_s', kind, 'local')} | "
                 f"{ratio(g, 'train_step_s', kind, 'dense')} | {fmt(tp, ',.0f')} | "
                 f"{fmt(tp and tl and tp / tl, '.2f')} | "
-                f"{spread([1000 * x for x in g['prefill_s'][kind]], ',.1f')} | "
+                f"{spread([1000 * x for x in g['prefill_s'][kind]], ',.1f', '[]')} | "
                 f"{ratio(g, 'prefill_s', kind, 'local')} | {ratio(g, 'prefill_s', kind, 'dense')} | "
                 f"{fmt(pp, ',.0f')} |")
     return "\n".join(out) + "\n"
@@ -365,10 +366,6 @@ def interleaved(args: argparse.Namespace, argv: list[str] | None) -> dict:
 
 def label(row: dict) -> str:
     return f"{row['kind']} (dropout {row['dropout']:g})"
-
-
-def fmt(value, spec: str, missing: str = "–") -> str:
-    return missing if value is None else format(value, spec)
 
 
 MEASURES = ("train_step_s", "train_peak_mib", "prefill_ms", "decode_tokens_per_s", "mfu")

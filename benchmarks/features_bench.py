@@ -16,7 +16,7 @@ Every case reports wall time and the process's CPU time (`time.process_time`). O
 other jobs, wall time mostly measures the waits for a core; with one thread, CPU time does not, which is
 why the default also runs every case with one thread (with two, CPU time includes OpenMP's spin-waits).
 
-    PYTHONPATH=src python benchmarks/features_bench.py --out benchmarks/results
+    PYTHONPATH=src python benchmarks/features_bench.py --out benchmarks/results/features
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ def markdown(result: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/features"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, nargs="+", default=list(THREADS))
     parser.add_argument("--base", default=BASE, help="commit whose torch backend is the 'before' of table 2")

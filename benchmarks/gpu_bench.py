@@ -3,7 +3,7 @@
 One run, one process, about 9 minutes at most on an H100/H200 (a time budget skips what does not fit, and
 says so):
 
-    PYTHONPATH=src python benchmarks/gpu_bench.py --out benchmarks/results/
+    PYTHONPATH=src python benchmarks/gpu_bench.py --out benchmarks/results/gpu/
     PYTHONPATH=src python benchmarks/gpu_bench.py --smoke --out /tmp/smoke    # CPU, tiny, seconds
 
 What it measures (bf16, causal, window=4, period=16, variant "adaptive", logit_clamp=20):
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
 import time
 from pathlib import Path
 
@@ -42,7 +41,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import piattn
-from piattn.benchmarking import command_line, save_results
+from piattn.benchmarking import command_line, describe_error, log, median_ms, save_results, sync
 
 OP = dict(window=4, period=16, causal=True, variant="adaptive", prior=0.5, logit_clamp=20.0, eps=1e-4)
 DTYPE = torch.bfloat16
@@ -91,42 +90,15 @@ class Setup:
         return self.elapsed() > self.budget_s
 
     def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        sync(self.device)
 
     def time_ms(self, fn) -> float:
         """Median time of fn() in ms after warm-up; on CUDA by events, with L2 flushed before each run."""
         for _ in range(self.warmup):
             fn()
         self.sync()
-        return event_ms(fn, self.repeats, self.device.type == "cuda",
-                        before=None if self._flush is None else self._flush.zero_)
-
-
-def event_ms(fn, repeats: int, cuda: bool, before=None) -> float:
-    """Median ms of fn() over `repeats` runs: CUDA events on a GPU, with before() (e.g. an L2 flush, so that
-    the inputs come from HBM as the floor assumes) run ahead of each outside the timed span; wall clock on a
-    CPU."""
-    times = []
-    for _ in range(repeats):
-        if cuda:
-            if before is not None:
-                before()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
+        return median_ms(fn, self.repeats, cuda=self.device.type == "cuda",
+                         before=None if self._flush is None else self._flush.zero_)
 
 
 def environment(setup: Setup) -> dict:
@@ -252,17 +224,11 @@ def check_backends(setup: Setup, candidates: dict) -> dict:
             ok, errors = compare(expected if uses_gate else dense_expected, got)
             results[label] = dict(status="ok" if ok else "failed check", max_abs_err=errors)
         except Exception as exc:  # a backend that cannot run here is reported, not fatal
-            results[label] = dict(status="error", error=_describe(exc))
+            results[label] = dict(status="error", error=describe_error(exc))
         r = results[label]
         r["seconds"] = round(time.monotonic() - t0, 1)
-        log(f"  check {label:<20} {r['status']:<13} {_errors(r)} ({r['seconds']} s)")
+        log(f"  check {label:<20} {r['status']:<13} {check_errors(r)} ({r['seconds']} s)")
     return results
-
-
-def _describe(exc: Exception) -> str:
-    """Exception type and the first line of its message (compiler errors run to pages)."""
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}"
 
 
 def probe_flex(setup: Setup) -> tuple[int | None, dict]:
@@ -303,7 +269,7 @@ def time_grid(setup: Setup, ops: dict, sdpa_label: str, bandwidth: float) -> lis
                 elif setup.out_of_time():
                     row["status"] = "skipped: time budget"
                 else:
-                    row.update(_time_case(setup, op, inputs, mode == "fwd+bwd", uses_gate))
+                    row.update(time_case(setup, op, inputs, mode == "fwd+bwd", uses_gate))
                 if row.get("ms"):
                     row["ratio_to_floor"] = row["ms"] / floor_ms
                 group.append(row)
@@ -319,7 +285,7 @@ def time_grid(setup: Setup, ops: dict, sdpa_label: str, bandwidth: float) -> lis
     return rows
 
 
-def _time_case(setup: Setup, op, inputs, backward: bool, uses_gate: bool) -> dict:
+def time_case(setup: Setup, op, inputs, backward: bool, uses_gate: bool) -> dict:
     """{status, ms}; an op with a `prepare(inputs)` method gets its inputs laid out its way first (untimed)."""
     try:
         if hasattr(op, "prepare"):
@@ -329,7 +295,7 @@ def _time_case(setup: Setup, op, inputs, backward: bool, uses_gate: bool) -> dic
     except torch.OutOfMemoryError:
         return dict(status="skipped: out of memory")
     except Exception as exc:
-        return dict(status=f"error: {_describe(exc)}")
+        return dict(status=f"error: {describe_error(exc)}")
 
 
 def _add_ratios(group: list[dict], sdpa_label: str) -> None:
@@ -358,7 +324,7 @@ def nan_check(setup: Setup, ops: dict) -> dict:
         except torch.OutOfMemoryError:
             results[label] = dict(status="skipped: out of memory")
         except Exception as exc:
-            results[label] = dict(status=f"error: {_describe(exc)}")
+            results[label] = dict(status=f"error: {describe_error(exc)}")
         log(f"  nan check {label:<20} {results[label]['status']}")
     return dict(shape=list(setup.nan_shape), q_scale=19.0, logit_clamp=OP["logit_clamp"], results=results)
 
@@ -429,12 +395,13 @@ def _time_layer(setup: Setup, build, B: int, T: int, d: int, backward: bool) -> 
     except torch.OutOfMemoryError:
         return dict(status="skipped: out of memory")
     except Exception as exc:
-        return dict(status=f"error: {_describe(exc)}")
+        return dict(status=f"error: {describe_error(exc)}")
 
 
 # ------------------------------------------------------------------------------------------------- report
 
-def _errors(check: dict) -> str:
+def check_errors(check: dict) -> str:
+    """A check's largest errors for a table cell (or its error message)."""
     if "max_abs_err" not in check:
         return check.get("error", "")
     errors = check["max_abs_err"].items()
@@ -477,7 +444,7 @@ def markdown(result: dict) -> str:
     out += ["", "## Correctness checks (against backend \"reference\", bf16 tolerance 2e-2)", "",
             "| backend | status | max abs error |", "|---|---|---|"]
     for label, c in result["checks"].items():
-        out.append(f"| {label} | {c['status']} | {_errors(c)} |")
+        out.append(f"| {label} | {c['status']} | {check_errors(c)} |")
     nan = result["nan_check"]
     out += ["", f"## Finiteness at shape {nan['shape']}, q × {nan['q_scale']}, clamp {nan['logit_clamp']}",
             ""]

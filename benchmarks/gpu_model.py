@@ -20,6 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from piattn.benchmarking import sync
 from piattn.models import GPT, GPTConfig
 
 # kind -> (GPTConfig attention, its overrides): multi-scale π takes the geometric schedule (heads at 16, 32, …).
@@ -53,11 +54,6 @@ class ModelPlan:
         return max(2, self.tokens // T)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def _reset_peak(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -75,10 +71,10 @@ def _median_ms(fn, device: torch.device, repeats: int, warm: bool = False) -> fl
         fn()
     times = []
     for _ in range(repeats):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
@@ -186,10 +182,10 @@ def measure_decode(plan: ModelPlan, kind: str, T: int) -> dict:
         _reset_peak(plan.device)
         times = []
         for _ in range(plan.decode_tokens):
-            _sync(plan.device)
+            sync(plan.device)
             t0 = time.perf_counter()
             token = model(token, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-            _sync(plan.device)
+            sync(plan.device)
             times.append((time.perf_counter() - t0) * 1e3)
         ms = statistics.median(times)
         row.update(decode_ms_per_token=ms, decode_tokens_per_s=1e3 / ms, cache_mib=cache_nbytes(cache) / 2**20,

@@ -1,8 +1,8 @@
 """Where a Triton π call's time goes on a GPU: kernels, host work, and what compiling or a CUDA graph saves.
 
-The first GPU run (benchmarks/results/gpu_first_bench.md) timed a bf16 forward at B=1, H=16, T=4K at
+The first GPU run (benchmarks/results/gpu/gpu_first_bench.md) timed a bf16 forward at B=1, H=16, T=4K at
 0.47 ms against a floor of 0.008 ms, and about the same at T=32K: a fixed cost per call, not the kernel.
-Two host syncs were part of it (benchmarks/results/gpu_overhead.md): the gate's value check and the
+Two host syncs were part of it (benchmarks/results/gpu/gpu_overhead.md): the gate's value check and the
 backward's finiteness check. The backward now keeps a bad value local in its kernels (no check); the gate's
 check runs unless the caller vouches for its gate (`pi_attention(check_gate=False)`, what `PiAttention` does
 for its own). This script separates, per shape and pass (fwd, fwd+bwd), each a median over repeats:
@@ -35,8 +35,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 import piattn  # noqa: E402
-from gpu_bench import event_ms  # noqa: E402
-from piattn.benchmarking import command_line, save_results  # noqa: E402
+from piattn.benchmarking import command_line, median_ms, save_results  # noqa: E402
 
 OP = dict(window=4, period=16, causal=True, variant="adaptive", backend="triton")
 SHAPES = ((1, 16, 4096, 64), (8, 16, 32768, 64))
@@ -122,7 +121,7 @@ def measure(shape, device, dtype, repeats: int, calls: int) -> list[dict]:
             fn()
         row = dict(B=shape[0], H=shape[1], T=shape[2], D=shape[3], mode=mode)
         for label, call in (("eager", fn), ("no_gate_check", trusted)):
-            row[f"{label}_ms"] = event_ms(call, repeats, cuda)
+            row[f"{label}_ms"] = median_ms(call, repeats, cuda=cuda)
             row[f"{label}_host_us"] = host_us(call, calls, cuda)
         if cuda:
             row["kernels_ms"], row["per_kernel_ms"] = kernel_ms(fn, repeats)
@@ -131,13 +130,13 @@ def measure(shape, device, dtype, repeats: int, calls: int) -> list[dict]:
                                                                              check_gate=False)), xs, dy)
                 for _ in range(3):
                     compiled()
-                row["compiled_ms"] = event_ms(compiled, repeats, cuda)
+                row["compiled_ms"] = median_ms(compiled, repeats, cuda=cuda)
                 row["compiled_host_us"] = host_us(compiled, calls, cuda)
             except Exception as exc:  # recorded, not fatal
                 row["compiled_error"] = f"{type(exc).__name__}: {str(exc).strip()[:200]}"
         replay, row["graph_capture"] = graph_of(trusted, cuda)
         if replay is not None:
-            row["graph_ms"] = event_ms(replay, repeats, cuda)
+            row["graph_ms"] = median_ms(replay, repeats, cuda=cuda)
             row["graph_host_us"] = host_us(replay, calls, cuda)
         rows.append(row)
         print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()

@@ -27,7 +27,7 @@ that crashes is recorded and the next one runs:
   model     `small` GPT training tokens/s at 8K-32K, batch > 1 (dense, local, π, multi-scale π), and the
             decode tokens/s and cache memory of a SmolLM2-shaped random-weight model (dense cache, local +
             sinks, π + sinks) at 2K-32K (gpu_model.py).
-Baselines already measured (dense SDPA and flash-sparse-attn's union, benchmarks/results/gpu_run_b8.json) are
+Baselines already measured (dense SDPA and flash-sparse-attn's union, benchmarks/results/gpu/gpu_run_b8.json) are
 taken from that file, not timed again, unless --remeasure-baselines. After every step it writes
 DIR/gpu_run.json and DIR/gpu_run.md (a kill keeps the finished steps), plus gpu_tests_tail.log,
 gpu_tests.xml, gpu_run.png and gpu_tune.{json,md}: seven files.
@@ -61,7 +61,7 @@ import gpu_overhead  # noqa: E402
 import gpu_tune  # noqa: E402
 import peers  # noqa: E402
 import piattn  # noqa: E402
-from piattn.benchmarking import command_line  # noqa: E402
+from piattn.benchmarking import command_line, describe_error, fmt, log, markdown_table, median_ms  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # Seconds per step, in the order they run: the one home of the run's budget (docs/gpu.md states the total).
@@ -75,7 +75,7 @@ CUDA_TESTS = ("tests/ops/test_no_host_sync.py", "tests/ops/test_triton.py", "tes
               "tests/ops/test_conformance.py", "tests/ops/test_head_periods.py", "tests/ops/test_features.py",
               "tests/ops/test_compile.py", "tests/ops/test_flex.py")
 # Measured already (second session, B 8, H 16): taken from the file unless --remeasure-baselines.
-BASELINE_FILE = ROOT / "benchmarks" / "results" / "gpu_run_b8.json"
+BASELINE_FILE = ROOT / "benchmarks" / "results" / "gpu" / "gpu_run_b8.json"
 BASELINES = ("sdpa", "sdpa-fp32", "fsa-union")
 # FlexAttention under torch 2.11 compiled at no block size in the second session (16-64: no kernel
 # configuration; 128: 240 KiB of shared memory asked, 227 KiB there): (label, block size, kernel options),
@@ -97,15 +97,6 @@ SMOKE_TESTS = ("tests/ops/test_backends.py::test_auto_on_cpu_is_fused_then_torch
                "tests/ops/test_backends.py::test_auto_on_a_simulated_gpu",
                "tests/ops/test_backends.py::test_unknown_backend")
 FP32_TOL = dict(atol=2e-3, rtol=2e-3)  # triton and flex run fp32 dots as TF32 on a GPU
-
-
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}"
 
 
 class Clock:
@@ -259,7 +250,7 @@ class KernelPlan:
         # smoke run takes both, so that both dense SDPA paths are exercised.
         self.dtypes = (torch.bfloat16, torch.float32) if fp32 or smoke else (torch.bfloat16,)
         # B 8: enough heads of work to keep an H100/H200 busy, so that the ratio to the floor measures the
-        # kernels rather than the launch (B 1 was host-bound in the first runs: benchmarks/results/gpu_run.md).
+        # kernels rather than the launch (B 1 was host-bound in the first runs: benchmarks/results/gpu/gpu_run.md).
         self.BHD = ((8, 16, D),) if cuda else ((1, 4, 16 if D == 64 else 32),)
         self.T = ((4096, 8192, 16384, 32768) if D == 64 else (8192, 16384, 32768)) if cuda else (64,)
         self.check_shape = (2, 4, 1000, D) if cuda else (1, 4, 80, self.BHD[0][2])
@@ -355,7 +346,7 @@ def check_op(plan: KernelPlan, op, ref, uses_gate: bool, dtype, H: int, backward
         ok, errors = gb.compare(expected, got, gb.TOL if dtype == torch.bfloat16 else FP32_TOL)
         return dict(status="ok" if ok else "failed check", max_abs_err=errors)
     except Exception as exc:  # a peer that cannot run here is reported, not fatal
-        return dict(status="error", error=_describe(exc))
+        return dict(status="error", error=describe_error(exc))
 
 
 def _flex(block: int, options: dict):
@@ -433,7 +424,7 @@ def time_rows(setup: gb.Setup, plan: KernelPlan, ops: dict, checks: dict, bandwi
                     else:
                         if inputs is None:
                             inputs = gb.make_inputs(B, H, T, D, setup.device, grad="fwd+bwd" in modes, dtype=dtype)
-                        row.update(gb._time_case(setup, op, inputs, mode == "fwd+bwd", uses_gate))
+                        row.update(gb.time_case(setup, op, inputs, mode == "fwd+bwd", uses_gate))
                     if row.get("ms"):
                         row["ratio_to_floor"] = row["ms"] / floor_ms
                         if "design_floor_ms" in row:
@@ -600,16 +591,16 @@ def train_step_graph(smoke: bool) -> dict:
             opt.zero_grad(set_to_none=False)
             loss_out.copy_(loss.detach())
 
-        eager_ms = gb.event_ms(step, 5, True)
+        eager_ms = median_ms(step, 5, cuda=True)
         replay, status = gpu_overhead.graph_of(step, True)
         if replay is None:
             return dict(status=status, eager_ms=eager_ms)
-        replay_ms = gb.event_ms(replay, 5, True)
+        replay_ms = median_ms(replay, 5, cuda=True)
         replay()
         torch.cuda.synchronize()
         return dict(status="ok", eager_ms=eager_ms, replay_ms=replay_ms, loss_after_replay=float(loss_out))
     except Exception as exc:
-        return dict(status="error", error=_describe(exc))
+        return dict(status="error", error=describe_error(exc))
 
 
 # -------------------------------------------------------------------------------------------------- model
@@ -627,10 +618,6 @@ def model_step(smoke: bool, clock: Clock, record: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------- report
-
-def _fmt(x, spec: str = ".3f") -> str:
-    return "" if x is None else format(x, spec)
-
 
 def _cell(r: dict | None) -> str:
     if r is None:
@@ -678,7 +665,7 @@ def _kernel_section(name: str, kernels: dict) -> list[str]:
         out += ["", "| target | measured | met |", "|---|---|---|"]
         out += [f"| {t['target']} | {t['measured']} | {t['met']} |" for t in kernels["targets"]]
     out += ["", "Checks against backend \"reference\":", "", "| op/dtype | status | max abs error |", "|---|---|---|"]
-    out += [f"| {k} | {c['status']} {c.get('error', '')} | {gb._errors(c)} |"
+    out += [f"| {k} | {c['status']} {c.get('error', '')} | {gb.check_errors(c)} |"
             for k, c in kernels.get("checks", {}).items()]
     nan = kernels.get("nan_check")
     if nan:
@@ -692,8 +679,8 @@ def markdown(report: dict) -> str:
     steps = report["steps"]
     out = [f"# GPU run ({env.get('device', '?')})", "",
            f"torch {env.get('torch')}, triton {env.get('triton')}, CUDA {env.get('cuda')}, Python "
-           f"{env.get('python')}, SMs {env.get('sm_count')}, memory {_fmt(env.get('gpu_memory_gib'), '.0f')} GiB, "
-           f"copy bandwidth {_fmt(env.get('copy_bandwidth_GBps'), '.0f')} GB/s (read + write, this run). "
+           f"{env.get('python')}, SMs {env.get('sm_count')}, memory {fmt(env.get('gpu_memory_gib'), '.0f', '')} GiB, "
+           f"copy bandwidth {fmt(env.get('copy_bandwidth_GBps'), '.0f', '')} GB/s (read + write, this run). "
            f"Command: `{report['command']}`.", "",
            "| step | status | seconds | budget s |", "|---|---|---|---|"]
     out += [f"| {name} | {s['status']} | {s.get('seconds', 0):.0f} | {s['budget_s']:.0f} |"
@@ -732,19 +719,18 @@ def markdown(report: dict) -> str:
     model = steps.get("model", {})
     if model.get("rows"):
         out += ["", f"## Model: training ({model['size']} GPT, {model['dtype']})", "",
-                "| kind | T | batch | train ms | tokens/s | peak MiB | status |", "|" + "---|" * 7]
-        for r in model["rows"]:
-            cells = [r["kind"], str(r["T"]), str(r.get("batch", "")), _fmt(r.get("train_ms"), ".1f"),
-                     _fmt(r.get("train_tokens_per_s"), ".0f"), _fmt(r.get("train_peak_mib"), ".0f"), r["status"]]
-            out.append("| " + " | ".join(cells) + " |")
+                *markdown_table(["kind", "T", "batch", "train ms", "tokens/s", "peak MiB", "status"],
+                                ([r["kind"], r["T"], r.get("batch", ""), fmt(r.get("train_ms"), ".1f", ""),
+                                  fmt(r.get("train_tokens_per_s"), ".0f", ""), fmt(r.get("train_peak_mib"), ".0f", ""),
+                                  r["status"]] for r in model["rows"]))]
     if model.get("decode_rows"):
         out += ["", f"## Model: decoding (SmolLM2-shaped Llama, random weights, {model['dtype']}, batch 1, "
                 f"{model['decode_tokens']} tokens after a prompt of T; settings {model['decode_settings']})", "",
-                "| kind | T | ms/token | tokens/s | cache MiB | peak MiB | status |", "|" + "---|" * 7]
-        for r in model["decode_rows"]:
-            out.append("| " + " | ".join([r["kind"], str(r["T"]), _fmt(r.get("decode_ms_per_token"), ".2f"),
-                                          _fmt(r.get("decode_tokens_per_s"), ".1f"), _fmt(r.get("cache_mib"), ".2f"),
-                                          _fmt(r.get("decode_peak_mib"), ".0f"), r["status"]]) + " |")
+                *markdown_table(["kind", "T", "ms/token", "tokens/s", "cache MiB", "peak MiB", "status"],
+                                ([r["kind"], r["T"], fmt(r.get("decode_ms_per_token"), ".2f", ""),
+                                  fmt(r.get("decode_tokens_per_s"), ".1f", ""), fmt(r.get("cache_mib"), ".2f", ""),
+                                  fmt(r.get("decode_peak_mib"), ".0f", ""), r["status"]]
+                                 for r in model["decode_rows"]))]
     out += ["", f"Total {report.get('elapsed_s', 0):.0f} s."]
     return "\n".join(out) + "\n"
 
@@ -782,7 +768,7 @@ class Report:
             record.update(fn(clock, record))
             record["status"] = "ok"
         except Exception as exc:  # keep the other steps
-            record.update(status="error", error=_describe(exc), traceback=traceback.format_exc()[-3000:])
+            record.update(status="error", error=describe_error(exc), traceback=traceback.format_exc()[-3000:])
             log(f"  {name} failed: {record['error']}")
         record["seconds"] = clock.elapsed()
         if name == "env" and "environment" in record:
@@ -851,7 +837,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         report.plot()
     except Exception as exc:  # the JSON and markdown are the record; the figure is a view of them
-        report.data["plot_error"] = _describe(exc)
+        report.data["plot_error"] = describe_error(exc)
     report.save()
     log((a.out / "gpu_run.md").read_text())
     return report.data

@@ -1,7 +1,7 @@
 """Tile sweep of the Triton π kernels on a GPU: which (BLOCK_T, BLOCK_K, num_warps, num_stages) brings the
 forward and the backward closest to their bandwidth floors, per head dim and dtype.
 
-The second GPU run (benchmarks/results/gpu_run_b8.md, B 8, H 16, bf16, D 64) had the forward at 4.0× its
+The second GPU run (benchmarks/results/gpu/gpu_run_b8.md, B 8, H 16, bf16, D 64) had the forward at 4.0× its
 floor and forward+backward at 4.8× at T = 32K, with the tiles `triton._tiles` picks by rule (64-row tiles,
 32-key chunks, 4 warps for D ≤ 64 else 8, two stages). This sweep times the kernels alone (the launchers
 `triton_forward` and `triton_backward` on a fixed launch plan: no checks, no autograd, no host syncs
@@ -32,8 +32,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 import piattn  # noqa: E402
-from gpu_bench import Setup, copy_bandwidth, event_ms, floor_bytes, make_inputs  # noqa: E402
-from piattn.benchmarking import command_line, save_results  # noqa: E402
+from gpu_bench import Setup, copy_bandwidth, floor_bytes, make_inputs  # noqa: E402
+from piattn.benchmarking import command_line, median_ms, save_results  # noqa: E402
 from piattn.ops.pi import triton as triton_backend  # noqa: E402
 from piattn.ops.pi.settings import OpSettings  # noqa: E402
 
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> dict:
     def timer(fn) -> float:
         if cuda:  # a warm-up call: Triton compiles on the first; the interpreter has nothing to warm
             fn()
-        return event_ms(fn, repeats, cuda, before=None if flush is None else flush.zero_)
+        return median_ms(fn, repeats, cuda=cuda, before=None if flush is None else flush.zero_)
 
     import triton
 

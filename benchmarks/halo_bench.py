@@ -11,7 +11,7 @@ Three tables:
    time (best and median over steps) and the part spent in the exchange, next to the unsharded operator
    run the same way in one process.
 
-    PYTHONPATH=src python benchmarks/halo_bench.py --out benchmarks/results
+    PYTHONPATH=src python benchmarks/halo_bench.py --out benchmarks/results/halo
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ one step in a fresh process per case (Linux VmHWM, reset before it). OMP_WAIT_PO
 (unless set), so that idle OpenMP threads do not spin on a shared machine, and the timing process runs
 with glibc keeping freed memory for reuse (`--fresh-pages` leaves it mapping each step's tensors afresh).
 
-    OMP_WAIT_POLICY=passive PYTHONPATH=src python benchmarks/head_periods_bench.py --threads 1 --out benchmarks/results
+    OMP_WAIT_POLICY=passive PYTHONPATH=src python benchmarks/head_periods_bench.py --threads 1 \
+        --out benchmarks/results/head_periods
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ def markdown(result: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/head_periods"))
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")

@@ -23,11 +23,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
-import platform
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,13 +32,17 @@ from unittest import mock
 
 import torch
 
-from piattn.benchmarking import fill_cache
+from piattn.benchmarking import (
+    PI_SETTINGS,
+    command_line,
+    decode_model,
+    fill_cache,
+    machine_info,
+    markdown_table,
+    save_results,
+)
 from piattn.ops.pi import cbuild, decode_native, fused, native
 from piattn.ops.pi.settings import OpSettings
-
-sys.path.insert(0, str(Path(__file__).parent))
-from cpu_bench import SETTINGS  # noqa: E402  (the settings every CPU benchmark times)
-from decode_bench import _model  # noqa: E402  (the models decode_bench times)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -65,7 +66,7 @@ class Fused:
         self.label = {"dtype": str(dtype).removeprefix("torch."), "T": T}
         self.q, self.k, self.v, self.dy = (torch.randn(B, H, T, D, generator=g).to(dtype) for _ in range(4))
         self.gate = (0.05 + 0.9 * torch.rand(B, H, T, generator=g)).to(dtype)
-        self.settings = OpSettings(**SETTINGS, scale=D**-0.5, dropout_p=0.0, sinks=0)
+        self.settings = OpSettings(**PI_SETTINGS, scale=D**-0.5, dropout_p=0.0, sinks=0)
         self.forward_out = self.backward_out = None
 
     def time(self, functions: dict) -> dict[str, float]:
@@ -103,7 +104,7 @@ class Step:
     def __init__(self, case: str, batch: int, calls: int):
         self.label = {"case": case, "batch": batch}
         self.calls = calls
-        model = _model(case, "tiny")
+        model = decode_model(case, "tiny")
         self.cache = model.init_cache(batch)
         fill_cache(self.cache, self.POSITION, torch.Generator().manual_seed(0))
         self.packed, self.kept = None, []
@@ -190,7 +191,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--calls", type=int, default=2000, help="step: calls per round")
     p.add_argument("--rounds", type=int, default=11)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "kernel_ab")
     p.add_argument("--name", help="write NAME.md and NAME.json to --out")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.threads < 1 or args.calls < 1:
@@ -223,13 +224,13 @@ def main(argv=None) -> list[dict]:
             rows.append(row)
             print(" ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
     if args.name:
-        write(args, subject, rows)
+        write(args, argv, subject, rows)
     return rows
 
 
-def write(args, subject, rows: list[dict]) -> None:
-    """NAME.md (a table) and NAME.json (the rows and the command) in --out."""
-    command = "python benchmarks/kernel_ab.py " + " ".join(sys.argv[1:])
+def write(args, argv, subject, rows: list[dict]) -> None:
+    """NAME.md (a table) and NAME.json (the rows, the command and the machine) in --out."""
+    command, machine = command_line("benchmarks/kernel_ab.py", argv), machine_info()
     header = list(rows[0])
     if subject is Fused:
         what = ("B 1, H 8, D 64, causal adaptive, window 4, period 16; kernels alone, outputs reused; ms over "
@@ -237,17 +238,13 @@ def write(args, subject, rows: list[dict]) -> None:
     else:
         what = (f"the tiny GPT's layer-0 one-token step at position {Step.POSITION} (fp32); µs a call, the min and "
                 f"median over {args.rounds} interleaved rounds of {args.calls} calls")
-    lines = [f"# {Path(subject.source).name} revisions side by side ({platform.processor() or platform.machine()}, "
+    lines = [f"# {Path(subject.source).name} revisions side by side ({machine['processor']}, "
              f"{args.threads} thread(s), torch {torch.__version__})", "",
              f"`{command}`", "",
              f"{what}; '/ first': min against the first revision's min.", "",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for row in rows:
-        lines.append("| " + " | ".join(f"{row[h]:.2f}" if isinstance(row[h], float) else str(row[h])
-                                       for h in header) + " |")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
-    (args.out / f"{args.name}.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1) + "\n")
+             *markdown_table(header, ([f"{row[h]:.2f}" if isinstance(row[h], float) else row[h] for h in header]
+                                      for row in rows))]
+    save_results(args.out, args.name, {"command": command, "machine": machine, "rows": rows}, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

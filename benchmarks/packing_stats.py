@@ -14,7 +14,7 @@ target of its document; the schemes differ in what they do with the targets that
 
 Fractions are of the target slots a scheme computes (padding) or of the targets the text holds (dropped).
 
-    python benchmarks/packing_stats.py --out benchmarks/results    # books and WikiText-2 from ../shared/data
+    python benchmarks/packing_stats.py --out benchmarks/results/packing    # books and WikiText-2 from ../shared/data
 """
 
 from __future__ import annotations

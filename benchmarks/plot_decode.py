@@ -1,6 +1,6 @@
 """Plot decode_bench.json: tokens/s and cache memory against position, one line per attention kind.
 
-    python benchmarks/plot_decode.py benchmarks/results/decode_bench.json   # writes decode_bench.png beside it
+    python benchmarks/plot_decode.py benchmarks/results/decode/decode_bench.json   # writes decode_bench.png beside it
 """
 
 from __future__ import annotations

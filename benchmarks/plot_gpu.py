@@ -1,8 +1,8 @@
 """Plot the JSON of `gpu_bench.py` or `gpu_run.py`: operator time against T, one panel per (B, H, D, dtype)
 and mode, every backend beside the bandwidth floor.
 
-    python benchmarks/plot_gpu.py benchmarks/results/gpu_bench.json        # writes gpu_bench.png beside it
-    python benchmarks/plot_gpu.py benchmarks/results/gpu_run.json          # its "kernels" step
+    python benchmarks/plot_gpu.py benchmarks/results/gpu/gpu_bench.json    # writes gpu_bench.png beside it
+    python benchmarks/plot_gpu.py benchmarks/results/gpu/gpu_run.json     # its "kernels" step
 """
 
 from __future__ import annotations

@@ -7,13 +7,13 @@ The kinds of `--compile` (default dense and pi) run a second time with the model
 `torch.compile(fullgraph=True)` (inductor; the optimizer step stays eager): their warm-up step, which
 includes compiling forward and backward, is reported apart as `first_step_s`.
 
-    python benchmarks/train_bench.py --out benchmarks/results     # tiny config, T = 1024 and 4096
+    python benchmarks/train_bench.py --out benchmarks/results/train     # tiny config, T = 1024 and 4096
 
 `--threads 1` (one intra-op thread per process) keeps the rows comparable on a CPU shared with other
 work, where threads of one process wait for each other at every op. The committed results:
 
     python benchmarks/train_bench.py --kinds pi dense local bigbird longformer reformer --threads 1 \
-        --out benchmarks/results
+        --out benchmarks/results/train
 
 `--interleaved` compares compiled with eager side by side instead: per (context, kind), one process builds
 the kind twice from one seed (eager, and under `torch.compile(fullgraph=True)`), runs one warm-up step of each
@@ -23,7 +23,7 @@ the order rotated each round; compiled / eager is computed within each round (me
 `--top` ops by self CPU time. Results go to NAME_interleaved.{json,md}:
 
     python benchmarks/train_bench.py --interleaved --profile --compile pi local --contexts 4096 \
-        --dropout 0.1 0 --fallback-random both --threads 1 --repeats 7 --out benchmarks/results
+        --dropout 0.1 0 --fallback-random both --threads 1 --repeats 7 --out benchmarks/results/train
 
 One process per (context, dropout, fallback_random, kind): a second compiled GPT in one process makes dynamo
 recompile (its guards name the module), which would land in the timed rounds.

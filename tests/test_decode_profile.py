@@ -25,7 +25,7 @@ def profile():
 def test_the_module_view_keeps_pi_on_the_compiled_step_and_removes_its_hooks(profile):
     if native.unavailable():
         pytest.skip(f"the compiled decoding step is not available here: {native.unavailable()}")
-    model = profile._model("pi", "tiny")
+    model = profile.decode_model("pi", "tiny")
     steps, ran = 4, []
     real = decode_native.run
 

@@ -4,6 +4,11 @@ A fresh process per case keeps one backend's allocator state and caches from col
 the peak resident-set growth (Linux VmHWM after resetting it) a clean figure for that case alone.
 
     measure_isolated("torch", B=1, H=8, T=8192, D=64, mode="fwd+bwd")   # runs `measure` in a child process
+
+Also the helpers the scripts of benchmarks/ (and experiments/) share, so that none imports another's: the
+machine's description (`machine_info`, `cpu_model`, `compiler_version`), timing (`sync`, `median_ms`,
+`block_sizes`), what they time (`PI_SETTINGS`, `DECODE_KINDS` / `decode_model`, `fill_cache`), and their
+output (`command_line`, `save_results`, `markdown_table`, `spread`, `fmt`, `log`, `describe_error`).
 """
 
 from __future__ import annotations
@@ -11,9 +16,11 @@ from __future__ import annotations
 import functools
 import json
 import platform
+import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -26,6 +33,15 @@ from piattn.config import PI_DEFAULTS
 MODES = ("fwd", "fwd+bwd")
 # A backend is timed only if it matches the reference this closely (fp64, forward and every gradient).
 CHECK_TOLERANCE = 1e-9
+# The operator's settings the CPU benchmarks time (cpu_bench, kernel_ab): the library's defaults, causal.
+PI_SETTINGS = dict(window=PI_DEFAULTS.window, period=PI_DEFAULTS.period, causal=True, variant="adaptive",
+                   prior=PI_DEFAULTS.prior, logit_clamp=PI_DEFAULTS.logit_clamp, eps=PI_DEFAULTS.eps)
+# The GPT kinds the decoding benchmarks time (decode_bench, decode_profile, kernel_ab): kind -> GPTConfig
+# overrides. "pi-union" is π without the gate MLP (what the gate costs a step); "ms-pi" is multi-scale π (the
+# designer's per-head periods: every head over its own slots in one call a layer).
+DECODE_KINDS = {"pi": dict(attention="pi"), "pi-union": dict(attention="pi", variant="union"),
+                "ms-pi": dict(attention="pi", period="cover"),
+                "local": dict(attention="local"), "dense": dict(attention="dense")}
 
 
 def error_vs_reference(backend: str) -> float:
@@ -134,6 +150,49 @@ def fill_cache(cache, position: int, generator: torch.Generator) -> None:
         layer.seen = position
 
 
+def decode_model(kind: str, config: str = "tiny"):
+    """The GPT of `kind` (a DECODE_KINDS name) in the named config, vocabulary 256, no dropout, in eval mode,
+    its weights from seed 0: the model the decoding benchmarks time."""
+    from piattn.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig.from_name(config, **DECODE_KINDS[kind], vocab_size=256, dropout=0.0)).eval()
+
+
+def block_sizes(steps: int) -> list[int]:
+    """The timed steps cut into blocks of 16 (the last one shorter): a step's time is the median of the
+    blocks' means, so that a spell of a shared machine's other work touches one block, not the figure."""
+    return [16] * (steps // 16) + ([steps % 16] if steps % 16 else [])
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on a CPU), so that a wall-clock reading includes it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(fn: Callable[[], object], repeats: int, *, cuda: bool = False,
+              before: Callable[[], object] | None = None) -> float:
+    """Median ms of fn() over `repeats` runs: CUDA events on a GPU, with before() (e.g. an L2 flush, so that
+    the inputs come from HBM) run ahead of each outside the timed span; wall clock on a CPU."""
+    times = []
+    for _ in range(repeats):
+        if cuda:
+            if before is not None:
+                before()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def command_line(script: str, argv: list[str] | None, *, from_source: bool = False) -> str:
     """How to reproduce this run: `python SCRIPT` and its arguments (argv, or the process's when None),
     prefixed with `PYTHONPATH=src` when the script runs from a source tree without piattn installed (the
@@ -149,10 +208,59 @@ def save_results(out: Path, name: str, result: dict, table: str) -> None:
     (out / f"{name}.md").write_text(table)
 
 
+def markdown_table(header: Iterable[str], rows: Iterable[Iterable[object]]) -> list[str]:
+    """The lines of a markdown table: the header, its rule, one line per row (cells through str)."""
+    header = list(header)
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(map(str, row)) + " |" for row in rows)]
+
+
+def spread(values: Iterable[float], spec: str = ".3f", brackets: str = "()") -> str:
+    """The median of `values` and their range in brackets, each formatted by `spec`: "1.50 (1.20–1.90)"."""
+    values = sorted(values)
+    low, high = (format(v, spec) for v in (values[0], values[-1]))
+    return f"{format(statistics.median(values), spec)} {brackets[0]}{low}–{high}{brackets[1]}"
+
+
+def fmt(value, spec: str = ".3f", missing: str = "–") -> str:
+    """`value` formatted by `spec`, or `missing` for None (a table cell of a figure not measured)."""
+    return missing if value is None else format(value, spec)
+
+
+def log(msg: str) -> None:
+    """A progress line, flushed at once (a run's log is read while it runs, or after it is killed)."""
+    print(msg, flush=True)
+
+
+def describe_error(exc: BaseException) -> str:
+    """Exception type and the first line of its message, cut at 300 characters (compiler errors run to pages)."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}"
+
+
 def machine_info() -> dict:
     return dict(machine=platform.machine(), processor=platform.processor() or platform.machine(),
                 cpu_count=torch.get_num_threads(), python=platform.python_version(),
                 torch=torch.__version__, piattn=piattn.__version__, platform=platform.platform())
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo ("unknown" where it has none); `platform.processor()` (often
+    just the architecture) where there is no /proc/cpuinfo."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def compiler_version(compiler: str = "cc") -> str:
+    """The first line of `compiler --version`: "unknown" if it says nothing, "none" if there is no compiler."""
+    try:
+        done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=10)
+        return done.stdout.splitlines()[0] if done.returncode == 0 and done.stdout else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "none"
 
 
 if __name__ == "__main__":  # the child process of `measure_isolated`: one JSON request in, one JSON line out
