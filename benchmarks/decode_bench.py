@@ -235,14 +235,6 @@ def run_interleaved(kinds: list[str], positions: list[int], steps: int, repeats:
                  repeats_tokens_per_s=r) for (b, t, p, k), r in runs.items()]
 
 
-# Kept for experiments/passkey_decode.py, which imports both from here; a script imports piattn.benchmarking's
-# `spread` and `cpu_model` instead.
-def _spread(values: list[float], digits: int) -> str:
-    return spread(values, f".{digits}f")
-
-
-_cpu_model = cpu_model
-
 
 def interleaved_markdown(result: dict) -> str:
     m = result["machine"]

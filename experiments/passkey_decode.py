@@ -46,20 +46,17 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 import piattn.ops.pi.native as native
-from piattn.benchmarking import command_line, machine_info, save_results
+from piattn.benchmarking import block_sizes, command_line, cpu_model, machine_info, save_results, spread
 from piattn.data.passkey import filler_stream
 from piattn.data.text import BOOK_SPLITS
 from piattn.integrations.hf import PiCache, cache_nbytes, find_gguf, load_gguf_model
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-for _folder in (HERE, ROOT / "benchmarks"):  # passkey.py's arms, decode_bench.py's timing blocks
-    if str(_folder) not in sys.path:
-        sys.path.insert(0, str(_folder))
+if str(HERE) not in sys.path:  # passkey.py's arms
+    sys.path.insert(0, str(HERE))
 
 import passkey  # noqa: E402
-
-from decode_bench import _cpu_model, _spread, block_sizes  # noqa: E402
 
 WARMUP = 3  # decoding steps before the timed ones, from each fresh copy of a prefilled cache
 RATIOS = (("pi", "dense"), ("pi", "local"), ("multiscale", "local"))
@@ -241,7 +238,8 @@ def markdown(result: dict) -> str:
             "| prefill s |", "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         out.append(f"| {r['position']:,} | {r['prompt_tokens']:,} | {passkey.LABELS.get(r['arm'], r['arm'])} | "
-                   f"{_spread(r['repeats_tokens_per_s'], 1)} | {r['cache_bytes']:,} | {r['cache_bytes'] / 2**20:.2f} | "
+                   f"{spread(r['repeats_tokens_per_s'], '.1f')} | {r['cache_bytes']:,} | "
+                   f"{r['cache_bytes'] / 2**20:.2f} | "
                    f"{_rings(r['ring_positions'])} | "
                    f"{r['prefill_seconds']:.1f} |")
     pairs = list(dict.fromkeys(q["pair"] for q in result["ratios"]))
@@ -251,7 +249,7 @@ def markdown(result: dict) -> str:
             "| position | " + " | ".join(f"{p} tok/s" for p in pairs) + " | " + " | ".join(f"{p} bytes" for p in pairs)
             + " |", "|" + "---|" * (1 + 2 * len(pairs))]
     for position in dict.fromkeys(r["position"] for r in result["rows"]):
-        cells = [_spread(by[(position, p)], 2) + "×" if (position, p) in by else "" for p in pairs]
+        cells = [spread(by[(position, p)], '.2f') + "×" if (position, p) in by else "" for p in pairs]
         sizes = []
         for p in pairs:
             a, b = p.split("/")
@@ -289,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = {position: stream[:n] for position, n in lengths.items()}
     rows = measure(models, prompts, args.steps, args.repeats, batch=args.batch, progress=not args.no_progress)
     words = [shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)]  # a --note has spaces
-    result = dict(machine=machine_info(), cpu=_cpu_model(),
+    result = dict(machine=machine_info(), cpu=cpu_model(),
                   command=command_line("experiments/passkey_decode.py", words),
                   model=Path(args.model or find_gguf() or "?").name + " de-quantized",
                   dtype=str(next(dense.parameters()).dtype).removeprefix("torch."),

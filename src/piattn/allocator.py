@@ -1,7 +1,7 @@
 """Memory for the large CPU outputs of π-Attention, two ways to keep their first touches cheap. (A third, a pool
 that handed out the memory of released outputs again, was removed: it could not see every holder of that
 memory, and in a training loop that allocates its cotangent it bought nothing,
-`benchmarks/results/output_pool_decision.md`.)
+`benchmarks/results/cpu_bench/output_pool_decision.md`.)
 
 By default (`huge_pages`, the second half of this file): the fused CPU backend marks each output of 4 MiB
 or more for transparent huge pages before its kernel first writes it, so that a first write faults in 2
@@ -14,9 +14,9 @@ Why. Each π-Attention call on the CPU returns new tensors of megabytes (y, and 
 MiB each for B 1, H 8, T 8192, D 64, fp32, 32 MiB at T 16384. By default glibc serves a block that large
 with a fresh mmap and unmaps it when freed (its dynamic threshold never exceeds 32 MiB, so 32 MiB blocks
 are mapped afresh every time), and every first write to each 4 KiB page of a fresh mapping is a page fault
-in which the kernel zeroes the page. Measured on this project's CPU (`benchmarks/results/cpu_bench.md`, the
+in which the kernel zeroes the page. Measured on this project's CPU (`benchmarks/results/cpu_bench/cpu_bench.md`, the
 `outputs` row) those first touches cost 1.0× the operator's whole memory floor at T 8192 fwd+bwd and 3.6×
-at T 16384; with this setting (`benchmarks/results/cpu_bench_kept_pages.md`) the fused fwd+bwd goes from
+at T 16384; with this setting (`benchmarks/results/cpu_bench/cpu_bench_kept_pages.md`) the fused fwd+bwd goes from
 2.5× to 1.7× its floor at 8192 and from 5.0× to 1.7× at 16384. What it does not promise: that a given call
 lands on pages touched before. glibc cannot always fit an aligned block into a freed block of the same
 size, and the heap may then grow by another block (measured with mallinfo2: a 16 MiB tensor allocated
@@ -186,7 +186,7 @@ def _warn_once(reason: str) -> None:
     _huge["warned"] = True
     warnings.warn(f"piattn: large CPU outputs stay on 4 KiB pages: {reason}. Each first write to a page of a fresh "
                   f"output is then a page fault (at T 16K, fwd+bwd, several times the kernels' own time: "
-                  f"benchmarks/results/cpu_bench_hugepages.md); piattn.allocator.huge_pages(False) or "
+                  f"benchmarks/results/cpu_bench/cpu_bench_hugepages.md); piattn.allocator.huge_pages(False) or "
                   f"PIATTN_HUGE_PAGES=0 silences this", RuntimeWarning, stacklevel=4)
 
 

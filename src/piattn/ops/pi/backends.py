@@ -240,7 +240,7 @@ REGISTRY: dict[str, Backend] = {
 }
 
 # What "auto" tries, in order, per device type; devices not listed try AUTO_DEFAULT. On a CPU "fused" (3-4x
-# "torch", benchmarks/results/cpu_bench.md) for every dtype where its C kernels build, else "torch".
+# "torch", benchmarks/results/cpu_bench/cpu_bench.md) for every dtype where its C kernels build, else "torch".
 # The reference comes last: slow, but it implements every feature, so a call the fast backends cannot run
 # yet still runs.
 AUTO_ORDER: dict[str, tuple[str, ...]] = {"cuda": ("triton", "torch", "reference"),

@@ -27,7 +27,7 @@ with the reason and what to do (`unavailable`, the probe `backends.py` declares 
 backend in its place.
 
 Every output is a fresh tensor that nothing else holds (no pool hands out memory something might still read:
-`benchmarks/results/output_pool_decision.md` measured that one bought a user's training loop nothing); one of
+`benchmarks/results/cpu_bench/output_pool_decision.md` measured that one bought a user's training loop nothing); one of
 4 MiB or more is marked for transparent huge pages before the kernels first write it
 (`piattn.allocator.advise_huge_pages`: a first write then faults in 2 MiB instead of 4 KiB;
 `allocator.huge_pages(False)` turns it off, and where the system has no THP one warning says so). The kernels

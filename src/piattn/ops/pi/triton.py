@@ -48,7 +48,7 @@ def _tiles(D: int, halo: int, elem_size: int) -> tuple[int, int, int, int]:
     windows; wide bands take 64 where the chunks are short rows (D·elem_size <= 128 bytes), since longer
     ones spill registers in the backward kernels (ptxas for sm_90a, TRITON.md). Rows of 1 KiB (fp32, D =
     256) take 32-row tiles and no pipelining: the dQ kernel asked for 384 KiB of shared memory with 64 rows
-    and two stages on an H200, which has 227 KiB (first GPU run, benchmarks/results/gpu_first_tests.md).
+    and two stages on an H200, which has 227 KiB (first GPU run, benchmarks/results/gpu/gpu_first_tests.md).
     """
     block_k = 64 if halo >= 64 and D * elem_size <= 128 else 32
     if D * elem_size >= 1024:
