@@ -17,9 +17,12 @@ TEST_STAMP := $(VENV)/.installed-test
 # minute: compileall then compiles the same files on every core. Left to the tests instead, each of the many
 # interpreters they start compiles what it imports (3 minutes more of CPU on a fresh clone, measured). Its
 # exit status is ignored: torch ships a file only Python 3.12 parses, which pip skips too.
+# Then the C kernels are compiled once (piattn.ops.pi.prebuild), so that no first call waits on the compiler.
 define install
+	@echo "installing $(TORCH) and piattn[$(1)] into $(VENV) (pip, quiet: 1-3 minutes on a fresh machine)"
 	$(PY) -m pip install --quiet --no-compile "$(TORCH)" -e ".[$(1)]"
 	$(PY) -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
+	$(PY) -m piattn.ops.pi.prebuild
 endef
 
 $(BASE): pyproject.toml
@@ -40,6 +43,7 @@ demo: $(DEMO_STAMP)
 # -n auto: one pytest worker per core (pytest-xdist); the suite's tests are independent of their order.
 # --dist loadgroup: a file marked xdist_group runs on one worker, so its costly module fixture runs once.
 test: $(TEST_STAMP)
+	@echo "running the tests (one worker per core; about 5 minutes on 2 cores; dots appear once workers start)"
 	$(PY) -m pytest -q -m "not slow" -n auto --dist loadgroup
 
 test-slow: $(TEST_STAMP)

@@ -62,6 +62,8 @@ def shortened(words: list[str]) -> list[str]:
     for i, word in enumerate(out[:-1]):
         if word in SHORTER and re.fullmatch(r"\d+", out[i + 1]):
             out[i + 1] = str(SHORTER[word](int(out[i + 1])))
+    if "train" in out and "--steps" not in out and "--resume" not in out:
+        out += ["--steps", "2"]
     if out[0].startswith(".venv/bin/"):
         out[0] = str(BIN / out[0].removeprefix(".venv/bin/"))
     return out
