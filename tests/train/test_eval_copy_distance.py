@@ -211,3 +211,18 @@ def test_a_kind_that_declares_no_reach_is_refused_naming_the_declaration(runs, c
                      r"\(kinds whose reach is "
                      r"a fixed set of lags, which they declare: `lag_reach`\), got 'dilated', which declares none$",
                      err), err
+
+
+def test_the_table_names_classes_in_words_not_the_models_letters():
+    from piattn.analysis.copy_distance import CLASSES
+    from piattn.commands.eval_copy import CLASS_NAMES, summary_lines
+
+    row = dict(lags="0–5", count=10, loss=1.0, reference_loss=1.5, diff=-0.5, low=-0.6, high=-0.4)
+    entry = {"classes_of": {"checkpoint": "runs/pi"}, "reference": {"checkpoint": "runs/local"},
+             "interval": "95%", "classes": dict.fromkeys(CLASSES, row)}
+    lines = summary_lines(entry)
+    assert set(CLASS_NAMES) == set(CLASSES)
+    rows = lines[3:]
+    assert [r.split("  ")[0].strip() for r in rows] == [CLASS_NAMES[c] for c in CLASSES]
+    assert all(len(r.split()[0]) > 1 for r in rows)  # no row labelled by a lone letter, as the models are
+    assert "A = runs/pi" in lines[1] and "B = runs/local" in lines[1]

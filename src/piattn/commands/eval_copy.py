@@ -88,14 +88,21 @@ def by_copy_distance(losses_a: torch.Tensor, losses_b: torch.Tensor, windows: to
             "classes": {name: {"lags": lags[name], **asdict(stats[name])} for name in CLASSES}}
 
 
+# What each class code of `analysis.copy_distance.lag_classes` means, for the table: words, so that the rows
+# are not read as the models A (--checkpoint) and B (--compare) of its columns.
+CLASS_NAMES = {"A": "local reach", "B": "skips only", "C": "in a gap", "D": "beyond", "N": "no match"}
+
+
 def summary_lines(c: dict) -> list[str]:
-    """A reader's table of a "copy_distance" entry."""
-    lines = ["", f"by copy-distance class (classes of {c['classes_of']['checkpoint']}, reference "
-             f"{c['reference']['checkpoint']}); {c['interval']}",
-             f"{'class':>5}  {'lags':<24}{'bytes':>10}{'loss A':>10}{'loss B':>10}{'A − B':>10}{'95% interval':>22}"]
-    for name, row in c["classes"].items():
+    """A reader's table of a "copy_distance" entry: one row per copy-distance class (named by CLASS_NAMES), the
+    columns A = --checkpoint and B = --compare."""
+    lines = ["", f"by copy-distance class: A = {c['classes_of']['checkpoint']}, whose reach makes the classes, "
+             f"B = {c['reference']['checkpoint']}; {c['interval']}",
+             f"{'copy distance':<13}  {'lags':<24}{'bytes':>10}{'loss A':>10}{'loss B':>10}{'A − B':>10}"
+             f"{'95% interval':>22}"]
+    for code, row in c["classes"].items():
         lags = row["lags"] if len(row["lags"]) <= 22 else row["lags"][:21] + "…"
         interval = f"[{row['low']:+.4f}, {row['high']:+.4f}]"
-        lines.append(f"{name:>5}  {lags:<24}{row['count']:>10,}{row['loss']:>10.4f}{row['reference_loss']:>10.4f}"
-                     f"{row['diff']:>+10.4f}{interval:>22}")
+        lines.append(f"{CLASS_NAMES[code]:<13}  {lags:<24}{row['count']:>10,}{row['loss']:>10.4f}"
+                     f"{row['reference_loss']:>10.4f}{row['diff']:>+10.4f}{interval:>22}")
     return lines
