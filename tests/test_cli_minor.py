@@ -110,3 +110,12 @@ def test_train_period_cover_prints_what_it_resolved(tmp_path, capsys, one_thread
     assert err.count("--period cover ->") == 1
     # the reach task's sequences are 64 tokens: cover reaches every lag up to 63
     assert periods_per_layer(parse_period(pasted_period(err)), 2, 4) == design_periods(4, 2, 4, 63).periods
+
+
+def test_size_is_another_name_for_the_config_preset():
+    from piattn.cli import build_parser
+
+    argv = ["train", "--size", "small", "--out", "runs/x"]
+    assert build_parser(argv).parse_args(argv).config == "small"
+    train = build_parser(["train"])._subparsers._group_actions[0].choices["train"]
+    assert "--size" in train.format_help() and "model size preset" in train.format_help()

@@ -33,7 +33,8 @@ class Flag:
     values of that field under which this flag means something ({"tokenizer": ("bpe",)}), or a `Capability`
     those values must have ({"attention": Capability("documents")}); given elsewhere it is an error.
     defines_run: a resumed run must have the same value. required: no default. notes: how the help takes the
-    notes others add to it (`Notes`), in place of `{notes}` in `help`.
+    notes others add to it (`Notes`), in place of `{notes}` in `help`. aliases: more option names for the same
+    flag (the field's own name stays the one stored and reported).
     """
 
     help: str
@@ -46,6 +47,7 @@ class Flag:
     defines_run: bool = True
     required: bool = False
     notes: Notes | None = None
+    aliases: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -166,7 +168,7 @@ def add_flags(parser: argparse._ActionsContainer, cls, registries: Mapping[str, 
                 options.update(metavar="{" + ",".join(map(str, choices)) + "}")
         if meta.required:
             options.update(required=True)
-        parser.add_argument(option_name(field.name), **options)
+        parser.add_argument(option_name(field.name), *meta.aliases, **options)
 
 
 def check_flags(obj, registries: Mapping[str, Iterable] | None = None, context: Mapping | None = None) -> None:

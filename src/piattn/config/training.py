@@ -43,7 +43,8 @@ PRECISIONS = ("auto", "fp32", "bf16")
 
 @dataclass
 class ModelFlags:
-    config: str = flag("tiny", "model size", choices=tuple(SIZES))
+    config: str = flag("tiny", "model size preset (layers, width, heads; small/medium/large are the paper's)",
+                       choices=tuple(SIZES), aliases=("--size",))
     attention: str = flag("pi", "attention kind", choices="attention")
     window: int | None = flag(None, "local window k (default: the config's, 4)", low=0,
                               applies={"attention": Capability("window")})
