@@ -30,11 +30,10 @@ without matching any key. `mqar_batch` refuses such a bin (`single_distance`). T
 distances for real:
 
     layout="scattered"              each pair's distance is drawn uniformly from the allowed set (the bin, the
-                                    `lags`, or 2 … T - 2), then the pairs, in a random order, each take the
-                                    earliest start p_i whose key (p_i), value (p_i + 1), query (q_i = p_i +
-                                    d_i) and free position (q_i + 1) are all free: pairs and queries
-                                    interleave, filler after them. A draw whose distances cannot all be
-                                    placed is drawn again: uniform within what fits.
+                                    `lags`, or 2 … T - 2: uniform within what still fits), pair by pair in a
+                                    random order, and the pair takes the earliest start p_i whose key (p_i),
+                                    value (p_i + 1), query (q_i = p_i + d_i) and free position (q_i + 1)
+                                    are all free: pairs and queries interleave, filler after them.
     lags=                           (scattered only) the allowed distances as a set, e.g. the distances an
                                     attention arm serves: the control that asks only what the arm reaches.
 
@@ -62,8 +61,10 @@ from ..checks import is_int
 
 IGNORE = -100
 LAYOUTS = ("packed", "scattered")
-# Draws of one scattered example (distances, then their placement) before `mqar_batch` gives up
+# Draws of one scattered example (dead ends drawn again) before `mqar_batch` gives up
 SCATTER_TRIES = 2000
+# `check`'s dry run of the scattered layout: examples to draw, draws in all
+SCATTER_DRY, SCATTER_DRY_TRIES = 16, 160
 
 
 def vocab_size(key_vocab: int, value_vocab: int) -> int:
@@ -252,34 +253,81 @@ def _allowed(seq_len: int, distance_bin: tuple[int, int] | None, lags: object) -
     return "distance_bin", allowed
 
 
-def _scatter(distances: list[int], seq_len: int, order: Iterable[int]) -> list[int] | None:
-    """Key positions for pairs at these distances, or None when some pair finds no room: the pairs in `order`,
-    each at the earliest start whose four positions (key, value, query, the free one after it) are free and
-    inside the sequence. Earliest, not random: packed together, other pairs stand between a key and its query
+def _earliest(occupied: list[bool], d: int) -> int | None:
+    """The earliest start of a pair at distance d whose four positions (key, value, query, the free one after
+    it) are free and inside the sequence; None if there is none."""
+    return next((p for p in range(len(occupied) - d - 1)
+                 if not (occupied[p] or occupied[p + 1] or occupied[p + d] or occupied[p + d + 1])), None)
+
+
+def _fitting(occupied: list[bool], allowed: list[int]) -> list[tuple[int, int]]:
+    """[(d, its earliest start)] for every allowed d that fits, d ascending: from the pairs of free two-position
+    blocks (few, where this is asked: the sequence is crowded)."""
+    blocks = [p for p in range(len(occupied) - 1) if not (occupied[p] or occupied[p + 1])]
+    wanted, earliest = set(allowed), {}
+    for j, a in enumerate(blocks):
+        for b in blocks[j + 1:]:
+            if b - a >= 2 and b - a in wanted and b - a not in earliest:
+                earliest[b - a] = a
+    return sorted(earliest.items())
+
+
+def _occupy(occupied: list[bool], p: int, d: int) -> None:
+    occupied[p] = occupied[p + 1] = occupied[p + d] = occupied[p + d + 1] = True
+
+
+def _scatter(allowed: list[int], n_pairs: int, seq_len: int, rng: random.Random) -> tuple[list[int], list[int]] | None:
+    """(key positions, distances) of one scattered example, or None at a dead end (a pair with no distance
+    left that fits). The pairs in a random order, each draws its distance uniformly among the allowed ones that
+    still fit (by rejection: uniform over the allowed ones while there is room) and takes the earliest start
+    that has room for it. Earliest, not random: packed together, other pairs stand between a key and its query
     as often as the distances allow, so "answer with the latest value" answers fewer queries (at 4 pairs and
     distances 2 … 8, 65 % of them against 92 % with random starts; `distance_spread`)."""
     occupied = [False] * seq_len
-    starts = [0] * len(distances)
-    for i in order:
-        d = distances[i]
-        p = next((p for p in range(seq_len - d - 1)
-                  if not (occupied[p] or occupied[p + 1] or occupied[p + d] or occupied[p + d + 1])), None)
-        if p is None:
-            return None
-        starts[i] = p
-        occupied[p] = occupied[p + 1] = occupied[p + d] = occupied[p + d + 1] = True
-    return starts
+    starts, distances = [0] * n_pairs, [0] * n_pairs
+    for i in rng.sample(range(n_pairs), n_pairs):
+        for _ in range(8):
+            d = rng.choice(allowed)
+            if (p := _earliest(occupied, d)) is not None:
+                break
+        else:  # crowded: draw among the distances that fit, listed
+            fitting = _fitting(occupied, allowed)
+            if not fitting:
+                return None
+            d, p = rng.choice(fitting)
+        starts[i], distances[i] = p, d
+        _occupy(occupied, p, d)
+    return starts, distances
 
 
 def _check_scatter_fit(seq_len: int, n_pairs: int, distance_bin: tuple[int, int] | None,
                        lags: object) -> list[int]:
     """The allowed distances (`_allowed`); ValueError naming the argument unless the pairs can all be placed at
-    one of them (each at its earliest start), so that a draw can succeed."""
+    one of them (each at its earliest start), and naming n_pairs when a dry run (SCATTER_DRY examples from a
+    fixed seed, SCATTER_DRY_TRIES draws in all) meets too many dead ends: too crowded to draw (a sequence the
+    pairs fill, 4N = T, would need its distances to tile it)."""
     name, allowed = _allowed(seq_len, distance_bin, lags)
-    if not any(_scatter([d] * n_pairs, seq_len, range(n_pairs)) is not None for d in allowed):
+
+    def fits_at(d: int) -> bool:
+        occupied = [False] * seq_len
+        for _ in range(n_pairs):
+            if (p := _earliest(occupied, d)) is None:
+                return False
+            _occupy(occupied, p, d)
+        return True
+
+    if not any(fits_at(d) for d in allowed):
         shown = distance_bin if name == "distance_bin" else (seq_len if name == "seq_len" else spans(allowed))
         raise ValueError(f"{name} {shown} cannot place {n_pairs} pairs in seq_len {seq_len} at any one of its "
                          f"distances: a pair at distance d takes positions p, p + 1, p + d and p + d + 1")
+    rng, drawn, tries = random.Random(0), 0, 0
+    while drawn < SCATTER_DRY and tries < SCATTER_DRY_TRIES and 4 * n_pairs < seq_len:
+        drawn += _scatter(allowed, n_pairs, seq_len, rng) is not None
+        tries += 1
+    if drawn < SCATTER_DRY:
+        raise ValueError(f"n_pairs {n_pairs} leave too little room in seq_len {seq_len} for layout='scattered' at "
+                         f"these distances (a dry run drew {drawn} of {SCATTER_DRY} examples in {tries} tries); "
+                         f"use fewer pairs, a longer sequence or shorter distances")
     return allowed
 
 
@@ -296,24 +344,20 @@ def spans(distances: Iterable[int]) -> str:
 
 def _scattered_queries(n_examples: int, seq_len: int, n_pairs: int, distance_bin: tuple[int, int] | None,
                        lags: object, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(key positions, query positions) int64 [n_examples, n_pairs] of the scattered layout: per example, the
-    distances drawn uniformly from the allowed ones, then placed in a random order (`_scatter`); a draw that
-    cannot be placed is drawn again (uniform within what fits), at most SCATTER_TRIES times."""
+    """(key positions, query positions) int64 [n_examples, n_pairs] of the scattered layout (`_scatter`, an
+    example drawn again at a dead end, at most SCATTER_TRIES times)."""
     allowed = _check_scatter_fit(seq_len, n_pairs, distance_bin, lags)
     rng = random.Random(int(torch.randint(0, 2**62, (), generator=generator)))
     starts, queries = [], []
     for _ in range(n_examples):
         for _ in range(SCATTER_TRIES):
-            distances = [rng.choice(allowed) for _ in range(n_pairs)]
-            placed = _scatter(distances, seq_len, rng.sample(range(n_pairs), n_pairs))
-            if placed is not None:
+            if (placed := _scatter(allowed, n_pairs, seq_len, rng)) is not None:
                 break
         else:
-            raise ValueError(f"{'lags' if lags is not None else 'distance_bin'}: no draw of {n_pairs} distances "
-                             f"could be placed in seq_len {seq_len} in {SCATTER_TRIES} tries; use fewer pairs, "
-                             f"a longer sequence or shorter distances")
-        starts.append(placed)
-        queries.append([p + d for p, d in zip(placed, distances, strict=True)])
+            raise ValueError(f"n_pairs {n_pairs} found no room in seq_len {seq_len} at these distances in "
+                             f"{SCATTER_TRIES} draws; use fewer pairs, a longer sequence or shorter distances")
+        starts.append(placed[0])
+        queries.append([p + d for p, d in zip(*placed, strict=True)])
     shape = (n_examples, n_pairs)
     return (torch.tensor(starts, dtype=torch.int64).reshape(shape),
             torch.tensor(queries, dtype=torch.int64).reshape(shape))
