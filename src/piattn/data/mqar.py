@@ -170,7 +170,8 @@ def _check_fit(seq_len: int, n_pairs: int, distance_bin: tuple[int, int] | None)
 
 def single_distance(seq_len: int, n_pairs: int, distance_bin: tuple[int, int] | None) -> int | None:
     """The one distance every query takes when the packed layout leaves a bin of two distances or more (None:
-    anywhere) a single placement, else None. A bin lo = hi asks for one distance: None. Assumes the bin fits.
+    anywhere) a single placement, else None. A bin lo = hi asks for one distance: None; so is a bin that does
+    not fit.
 
     Exact: any placement can be put in pair order (`_fits`), and in pair order each query ranges from its
     earliest to its latest start (all pairs packed to the left, then to the right), so the placement in pair
@@ -189,6 +190,8 @@ def single_distance(seq_len: int, n_pairs: int, distance_bin: tuple[int, int] | 
     for i in reversed(range(n_pairs)):
         late[i] = cursor = min(last[i], cursor - 2)
     distances = {q - 2 * i for i, q in enumerate(early)}
+    if any(q > last[i] for i, q in enumerate(early)):  # the bin does not fit
+        return None
     if early != late or len(distances) != 1:
         return None
     if any(last[i] >= early[i + 1] and first[i + 1] <= early[i] for i in range(n_pairs - 1)):
