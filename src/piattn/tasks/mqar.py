@@ -84,8 +84,8 @@ class MQARFlags:
                                    "from the bin or --mqar-lags, pairs and queries interleaved: short distances "
                                    "that no single offset serves)", choices=mqar.LAYOUTS)
     mqar_lags: str | None = flag(None, "mqar: draw every distance from these lags only, 'A-B,C,...' (e.g. the "
-                                 "distances an arm serves: the within-reach control); implies --mqar-layout "
-                                 "scattered, excludes --mqar-distance")
+                                 "distances an arm serves: the within-reach control; default none, distances as "
+                                 "--mqar-distance says); implies --mqar-layout scattered, excludes --mqar-distance")
 
 
 class MQARTask(ClassificationTask):
