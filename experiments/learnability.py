@@ -8,6 +8,11 @@ reach all of them) and over the arm's own reachable lags ("own"). A run stops on
 setting's step budget (then its steps-to-learn is None: not learned). No test split is scored: the curve is
 the result.
 
+Two caveats (issue 59): training uses --recall-loss every, so lag ℓ gets signal in proportion to T - ℓ and the
+longest lags are the least trained (say so where a verdict rests on them); and "own" averages over the arm's own
+reachable lags, which favours arms with more of them (one lag at chance costs an arm of 24 lags 3.6 points, one
+of 78 lags 1.1): the verdicts read "common".
+
     python experiments/learnability.py --plan                      # the runs, done or not
     python experiments/learnability.py --settings T64-L4 --arms dense pi cover --seeds 0 1 2 3 4 5 6 7
     python experiments/learnability.py --report                    # tables and figure of the finished runs

@@ -20,6 +20,19 @@ factor at a time around it (deeper, more pairs, longer sequences). In `main`, ea
 each arm's rate from `main` and train every seed. Steps-to-learn: the first validation step at which the
 accuracy over the arm's served distances is >= LEARNED.
 
+The within-reach control (issue 59): the setting `reach` is `main` with every query drawn only at the distances
+the arm serves (`--mqar-lags`, the scattered layout of `piattn.data.mqar`), so that training asks nothing an arm
+cannot reach; its tables stand beside the others'. Its short distances open the shortcut "answer with the latest
+value before the query" (no key match): the tables give its share of the test queries per arm ("latest value"),
+the floor an arm's accuracy must clear.
+
+Beside the average over the arm's own served distances, which favours arms with more of them (one distance at
+chance costs an arm of 7 served distances about 13 points, one of 47 about 2), the verdicts read two judgements
+that do not (issue 59): over the distances every arm serves ("common": steps-to-learn on validation, accuracy on
+test), and per distance (on test, each served distance with at least MIN_LAG_QUERIES queries: how many are >=
+LEARNED, and the worst). Old records lack the validation-side fields ("n/r"); the test-side ones are computed
+from them. The old fields and their verdicts are unchanged.
+
 Resumable: OUT/runs.json holds every finished run and is rewritten after each one; a rerun skips them (and
 `runs.train_and_test` skips a run folder already scored). Writes OUT/mqar.json (settings, predictions, runs,
 summary), OUT/mqar.md (tables) and OUT/mqar.png (accuracy by distance per arm, one panel per setting), OUT
@@ -31,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -40,12 +54,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch
 from runs import train_and_test, write_json
 from tqdm import tqdm
 
+from piattn.data.mqar import distance_spread, mqar_mix
+from piattn.data.mqar import spans as lags_text
 from piattn.data.mqar import vocab_size as mqar_vocab_size
-from piattn.layers import attention_class
+from piattn.layers import model_reach
 from piattn.models import GPTConfig
+from piattn.tasks.classification import split_seed
 from piattn.tasks.mqar import pairs_view, parse_pairs
 
 
@@ -59,6 +77,7 @@ class Setting:
     steps: int
     heads: int = 4
     pairs: str = "4"  # --mqar-pairs
+    distances: str = "uniform"  # "uniform": packed, anywhere after the pairs; "reach": only the arm's served ones
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +88,7 @@ class Arm:
     window: int | None = None
     period: int | str | None = None
     sinks: int = 0
+    layers: str | None = None  # a hybrid stack's pattern (--layers "pi*3,dense"); None: every layer `attention`
 
     def flags(self) -> list[str]:
         flags = ["--attention", self.attention]
@@ -76,6 +96,8 @@ class Arm:
             flags += ["--window", str(self.window)]
         if self.period is not None:
             flags += ["--period", str(self.period)]
+        if self.layers is not None:
+            flags += ["--layers", self.layers]
         return flags + (["--sinks", str(self.sinks)] if self.sinks else [])
 
 
@@ -93,6 +115,8 @@ SETTINGS = {
     "layers4": Setting(seq_len=64, layers=4, d_model=64, steps=4000),
     "pairs8": Setting(seq_len=64, layers=2, d_model=64, steps=4000, pairs="8"),
     "T128": Setting(seq_len=128, layers=2, d_model=64, steps=4000),
+    # the within-reach control: main with every query at a distance the arm serves (issue 59)
+    "reach": Setting(seq_len=64, layers=2, d_model=64, steps=4000, distances="reach"),
 }
 MAIN = "main"
 ARMS = {
@@ -107,6 +131,7 @@ LRS = (1e-3, 3e-3)
 SEEDS = (0, 1, 2)
 VALIDATIONS = 10  # validation points per run, for steps-to-learn
 LEARNED = 0.9
+MIN_LAG_QUERIES = 20  # a distance is judged on its own only with at least this many queries
 # One-thread seconds per training step (forward, backward, AdamW) of the main setting at batch 64 on the 2-core
 # machine, three runs sharing it, per attention kind (alike at 64 tokens); the other settings scale (`cost`).
 SECONDS_PER_STEP = {"dense": 0.14, "local": 0.125, "pi": 0.125}
@@ -156,18 +181,24 @@ def selected(runs: list[Run], only: list[str] | None) -> list[Run]:
 def model_config(name: str, arm: Arm) -> GPTConfig:
     """The model `piattn train` builds for this arm in this setting (the designer's periods for "cover")."""
     s = SETTINGS[name]
-    fields = {k: v for k, v in dict(window=arm.window, period=arm.period).items() if v is not None}
+    fields = {k: v for k, v in dict(window=arm.window, period=arm.period, layers=arm.layers).items()
+              if v is not None}
     return GPTConfig(vocab_size=mqar_vocab_size(TASK["keys"], TASK["values"]), block_size=s.seq_len, n_layer=s.layers,
                      n_head=s.heads, d_model=s.d_model, attention=arm.attention, sinks=arm.sinks, **fields)
 
 
 def served(name: str, arm: str) -> list[int]:
     """The key–query distances the arm serves in the setting: d with the key (d back) and its value (d - 1
-    back) both reachable within its layers (the reach its attention kind declares, `lag_reach`). Sinks add
-    pairs, not distances (`sink_pairs`)."""
+    back) both reachable within its layers (the reach its attention kind declares, `lag_reach`, or a hybrid
+    stack's, `model_reach`). Sinks add pairs, not distances (`sink_pairs`)."""
     s, cfg = SETTINGS[name], model_config(name, ARMS[arm])
-    reach = attention_class(cfg.attention).lag_reach(cfg.to_dict(), s.seq_len - 1).reachable
+    reach = model_reach(cfg.to_dict(), s.seq_len - 1).reachable
     return [d for d in range(2, s.seq_len - 1) if reach[d] and reach[d - 1]]
+
+
+def common_served(name: str) -> list[int]:
+    """The distances every arm serves in the setting (sinks aside): where all arms are judged alike."""
+    return sorted(set.intersection(*(set(served(name, arm)) for arm in ARMS)))
 
 
 def sink_pairs(arm: str) -> int:
@@ -213,10 +244,16 @@ def predictions_text() -> str:
 
 # --- runs --------------------------------------------------------------------------------------------
 
+def distance_flags(name: str, arm: str) -> list[str]:
+    """The setting's --mqar-lags for the arm: its served distances in `reach`, none (uniform, packed) else."""
+    return ["--mqar-lags", lags_text(served(name, arm))] if SETTINGS[name].distances == "reach" else []
+
+
 def train_argv(run: Run, lr: float, folder: Path) -> list[str]:
     s, t = SETTINGS[run.setting], TASK
     every = max(1, s.steps // VALIDATIONS)
-    return ["train", "--task", "mqar", *ARMS[run.arm].flags(), "--seq-len", str(s.seq_len),
+    return ["train", "--task", "mqar", *ARMS[run.arm].flags(), *distance_flags(run.setting, run.arm),
+            "--seq-len", str(s.seq_len),
             "--mqar-pairs", s.pairs, "--mqar-keys", str(t["keys"]), "--mqar-values", str(t["values"]),
             "--n-layer", str(s.layers), "--d-model", str(s.d_model), "--n-head", str(s.heads),
             "--batch-size", str(t["batch"]), "--train-size", str(t["train_size"]), "--eval-size", str(t["eval_size"]),
@@ -234,18 +271,44 @@ def accuracy_over(result: dict, distances: set[int]) -> float | None:
     return sum(result["accuracy_by_distance"][str(d)] * q for d, q in counts.items()) / sum(counts.values())
 
 
+def per_lag(result: dict, distances: list[int], min_queries: int = MIN_LAG_QUERIES) -> dict[int, float]:
+    """{d: accuracy} over the distances with at least `min_queries` queries in the evaluation (the others
+    too few to judge alone)."""
+    queries = result["queries_by_distance"]
+    return {d: result["accuracy_by_distance"][str(d)] for d in distances if queries.get(str(d), 0) >= min_queries}
+
+
+def lag_verdict(result: dict, distances: list[int], min_queries: int = MIN_LAG_QUERIES) -> dict:
+    """The per-distance judgement of one evaluation over `distances`: {"judged": distances with enough queries,
+    "learned": those >= LEARNED, "worst": [d, accuracy] of the lowest (None: none judged), "every": all judged
+    ones learned (None: none judged)}. Unlike the mean, one distance at chance fails it whatever their number."""
+    accuracy = per_lag(result, distances, min_queries)
+    worst = min(accuracy.items(), key=lambda item: (item[1], item[0])) if accuracy else None
+    learned = sum(a >= LEARNED for a in accuracy.values())
+    return dict(judged=len(accuracy), learned=learned, worst=list(worst) if worst else None,
+                every=learned == len(accuracy) if accuracy else None)
+
+
 def one_run(run: Run, lr: float, runs_dir: Path) -> dict:
     """Train and test one run; its record for runs.json."""
     folder = runs_dir / run.setting / f"{run.arm}-lr{lr:g}-seed{run.seed}-steps{SETTINGS[run.setting].steps}"
     result = train_and_test(folder, train_argv(run, lr, folder))
     records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
     reach = set(served(run.setting, run.arm))
-    curve = [(r["step"], r["accuracy"], accuracy_over(r, reach)) for r in records if r["split"] == "validation"]
+    validations = [r for r in records if r["split"] == "validation"]
+    curve = [(r["step"], r["accuracy"], accuracy_over(r, reach)) for r in validations]
     learned = next((step for step, _, on_reach in curve if on_reach is not None and on_reach >= LEARNED), None)
+    common = set(common_served(run.setting))
+    curve_common = [(r["step"], accuracy_over(r, common)) for r in validations]
+    every_lag = next((r["step"] for r in validations if lag_verdict(r, sorted(reach))["every"]), None)
     keep = ("accuracy", "loss", "chance", "queries", "accuracy_by_distance", "queries_by_distance",
             "accuracy_by_pairs", "queries_by_pairs", "by_pairs_distance")
     return dict(key=run.key(lr), setting=run.setting, arm=run.arm, seed=run.seed, lr=lr, phase=run.phase,
                 steps=SETTINGS[run.setting].steps, steps_to_learn=learned, validation=curve,
+                validation_common=curve_common,
+                steps_to_learn_common=next((step for step, a in curve_common if a is not None and a >= LEARNED),
+                                           None),
+                steps_to_learn_every_lag=every_lag,
                 validation_accuracy=curve[-1][1] if curve else None,
                 wall_seconds=round(max(r["wall_seconds"] for r in records if r["split"] == "train"), 1),
                 **{k: result[k] for k in keep})
@@ -383,6 +446,11 @@ def mean_sd(values: list[float | None], digits: int = 2) -> str:
     return f"{statistics.mean(values):.{digits}f}{spread}"
 
 
+def seeds_text(values: list[int | None], recorded: list[bool]) -> str:
+    """Steps per seed ("—": not learned, "n/r": a run recorded before the field was)."""
+    return ", ".join("n/r" if not r else "—" if v is None else str(v) for v, r in zip(values, recorded, strict=True))
+
+
 def final_runs(done: dict[str, dict], name: str, arm: str) -> list[dict]:
     """The runs of (setting, arm) at the arm's chosen rate (the main sweep's best), one per seed."""
     lr = chosen_lr(done, arm)
@@ -401,13 +469,36 @@ def summary(done: dict[str, dict]) -> dict:
             reach = set(served(name, arm))
             beyond = set(range(2, s.seq_len - 1)) - reach
             pairs = parse_pairs(s.pairs)
+            common = set(common_served(name))
             out.setdefault(name, {})[arm] = dict(
                 lr=rows[0]["lr"], seeds=[r["seed"] for r in rows], accuracy=[r["accuracy"] for r in rows],
                 served=[accuracy_over(r, reach) for r in rows], beyond=[accuracy_over(r, beyond) for r in rows],
                 served_by_pairs={n: [accuracy_over(pairs_view(r, n), reach) for r in rows] for n in pairs},
                 by_pairs={n: [r["accuracy_by_pairs"].get(str(n)) for r in rows] for n in pairs},
-                steps_to_learn=[r["steps_to_learn"] for r in rows], wall_seconds=[r["wall_seconds"] for r in rows])
+                steps_to_learn=[r["steps_to_learn"] for r in rows], wall_seconds=[r["wall_seconds"] for r in rows],
+                # issue 59: judgements that do not favour arms serving more distances (new fields only)
+                common=[accuracy_over(r, common) for r in rows],
+                steps_to_learn_common=[r.get("steps_to_learn_common") for r in rows],
+                served_lags=[lag_verdict(r, sorted(reach)) for r in rows],
+                steps_to_learn_every_lag=[r.get("steps_to_learn_every_lag") for r in rows],
+                validation_recorded=["steps_to_learn_common" in r for r in rows],
+                latest_value=latest_value_share(name, arm))
     return out
+
+
+def latest_value_share(name: str, arm: str) -> float:
+    """The share of the setting's test queries (for this arm) whose nearest earlier value is their own: what
+    "answer with the latest value" scores without matching a key (`distance_spread`); 1/pairs when packed."""
+    return _latest_value(name, tuple(served(name, arm)) if SETTINGS[name].distances == "reach" else None)
+
+
+@functools.cache
+def _latest_value(name: str, lags: tuple[int, ...] | None) -> float:
+    s = SETTINGS[name]
+    data = mqar_mix(TASK["eval_size"], s.seq_len, parse_pairs(s.pairs), key_vocab=TASK["keys"],
+                    value_vocab=TASK["values"], stratified=True, layout="scattered" if lags else "packed", lags=lags,
+                    generator=torch.Generator().manual_seed(split_seed(0, "test")))
+    return distance_spread(data)["latest_value_share"]
 
 
 def tables(done: dict[str, dict]) -> str:
@@ -423,7 +514,9 @@ def tables(done: dict[str, dict]) -> str:
                   "", f"Dense test accuracy {mean_sd(dense['accuracy']) if dense else 'not run'}: the setting "
                   f"{'counts' if counts else 'does not count'} (dense >= 0.95). Mean ± sd over seeds; served: the "
                   f"distances the reach analysis says the arm serves (key and value reachable), beyond: the others; "
-                  f"learned: steps to >= {LEARNED} on served distances (validation), per seed.", "",
+                  f"learned: steps to >= {LEARNED} on served distances (validation), per seed."
+                  + (" Every query is drawn at the arm's served distances (--mqar-lags, scattered layout): the "
+                     "within-reach control." if s.distances == "reach" else ""), "",
                   "| arm | lr | served | accuracy | on served | beyond | " + " | ".join(f"served, {n} pairs"
                                                                                    for n in pairs)
                   + " | learned at | s / run |", "|---|---|---|---|---|---|" + "---|" * len(pairs) + "---|---|"]
@@ -433,6 +526,21 @@ def tables(done: dict[str, dict]) -> str:
             lines.append(f"| {arm} | {a['lr']:g} | {spans(served(name, arm))} | {mean_sd(a['accuracy'])} | "
                          f"{mean_sd(a['served'])} | {mean_sd(a['beyond'])} | {per_pairs} | {learned} | "
                          f"{statistics.mean(a['wall_seconds']):.0f} |")
+        common = spans(common_served(name))
+        lines += ["", f"Judgements that do not favour arms serving more distances: on the distances every arm serves "
+                  f"({common}), and per served distance with >= {MIN_LAG_QUERIES} test queries (how many of those "
+                  f"judged are >= {LEARNED}, per seed; the worst one's accuracy). Latest value: the share of test "
+                  f"queries \"answer with the latest value\" gets right without matching a key (1/pairs when "
+                  f"packed). n/r: a run recorded before these fields were.", "",
+                  f"| arm | on common ({common}) | learned on common at | served distances >= {LEARNED} | worst "
+                  f"distance | every served distance at | latest value |", "|---|---|---|---|---|---|---|"]
+        for arm, a in arms.items():
+            per_seed = " · ".join(f"{v['learned']}/{v['judged']}" for v in a["served_lags"])
+            worst = mean_sd([v["worst"][1] if v["worst"] else None for v in a["served_lags"]])
+            recorded = a["validation_recorded"]
+            lines.append(f"| {arm} | {mean_sd(a['common'])} | {seeds_text(a['steps_to_learn_common'], recorded)} | "
+                         f"{per_seed} | {worst} | {seeds_text(a['steps_to_learn_every_lag'], recorded)} | "
+                         f"{a['latest_value']:.2f} |")
         lines.append("")
     sweep = [r for r in done.values() if r["phase"] == "sweep"]
     if sweep:
@@ -502,6 +610,7 @@ def report(results: Results, out: Path) -> None:
                                                                        SETTINGS.items()},
                                                    arms={n: dataclasses.asdict(a) for n, a in ARMS.items()},
                                                    lrs=LRS, seeds=SEEDS, predictions=predictions(),
+                                                   common_served={n: common_served(n) for n in SETTINGS},
                                                    summary=summary(results.done),
                                                    runs=list(results.done.values())), indent=1) + "\n")
     (out / "mqar.md").write_text("# MQAR by key–query distance (experiments/mqar.py)\n\n## Predictions\n\n"

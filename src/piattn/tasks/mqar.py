@@ -26,6 +26,7 @@ from .classification import ClassificationTask, SplitFlags, split_seed
 
 PAIRS_SYNTAX = "a count '8', a list '8,16,32,64' or a range '8-64' of integers >= 1"
 DISTANCE_SYNTAX = "'uniform' or distance bins 'LO-HI[,LO-HI...]' of integers, 1 <= LO <= HI"
+LAGS_SYNTAX = "distances and ranges 'A-B,C,...' of integers >= 2, e.g. '2-8,17-20'"
 
 
 def parse_pairs(text: str) -> tuple[int, ...]:
@@ -58,6 +59,15 @@ def parse_distance(text: str) -> tuple[tuple[int, int] | None, ...]:
     return parsed
 
 
+def parse_lags(text: str) -> tuple[int, ...]:
+    """--mqar-lags' text -> the distances, ascending, each once: '2-4,9' -> (2, 3, 4, 9) (the text
+    `piattn.data.mqar.spans` writes). ValueError naming the flag and its syntax otherwise."""
+    parts = [re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", part.strip()) for part in text.split(",")]
+    if not all(parts) or any(int(m[1]) < 2 or (m[2] is not None and int(m[2]) < int(m[1])) for m in parts):
+        raise ValueError(f"--mqar-lags must be {LAGS_SYNTAX}, got {text!r}")
+    return tuple(sorted({d for m in parts for d in range(int(m[1]), int(m[2] or m[1]) + 1)}))
+
+
 @dataclass
 class MQARFlags:
     mqar_pairs: str | None = flag(None, "mqar: key–value pairs per sequence: a count '8', a list '8,16,32,64' or "
@@ -69,6 +79,13 @@ class MQARFlags:
     mqar_distance: str | None = flag(None, "mqar: where each query sits from its key: uniform (default: anywhere "
                                      "after the pairs) or distance bins 'LO-HI[,LO-HI...]' (each example draws one "
                                      "bin for all its pairs; validation and test hold each equally often)")
+    mqar_layout: str | None = flag(None, "mqar: packed (default: the pairs open the sequence, the queries follow; "
+                                   "pair 0's query is >= 2 × pairs away) or scattered (each pair's distance drawn "
+                                   "from the bin or --mqar-lags, pairs and queries interleaved: short distances "
+                                   "that no single offset serves)", choices=mqar.LAYOUTS)
+    mqar_lags: str | None = flag(None, "mqar: draw every distance from these lags only, 'A-B,C,...' (e.g. the "
+                                 "distances an arm serves: the within-reach control; default none, distances as "
+                                 "--mqar-distance says); implies --mqar-layout scattered, excludes --mqar-distance")
 
 
 class MQARTask(ClassificationTask):
@@ -91,14 +108,22 @@ class MQARTask(ClassificationTask):
     def settings(cls, cfg: TrainConfig) -> dict:
         """`mqar.mqar_mix`'s arguments but n_examples, stratified and generator (defaults filled in)."""
         t = cfg.task
+        lags = None if t.mqar_lags is None else parse_lags(t.mqar_lags)
+        layout = t.mqar_layout or ("scattered" if lags is not None else "packed")
         return dict(seq_len=cfg.data.seq_len, pair_counts=parse_pairs(t.mqar_pairs or cls.DEFAULT_PAIRS),
                     key_vocab=t.mqar_keys or cls.DEFAULT_VOCAB, value_vocab=t.mqar_values or cls.DEFAULT_VOCAB,
-                    distance_bins=parse_distance(t.mqar_distance or "uniform"))
+                    distance_bins=parse_distance(t.mqar_distance or "uniform"), layout=layout, lags=lags)
 
     @classmethod
     def check_config(cls, cfg):
         if cfg.data.data is not None:
             raise ValueError("--data does not apply to --task mqar: its sequences are generated")
+        t = cfg.task
+        if t.mqar_lags is not None and t.mqar_distance is not None:
+            raise ValueError("--mqar-lags and --mqar-distance are exclusive: the lags are the distances to draw from")
+        if t.mqar_lags is not None and t.mqar_layout == "packed":
+            raise ValueError("--mqar-lags needs --mqar-layout scattered (packed, pair 0's query is >= 2 × pairs "
+                             "from its key)")
         s = cls.settings(cfg)
         seq_len, counts = s["seq_len"], s["pair_counts"]
         if seq_len < 4:
@@ -111,16 +136,38 @@ class MQARTask(ClassificationTask):
                              f"distinct), got {s['key_vocab']}")
         for n in counts:
             for distance_bin in s["distance_bins"]:
+                if s["layout"] == "scattered":
+                    cls._check_scattered(s, n, distance_bin, t)
+                    continue
                 try:
                     mqar.check(seq_len, n, key_vocab=s["key_vocab"], value_vocab=s["value_vocab"],
                                distance_bin=distance_bin)
                 except ValueError:
-                    lo, hi = distance_bin
+                    if mqar.single_distance(seq_len, n, distance_bin) is None:
+                        lo, hi = distance_bin
+                        raise ValueError(
+                            f"--mqar-distance {lo}-{hi} cannot hold {n} pairs in --seq-len {seq_len}: pair i's key "
+                            f"sits at 2i and its query after all pairs, so with {n} pairs a bin needs LO <= "
+                            f"{seq_len - 2 * n}, HI >= {2 * n} and HI <= {seq_len - 2}, and room for every query"
+                        ) from None
+                    shown = "uniform" if distance_bin is None else "-".join(map(str, distance_bin))
                     raise ValueError(
-                        f"--mqar-distance {lo}-{hi} cannot hold {n} pairs in --seq-len {seq_len}: pair i's key "
-                        f"sits at 2i and its query after all pairs, so with {n} pairs a bin needs LO <= "
-                        f"{seq_len - 2 * n}, HI >= {2 * n} and HI <= {seq_len - 2}, and room for every query"
-                    ) from None
+                        f"--mqar-distance {shown} puts every query at distance "
+                        f"{mqar.single_distance(seq_len, n, distance_bin)} with {n} pairs in --seq-len {seq_len} "
+                        f"(packed: pair 0's query is >= {2 * n} from its key), so one fixed offset answers them "
+                        f"all; use --mqar-layout scattered or a bin that leaves room") from None
+
+    @staticmethod
+    def _check_scattered(s: dict, n: int, distance_bin: tuple[int, int] | None, t) -> None:
+        """`mqar.check` of the scattered layout, its ValueError naming the flag."""
+        try:
+            mqar.check(s["seq_len"], n, key_vocab=s["key_vocab"], value_vocab=s["value_vocab"],
+                       distance_bin=distance_bin, layout="scattered", lags=s["lags"])
+        except ValueError as err:
+            given = (f"--mqar-lags {t.mqar_lags}" if s["lags"] is not None else
+                     f"--mqar-distance {'-'.join(map(str, distance_bin))}" if distance_bin is not None else
+                     "--mqar-layout scattered")
+            raise ValueError(f"{given} with {n} pairs in --seq-len {s['seq_len']}: {err}") from None
 
     @classmethod
     def config_class(cls, cfg):
