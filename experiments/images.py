@@ -361,16 +361,10 @@ def report(study: Study) -> None:
 
 def completions(study: Study) -> None:
     """The completion grids: each arm's seed-0 checkpoint completes the bottom half of 8 test digits (sampled,
-    and argmax).
-    Arms whose kind has no incremental decoding (the 2D neighbourhood, strided) are left out, said on stderr."""
-    from piattn.layers import kinds_with
-
-    decoding = set(kinds_with("decoding"))
-    left_out = [arm for arm in study.arms if arm_config(study, arm).attention not in decoding]
-    if left_out:
-        print(f"completions: {', '.join(left_out)} left out (no incremental decoding)", file=sys.stderr)
+    and argmax); the kinds without incremental decoding (2D neighbourhood, strided) run the whole prefix again
+    for each pixel (`piattn.tasks.pixels.complete`)."""
     checkpoints = [str(run_dir(study, arm, 0)) for arm in study.arms
-                   if arm not in left_out and (run_dir(study, arm, 0) / "checkpoints").is_dir()]
+                   if (run_dir(study, arm, 0) / "checkpoints").is_dir()]
     flags = [flag for c in checkpoints for flag in ("--checkpoint", c)]
     # sampled (temperature 1, one seed for every model) and argmax, which collapses to runs of one value
     for name, sampling in (("completions_sampled.png", ["--temperature", "1", "--seed", "0"]),

@@ -107,10 +107,13 @@ def test_image_flags_are_checked_before_training(tmp_path, digits):
     assert not (tmp_path / "x" / "checkpoints").exists()
 
 
-def test_completion_keeps_the_given_pixels_and_draws_values():
+@pytest.mark.parametrize("kind", [dict(attention="pi", period=5), dict(attention="neighbourhood"),
+                                  dict(attention="strided")], ids=["pi-cached", "neighbourhood", "strided"])
+def test_completion_keeps_the_given_pixels_and_draws_values(kind):
+    """Through the cache (π), or by the whole prefix again for the kinds without incremental decoding."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, vocab_size=257, block_size=20, period=5,
-                          image_width=5)).eval()
+    model = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, vocab_size=257, block_size=20, image_width=5,
+                          **kind)).eval()
     pixels = torch.randint(0, 256, (3, 20))
     drawn = complete(model, pixels, 10, temperature=0)
     assert drawn.shape == (3, 20) and torch.equal(drawn[:, :10], pixels[:, :10])

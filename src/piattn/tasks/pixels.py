@@ -27,7 +27,7 @@ from ..data.examples import ExampleLoader, Examples
 from ..data.raster import RasterImages
 from ..data.text import normalize_split
 from ..decoding.sampling import sample_next
-from ..layers import model_reach
+from ..layers import kinds_with, model_reach
 from ..models import GPT
 from ..train.checkpoint import read_config
 from ..train.distributed import DistContext
@@ -171,19 +171,28 @@ class PixelsTask(raster.RasterTaskTraits, Task):
 def complete(model: GPT, pixels: torch.Tensor, given: int, *, temperature: float = 1.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None) -> torch.Tensor:
     """pixels int64 [B, N] (whole images row by row) -> [B, N]: the first `given` pixels kept, the rest drawn
-    one at a time from the model (through its decoding cache) over the 256 pixel values, at `temperature`
-    (0: argmax) with `top_k` / `top_p`, from `seed`. The model's mode is left as it is (call in eval mode)."""
+    one at a time from the model over the 256 pixel values, at `temperature` (0: argmax) with `top_k` / `top_p`,
+    from `seed`. The model's mode is left as it is (call in eval mode).
+
+    Through the decoding cache where every layer's kind has one; otherwise (the 2D neighbourhood, strided:
+    masked kinds without incremental decoding) each pixel's logits come from the whole prefix run again, the
+    same numbers at O(N²) work, which images of a few hundred pixels afford."""
     b, n = pixels.shape
     if not 0 <= given < n:
         raise ValueError(f"given must be in [0, {n}) pixels, got {given}")
     generator = None if seed is None else torch.Generator(pixels.device).manual_seed(seed)
-    cache = model.init_cache(b, max_positions=n)
-    prompt = torch.cat([torch.full_like(pixels[:, :1], START), pixels[:, :given]], 1)
-    logits = model(prompt, cache)[:, -1, :PIXEL_VALUES]
+    incremental = set(model.config.layer_kinds()) <= set(kinds_with("decoding"))
+    cache = model.init_cache(b, max_positions=n) if incremental else None
+    sequence = torch.cat([torch.full_like(pixels[:, :1], START), pixels[:, :given]], 1)
+    logits = model(sequence, cache)[:, -1, :PIXEL_VALUES]
     drawn = []
     for step in range(n - given):
         token = sample_next(logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         drawn.append(token)
         if given + step + 1 < n:  # the last pixel is never fed back
-            logits = model(token[:, None], cache)[:, -1, :PIXEL_VALUES]
+            if incremental:
+                logits = model(token[:, None], cache)[:, -1, :PIXEL_VALUES]
+            else:
+                sequence = torch.cat([sequence, token[:, None]], 1)
+                logits = model(sequence)[:, -1, :PIXEL_VALUES]
     return torch.cat([pixels[:, :given], torch.stack(drawn, 1)], 1)
