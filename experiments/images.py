@@ -370,7 +370,7 @@ def completions(study: Study) -> None:
     for name, sampling in (("completions_sampled.png", ["--temperature", "1", "--seed", "0"]),
                            ("completions.png", ["--temperature", "0"])):
         subprocess.run([sys.executable, "-m", "piattn.cli", "generate", *flags, "--images", "8", *sampling,
-                        "--output", str(study.out / name)], check=True)
+                        "--overwrite", "--output", str(study.out / name)], check=True)
 
 
 def main() -> int:

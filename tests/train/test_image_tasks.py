@@ -155,3 +155,13 @@ def test_neighbour_reach_of_a_2d_kind_is_that_of_an_interior_pixel(radius):
     reach = neighbour_reach(model, width, height)
     assert reach == {name: bool(two[query, query - lag]) for name, lag in neighbour_lags(width).items()}
     assert reach["above"]  # the target's pixel above: the mark the edge column got wrong
+
+
+def test_a_grid_row_shows_the_settings_its_kind_has():
+    from piattn.commands.completions import row_label
+
+    model = dict(window=4, radius=1, stride=7, n_layer=2, period=13)
+    assert row_label({**model, "attention": "pi"}, "r").splitlines()[:2] == ["pi, window 4", "π 13"]
+    assert row_label({**model, "attention": "neighbourhood"}, "r").splitlines()[0] == "neighbourhood, radius 1"
+    assert row_label({**model, "attention": "strided"}, "r").splitlines()[0] == "strided, stride 7"
+    assert row_label({**model, "attention": "dense"}, "r").splitlines()[0] == "dense"

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..config.training import period_text
+from ..layers import kinds_with
 from ..safe_files import atomic_writer
 from ..tasks import restore
 from ..tasks.pixels import complete
@@ -59,8 +60,12 @@ def completion_rows(folders: list[Path], args: argparse.Namespace) -> tuple[torc
 
 
 def row_label(model: dict, run: str) -> str:
-    """A grid row's label, a few short lines: 'pi, window 4' / 'π 13,14,15,28' / '2 layers' / the run's name."""
-    lines = [model["attention"] + (f", window {model['window']}" if model["attention"] != "dense" else "")]
+    """A grid row's label, a few short lines: 'pi, window 4' / 'π 13,14,15,28' / '2 layers' / the run's name; the
+    settings shown are those the kind has (window, radius, stride: its capabilities)."""
+    kind = model["attention"]
+    shown = [f"{name} {model[name]}" for name in ("window", "radius", "stride")
+             if kind in kinds_with(name) and model.get(name) is not None]
+    lines = [", ".join([kind, *shown])]
     if model["attention"] == "pi":
         lines.append(f"π {period_text(model['period'])}")
     return "\n".join([*lines, f"{model['n_layer']} layers", run])
