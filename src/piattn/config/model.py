@@ -115,8 +115,13 @@ class ModelConfig:
         pi_layers = None if self.layers is None else [i for i, kind in enumerate(kinds) if kind == PI_KIND]
         self.period = resolve_periods(self.period, window=self.window, n_layer=self.n_layer, n_head=self.n_head,
                                       block_size=self.block_size, pi_layers=pi_layers)
-        for layer in range(self.n_layer):
-            self.pi_settings(layer)  # checks every layer's settings
+        # Every layer's operator settings, built (and so checked) once, here: a π layer is handed its own object
+        # (`pi_settings`). Layers that share their periods share one object.
+        periods = periods_per_layer(self.period, self.n_layer, self.n_head)
+        first = PiSettings(window=self.window, period=periods[0], variant=self.variant, prior=self.prior,
+                           logit_clamp=self.logit_clamp, eps=self.gate_eps, sinks=self.sinks)
+        self._pi_layers = tuple(first if heads == periods[0] else dataclasses.replace(first, period=heads)
+                                for heads in periods)
 
     def layer_kinds(self) -> tuple[str, ...]:
         """The attention kind of each of the n_layer layers: `layers` expanded (`parse_layers`), or `attention`
@@ -148,16 +153,12 @@ class ModelConfig:
         return self.pi_settings(0)
 
     def pi_settings(self, layer: int) -> PiSettings:
-        """The π-Attention operator settings of layer `layer` (checked on construction): its period is an int,
-        or a tuple of n_head per-head periods."""
-        return PiSettings(**self.pi_kwargs(layer))
-
-    def pi_kwargs(self, layer: int) -> dict:
-        """`pi_settings(layer)`'s fields by name, as the layers' constructors take them (`PiAttention`): the
-        n_head periods of that layer (`periods_per_layer` reads every stored form)."""
-        return dict(window=self.window, period=periods_per_layer(self.period, self.n_layer, self.n_head)[layer],
-                    variant=self.variant, prior=self.prior, logit_clamp=self.logit_clamp, eps=self.gate_eps,
-                    sinks=self.sinks)
+        """The π-Attention operator settings of layer `layer`: the one `PiSettings` built and checked when the
+        config was made (from window, variant, prior, logit_clamp, gate_eps, sinks and that layer's n_head
+        periods, `periods_per_layer` reading every stored form), which a π layer takes whole
+        (`PiAttention.config_kwargs`). Its period is an int, or a tuple of n_head per-head periods. A config is
+        not changed once made: another is made (`dataclasses.replace`, `from_dict`), with its own settings."""
+        return self._pi_layers[layer]
 
     @classmethod
     def from_name(cls, name: str, **overrides):
