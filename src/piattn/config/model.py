@@ -116,12 +116,10 @@ class ModelConfig:
         self.period = resolve_periods(self.period, window=self.window, n_layer=self.n_layer, n_head=self.n_head,
                                       block_size=self.block_size, pi_layers=pi_layers)
         # Every layer's operator settings, built (and so checked) once, here: a π layer is handed its own object
-        # (`pi_settings`). Layers that share their periods share one object.
-        periods = periods_per_layer(self.period, self.n_layer, self.n_head)
-        first = PiSettings(window=self.window, period=periods[0], variant=self.variant, prior=self.prior,
-                           logit_clamp=self.logit_clamp, eps=self.gate_eps, sinks=self.sinks)
-        self._pi_layers = tuple(first if heads == periods[0] else dataclasses.replace(first, period=heads)
-                                for heads in periods)
+        # (`pi_settings`).
+        self._pi_layers = layer_settings(periods_per_layer(self.period, self.n_layer, self.n_head),
+                                         window=self.window, variant=self.variant, prior=self.prior,
+                                         logit_clamp=self.logit_clamp, eps=self.gate_eps, sinks=self.sinks)
 
     def layer_kinds(self) -> tuple[str, ...]:
         """The attention kind of each of the n_layer layers: `layers` expanded (`parse_layers`), or `attention`
@@ -178,6 +176,19 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def layer_settings(periods, *, window, variant, prior, logit_clamp, eps, sinks) -> tuple[PiSettings, ...]:
+    """One `PiSettings` per layer, built (and so checked: ValueError naming the setting) once: `periods` holds
+    each layer's per-head periods (`periods_per_layer`), the other settings are shared. Layers of equal periods
+    share one object. What a model config (`ModelConfig.pi_settings`) and a converted Hugging Face model
+    (`piattn.integrations.hf.HFPiSettings`) hand their layers."""
+    made = {tuple(periods[0]): PiSettings(window=window, period=periods[0], variant=variant, prior=prior,
+                                          logit_clamp=logit_clamp, eps=eps, sinks=sinks)}
+    for heads in periods:
+        if tuple(heads) not in made:
+            made[tuple(heads)] = dataclasses.replace(made[tuple(periods[0])], period=heads)
+    return tuple(made[tuple(heads)] for heads in periods)
 
 
 # The kind whose periods `resolve_periods` designs in a hybrid stack, and the global kind of `nope_global`.
