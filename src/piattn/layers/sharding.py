@@ -6,8 +6,8 @@
 Inside the context every `AttentionLayer` takes its input x [B, S, d] as positions r·S … r·S + S − 1 of a
 sequence of T = P·S positions: RoPE rotates q and k by those global positions, and the kinds whose
 `attend` calls `pi_operator` (`pi`, `local`) reach the keys of other shards through
-`piattn.parallel.sequence_parallel_pi_attention_with_settings` (a point-to-point halo exchange, exact in forward and
-backward). Everything else in a Transformer (embedding, norms, the π gate MLP, the FFN, the LM head) works
+`piattn.parallel.sequence_parallel_pi_attention_with_settings` (a point-to-point halo exchange, exact in
+forward and backward). Everything else in a Transformer (embedding, norms, the π gate MLP, the FFN, the LM head) works
 per token, so it runs on the shard unchanged and no model class has sequence-parallel code. Other kinds,
 and cached decoding, raise ValueError inside the context. See docs/sequence_parallel.md §5.
 
