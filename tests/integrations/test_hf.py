@@ -311,8 +311,8 @@ def test_key_value_heads_reach_the_operator_unrepeated(monkeypatch):
     import piattn.integrations.hf.attention as hf_attention
 
     shapes = []
-    real = hf_attention.pi_attention
-    monkeypatch.setattr(hf_attention, "pi_attention",
+    real = hf_attention.pi_attention_with_settings
+    monkeypatch.setattr(hf_attention, "pi_attention_with_settings",
                         lambda q, k, v, *a, **kw: shapes.append((q.shape, k.shape, v.shape)) or real(q, k, v, *a, **kw))
     model = convert_to_pi(tiny_llama(), window=3, period=8)
     with torch.no_grad():

@@ -124,13 +124,13 @@ def operator_backends(monkeypatch) -> list:
     """The backend of each call the HF attention function makes of the full operator, which then runs as
     "torch" (the routing is what is tested here; the fused operator has its own tests)."""
     seen = []
-    real = hf_attention.pi_attention
+    real = hf_attention.pi_attention_with_settings
 
     def spy(*args, backend, **kwargs):
         seen.append(backend)
         return real(*args, backend="torch", **kwargs)
 
-    monkeypatch.setattr(hf_attention, "pi_attention", spy)
+    monkeypatch.setattr(hf_attention, "pi_attention_with_settings", spy)
     return seen
 
 

@@ -122,3 +122,28 @@ def test_bad_periods_raise_one_line_and_leave_the_model_unchanged(period, match)
         convert_to_pi(model, window=3, period=period)
     assert "\n" not in str(raised.value) and "period" in str(raised.value)
     assert conversion_state(model) == before
+
+
+def test_the_attention_hands_each_layer_s_settings_object_to_the_operator_whole(monkeypatch):
+    """The stored settings read back as one `PiSettings` per layer (equal layers sharing one), and each layer's
+    attention hands its own object to the operator, not a dict of its fields."""
+    import piattn.integrations.hf.attention as hf_attention
+    from piattn.config import PiSettings
+
+    model = convert_to_pi(tiny_llama(), window=3, period=LAYER_PERIODS, sinks=1)
+    settings = HFPiSettings.of(model.config)
+    assert all(type(s) is PiSettings for s in settings.layers) and settings.backend == "auto"
+    assert [s.period for s in settings.layers] == [tuple(p) for p in LAYER_PERIODS] and settings.pi.sinks == 1
+    same = HFPiSettings.of(convert_to_pi(tiny_llama(), window=3, period=HEAD_PERIODS).config)
+    assert len(same.layers) == 2 and same.layers[0] is same.layers[1]
+    seen = []
+    real = hf_attention.pi_attention_with_settings
+    monkeypatch.setattr(hf_attention, "pi_attention_with_settings",
+                        lambda q, k, v, gate, s, **kw: seen.append(s) or real(q, k, v, gate, s, **kw))
+    with torch.no_grad():
+        model(tokens(1, 12))
+    assert len(seen) == 2 and all(s is settings.layer(i) for i, s in enumerate(seen))
+    with pytest.raises(ValueError, match="layers must be one piattn.config.PiSettings per layer"):
+        HFPiSettings(({"window": 3},))
+    with pytest.raises(ValueError, match="backend must be one of"):
+        HFPiSettings(settings.layers, "nope")

@@ -166,18 +166,19 @@ def test_layer_and_settings_refuse_bad_periods():
 
 
 def test_sharded_layer_hands_per_head_periods_to_the_exchange(monkeypatch):
-    """Inside `sequence_parallel` the layer passes its per-head periods on (tests/parallel checks the result
-    across processes)."""
+    """Inside `sequence_parallel` the layer passes its per-head periods on, in its settings object handed over
+    whole (tests/parallel checks the result across processes)."""
     import piattn.layers.sharding as sharding
 
     layer = PiAttention(16, 2, period=(3, 8))
     seen = {}
     monkeypatch.setattr(sharding, "active_shard", lambda: type("Shard", (), {"group": "g"})())
-    monkeypatch.setattr(sharding, "sequence_parallel_pi_attention",
-                        lambda q, k, v, gate, group, **kw: seen.update(kw, group=group) or q)
+    monkeypatch.setattr(sharding, "sequence_parallel_pi_attention_with_settings",
+                        lambda q, k, v, gate, settings, group, **kw: seen.update(kw, settings=settings, group=group)
+                        or q)
     q = k = v = torch.randn(1, 2, 8, 8)
     layer.attend(q, k, v, torch.randn(1, 8, 16))
-    assert seen["period"] == (3, 8) and seen["group"] == "g"
+    assert seen["settings"] is layer.settings and seen["settings"].period == (3, 8) and seen["group"] == "g"
 
 
 def test_one_period_functions_refuse_per_head_periods():

@@ -5,6 +5,8 @@ Bad periods raise one line naming `period`."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -12,20 +14,21 @@ import piattn.layers.sharding as sharding
 from piattn.config.vision import VisionLanguageConfig
 from piattn.models import Encoder, EncoderConfig
 from piattn.models.vision import DualEncoder
-from piattn.ops.pi import pi_attention
+from piattn.ops.pi import pi_attention_with_settings
 
 PERIODS = [[2, 5, 5, 11], [7, 3, 3, 3]]  # per layer; π = 2 inside the window 2
 
 
 def head_by_head(layer_periods):
-    """A stand-in for `pi_attention` in the layers: each query head alone, reference backend, its own int
-    period (taken from the call's per-head periods, or the int), its key/value head h // (H / H_kv)."""
-    def attention(q, k, v, gate=None, *, period, backend, **kw):
+    """A stand-in for `pi_attention_with_settings` in the layers: each query head alone, reference backend, its
+    own int period (taken from the settings' per-head periods, or the int), its key/value head h // (H / H_kv)."""
+    def attention(q, k, v, gate, settings, *, backend, **kw):
         H, H_kv = q.shape[1], k.shape[1]
-        periods = [period] * H if isinstance(period, int) else list(period)
+        periods = [settings.period] * H if isinstance(settings.period, int) else list(settings.period)
         layer_periods.append(periods)
-        heads = [pi_attention(q[:, h:h + 1], k[:, h // (H // H_kv)][:, None], v[:, h // (H // H_kv)][:, None],
-                              None if gate is None else gate[:, h:h + 1], period=periods[h], backend="reference", **kw)
+        heads = [pi_attention_with_settings(q[:, h:h + 1], k[:, h // (H // H_kv)][:, None],
+                                            v[:, h // (H // H_kv)][:, None], None if gate is None else gate[:, h:h + 1],
+                                            dataclasses.replace(settings, period=periods[h]), backend="reference", **kw)
                  for h in range(H)]
         return torch.cat(heads, 1)
     return attention
@@ -49,7 +52,7 @@ def test_encoder_with_per_layer_periods_equals_head_by_head_reference(monkeypatc
     with torch.no_grad():
         logits = model(idx)
         seen = []
-        monkeypatch.setattr(sharding, "pi_attention", head_by_head(seen))
+        monkeypatch.setattr(sharding, "pi_attention_with_settings", head_by_head(seen))
         expected = model(idx)
     assert seen == PERIODS  # each layer ran its own per-head periods
     torch.testing.assert_close(logits, expected, atol=1e-10, rtol=1e-10)
@@ -65,7 +68,7 @@ def test_vision_tower_with_per_head_periods_equals_head_by_head_reference(monkey
     with torch.no_grad():
         features = model.image(images)
         seen = []
-        monkeypatch.setattr(sharding, "pi_attention", head_by_head(seen))
+        monkeypatch.setattr(sharding, "pi_attention_with_settings", head_by_head(seen))
         expected = model.image(images)
     assert seen == [[1, 3, 4, 5]] * 2
     torch.testing.assert_close(features, expected, atol=1e-10, rtol=1e-10)

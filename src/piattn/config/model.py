@@ -115,8 +115,11 @@ class ModelConfig:
         pi_layers = None if self.layers is None else [i for i, kind in enumerate(kinds) if kind == PI_KIND]
         self.period = resolve_periods(self.period, window=self.window, n_layer=self.n_layer, n_head=self.n_head,
                                       block_size=self.block_size, pi_layers=pi_layers)
-        for layer in range(self.n_layer):
-            self.pi_settings(layer)  # checks every layer's settings
+        # Every layer's operator settings, built (and so checked) once, here: a π layer is handed its own object
+        # (`pi_settings`).
+        self._pi_layers = layer_settings(periods_per_layer(self.period, self.n_layer, self.n_head),
+                                         window=self.window, variant=self.variant, prior=self.prior,
+                                         logit_clamp=self.logit_clamp, eps=self.gate_eps, sinks=self.sinks)
 
     def layer_kinds(self) -> tuple[str, ...]:
         """The attention kind of each of the n_layer layers: `layers` expanded (`parse_layers`), or `attention`
@@ -148,16 +151,12 @@ class ModelConfig:
         return self.pi_settings(0)
 
     def pi_settings(self, layer: int) -> PiSettings:
-        """The π-Attention operator settings of layer `layer` (checked on construction): its period is an int,
-        or a tuple of n_head per-head periods."""
-        return PiSettings(**self.pi_kwargs(layer))
-
-    def pi_kwargs(self, layer: int) -> dict:
-        """`pi_settings(layer)`'s fields by name, as the layers' constructors take them (`PiAttention`): the
-        n_head periods of that layer (`periods_per_layer` reads every stored form)."""
-        return dict(window=self.window, period=periods_per_layer(self.period, self.n_layer, self.n_head)[layer],
-                    variant=self.variant, prior=self.prior, logit_clamp=self.logit_clamp, eps=self.gate_eps,
-                    sinks=self.sinks)
+        """The π-Attention operator settings of layer `layer`: the one `PiSettings` built and checked when the
+        config was made (from window, variant, prior, logit_clamp, gate_eps, sinks and that layer's n_head
+        periods, `periods_per_layer` reading every stored form), which a π layer takes whole
+        (`PiAttention.config_kwargs`). Its period is an int, or a tuple of n_head per-head periods. A config is
+        not changed once made: another is made (`dataclasses.replace`, `from_dict`), with its own settings."""
+        return self._pi_layers[layer]
 
     @classmethod
     def from_name(cls, name: str, **overrides):
@@ -177,6 +176,19 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def layer_settings(periods, *, window, variant, prior, logit_clamp, eps, sinks) -> tuple[PiSettings, ...]:
+    """One `PiSettings` per layer, built (and so checked: ValueError naming the setting) once: `periods` holds
+    each layer's per-head periods (`periods_per_layer`), the other settings are shared. Layers of equal periods
+    share one object. What a model config (`ModelConfig.pi_settings`) and a converted Hugging Face model
+    (`piattn.integrations.hf.HFPiSettings`) hand their layers."""
+    made = {tuple(periods[0]): PiSettings(window=window, period=periods[0], variant=variant, prior=prior,
+                                          logit_clamp=logit_clamp, eps=eps, sinks=sinks)}
+    for heads in periods:
+        if tuple(heads) not in made:
+            made[tuple(heads)] = dataclasses.replace(made[tuple(periods[0])], period=heads)
+    return tuple(made[tuple(heads)] for heads in periods)
 
 
 # The kind whose periods `resolve_periods` designs in a hybrid stack, and the global kind of `nope_global`.

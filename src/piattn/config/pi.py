@@ -43,8 +43,8 @@ class PiSettings:
 
     def check(self) -> None:
         """ValueError naming the setting and what it allows, for the first one out of range."""
-        fields = self.as_kwargs()
-        check_pi_settings(period=period_tuple(fields.pop("period"))[0], **fields)
+        check_pi_settings(window=self.window, period=period_tuple(self.period)[0], variant=self.variant,
+                          prior=self.prior, logit_clamp=self.logit_clamp, eps=self.eps, sinks=self.sinks)
 
     @property
     def gated(self) -> bool:

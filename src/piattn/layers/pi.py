@@ -30,6 +30,10 @@ class PiAttention(WindowedAttention):
             k, v with H_kv heads directly, nothing is repeated.
         window, period, causal, variant, prior, logit_clamp, eps, sinks, backend: as in `piattn.pi_attention`;
             period may be one int or a sequence of n_heads ints, one per query head (multi-scale π).
+        settings: the operator settings (window … sinks) whole, a `piattn.config.PiSettings`, in place of
+            those keywords, which are then left at their defaults: what a model config hands each π layer
+            (`config_kwargs`, `ModelConfig.pi_settings`), built and checked once there. The layer keeps the
+            object and hands it to the operator whole.
         dropout: attention-weight dropout, active in training mode only.
         rotary: apply rotary position embeddings to q and k (off by default, as in the appendix).
         rope_base: rotary frequency base.
@@ -52,9 +56,21 @@ class PiAttention(WindowedAttention):
                  logit_clamp: float | None = PI_DEFAULTS.logit_clamp,
                  eps: float = PI_DEFAULTS.eps, sinks: int = PI_DEFAULTS.sinks, dropout: float = 0.0,
                  rotary: bool = False,
-                 rope_base: float = 10000.0, gate_hidden: int | None = None, backend: str = "auto"):
-        settings = PiSettings(window=window, period=period, variant=variant, prior=prior, logit_clamp=logit_clamp,
-                              eps=eps, sinks=sinks)
+                 rope_base: float = 10000.0, gate_hidden: int | None = None, backend: str = "auto",
+                 settings: PiSettings | None = None):
+        if settings is None:
+            settings = PiSettings(window=window, period=period, variant=variant, prior=prior, logit_clamp=logit_clamp,
+                                  eps=eps, sinks=sinks)
+        elif not isinstance(settings, PiSettings):
+            raise ValueError(f"settings must be a piattn.config.PiSettings or None, got {type(settings).__name__}")
+        else:
+            given = [name for name, value in (("window", window), ("period", period), ("variant", variant),
+                                              ("prior", prior), ("logit_clamp", logit_clamp), ("eps", eps),
+                                              ("sinks", sinks))
+                     if not _is_default(value, getattr(PI_DEFAULTS, name))]
+            if given:
+                raise ValueError(f"PiAttention takes its operator settings whole (settings=) or by keyword, not "
+                                 f"both: got settings and {', '.join(given)}")
         super().__init__(d_model, n_heads, settings, n_kv_heads=n_kv_heads, causal=causal, dropout=dropout,
                          rotary=rotary, rope_base=rope_base, backend=backend)
         # Created after the base's projections: a seed draws the weights in the appendix module's order.
@@ -64,7 +80,8 @@ class PiAttention(WindowedAttention):
 
     @classmethod
     def config_kwargs(cls, cfg: ModelConfig, layer: int) -> dict:
-        return dict(**cfg.pi_kwargs(layer), backend=cfg.backend)
+        """The layer's `PiSettings` as the config built it (handed over whole) and the backend."""
+        return dict(settings=cfg.pi_settings(layer), backend=cfg.backend)
 
     @classmethod
     def lag_reach(cls, model: Mapping[str, Any], max_lag: int) -> Reach:
@@ -137,3 +154,8 @@ class PiAttention(WindowedAttention):
         if layers is None:
             return super()._ring_projection(x, modules)
         return self._ring_qkv(x, modules), x, layers
+
+
+def _is_default(value, default) -> bool:
+    """Whether a settings keyword was left at its default (an equal value of the same type: 16, not [16] or 16.0)."""
+    return type(value) is type(default) and value == default

@@ -6,8 +6,8 @@
 Inside the context every `AttentionLayer` takes its input x [B, S, d] as positions r·S … r·S + S − 1 of a
 sequence of T = P·S positions: RoPE rotates q and k by those global positions, and the kinds whose
 `attend` calls `pi_operator` (`pi`, `local`) reach the keys of other shards through
-`piattn.parallel.sequence_parallel_pi_attention` (a point-to-point halo exchange, exact in forward and
-backward). Everything else in a Transformer (embedding, norms, the π gate MLP, the FFN, the LM head) works
+`piattn.parallel.sequence_parallel_pi_attention_with_settings` (a point-to-point halo exchange, exact in
+forward and backward). Everything else in a Transformer (embedding, norms, the π gate MLP, the FFN, the LM head) works
 per token, so it runs on the shard unchanged and no model class has sequence-parallel code. Other kinds,
 and cached decoding, raise ValueError inside the context. See docs/sequence_parallel.md §5.
 
@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import PiSettings
-from ..ops.pi import pi_attention
-from ..parallel import sequence_parallel_pi_attention
+from ..ops.pi import pi_attention_with_settings
+from ..parallel import sequence_parallel_pi_attention_with_settings
 
 
 @dataclass(frozen=True)
@@ -83,14 +83,18 @@ def sequence_parallel(group):
 
 
 def pi_operator(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, settings: PiSettings,
-                *, check_gate: bool = True, **call) -> torch.Tensor:
-    """`pi_attention(q, k, v, gate, **call)` with the operator settings `settings` (a layer's `PiSettings`,
-    handed over whole: its one conversion to `pi_attention`'s keywords is here), or, inside
-    `sequence_parallel(group)`, the same operator on the sequence whose shard q, k, v [B, H, S, D] are
-    (`sequence_parallel_pi_attention` over group). call: the keywords that are not settings (causal,
-    dropout_p, document_ids, backend, scale); check_gate: `pi_attention`'s (sequence-parallel calls check
-    the gate as `sequence_parallel_pi_attention` does)."""
+                *, causal: bool = True, scale: float | None = None, dropout_p: float = 0.0,
+                document_ids: torch.Tensor | None = None, backend: str = "auto", check_gate: bool = True
+                ) -> torch.Tensor:
+    """The π operator with the operator settings `settings` (a layer's `PiSettings`, handed over whole:
+    `pi_attention_with_settings`), or, inside `sequence_parallel(group)`, the same operator on the sequence
+    whose shard q, k, v [B, H, S, D] are (`sequence_parallel_pi_attention_with_settings` over group, with the
+    same settings object). The keywords are the call's own, as `pi_attention`'s; check_gate: `pi_attention`'s
+    (sequence-parallel calls check the gate as `sequence_parallel_pi_attention` does)."""
     shard = active_shard()
     if shard is None:
-        return pi_attention(q, k, v, gate, **settings.as_kwargs(), check_gate=check_gate, **call)
-    return sequence_parallel_pi_attention(q, k, v, gate, group=shard.group, **settings.as_kwargs(), **call)
+        return pi_attention_with_settings(q, k, v, gate, settings, causal=causal, scale=scale, dropout_p=dropout_p,
+                                          document_ids=document_ids, backend=backend, check_gate=check_gate)
+    return sequence_parallel_pi_attention_with_settings(q, k, v, gate, settings, group=shard.group, causal=causal,
+                                                        scale=scale, dropout_p=dropout_p, document_ids=document_ids,
+                                                        backend=backend)

@@ -25,16 +25,16 @@ def plain_linear(m: nn.Module) -> bool:
 
 
 class WindowedAttention(AttentionLayer):
-    """An `AttentionLayer` whose `attend` is `pi_attention` with the typed `settings` (`PiSettings`),
-    `causal` and `backend`, and whose decoding reads a ring of `settings.reach + 1` positions (plus
-    `settings.sinks` fixed ones).
+    """An `AttentionLayer` whose `attend` is the π operator with the typed `settings` (`PiSettings`, handed to
+    `pi_attention_with_settings` whole), `causal` and `backend`, and whose decoding reads a ring of
+    `settings.reach + 1` positions (plus `settings.sinks` fixed ones).
 
     `settings.period` may hold one period per query head (multi-scale π, n_heads of them): the forward
     hands them to `pi_attention`, and the cached decoding paths (`attend_recent`, `attend_ring`, the one-token
     step) to the layer's decoding plans (`piattn.ops.pi.decode_plan`: every head over its own slot table), the
     ring holding max(window, largest period) + 1 positions.
     Sequence-parallel, each period group runs its own halo exchange
-    (`piattn.parallel.sequence_parallel_pi_attention`).
+    (`piattn.parallel.sequence_parallel_pi_attention_with_settings`, given the same settings object).
 
     `settings` is what the operator runs with: whoever reads the layer's attention (`piattn.inspection`,
     through `piattn.ops.pi.weights.pi_attention_weights`) reads it here. `gate` is the gate MLP of the

@@ -8,6 +8,7 @@ see docs/sequence_parallel.md.
 """
 
 from .plan import HaloPlan, Transfer
-from .sequence import plan_for, sequence_parallel_pi_attention
+from .sequence import plan_for, sequence_parallel_pi_attention, sequence_parallel_pi_attention_with_settings
 
-__all__ = ["HaloPlan", "Transfer", "plan_for", "sequence_parallel_pi_attention"]
+__all__ = ["HaloPlan", "Transfer", "plan_for", "sequence_parallel_pi_attention",
+           "sequence_parallel_pi_attention_with_settings"]

@@ -10,18 +10,22 @@ argument checks), so that a mistake raises the same ValueError on every rank ins
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from ..ops.pi import BACKENDS, pi_attention
+from ..config.pi import PiSettings
+from ..ops.pi import BACKENDS, pi_attention, pi_attention_with_settings
 from ..ops.pi.heads import operator_by_period
-from ..ops.pi.validate import check_arguments, check_qkv_tensors, head_periods
+from ..ops.pi.validate import check_qkv_tensors, check_settings_call, head_periods
 from .plan import HaloPlan, Transfer
 
-# The operator's keyword arguments and their defaults, read from its signature so they cannot drift.
+# The operator's keyword arguments and their defaults, read from its signature so they cannot drift: the
+# keywords `sequence_parallel_pi_attention` and `plan_for` accept (`_given` reads them).
 OPERATOR_DEFAULTS = {
     name: p.default for name, p in inspect.signature(pi_attention).parameters.items()
     if p.kind is inspect.Parameter.KEYWORD_ONLY
@@ -29,13 +33,34 @@ OPERATOR_DEFAULTS = {
 _INT64_MASK = (1 << 62) - 1
 
 
-def _settings_hash(settings: dict, q: torch.Tensor, H_kv: int, gate: torch.Tensor | None) -> int:
-    """A 62-bit fingerprint of what must agree across ranks: settings (not the backend, which may differ
-    per device), B, H, H_kv, D, dtypes and whether a gate is given."""
-    B, H, _, D = q.shape
-    fields = sorted((k, repr(v)) for k, v in settings.items() if k != "backend")
-    key = repr((fields, B, H, H_kv, D, str(q.dtype), None if gate is None else str(gate.dtype)))
-    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") & _INT64_MASK
+@dataclass(frozen=True)
+class _Call:
+    """A checked sequence-parallel call's arguments besides its tensors and its group: the operator settings
+    whole (`PiSettings`: the same object a layer hands over, or the one built from a user's keywords) and the
+    call's own arguments (no sinks and no documents: refused before a call is made)."""
+
+    settings: PiSettings
+    causal: bool
+    scale: float | None
+    dropout_p: float
+    backend: str
+    check_gate: bool
+
+    def fingerprint(self, q: torch.Tensor, H_kv: int, gate: torch.Tensor | None) -> int:
+        """A 62-bit fingerprint of what must agree across ranks: every field of the settings, the call's own
+        arguments but the backend (which may differ per device), B, H, H_kv, D, dtypes and whether a gate is
+        given. (The settings' period is one int where the heads share it, else one per head: with H, the same
+        per-head periods.)"""
+        B, H, _, D = q.shape
+        settings = tuple((f.name, getattr(self.settings, f.name)) for f in dataclasses.fields(PiSettings))
+        key = repr((settings, self.causal, self.scale, self.dropout_p, self.check_gate, B, H, H_kv, D, str(q.dtype),
+                    None if gate is None else str(gate.dtype)))
+        return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") & _INT64_MASK
+
+
+def _given(pi_attention_kwargs: dict):
+    """name -> the value a caller passed among `pi_attention`'s keywords, else its default."""
+    return lambda name: pi_attention_kwargs.get(name, OPERATOR_DEFAULTS[name])
 
 
 def _resolve_group(group):
@@ -161,9 +186,9 @@ def plan_for(q: torch.Tensor, group=None, **pi_attention_kwargs) -> tuple[HaloPl
     resolved = _resolve_group(group)
     if resolved is None or resolved[2] == 1:
         return None
-    settings = {**OPERATOR_DEFAULTS, **pi_attention_kwargs}
-    periods = head_periods(settings["period"], q.shape[1], device=q.device)
-    return tuple(HaloPlan(resolved[2], q.shape[2], settings["window"], p, settings["causal"])
+    given = _given(pi_attention_kwargs)
+    periods = head_periods(given("period"), q.shape[1], device=q.device)
+    return tuple(HaloPlan(resolved[2], q.shape[2], given("window"), p, given("causal"))
                  for p in sorted(set(periods)))
 
 
@@ -185,7 +210,9 @@ def sequence_parallel_pi_attention(
             backend, as for `pi_attention`; every rank must pass the same (the backend may differ). period
             may give one period per query head (multi-scale π): the heads are grouped by period
             (`piattn.ops.pi.heads.operator_by_period`) and each group runs its own exchange of its key/value heads'
-            rows (the plan of its period), so every group is exact and moves only the rows it reads.
+            rows (the plan of its period), so every group is exact and moves only the rows it reads. The
+            operator settings among them become one `PiSettings` (checked there), and the call runs as
+            `sequence_parallel_pi_attention_with_settings` runs it.
 
     Returns:
         [B, H, S, D]: this rank's shard of the output of `pi_attention` on the whole sequence. Backward
@@ -200,46 +227,82 @@ def sequence_parallel_pi_attention(
     resolved = _resolve_group(group)
     if resolved is None or resolved[2] == 1:
         return pi_attention(q, k, v, gate, **pi_attention_kwargs)
-    group, rank, world = resolved
-    settings = {**OPERATOR_DEFAULTS, **pi_attention_kwargs}
-    if settings["layout"] != "bhtd":  # shards are slices of T in [B, H, T, D]; every rank is given the same
+    given = _given(pi_attention_kwargs)
+    if given("layout") != "bhtd":  # shards are slices of T in [B, H, T, D]; every rank is given the same
         raise ValueError(f"layout must be 'bhtd' for sequence-parallel pi_attention (shards of [B, H, T, D] "
-                         f"along T), got {settings['layout']!r}; transpose the shards")
-
-    error, shard, fingerprint = None, 0, 0
-    try:  # local checks first, but the verdict is shared, so that a bad rank cannot leave others waiting
+                         f"along T), got {given('layout')!r}; transpose the shards")
+    settings, error = None, None
+    try:  # the verdict is shared (`_sharded_call`), so that a bad rank cannot leave others waiting
         check_qkv_tensors(q, k, v)
-        # One period per query head (a tensor becomes a tuple): what is fingerprinted and grouped.
-        periods = head_periods(settings["period"], q.shape[1], device=q.device)
-        settings["period"] = periods
-        checked = {n: x for n, x in settings.items() if n not in ("backend", "period", "layout")}
-        check_arguments(q, k, v, gate, period=min(periods), **checked)
-        if settings["sinks"] or settings["document_ids"] is not None:
-            # The exchange carries window and skip rows only: sink keys and documents would cross shards.
-            raise ValueError("sequence_parallel_pi_attention supports neither sinks > 0 nor document_ids, got "
-                             f"sinks={settings['sinks']!r}, document_ids of type "
-                             f"{type(settings['document_ids']).__name__}")
-        if settings["backend"] not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS} on this install, got {settings['backend']!r}")
-        shard, fingerprint = q.shape[2], _settings_hash(settings, q, k.shape[1], gate)
+        # One period per query head (a tensor becomes a tuple), then the operator settings typed, and checked, once.
+        periods = head_periods(given("period"), q.shape[1], device=q.device)
+        settings = PiSettings(window=given("window"), period=periods, variant=given("variant"), prior=given("prior"),
+                              logit_clamp=given("logit_clamp"), eps=given("eps"), sinks=given("sinks"))
     except ValueError as e:
         error = e
+    return _sharded_call(q, k, v, gate, settings, resolved, error, causal=given("causal"), scale=given("scale"),
+                         dropout_p=given("dropout_p"), document_ids=given("document_ids"), backend=given("backend"),
+                         check_gate=given("check_gate"))
+
+
+def sequence_parallel_pi_attention_with_settings(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, settings: PiSettings, *,
+    group=None, causal: bool = True, scale: float | None = None, dropout_p: float = 0.0,
+    document_ids: torch.Tensor | None = None, backend: str = "auto", check_gate: bool = True,
+) -> torch.Tensor:
+    """`sequence_parallel_pi_attention` with the operator settings as one `PiSettings`, handed over whole (as
+    `piattn.ops.pi.pi_attention_with_settings` takes them): what a layer runs inside
+    `piattn.layers.sharding.sequence_parallel`. Its period is one int or one per query head; every rank must
+    pass equal settings and call arguments (the backend may differ). Without a process group, or in a group of
+    one rank, this is `pi_attention_with_settings` itself."""
+    resolved = _resolve_group(group)
+    if resolved is None or resolved[2] == 1:
+        return pi_attention_with_settings(q, k, v, gate, settings, causal=causal, scale=scale, dropout_p=dropout_p,
+                                          document_ids=document_ids, backend=backend, check_gate=check_gate)
+    return _sharded_call(q, k, v, gate, settings, resolved, None, causal=causal, scale=scale, dropout_p=dropout_p,
+                         document_ids=document_ids, backend=backend, check_gate=check_gate)
+
+
+def _sharded_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None,
+                  settings: PiSettings | None, resolved: tuple, error: ValueError | None, *, causal, scale, dropout_p,
+                  document_ids, backend, check_gate) -> torch.Tensor:
+    """The checks of a sharded call (unless `error` already failed them), their verdict shared by every rank of
+    the group (`_agree`), then one exchange and operator call per period group."""
+    group, rank, world = resolved
+    call, periods, shard, fingerprint = None, (), 0, 0
+    if error is None:
+        try:  # local checks first, but the verdict is shared, so that a bad rank cannot leave others waiting
+            check_settings_call(q, k, v, gate, settings, causal=causal, scale=scale, dropout_p=dropout_p,
+                                document_ids=document_ids, check_gate=check_gate)
+            # One period per query head: what is grouped (the fingerprint holds the settings' own form, and H).
+            periods = head_periods(settings.period, q.shape[1], device=q.device)
+            if settings.sinks or document_ids is not None:
+                # The exchange carries window and skip rows only: sink keys and documents would cross shards.
+                raise ValueError("sequence_parallel_pi_attention supports neither sinks > 0 nor document_ids, got "
+                                 f"sinks={settings.sinks!r}, document_ids of type {type(document_ids).__name__}")
+            if backend not in BACKENDS:
+                raise ValueError(f"backend must be one of {BACKENDS} on this install, got {backend!r}")
+            call = _Call(settings, causal=causal, scale=scale, dropout_p=dropout_p, backend=backend,
+                         check_gate=check_gate)
+            shard, fingerprint = q.shape[2], call.fingerprint(q, k.shape[1], gate)
+        except ValueError as e:
+            error = e
     device = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
     _agree(shard, fingerprint, error, group, device)
 
     def run(p: int, q_g: torch.Tensor, gate_g: torch.Tensor | None, k_g: torch.Tensor,
             v_g: torch.Tensor) -> torch.Tensor:
-        return _sharded(q_g, k_g, v_g, gate_g, p, settings, world, rank, group)
+        return _sharded(q_g, k_g, v_g, gate_g, p, call, world, rank, group)
 
     # Every rank has the same periods (the fingerprint agreed), so every rank runs the same exchanges in order.
-    return operator_by_period(settings["period"], run, q, gate, k, v)
+    return operator_by_period(periods, run, q, gate, k, v)
 
 
 def _sharded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, period: int,
-             settings: dict, world: int, rank: int, group) -> torch.Tensor:
-    """The exchange and the operator of one period, on checked arguments agreed by every rank."""
+             call: _Call, world: int, rank: int, group) -> torch.Tensor:
+    """The exchange and the operator of one period, on a checked call agreed by every rank."""
     shard = q.shape[2]
-    plan = HaloPlan(world, shard, settings["window"], period, settings["causal"])
+    plan = HaloPlan(world, shard, call.settings.window, period, call.causal)
     k_recv, v_recv = _HaloExchange.apply(k, v, plan, rank, group)
     before = plan.own_offset(rank)  # received rows that precede the own rows in the extended array
     after = plan.rows_received(rank) - before
@@ -252,5 +315,8 @@ def _sharded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tens
     gate_ext = None
     if gate is not None:
         gate_ext = torch.cat([gate.new_full((B, H, before), 0.5), gate, gate.new_full((B, H, after), 0.5)], 2)
-    y = pi_attention(q_ext, k_ext, v_ext, gate_ext, **{**settings, "period": plan.ext_period})
+    # The settings of this period's heads on the extended array: `plan.ext_period` in place of the period.
+    settings = dataclasses.replace(call.settings, period=plan.ext_period)
+    y = pi_attention_with_settings(q_ext, k_ext, v_ext, gate_ext, settings, causal=call.causal, scale=call.scale,
+                                   dropout_p=call.dropout_p, backend=call.backend, check_gate=call.check_gate)
     return y[:, :, before:before + shard]

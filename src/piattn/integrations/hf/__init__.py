@@ -16,9 +16,11 @@ How it plugs in:
   (both with `piattn.layers.gate`); a one-token step through the compiled decoding step hands it the gate's
   first linear layer's output and its last layer instead, and the C step finishes the gate (GELU, linear,
   sigmoid, clip), as the GPT decoding layers do.
-- The operator settings (`piattn.config.PiSettings` and the backend, `HFPiSettings`) live in
-  `config.pi_attention` (a dict), so they travel with save_pretrained; they are range-checked when a model
-  is converted or loaded, and a refused conversion leaves the model as it was.
+- The operator settings live in `config.pi_attention` (a dict), so they travel with save_pretrained; they are
+  range-checked when a model is converted or loaded, and a refused conversion leaves the model as it was.
+  Read back they are typed, `HFPiSettings`: one `piattn.config.PiSettings` per layer (built and checked once
+  per distinct stored content) and the backend; the attention function hands its layer's `PiSettings` to the
+  operator whole (`piattn.ops.pi.pi_attention_with_settings`) and to the decoding plans.
 - Cached decoding: the new queries are put behind the cached keys (zero queries in front, their outputs
   dropped) and the operator runs on the block, exactly as `AttentionLayer.attend_cached` does. Keys older
   than max(window, period) are never read, so a step costs O(max(window, period)) with any cache;

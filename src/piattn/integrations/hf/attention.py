@@ -7,7 +7,6 @@ import dataclasses
 import functools
 import weakref
 from dataclasses import dataclass
-from functools import cached_property
 from types import SimpleNamespace
 
 import torch
@@ -15,12 +14,13 @@ from torch import nn
 from transformers import AttentionInterface, AttentionMaskInterface
 
 from ...analysis.multiscale import periods_per_layer
-from ...config.model import resolve_periods
+from ...config.model import layer_settings, resolve_periods
 from ...config.pi import PI_DEFAULTS, PiSettings
 from ...layers.base import AttentionLayer
 from ...layers.gate import gate_hidden, gate_hooked, gate_values
-from ...ops.pi import BACKENDS, pi_attention
+from ...ops.pi import BACKENDS, pi_attention_with_settings
 from ...ops.pi.decode_plan import decode_plan, decode_settings
+from ...ops.pi.validate import head_periods
 from .padding import EMPTY, TEXT, document_ids, text_bounds
 
 ATTENTION_NAME = "pi_attention"
@@ -28,39 +28,44 @@ ATTENTION_NAME = "pi_attention"
 
 @dataclass(frozen=True)
 class HFPiSettings:
-    """The settings of a converted model: the π settings and the backend that runs them.
+    """The settings of a converted model, typed: each layer's operator settings whole (`layers`, one
+    `piattn.config.PiSettings` per layer, as `ModelConfig.pi_settings` hands a GPT's layers theirs) and the
+    backend that runs them. It holds `PiSettings` objects, not a copy of their fields: the attention function
+    hands its layer's object to the operator whole (`pi_attention_with_settings`) and to the decoding plans
+    (`decode_settings`).
 
-    Stored flat in `config.pi_attention` as {window, period, variant, prior, logit_clamp, eps, sinks, backend}.
-    `period` takes every form `GPTConfig.period` does (an int, one per query head, one list of per-head
-    periods per layer, or a schedule name), resolved for the model's layers and heads by
-    `piattn.config.model.resolve_periods` and stored resolved. `pi` is layer 0's settings (the layers
-    differ in their periods only); `layer_periods` holds every layer's per-head periods where layers differ.
+    Stored flat in `config.pi_attention` as {window, period, variant, prior, logit_clamp, eps, sinks, backend}
+    (`as_dict`, the one conversion to that dict; `of` reads it back). `period` takes every form `GPTConfig.period`
+    does (an int, one per query head, one list of per-head periods per layer, or a schedule name), resolved for
+    the model's layers and heads by `piattn.config.model.resolve_periods` and stored resolved. Layers of equal
+    periods share one object; `pi` is layer 0's (the layers differ in their periods only).
     """
 
-    pi: PiSettings = PI_DEFAULTS
+    layers: tuple[PiSettings, ...]
     backend: str = "auto"
-    layer_periods: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self):
+        if not self.layers or not all(isinstance(s, PiSettings) for s in self.layers):
+            raise ValueError(f"layers must be one piattn.config.PiSettings per layer, got {self.layers!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS} on this install, got {self.backend!r}")
 
     @classmethod
-    def resolve(cls, config, *, backend: str = "auto", **pi) -> HFPiSettings:
-        """The settings of `PiSettings`' fields `pi` (missing ones take their defaults) and `backend` for a
-        transformers `config`: its num_hidden_layers and num_attention_heads size per-layer and per-head
-        periods, its max_position_embeddings is the block size of the "cover" schedule. ValueError naming the
-        setting for anything out of range."""
-        pi = {**PI_DEFAULTS.as_kwargs(), **pi}
-        period = pi.pop("period")
-        base = PiSettings(**pi)  # every setting but the period checked (with the default period)
+    def resolve(cls, config, *, window: int = PI_DEFAULTS.window, period=PI_DEFAULTS.period,
+                variant: str = PI_DEFAULTS.variant, prior: float = PI_DEFAULTS.prior,
+                logit_clamp: float | None = PI_DEFAULTS.logit_clamp, eps: float = PI_DEFAULTS.eps,
+                sinks: int = PI_DEFAULTS.sinks, backend: str = "auto") -> HFPiSettings:
+        """The settings of `PiSettings`' fields (missing ones take their defaults; `period` in any form
+        `resolve_periods` reads) and `backend` for a transformers `config`: its num_hidden_layers and
+        num_attention_heads size per-layer and per-head periods, its max_position_embeddings is the block size of
+        the "cover" schedule. Each layer's `PiSettings` is built, and checked, once (`layer_settings`, as a model
+        config builds its own). ValueError naming the setting for anything out of range."""
         n_layer, n_head = config.num_hidden_layers, config.num_attention_heads
-        resolved = resolve_periods(period, window=base.window, n_layer=n_layer, n_head=n_head,
+        resolved = resolve_periods(period, window=window, n_layer=n_layer, n_head=n_head,
                                    block_size=getattr(config, "max_position_embeddings", None) or 1)
-        layers = periods_per_layer(resolved, n_layer, n_head)  # n_layer tuples of n_head periods
-        settings = cls(dataclasses.replace(base, period=layers[0]), backend, layers if len(set(layers)) > 1 else None)
-        settings.layers  # noqa: B018  (checks every layer's settings)
-        return settings
+        layers = layer_settings(periods_per_layer(resolved, n_layer, n_head), window=window, variant=variant,
+                                prior=prior, logit_clamp=logit_clamp, eps=eps, sinks=sinks)
+        return cls(layers, backend)
 
     @classmethod
     def of(cls, config) -> HFPiSettings:
@@ -89,39 +94,37 @@ class HFPiSettings:
 
     @classmethod
     def _of(cls, stored: dict, config) -> HFPiSettings:
-        backend = stored.pop("backend", cls.backend)
-        unknown = sorted(set(stored) - set(PI_DEFAULTS.as_kwargs()))
+        """The settings of a stored dict (`as_dict`'s form): its keys become `resolve`'s keywords."""
+        unknown = sorted(set(stored) - _STORED_KEYS)
         if unknown:
             raise ValueError(f"config.pi_attention has unknown settings {unknown}")
-        return cls.resolve(config, backend=backend, **stored)
+        return cls.resolve(config, **stored)
 
-    @cached_property
-    def layers(self) -> tuple[PiSettings, ...] | None:
-        """Every layer's settings where the layers' periods differ, else None (every layer has `pi`)."""
-        if self.layer_periods is None:
-            return None
-        return tuple(dataclasses.replace(self.pi, period=heads) for heads in self.layer_periods)
+    @property
+    def pi(self) -> PiSettings:
+        """Layer 0's settings (every layer's but for its periods)."""
+        return self.layers[0]
 
     def layer(self, index: int | None) -> PiSettings:
         """The settings of layer `index` (a module's `layer_idx`; None: layer 0)."""
-        return self.pi if self.layers is None or index is None else self.layers[index]
+        return self.layers[0 if index is None else index]
 
-    def as_dict(self) -> dict:
-        """What `config.pi_attention` holds (the period as `resolve_periods` stores it)."""
-        return {**self.pi.as_kwargs(), "period": _listed(self.layer_periods or self.pi.period), "backend": self.backend}
+    def as_dict(self, n_head: int) -> dict:
+        """What `config.pi_attention` holds for a model of `n_head` query heads: the settings' fields, the
+        period of every layer in the form `resolve_periods` stores it (an int, one list of per-head periods, or
+        one such list per layer) and the backend."""
+        heads = [list(head_periods(s.period, n_head)) for s in self.layers]
+        period = resolve_periods(heads, window=self.pi.window, n_layer=len(heads), n_head=n_head, block_size=1)
+        return {**self.pi.as_kwargs(), "period": period, "backend": self.backend}
 
     @property
     def reach(self) -> int:
         """How far back a query of any layer looks: no query reads a key older than i − reach."""
-        return max(s.reach for s in self.layers or (self.pi,))
-
-    def operator_kwargs(self, layer: int | None = None) -> dict:
-        return dict(**self.layer(layer).as_kwargs(), causal=True, backend=self.backend)
+        return max(s.reach for s in self.layers)
 
 
-def _listed(x):
-    """A settings value as `config.pi_attention` stores it: tuples as lists, at any depth."""
-    return [_listed(v) for v in x] if isinstance(x, tuple) else x
+# The keys `config.pi_attention` may hold: the fields of `PiSettings` and the backend.
+_STORED_KEYS = {f.name for f in dataclasses.fields(PiSettings)} | {"backend"}
 
 
 def _frozen(x):
@@ -275,8 +278,8 @@ def pi_attention_forward(
         query = torch.cat([query.new_zeros(B, H, ahead, D), query], 2)
         if gate is not None:
             gate = torch.cat([gate.new_full((B, H, ahead), 0.5), gate], 2)
-    out = pi_attention(query, key, value, gate, scale=scaling, dropout_p=dropout, document_ids=ids,
-                       **settings.operator_kwargs(layer))
+    out = pi_attention_with_settings(query, key, value, gate, pi, causal=True, scale=scaling, dropout_p=dropout,
+                                     document_ids=ids, backend=settings.backend)
     return out[:, :, ahead:].transpose(1, 2), None
 
 

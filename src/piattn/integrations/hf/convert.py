@@ -124,7 +124,7 @@ def _attach(model: PreTrainedModel, settings: HFPiSettings, gate_init_alpha: flo
         model.set_attn_implementation(previous)  # submodels may have switched
         raise ValueError(f"{type(model).__name__} does not dispatch attention through transformers' "
                          "AttentionInterface, so pi_attention cannot be plugged in")
-    config.pi_attention = settings.as_dict()
+    config.pi_attention = settings.as_dict(config.num_attention_heads)
     for i, module in enumerate(attention):
         if settings.pi.gated:
             module.pi_gate = gates[i]

@@ -2,7 +2,9 @@
 
 `pi_attention` checks a call and builds its one `OpSettings`; every backend is a function of the tensors
 and those settings (`backends.BackendRun`); they differ in how they compute, never in what. What each can
-run is declared in `backends.py`.
+run is declared in `backends.py`. `pi_attention_with_settings` is the same operator with its settings as one
+`piattn.config.PiSettings`, handed over whole: what the layers, the Hugging Face adapter and sequence
+parallelism call.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections.abc import Sequence
 # Aliased: importing the submodule `.torch` rebinds the package attribute `torch` to that submodule.
 import torch as _torch
 
-from ...config.pi import PI_DEFAULTS
+from ...config.pi import PI_DEFAULTS, PiSettings
 from .backends import AUTO_ORDER, REGISTRY, BackendRun, select
 from .compiled import is_symbolic
 from .heads import by_period, period_groups
@@ -149,6 +151,38 @@ def pi_attention(
         return _pi_attention(q_g, k_g, v_g, gate_g, settings._replace(period=p), document_ids, backend)
 
     return by_period(periods, k.shape[1], run, [(q, 1), (gate, 1)], [(k, 1), (v, 1)])
+
+
+def pi_attention_with_settings(
+    q: _torch.Tensor,
+    k: _torch.Tensor,
+    v: _torch.Tensor,
+    gate: _torch.Tensor | None,
+    settings: PiSettings,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    document_ids: _torch.Tensor | None = None,
+    backend: str = "auto",
+    check_gate: bool = True,
+    layout: str = "bhtd",
+) -> _torch.Tensor:
+    """`pi_attention` with the operator settings (window, period, variant, prior, logit_clamp, eps, sinks) as one
+    `piattn.config.PiSettings`, handed over whole, and the call's own arguments by keyword, as there.
+
+    What the layers (`piattn.layers.sharding.pi_operator`), the Hugging Face attention and sequence parallelism
+    call, so that none of them spells the settings out or carries them in a dict; the keyword form is for users.
+    The settings become the operator's arguments here, field by field, and the call is checked and run as
+    `pi_attention` checks and runs every call (the same messages). ValueError for settings that are not a
+    `PiSettings`.
+    """
+    if not isinstance(settings, PiSettings):
+        raise ValueError(f"settings must be a piattn.config.PiSettings, got {type(settings).__name__}")
+    return pi_attention(q, k, v, gate, window=settings.window, period=settings.period, causal=causal,
+                        variant=settings.variant, prior=settings.prior, logit_clamp=settings.logit_clamp,
+                        eps=settings.eps, scale=scale, dropout_p=dropout_p, sinks=settings.sinks,
+                        document_ids=document_ids, backend=backend, check_gate=check_gate, layout=layout)
 
 
 def _chosen(q: _torch.Tensor, k: _torch.Tensor, v: _torch.Tensor, gate: _torch.Tensor | None, settings: OpSettings,

@@ -44,7 +44,7 @@ STEADY_SLOTS_BYTES = 1 << 20
 def decode_settings(pi: PiSettings, scale: float) -> OpSettings:
     """The decoding settings of a layer's `PiSettings` (checked when it was made) and its score scale: causal,
     no dropout (decoding runs in eval), `pi`'s period as it is. Built once per layer and scale."""
-    return OpSettings(causal=True, scale=scale, dropout_p=0.0, **pi.as_kwargs())
+    return OpSettings.of(pi, causal=True, scale=scale, dropout_p=0.0)
 
 
 @dataclass(frozen=True, eq=False)

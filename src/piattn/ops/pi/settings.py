@@ -10,6 +10,7 @@ mask, document_ids) are not settings: each operator names them in its own schema
 
 from typing import NamedTuple
 
+from ...config.pi import PiSettings
 from .pattern import Pattern
 
 # The schema type of each field's annotation, as torch.library.infer_schema writes it. (No `from __future__
@@ -25,7 +26,7 @@ class OpSettings(NamedTuple):
     backend (`backends.BackendRun`): see `pi_attention` for their meaning. scale is never None here; period
     is one int, or a tuple of one int per query head for a backend that takes them (`per_head_periods`).
     Decoding takes one too, causal and without dropout (`decode_plan.py`): `pi_decode` builds it from its
-    keywords, a layer from its `PiSettings` (`decode_plan.decode_settings`)."""
+    keywords, a layer from its `PiSettings` (`decode_plan.decode_settings`, through `of`)."""
 
     window: int
     period: int | tuple[int, ...]
@@ -37,6 +38,14 @@ class OpSettings(NamedTuple):
     scale: float
     dropout_p: float
     sinks: int
+
+    @classmethod
+    def of(cls, pi: PiSettings, *, causal: bool, scale: float, dropout_p: float) -> "OpSettings":
+        """The settings of a call with the operator settings `pi` (a `PiSettings`, checked when it was made),
+        handed over whole, and the call's own: field by field, `pi`'s period as it is (one int, or a tuple of
+        one per query head)."""
+        return cls(window=pi.window, period=pi.period, causal=causal, variant=pi.variant, prior=pi.prior,
+                   logit_clamp=pi.logit_clamp, eps=pi.eps, scale=scale, dropout_p=dropout_p, sinks=pi.sinks)
 
     @property
     def pattern(self) -> Pattern:

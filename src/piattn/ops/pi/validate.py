@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ...checks import is_int
-from ...config.pi import GATED_VARIANTS, check_pi_settings, period_tuple
+from ...config.pi import GATED_VARIANTS, PiSettings, check_pi_settings, period_tuple
 
 SUPPORTED_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -75,12 +75,34 @@ def check_arguments(
     q, k, v, gate, *, window, period, causal, variant, prior, logit_clamp, eps, scale, dropout_p, sinks=0,
     document_ids=None, check_gate=True,
 ) -> None:
+    _check_tensors(q, k, v)
+    check_pi_settings(window=window, period=period, variant=variant, prior=prior, logit_clamp=logit_clamp,
+                      eps=eps, sinks=sinks)
+    _check_call(q, gate, variant=variant, causal=causal, scale=scale, dropout_p=dropout_p, document_ids=document_ids,
+                check_gate=check_gate)
+
+
+def check_settings_call(q, k, v, gate, settings: PiSettings, *, causal, scale, dropout_p, document_ids=None,
+                        check_gate=True) -> None:
+    """`check_arguments` for a call whose operator settings are one `PiSettings`, handed over whole: its ranges
+    were checked when it was made, so only the tensors and the call's own arguments are checked here, in the
+    same order and with the same messages. Its period (one, or one per query head) is not counted against the
+    heads: `head_periods` does that."""
+    if not isinstance(settings, PiSettings):
+        raise ValueError(f"settings must be a piattn.config.PiSettings, got {type(settings).__name__}")
+    _check_tensors(q, k, v)
+    _check_call(q, gate, variant=settings.variant, causal=causal, scale=scale, dropout_p=dropout_p,
+                document_ids=document_ids, check_gate=check_gate)
+
+
+def _check_tensors(q, k, v) -> None:
     check_qkv_tensors(q, k, v)
     check_kv_heads(q, k, v)
     if q.shape[2] < 1 or q.shape[3] < 1:
         raise ValueError(f"q must have T >= 1 and D >= 1, got shape {tuple(q.shape)}")
-    check_pi_settings(window=window, period=period, variant=variant, prior=prior, logit_clamp=logit_clamp,
-                      eps=eps, sinks=sinks)
+
+
+def _check_call(q, gate, *, variant, causal, scale, dropout_p, document_ids, check_gate) -> None:
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be True or False, got {causal!r}")
     if scale is not None and not scale > 0:

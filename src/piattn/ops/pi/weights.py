@@ -17,7 +17,7 @@ from ...config.pi import PI_DEFAULTS, PiSettings, period_tuple
 from .dtypes import accumulation_dtype
 from .heads import period_groups
 from .pattern import Pattern, log_priors, slot_keys
-from .validate import check_arguments, gate_or_prior, head_periods
+from .validate import check_settings_call, gate_or_prior, head_periods
 
 
 class SlotWeights(NamedTuple):
@@ -45,8 +45,8 @@ def pi_attention_weights(
     scale: float | None = None,
     document_ids: torch.Tensor | None = None,
 ) -> SlotWeights:
-    """The attention weights `pi_attention(q, k, v, gate, causal=causal, scale=scale,
-    document_ids=document_ids, **settings.as_kwargs())` applies to v (without dropout).
+    """The attention weights `pi_attention_with_settings(q, k, v, gate, settings, causal=causal, scale=scale,
+    document_ids=document_ids)` applies to v (without dropout).
 
     q [B, H, T, D], k [B, H_kv, T, D] (H_kv dividing H), gate [B, H, T] or None, document_ids [B, T] or
     None: the arguments of `pi_attention`, checked the same way. The slots are those of the pattern asked
@@ -63,8 +63,7 @@ def pi_attention_weights(
     variant, gate = gate_or_prior(q, gate, settings.variant, settings.prior)
     settings = dataclasses.replace(settings, variant=variant)
     # v plays no part in the weights; k stands in for it, so that the operator's one check covers the call.
-    check_arguments(q, k, k, gate, causal=causal, scale=scale, dropout_p=0.0, document_ids=document_ids,
-                    **{**settings.as_kwargs(), "period": min(period_tuple(settings.period))})
+    check_settings_call(q, k, k, gate, settings, causal=causal, scale=scale, dropout_p=0.0, document_ids=document_ids)
     periods = head_periods(settings.period, q.shape[1])
     formulation = dict(variant=settings.variant, prior=settings.prior, logit_clamp=settings.logit_clamp,
                        eps=settings.eps, scale=q.shape[-1] ** -0.5 if scale is None else scale,
