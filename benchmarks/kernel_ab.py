@@ -146,23 +146,37 @@ class Step:
         return {"step": (time.perf_counter() - start) / self.calls * 1e6}
 
 
+def _text(revision: str, path: str) -> str:
+    """The file at `path` (from the repository's root) at `revision` ("worktree": as it is now)."""
+    if revision == "worktree":
+        return (REPO / path).read_text()
+    try:
+        return subprocess.run(["git", "show", f"{revision}:{path}"], cwd=REPO, check=True, capture_output=True,
+                              text=True).stdout
+    except subprocess.CalledProcessError as err:
+        raise SystemExit(f"--revisions: git has no {path} at {revision!r}: {err.stderr.strip()}") from err
+
+
 def built(revision: str, folder: Path, subject) -> dict:
     """The kernels of `subject` (Fused, Step) at `revision`, built (or taken from the cache) as piattn builds
-    its own."""
-    if revision == "worktree":
-        text = (REPO / subject.source).read_text()
-    else:
-        try:
-            text = subprocess.run(["git", "show", f"{revision}:{subject.source}"], cwd=REPO, check=True,
-                                  capture_output=True, text=True).stdout
-        except subprocess.CalledProcessError as err:
-            raise SystemExit(f"--revisions: git has no {subject.source} at {revision!r}: {err.stderr.strip()}") \
-                from err
-    # named by its text, so a revision's library is cached once (the file includes itself by its own path)
-    stem = Path(subject.source).stem
-    source = folder / f"{stem}_{hashlib.sha256(text.encode()).hexdigest()[:12]}.c"
-    source.write_text(text)
-    return subject.build(source)
+    its own: its source and the files that source includes (`cbuild.includes`: decode_step.c's decode_gate.h),
+    each at that revision."""
+    texts, pending = {}, [subject.source]
+    while pending:
+        path = pending.pop(0)
+        texts[path] = _text(revision, path)
+        for name in cbuild.includes(texts[path].encode()):
+            named = str(Path(path).parent / name)
+            if named not in texts and named not in pending:
+                pending.append(named)
+    # one folder per revision's texts, so that a revision's library is cached once (the file includes itself by
+    # its own path, and its other files by their names, beside it)
+    key = hashlib.sha256("\0".join(texts.values()).encode()).hexdigest()[:12]
+    place = folder / f"{Path(subject.source).stem}_{key}"
+    place.mkdir(parents=True, exist_ok=True)
+    for path, text in texts.items():
+        (place / Path(path).name).write_text(text)
+    return subject.build(place / Path(subject.source).name)
 
 
 def problems(args):

@@ -206,11 +206,12 @@ def compare(expected: tuple, actual: tuple, dtype: torch.dtype | None = None, to
         assert_close(name, e, a, dtype, tol)
 
 
-def tiny_model(attention: str, variant: str = "adaptive", **overrides) -> GPT:
-    """A 2-layer, width-32 GPT of kind `attention` in eval mode, window 3, period 8, seeded."""
+def tiny_model(attention: str = "pi", variant: str = "adaptive", **overrides) -> GPT:
+    """A GPT of kind `attention` in eval mode, seeded: 2 layers, width 32, 2 heads, window 3, period 8, a vocabulary
+    of 50, no dropout, each of these unless `overrides` gives it (with any other GPTConfig field)."""
     torch.manual_seed(0)
-    cfg = GPTConfig.from_name("tiny", attention=attention, variant=variant, vocab_size=50, n_layer=2,
-                              d_model=32, n_head=2, window=3, period=8, dropout=0.0, **overrides)
+    settings = {**dict(vocab_size=50, n_layer=2, d_model=32, n_head=2, window=3, period=8, dropout=0.0), **overrides}
+    cfg = GPTConfig.from_name("tiny", attention=attention, variant=variant, **settings)
     model = GPT(cfg).eval()
     # gates away from 0.5 and varying per token, so that the gated variants differ from "union"
     for block in model.blocks:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from piattn.config import PI_DEFAULTS
+from piattn.config.pi import GATED_VARIANTS, VARIANTS
 from piattn.decoding.cache import RingCache
 from piattn.ops.pi import pi_attention
 from piattn.ops.pi.decode import decode_ring, decode_settings, gate_tail
@@ -41,12 +42,12 @@ def _ring(k: torch.Tensor, v: torch.Tensor, sinks: int) -> RingCache:
     return cache
 
 
-@pytest.mark.parametrize("variant", ["union", "separate", "fixed", "adaptive"])
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("H_kv", [1, 2, 4])
 @pytest.mark.parametrize("sinks", [0, 2])
 def test_per_head_periods_equal_the_full_operator(variant, H_kv, sinks):
     kw = dict(SETTINGS, variant=variant, sinks=sinks)
-    gated = variant in ("separate", "adaptive")
+    gated = variant in GATED_VARIANTS
     for N in (1, 4, 11, 30):
         q, k, v, gate = _inputs(N, H_kv, seed=N + 10 * H_kv)
         full = pi_attention(q, k, v, gate if gated else None, causal=True, period=PERIODS, **kw)

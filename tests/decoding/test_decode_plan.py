@@ -18,6 +18,7 @@ import piattn.ops.pi.decode_native as decode_native
 import piattn.ops.pi.decode_torch as decode_torch
 import piattn.ops.pi.native as native
 from piattn.config import PI_DEFAULTS
+from piattn.config.pi import VARIANTS
 from piattn.decoding.cache import RingCache
 from piattn.ops.pi.decode_plan import DecodePlan, decode_plan, decode_settings
 from piattn.ops.pi.decode_slots import block_slots
@@ -53,7 +54,7 @@ def test_the_registry_declares_each_step_and_the_order_is_its_own():
     assert ORDER == ("compiled", "torch") == tuple(REGISTRY)
     compiled, torch_ops = REGISTRY["compiled"], REGISTRY["torch"]
     assert compiled.variants == frozenset(native.PRIOR_MODES) == {"union", "fixed", "adaptive"}
-    assert torch_ops.variants == decode_torch.TORCH_OPS_VARIANTS == {"union", "separate", "fixed", "adaptive"}
+    assert torch_ops.variants == decode_torch.TORCH_OPS_VARIANTS == set(VARIANTS)
     assert compiled.gate_in_step and compiled.per_head_periods and compiled.token and not compiled.gradients
     assert compiled.dtypes == {torch.float32, torch.float64} and compiled.devices == {"cpu"}
     assert torch_ops.gate_in_step and torch_ops.per_head_periods and not torch_ops.token

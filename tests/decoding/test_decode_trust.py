@@ -23,7 +23,7 @@ import torch
 import piattn.ops.pi.decode_native as decode_native
 import piattn.ops.pi.native as native
 from piattn.config import PI_DEFAULTS
-from piattn.config.pi import VARIANTS
+from piattn.config.pi import GATED_VARIANTS, VARIANTS
 from piattn.decoding.cache import RingCache
 from piattn.models import GPT, GPTConfig
 from piattn.ops.pi import decode
@@ -218,8 +218,8 @@ def test_decode_ring_still_takes_what_is_consistent(step_kind):
     """The checks leave valid calls alone: a ring larger than the pattern needs, and all four variants."""
     args = _ring_case()
     q, kv_store, gate = args.pop("q"), args.pop("kv_store"), args.pop("gate")
-    for variant in ("union", "fixed", "adaptive", "separate"):
-        y = decode_ring(q, kv_store, gate if variant in ("adaptive", "separate") else None,
+    for variant in VARIANTS:
+        y = decode_ring(q, kv_store, gate if variant in GATED_VARIANTS else None,
                         **{**args, "variant": variant})
         assert y.shape == q.shape and bool(y.isfinite().all())
 
@@ -506,7 +506,7 @@ def test_a_non_finite_value_no_row_reads_stays_out_of_pi_decode(bad, where, vari
     q, k, v = (torch.randn(1, 2, 6, 4, generator=g).to(dtype) for _ in range(3))
     gate = torch.full((1, 2, 6), 0.3)
     kw = dict(window=3, period=8, variant=variant, logit_clamp=4.0)
-    gated = variant in ("separate", "adaptive")
+    gated = variant in GATED_VARIANTS
     for t in (1, 2):  # t = 2: position 4 reads 1 … 4, and its skip slot (−4) reads nothing either
         poisoned = (k.clone(), v.clone())
         poisoned[0 if where == "key" else 1][:, :, 0] = bad
@@ -523,7 +523,7 @@ def test_a_non_finite_value_no_row_reads_stays_out_of_the_ring_step(variant, tor
     args = _ring_case(B=1, H=2, H_kv=1, D=4, N=6, capacity=9, sinks=0)
     q, kv_store, gate = args.pop("q"), args.pop("kv_store"), args.pop("gate")
     args["variant"] = variant
-    gate = gate if variant in ("adaptive", "separate") else None
+    gate = gate if variant in GATED_VARIANTS else None
     clean = decode_ring(q, kv_store, gate, **args)
     kv_store[1, :, :, 0] = float("inf")  # position 0's value
     y = decode_ring(q, kv_store, gate, **args)
@@ -535,7 +535,7 @@ def test_a_non_finite_value_no_row_reads_stays_out_of_the_ring_step(variant, tor
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_an_empty_batch_decodes_to_empty_rows(variant, sinks, step_kind):
     """Before: the torch-ops ring step raised 'cannot reshape tensor of 0 elements'."""
-    gated = variant in ("adaptive", "separate")
+    gated = variant in GATED_VARIANTS
     for N in (3, 20):  # before the ring fills, and after
         args = _ring_case(B=0, H=4, H_kv=2, D=8, N=N, capacity=9, sinks=sinks)
         q, kv_store, gate = args.pop("q"), args.pop("kv_store"), args.pop("gate")

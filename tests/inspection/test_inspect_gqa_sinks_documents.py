@@ -9,7 +9,6 @@ import torch
 
 from piattn.inspection import Inspector, columns, plot_skip_prior_by_phase
 from piattn.inspection.probes import probe_columns
-from piattn.models import GPT, GPTConfig
 from piattn.ops.pi.pattern import document_bounds
 from utils import tiny_model
 
@@ -20,14 +19,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 def packed(attention: str):
     """A 2-layer causal model (4 query heads, 2 key/value heads, 2 sinks, gates spread as in tests/utils.py's
     tiny_model), tokens [2, T] and their documents."""
-    torch.manual_seed(0)
-    cfg = GPTConfig.from_name("tiny", attention=attention, vocab_size=50, n_layer=2, d_model=32, n_head=4,
-                              n_kv_head=2, window=WINDOW, period=PERIOD, sinks=SINKS, dropout=0.0)
-    model = GPT(cfg).double().eval()
-    for block in model.blocks:
-        if getattr(block.attn, "gate", None) is not None:
-            torch.nn.init.normal_(block.attn.gate[2].bias, std=2.0)
-            torch.nn.init.normal_(block.attn.gate[2].weight, std=1.0)
+    model = tiny_model(attention, n_head=4, n_kv_head=2, window=WINDOW, period=PERIOD, sinks=SINKS).double()
     idx = torch.randint(0, 50, (2, T), generator=torch.Generator().manual_seed(11))
     ids = torch.tensor([[0] * 9 + [1] * 13 + [2] * 8, [5] * 17 + [6] * 13])
     return model, idx, ids

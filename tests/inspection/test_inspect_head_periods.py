@@ -13,9 +13,8 @@ import torch
 from piattn.cli import main
 from piattn.inspection import Inspector, columns, plot_skip_prior_by_phase
 from piattn.inspection.probes import probe_columns
-from piattn.models import GPT, GPTConfig
 from piattn.ops.pi.pattern import document_bounds
-from utils import write_word_corpus
+from utils import tiny_model, write_word_corpus
 
 T, WINDOW = 30, 3
 # layer 0: π = 2 inside the window, π = 8 splitting both key/value groups, π = 13; layer 1: two periods
@@ -26,13 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def packed():
-    torch.manual_seed(0)
-    cfg = GPTConfig.from_name("tiny", vocab_size=50, n_layer=2, d_model=32, n_head=4, n_kv_head=2, window=WINDOW,
-                              period=PERIODS, sinks=1, dropout=0.0)
-    model = GPT(cfg).double().eval()
-    for block in model.blocks:
-        torch.nn.init.normal_(block.attn.gate[2].bias, std=2.0)
-        torch.nn.init.normal_(block.attn.gate[2].weight, std=1.0)
+    model = tiny_model("pi", n_head=4, n_kv_head=2, window=WINDOW, period=PERIODS, sinks=1).double()
     idx = torch.randint(0, 50, (2, T), generator=torch.Generator().manual_seed(11))
     ids = torch.tensor([[0] * 6 + [1] * 24, [5] * 30])
     return model, idx, ids

@@ -10,19 +10,8 @@ import torch
 
 from piattn.inspection import Inspector, columns, layer_weights, masses
 from piattn.inspection.probes import probe_columns, reader
-from piattn.models import GPT, Encoder, EncoderConfig, GPTConfig
+from piattn.models import Encoder, EncoderConfig
 from utils import tiny_model
-
-
-def gpt(attention: str, n_layer: int) -> GPT:
-    """tests/utils.py's tiny_model (window 3, period 8, gate biases spread) with `n_layer` layers."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig.from_name("tiny", attention=attention, vocab_size=50, n_layer=n_layer, d_model=32,
-                                    n_head=2, window=3, period=8, dropout=0.0)).eval()
-    for block in model.blocks:
-        if getattr(block.attn, "gate", None) is not None:
-            torch.nn.init.normal_(block.attn.gate[2].bias, std=2.0)
-    return model
 
 
 def layer_inputs(model, idx):
@@ -99,7 +88,7 @@ def hand_skip_mass(model, idx, period, window):
 
 
 def test_one_layer_skip_mass_by_hand():
-    model = gpt("pi", 1).double()
+    model = tiny_model("pi", n_layer=1).double()
     idx = torch.randint(0, 50, (2, 24), generator=torch.Generator().manual_seed(3))
     with torch.no_grad(), Inspector(model) as inspector:
         model(idx)
@@ -136,7 +125,7 @@ def test_padding_queries_are_left_out():
 
 
 def flow_of(attention, n_layer, T=40, window=3, period=8):
-    model = gpt(attention, n_layer)
+    model = tiny_model(attention, n_layer=n_layer)
     idx = torch.randint(0, 50, (2, T), generator=torch.Generator().manual_seed(6))
     with torch.no_grad(), Inspector(model, flow_window=T) as inspector:
         model(idx)
@@ -159,7 +148,7 @@ def test_token_flow_reaches_k_per_layer_for_local_and_the_skip_for_pi():
 
 
 def test_dense_flow_of_one_layer_is_half_identity_half_attention():
-    model = gpt("dense", 1)
+    model = tiny_model("dense", n_layer=1)
     idx = torch.randint(0, 50, (1, 30), generator=torch.Generator().manual_seed(7))
     with torch.no_grad(), Inspector(model, flow_window=10) as inspector:
         model(idx)

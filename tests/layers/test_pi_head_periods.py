@@ -21,20 +21,14 @@ from piattn.config.training import ModelFlags, parse_period
 from piattn.layers import PiAttention
 from piattn.models import GPT, GPTConfig
 from piattn.ops.pi import pi_attention
+from utils import tiny_model
 
 PERIODS = [[5, 2, 9, 5], [12, 3, 7, 30]]  # per layer; 2 and 3 fold into the window
 
 
 def model(variant="adaptive", period=PERIODS, **overrides) -> GPT:
-    torch.manual_seed(0)
-    cfg = GPTConfig.from_name("tiny", variant=variant, vocab_size=50, n_layer=2, d_model=32, n_head=4, n_kv_head=2,
-                              window=3, period=period, dropout=0.0, block_size=64, **overrides)
-    m = GPT(cfg).eval()
-    for block in m.blocks:  # gates away from 0.5 and varying per token
-        if block.attn.gate is not None:
-            torch.nn.init.normal_(block.attn.gate[2].bias, std=2.0)
-            torch.nn.init.normal_(block.attn.gate[2].weight, std=1.0)
-    return m
+    """tests/utils.py's tiny_model with 4 query heads over 2 key/value heads and `period` (per head)."""
+    return tiny_model("pi", variant, n_head=4, n_kv_head=2, period=period, block_size=64, **overrides)
 
 
 def test_layer_runs_the_operator_per_head():

@@ -128,7 +128,7 @@ def _key(cc: str, level: str) -> str:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     parts = [cc, version, *LINK]
     for source, flags in _jobs(level):
-        parts += [source.read_text(), *flags]
+        parts += [*(path.read_text() for path in cbuild.sources(source)), *flags]  # with the files it includes
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 

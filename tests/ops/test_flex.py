@@ -11,6 +11,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 import piattn
+from piattn.config.pi import VARIANTS
 from piattn.ops.pi import flex
 from piattn.ops.pi.pattern import Pattern, document_bounds, log_priors, slot_keys
 from utils import assert_close, compare, forward_backward, make_inputs
@@ -82,7 +83,7 @@ def test_score_mod_gradient_reaches_gate():
     assert_close("dgate", *(torch.autograd.grad(y, gate, dy)[0] for y in (expected, actual)))
 
 
-@pytest.mark.parametrize("variant", ["union", "fixed", "adaptive", "separate"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_all_features_cpu(variant):
     """Sinks, documents and grouped-query attention through this backend's whole path on CPU (block masks
     per batch row, mask_mod, score_mod, enable_gqa, the "separate" mix): the reference's forward."""

@@ -113,6 +113,31 @@ def test_a_build_says_so_and_a_reuse_does_not(source, capsys):
     assert "compiling" not in capsys.readouterr().err
 
 
+@needs_cc
+def test_a_change_to_an_included_file_is_a_new_build(tmp_path, monkeypatch):
+    """A library is compiled from its source and the files that source includes by `#include "name"`
+    (decode_step.c and decode_gate.h): the cache key counts all of them, so a changed header is never served
+    the library of the old one. A system header (<...>) is not one of them."""
+    monkeypatch.setenv("PIATTN_CACHE", str(tmp_path / "cache"))
+    source, header, inner = tmp_path / "outer.c", tmp_path / "value.h", tmp_path / "inner.h"
+    source.write_text('#include <stdint.h>\n#include "value.h"\nint answer(void) { return VALUE; }\n')
+    header.write_text('#include "inner.h"\n#define VALUE INNER\n')
+    inner.write_text("#define INNER 42\n")
+    assert cbuild.sources(source) == [source, header, inner]
+    base = ("-O1", "-fPIC", "-shared")
+    first = cbuild.library_path(source, CC, base)
+    assert cbuild.load(source, _open, compiler=CC, base_flags=base)[0] == 42
+    inner.write_text("#define INNER 7\n")
+    assert cbuild.library_path(source, CC, base) != first
+    assert cbuild.load(source, _open, compiler=CC, base_flags=base)[0] == 7
+
+
+def test_the_decoding_step_is_keyed_by_both_its_files():
+    """decode_step.c is compiled with decode_gate.h (one translation unit): both are in its key."""
+    assert [path.name for path in cbuild.sources(native.SOURCE)] == ["decode_step.c", "decode_gate.h"]
+    assert [path.name for path in cbuild.sources(fused.SOURCE)] == ["fused_cpu.c"]
+
+
 AARCH64_CPUINFO = """processor\t: 0
 BogoMIPS\t: 243.75
 Features\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp

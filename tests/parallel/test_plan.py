@@ -14,6 +14,7 @@ import torch
 from sp_jobs import needed_positions
 
 from piattn import pi_attention
+from piattn.config.pi import GATED_VARIANTS, VARIANTS
 from piattn.parallel import HaloPlan
 
 
@@ -47,8 +48,8 @@ def test_each_rank_receives_exactly_the_rows_its_queries_read(geometry):
         assert plan.sends(r) == tuple(t for d in range(P) for t in plan.receives(d) if t.src == r)
 
 
-LAYOUT_CASES = [(g, v) for g in EDGE_GEOMETRIES for v in ("union", "separate", "fixed", "adaptive")] + [
-    (g, v) for g, v in zip(random_geometries(40, seed=1), ["separate", "adaptive"] * 20, strict=True)]
+LAYOUT_CASES = [(g, v) for g in EDGE_GEOMETRIES for v in VARIANTS] + [
+    (g, v) for g, v in zip(random_geometries(40, seed=1), list(GATED_VARIANTS) * 20, strict=True)]
 
 
 @pytest.mark.parametrize("geometry, variant", LAYOUT_CASES)
@@ -59,7 +60,7 @@ def test_the_operator_on_each_extended_array_gives_that_ranks_rows(geometry, var
     torch.manual_seed(0)
     T = P * S
     q, key, v = (torch.randn(1, 2, T, 3, dtype=torch.float64) for _ in range(3))
-    gate = 0.05 + 0.9 * torch.rand(1, 2, T, dtype=torch.float64) if variant in ("separate", "adaptive") else None
+    gate = 0.05 + 0.9 * torch.rand(1, 2, T, dtype=torch.float64) if variant in GATED_VARIANTS else None
     kw = dict(window=k, causal=causal, variant=variant, prior=0.3, backend="reference")
     full = pi_attention(q, key, v, gate, period=p, **kw)
     plan = HaloPlan(P, S, k, p, causal)

@@ -11,13 +11,16 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 
 from piattn.analysis.reachability import reachability_mask
 from piattn.cli import main
 from piattn.commands import eval as eval_command
+from piattn.commands import eval_report
 from piattn.commands.eval_report import MAX_LAG_ROWS, lag_rows
+from piattn.tasks import TASKS
 from utils import write_word_corpus
 
 TINY = ["--n-layer", "2", "--d-model", "32", "--n-head", "2", "--batch-size", "4", "--steps", "1", "--warmup", "1",
@@ -153,3 +156,16 @@ def test_many_lags_share_rows_that_never_mix_reachable_and_unreachable():
     assert all(row == list(range(row[0], row[-1] + 1)) for row in rows)
     assert len(rows) <= MAX_LAG_ROWS + 4  # each change of reachability may cut one row short
     assert lag_rows(list(range(3, 13)), None) == [[lag] for lag in range(3, 13)]
+
+
+def test_each_task_declares_its_report_and_eval_names_no_task():
+    """The tables after the metrics are the task's to declare (`Task.report_sections`), drawn by the sections
+    eval_report knows; eval and eval_report switch on no task name (the issue's measure: none left)."""
+    declared = {section for task in TASKS.values() for section in task.report_sections}
+    assert declared == set(eval_report.SECTIONS)
+    assert {name for name, task in TASKS.items() if task.by_position} == {"lm"}
+    for module in (eval_command, eval_report):
+        text = Path(module.__file__).read_text()
+        names = "|".join(re.escape(name) for name in TASKS)
+        assert not re.search(rf'task ==|task !=|task in \(|isinstance\(task|"task"\) (==|!=|in)|[=!]= *"({names})"',
+                             text), module

@@ -54,12 +54,9 @@ from torch import nn
 
 from .. import safe_files
 from ..config import PRECISIONS
-from ..data.examples import ExampleLoader
-from ..data.packing import SequenceLoader
 from ..data.text import normalize_split
 from ..progress import progress_bar
-from ..tasks import LanguageModelTask, PixelsTask, VisionLanguageTask, config_class, restore
-from ..tasks.classification import ClassificationTask
+from ..tasks import TASKS, config_class, restore
 from ..train import checkpoint as ckpt
 from ..train.distributed import DEVICES, DistContext, setup, teardown
 from ..train.loop import autocast, autocast_dtype, saved_train_config
@@ -196,7 +193,7 @@ def evaluate_checkpoint(args: argparse.Namespace, ctx: DistContext, folder: Path
     amp = autocast_dtype(args.precision, ctx.device)
     task, model, cfg = restore(folder, ctx, data=data, batch_size=args.batch_size, cache_dir=args.cache_dir)
     start = time.perf_counter()  # "seconds" includes tokenizing the split, as before the bar needed its size
-    total = planned_batches(task, split, args.batches, ctx)
+    total = task.planned_batches(split, args.batches)
     if total is not None and other is not None:
         total *= 2  # B is scored on the same windows
     with autocast(ctx.device, amp), Progress(total, enabled=ctx.is_main) as progress:
@@ -221,7 +218,7 @@ def by_copy_distance(args: argparse.Namespace, ctx: DistContext, folder: Path, d
     amp = autocast_dtype(args.precision, ctx.device)
     task, model, cfg = restore(folder, ctx, data=data, batch_size=args.batch_size, cache_dir=args.cache_dir)
     start = time.perf_counter()
-    total = planned_batches(task, split, args.batches, ctx)
+    total = task.planned_batches(split, args.batches)
     with autocast(ctx.device, amp), Progress(None if total is None else 2 * total, enabled=ctx.is_main) as progress:
         progress.watch(model)
         metrics, losses, windows = task.evaluate_by_target(model, split, args.batches)
@@ -237,11 +234,13 @@ def by_copy_distance(args: argparse.Namespace, ctx: DistContext, folder: Path, d
 
 
 def language_model(folder, flag: str) -> None:
-    """ValueError unless the checkpoint `folder` holds a language model."""
+    """ValueError unless the checkpoint `folder` holds a model its task scores by position (`Task.by_position`:
+    a language model)."""
     task = ckpt.read_config(folder).get("task")
-    if task != "lm":
+    if task not in TASKS or not TASKS[task].by_position:
+        named = " / ".join(repr(name) for name, cls in TASKS.items() if cls.by_position)
         raise ValueError(f"{flag}: {folder} holds a {task!r} model; --position-bins and --compare need a "
-                         "language model (task 'lm')")
+                         f"language model (task {named})")
 
 
 def compare(task, windows: torch.Tensor, other, split: str, bins: int, args: argparse.Namespace,
@@ -279,27 +278,6 @@ def restore_other(task, other: Path, args: argparse.Namespace, ctx: DistContext,
         raise ValueError(f"--compare: {other} takes at most {context} positions, fewer than the "
                          f"{task.cfg.data.seq_len} of --checkpoint's windows")
     return task_b, model_b
-
-
-def planned_batches(task, split: str, batches: int, ctx: DistContext) -> int | None:
-    """How many model calls (batches) this rank's evaluation of `split` makes, for the progress bar: the
-    loader the task evaluates with, built the same way; None for a task not known here (the bar then counts
-    without a total)."""
-    size = task.cfg.optim.batch_size
-    if isinstance(task, LanguageModelTask):
-        n = SequenceLoader(task.sequences(split), size, shuffle=False, rank=ctx.data_rank,
-                           world_size=ctx.data_size, drop_last=False).batches_per_epoch
-    elif isinstance(task, (ClassificationTask, PixelsTask)):
-        n = ExampleLoader(task.examples(split), size, shuffle=False, rank=ctx.rank, world_size=ctx.world_size,
-                          drop_last=False).batches_per_epoch
-    elif isinstance(task, VisionLanguageTask):  # the images, then their captions, `size` at a time
-        data, _ = task.split(split)
-        images = len(data.images) if batches <= 0 else min(len(data.images), batches * size)
-        captions = int((data.caption_image < images).sum())
-        return -(-images // size) + -(-captions // size)
-    else:
-        return None
-    return n if batches <= 0 else min(batches, n)
 
 
 class Progress:
@@ -406,7 +384,8 @@ def run(args: argparse.Namespace) -> int:
         other = ckpt.resolve_checkpoint(args.compare, "--compare")
         language_model(other, "--compare")
     data = chosen_data(args, folder)
-    if args.cache_dir is None and ckpt.read_config(folder).get("task") == "lm":
+    task = TASKS.get(ckpt.read_config(folder).get("task"))
+    if args.cache_dir is None and task is not None and "cache" in task.capabilities:  # it writes RUN/cache
         check_cache_folder(ckpt.run_dir_of(folder))
     output = chosen_output or default_output(folder, args)
     ctx = setup(args.device)

@@ -34,9 +34,8 @@ import torch
 
 from ..config import TrainConfig
 from ..layers import model_kinds, model_reach
-from ..tasks import config_class
+from ..tasks import TASKS, config_class, task_class
 from ..tasks.mqar import pairs_view
-from ..tasks.recall import RecallTask
 from . import eval_copy
 
 MAX_LAG_ROWS = 24
@@ -46,16 +45,12 @@ sequence has a thousand lags; the full table stays in the JSON)."""
 
 def report(result: dict, config: dict) -> list[str]:
     """The lines a person reads for `result` (an evaluation, `piattn eval`'s JSON) of the checkpoint whose
-    config.json is `config`."""
+    config.json is `config`: the heading, the main metrics, the tables its task declares
+    (`Task.report_sections`, drawn by `SECTIONS`), then those of --position-bins, --compare, --by-copy-distance."""
     lines = [heading(result, config), *metric_lines(result, config)]
-    if config.get("task") in ("recall", "reach"):
-        lines += ["", *lag_table(result, config)]
-    elif config.get("task") == "mqar":
-        lines += ["", *mqar_tables(result, config)]
-    elif config.get("task") == "pixels":
-        lines += ["", *pixel_tables(result, config)]
-    elif "accuracy_by_class" in result:
-        lines += ["", *class_table(result)]
+    task = TASKS.get(config.get("task"))
+    for section in task.report_sections if task is not None else ():
+        lines += ["", *SECTIONS[section](result, config)]
     return lines + comparison_lines(result)
 
 
@@ -157,18 +152,13 @@ def reachable_lags(model: dict, cfg: TrainConfig, lags: list[int]) -> tuple[dict
         return None, ("no reachability marks: the analysis has no fixed reach for "
                       f"{model.get('layers') or model['attention']} attention")
     sinks = model.get("sinks") or 0
-    task, note = cfg.task.task, ""
-    if task == "mqar":
-        needed = {d: (d - 1,) for d in lags}  # the key d back, its value d - 1 back
-        if sinks >= 2:
-            note = (f"; the {sinks} sinks also hold pairs 0–{sinks // 2 - 1} (key and value among the first "
-                    f"{sinks} positions) at any distance, not marked")
-    else:
-        reach = reach | (torch.arange(seq_len) >= seq_len - sinks)  # lag d sits at position seq_len - 1 - d
-        needed = recall_marker_lags(cfg) if task == "recall" else {lag: () for lag in lags}
+    task = task_class(cfg.task.task)
+    note = task.sinks_note(sinks)
+    if note is None:  # the query is the last position: lag d sits at position seq_len - 1 - d
+        reach, note = reach | (torch.arange(seq_len) >= seq_len - sinks), ""
+    needed = task.lags_needed(cfg, lags)  # recall: the marker too; mqar: the key d back, its value d - 1 back
     marked = {lag: bool(reach[lag]) and all(reach[m] for m in needed[lag]) for lag in lags}
-    carried = {"recall": "the value and its marker", "mqar": "the key and its value"}.get(task, "the answer")
-    return marked, (f"* reachable: the query reaches {carried} through {describe_attention(model)} "
+    return marked, (f"* reachable: the query reaches {task.reach_carries} through {describe_attention(model)} "
                     f"(piattn.analysis){note}")
 
 
@@ -227,12 +217,9 @@ def class_table(result: dict) -> list[str]:
     return lines
 
 
-def recall_marker_lags(cfg: TrainConfig) -> dict[int, tuple[int]]:
-    """{lag of the value: (lag of its marker,)}: the marker sits just before the value (marker-value) or
-    just after it (value-marker)."""
-    s = RecallTask.settings(cfg)
-    shift = -1 if s["value_first"] else 1
-    return {lag: (lag + shift,) for lag in range(s["lag_min"], s["lag_max"] + 1)}
+# The tables a task's report may hold (`Task.report_sections`), each drawn from (result, config).
+SECTIONS = {"lags": lag_table, "distances": mqar_tables, "row bands": pixel_tables,
+            "classes": lambda result, config: class_table(result)}
 
 
 def describe_attention(model: dict) -> str:

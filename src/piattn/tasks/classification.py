@@ -166,13 +166,17 @@ class ClassificationTask(Task):
         return {"nats": F.cross_entropy(logits, labels, reduction="sum").double(),
                 "correct": (logits.argmax(-1) == labels).sum(), "examples": len(labels), "tokens": inputs.numel()}
 
+    def eval_loader(self, split: str) -> ExampleLoader:
+        """The examples of `split` in order, this rank's share."""
+        return ExampleLoader(self.examples(split), self.cfg.optim.batch_size, shuffle=False, rank=self.ctx.rank,
+                             world_size=self.ctx.world_size, drop_last=False)
+
     def evaluate(self, model, split, max_batches):
         """{"accuracy", "loss" (mean nats per example), "examples", "tokens_per_second"} over `split`.
 
         Each rank scores its shard; with several ranks the split is trimmed to a multiple of world_size.
         """
-        loader = ExampleLoader(self.examples(split), self.cfg.optim.batch_size, shuffle=False, rank=self.ctx.rank,
-                               world_size=self.ctx.world_size, drop_last=False)
+        loader = self.eval_loader(split)
         sums, seconds = evaluation_sums(model, loader, max_batches, self.ctx,
                                         ("nats", "correct", "examples", "tokens"), self._score)
         return {"accuracy": sums["correct"] / sums["examples"], "loss": sums["nats"] / sums["examples"],

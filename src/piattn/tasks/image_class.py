@@ -13,7 +13,7 @@ from torch.nn import functional as F
 
 from ..config import EncoderConfig
 from ..data import raster as images
-from ..data.examples import ExampleLoader, Examples, compact
+from ..data.examples import Examples, compact
 from ..train.task import evaluation_sums, per_second
 from . import raster
 from .classification import ClassificationTask
@@ -25,6 +25,7 @@ class ImageClassTask(raster.RasterTaskTraits, ClassificationTask):
     """Classify an image read pixel by pixel (module docstring)."""
 
     name = "image-class"
+    report_sections = ("classes",)
 
     @classmethod
     def resolve_seq_len(cls, cfg):
@@ -66,8 +67,7 @@ class ImageClassTask(raster.RasterTaskTraits, ClassificationTask):
         n = self.config.num_classes
         keys = ("nats", "correct", "examples", "tokens",
                 *(f"{k}_{c}" for c in range(n) for k in ("examples", "correct")))
-        loader = ExampleLoader(self.examples(split), self.cfg.optim.batch_size, shuffle=False, rank=self.ctx.rank,
-                               world_size=self.ctx.world_size, drop_last=False)
+        loader = self.eval_loader(split)
         sums, seconds = evaluation_sums(model, loader, max_batches, self.ctx, keys, self._score)
         held = [c for c in range(n) if sums[f"examples_{c}"] > 0]
         return {"accuracy": sums["correct"] / sums["examples"], "loss": sums["nats"] / sums["examples"],

@@ -103,6 +103,7 @@ class LanguageModelTask(Task):
                           "bytes), a folder with train/ validation/ test/ text files, books:<dir>, "
                           "wikitext:<dir>, hf:<name>", "seq_len": f" {LM_SEQ_LEN}"}
     capabilities = frozenset({"cache", "sequence_parallel"})
+    by_position = True
 
     def __init__(self, cfg: TrainConfig, run_dir: Path, ctx: DistContext, tokenizer_dir: Path, config: GPTConfig):
         self.cfg, self.ctx, self.config = cfg, ctx, config
@@ -264,10 +265,15 @@ class LanguageModelTask(Task):
             torch.zeros(0, T + 1, dtype=torch.long)
         return metrics, losses, windows
 
+    def eval_loader(self, split: str) -> SequenceLoader:
+        """The windows of `split` in order, this data-parallel replica's share (the ranks of a sequence group
+        take the same ones)."""
+        return SequenceLoader(self.sequences(split), self.cfg.optim.batch_size, shuffle=False,
+                              rank=self.ctx.data_rank, world_size=self.ctx.data_size, drop_last=False)
+
     def _evaluate(self, model, split, max_batches, ranges: list[tuple[int, int]] | None):
         """(metrics, [W, len(ranges)] per-window mean loss by bin, or None without ranges)."""
-        loader = SequenceLoader(self.sequences(split), self.cfg.optim.batch_size, shuffle=False,
-                                rank=self.ctx.data_rank, world_size=self.ctx.data_size, drop_last=False)
+        loader = self.eval_loader(split)
         rows: list[torch.Tensor] = []  # this rank's [B, bins] nats sums, batch by batch
         if ranges is not None:
             T = self.cfg.data.seq_len

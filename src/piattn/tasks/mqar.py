@@ -19,7 +19,7 @@ from torch.nn import functional as F
 from ..config import GPTConfig, TrainConfig
 from ..config.flags import flag
 from ..data import mqar
-from ..data.examples import ExampleLoader, Examples, compact
+from ..data.examples import Examples, compact
 from ..models import GPT
 from ..train.task import evaluation_sums, per_second
 from .classification import ClassificationTask, SplitFlags, split_seed
@@ -101,6 +101,8 @@ class MQARTask(ClassificationTask):
     default_seq_len = 64
     flags = (SplitFlags, MQARFlags)
     flag_notes = {"seq_len": f" {default_seq_len}"}
+    report_sections = ("distances",)
+    reach_carries = "the key and its value"
     DEFAULT_PAIRS = "8"
     DEFAULT_VOCAB = 64
 
@@ -113,6 +115,19 @@ class MQARTask(ClassificationTask):
         return dict(seq_len=cfg.data.seq_len, pair_counts=parse_pairs(t.mqar_pairs or cls.DEFAULT_PAIRS),
                     key_vocab=t.mqar_keys or cls.DEFAULT_VOCAB, value_vocab=t.mqar_values or cls.DEFAULT_VOCAB,
                     distance_bins=parse_distance(t.mqar_distance or "uniform"), layout=layout, lags=lags)
+
+    @classmethod
+    def lags_needed(cls, cfg: TrainConfig, lags: list[int]) -> dict[int, tuple[int]]:
+        """{distance d: (d - 1,)}: a query d after its key reads the key, d back, and its value, d - 1 back."""
+        return {d: (d - 1,) for d in lags}
+
+    @classmethod
+    def sinks_note(cls, sinks: int) -> str:
+        """A query sits anywhere, so a sink is no lag of it: the legend names the pairs the sinks hold."""
+        if sinks < 2:
+            return ""
+        return (f"; the {sinks} sinks also hold pairs 0–{sinks // 2 - 1} (key and value among the first "
+                f"{sinks} positions) at any distance, not marked")
 
     @classmethod
     def check_config(cls, cfg):
@@ -237,8 +252,7 @@ class MQARTask(ClassificationTask):
         cells = [(n, d) for n in s["pair_counts"] for d in range(1, s["seq_len"] - 1)]
         keys = ("nats", "correct", "queries", "examples", "tokens",
                 *(f"{kind}_{n}_{d}" for n, d in cells for kind in ("queries", "correct")))
-        loader = ExampleLoader(self.examples(split), self.cfg.optim.batch_size, shuffle=False, rank=self.ctx.rank,
-                               world_size=self.ctx.world_size, drop_last=False)
+        loader = self.eval_loader(split)
         sums, seconds = evaluation_sums(model, loader, max_batches, self.ctx, keys, self._score)
         held = [(n, d, sums[f"correct_{n}_{d}"], int(sums[f"queries_{n}_{d}"])) for n, d in cells
                 if sums[f"queries_{n}_{d}"] > 0]

@@ -75,6 +75,7 @@ class PixelsTask(raster.RasterTaskTraits, Task):
     """Next-pixel modelling (module docstring): a causal GPT over START + pixels, bits/dim."""
 
     name = "pixels"
+    report_sections = ("row bands",)
 
     def __init__(self, cfg: TrainConfig, ctx: DistContext, config: GPTConfig):
         self.cfg, self.ctx, self.config = cfg, ctx, config
@@ -134,6 +135,11 @@ class PixelsTask(raster.RasterTaskTraits, Task):
         pixels = batch[0].to(self.ctx.device, non_blocking=True)
         return self.nats(model, pixels).mean(), pixels.numel()
 
+    def eval_loader(self, split: str) -> ExampleLoader:
+        """The images of `split` in order, this rank's share."""
+        return ExampleLoader(self.examples(split), self.cfg.optim.batch_size, shuffle=False, rank=self.ctx.rank,
+                             world_size=self.ctx.world_size, drop_last=False)
+
     def evaluate(self, model, split, max_batches):
         """{"loss" (nats/pixel), "bits_per_dim", "pixels", "images", "pixels_per_second", "width", "height",
         "row_bands": [{"start", "end" (rows, end exclusive), "pixels", "bits_per_dim"}], "first_row" and
@@ -149,8 +155,7 @@ class PixelsTask(raster.RasterTaskTraits, Task):
             return {"nats": nats.sum(), "images": len(nats), "first": nats[:, :w].sum(),
                     **{f"band_{i}": by_band[i] for i in range(len(bands))}}
 
-        loader = ExampleLoader(self.examples(split), self.cfg.optim.batch_size, shuffle=False, rank=self.ctx.rank,
-                               world_size=self.ctx.world_size, drop_last=False)
+        loader = self.eval_loader(split)
         keys = ("nats", "images", "first", *(f"band_{i}" for i in range(len(bands))))
         sums, seconds = evaluation_sums(model, loader, max_batches, self.ctx, keys, score)
         images = int(sums["images"])

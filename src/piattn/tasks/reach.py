@@ -37,6 +37,7 @@ class ReachTask(ClassificationTask):
     """
 
     name = "reach"
+    report_sections = ("lags",)  # its one lag, marked when reachable
     default_seq_len = 64
     flags = (SplitFlags, ReachFlags)
     flag_notes = {"seq_len": f" {default_seq_len}"}

@@ -15,7 +15,7 @@ from torch.nn import functional as F
 from ..config import GPTConfig, TrainConfig
 from ..config.flags import flag
 from ..data import recall
-from ..data.examples import ExampleLoader, Examples, compact
+from ..data.examples import Examples, compact
 from ..models import GPT
 from ..train.task import evaluation_sums, per_second
 from .classification import ClassificationTask, SplitFlags, split_seed
@@ -50,6 +50,8 @@ class RecallTask(ClassificationTask):
     default_seq_len = 64
     flags = (SplitFlags, RecallFlags)
     flag_notes = {"seq_len": f" {default_seq_len}"}
+    report_sections = ("lags",)
+    reach_carries = "the value and its marker"
     DEFAULT_SYMBOLS = 8
 
     @classmethod
@@ -61,6 +63,14 @@ class RecallTask(ClassificationTask):
         return dict(seq_len=cfg.data.seq_len, n_symbols=t.recall_symbols or cls.DEFAULT_SYMBOLS,
                     lag_min=t.lag_min if t.lag_min is not None else low,
                     lag_max=t.lag_max if t.lag_max is not None else high, value_first=value_first)
+
+    @classmethod
+    def lags_needed(cls, cfg: TrainConfig, lags: list[int]) -> dict[int, tuple[int]]:
+        """{lag of the value: (lag of its marker,)} for every lag of the task: the model finds the value by the
+        marker, which sits just before the value (marker-value) or just after it (value-marker)."""
+        s = cls.settings(cfg)
+        shift = -1 if s["value_first"] else 1
+        return {lag: (lag + shift,) for lag in range(s["lag_min"], s["lag_max"] + 1)}
 
     @classmethod
     def check_config(cls, cfg):
@@ -144,8 +154,7 @@ class RecallTask(ClassificationTask):
         lags = range(s["lag_min"], s["lag_max"] + 1)
         keys = ("nats", "correct", "examples", "tokens", *(f"{kind}_{lag}" for lag in lags
                                                            for kind in ("examples", "correct")))
-        loader = ExampleLoader(self.examples(split), self.cfg.optim.batch_size, shuffle=False, rank=self.ctx.rank,
-                               world_size=self.ctx.world_size, drop_last=False)
+        loader = self.eval_loader(split)
         sums, seconds = evaluation_sums(model, loader, max_batches, self.ctx, keys, self._score)
         held = [lag for lag in lags if sums[f"examples_{lag}"] > 0]
         return {"accuracy": sums["correct"] / sums["examples"], "loss": sums["nats"] / sums["examples"],

@@ -180,6 +180,13 @@ class VisionLanguageTask(Task):
             model.train(was_training)
         return torch.cat(images), torch.cat(captions), data.caption_image[:len(ids)]
 
+    def planned_batches(self, split: str, max_batches: int) -> int:
+        """The encoder calls of `evaluate`: the images, then their captions, --batch-size at a time."""
+        data, size = self.split(split)[0], self.cfg.optim.batch_size
+        images = len(data.images) if max_batches <= 0 else min(len(data.images), max_batches * size)
+        captions = int((data.caption_image < images).sum())
+        return -(-images // size) + -(-captions // size)
+
     def evaluate(self, model, split, max_batches):
         """{"i2t_r1", "i2t_r5", "i2t_r10", "t2i_r1", "t2i_r5", "t2i_r10", "images", "captions",
         "images_per_second"}: Recall@K (fractions) over the split's first max_batches × batch-size images

@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -490,100 +491,140 @@ class Trainer:
         r, ctx, steps = self.cfg.run, self.ctx, self.cfg.optim.steps
         if ctx.is_main:
             self._announce()
-        metrics = MetricsWriter(self.run_dir, enabled=ctx.is_main, after_step=self.step)
-        bar = progress_bar(steps, desc="train", unit="step", initial=self.step, enabled=ctx.is_main and r.progress)
-        summary: dict = {}
+        p = _Progress(metrics=MetricsWriter(self.run_dir, enabled=ctx.is_main, after_step=self.step),
+                      bar=progress_bar(steps, desc="train", unit="step", initial=self.step,
+                                       enabled=ctx.is_main and r.progress),
+                      boundary=self._boundary(), wall_base=self.wall_seconds)
         if self.resumed_from is not None and self.step >= steps:
-            summary["checkpoint"] = self.resumed_from
-        boundary = self._boundary()
-        wall_start, wall_base = time.perf_counter(), self.wall_seconds
-        # Throughput over each logging interval, the time spent evaluating and saving taken out.
-        interval_start, interval_tokens, interval_paused = time.perf_counter(), 0, 0.0
+            p.summary["checkpoint"] = self.resumed_from
         try:
             with self.interrupt:
                 if self.evaluation_owed and r.eval_every:
-                    boundary["evaluation_owed"] = True
-                    self._validate(metrics, bar, summary)
-                    boundary["evaluation_owed"] = False
+                    self._validate_owed(p)
                 while self.step < steps:
-                    logging = (self.step + 1) % r.log_every == 0 or self.step + 1 == steps
-                    with self.gates.capture(enabled=logging and ctx.is_main):
-                        loss, grad_norm, lr, tokens = self._train_step()
-                    self._unchecked.append((self.step, loss, grad_norm, lr))
-                    self.tokens_seen += tokens * ctx.world_size  # every rank takes batches of one shape
-                    interval_tokens += tokens * ctx.world_size
-                    self.wall_seconds = wall_base + time.perf_counter() - wall_start
-                    boundary = self._boundary()
-                    self._updating = False
-                    bar.update(1)
+                    loss, grad_norm, lr = self._one_step(p)
                     if self.step % r.log_every == 0 or self.step == steps:
-                        self._check_finite()  # before the record: metrics.jsonl holds finite numbers only
-                        seconds = time.perf_counter() - interval_start - interval_paused
-                        (loss_sum,) = all_reduce_sum([float(loss)], ctx)
-                        record = {"loss": loss_sum / ctx.world_size, "grad_norm": float(grad_norm), "lr": lr,
-                                  "tokens_per_second": interval_tokens / seconds,
-                                  "tokens": self.tokens_seen, "wall_seconds": self.wall_seconds,
-                                  "peak_memory_bytes": peak_memory_bytes(ctx.device), **self.gates.summary()}
-                        metrics.log(self.step, "train", record)
-                        bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_second']:,.0f}")
-                        summary["train"] = record
-                        interval_start, interval_tokens, interval_paused = time.perf_counter(), 0, 0.0
-                    paused_from = time.perf_counter()
-                    if r.eval_every and (self.step % r.eval_every == 0 or self.step == steps):
-                        self._check_finite()
-                        # Saved with the step if a second Ctrl-C cuts the evaluation short: the resumed run
-                        # evaluates first, so the record of this step is not lost.
-                        boundary["evaluation_owed"] = True
-                        self._validate(metrics, bar, summary)
-                        boundary["evaluation_owed"] = False
-                    if (r.save_every and self.step % r.save_every == 0) or self.step == steps:
-                        self._check_finite(weights=True)  # never a checkpoint of non-finite state
-                        summary["checkpoint"] = self._save(boundary, rng_of_all_ranks=True)
-                    interval_paused += time.perf_counter() - paused_from
+                        self._log_train(p, loss, grad_norm, lr)
+                    self._evaluate_and_save(p)
                     self.interrupt.check()
         except Diverged:
             raise  # checked on every rank alike; nothing of that state may be saved
         except BaseException as err:
-            try:
-                diverged = self._nonfinite(weights=True, collective=False)
-                # never with sharded weights or sequences: that forward would wait for the other ranks
-                if (diverged is None and isinstance(err, Exception) and self._batch_in_flight is not None
-                        and not self.sharded and self.cfg.run.sequence_parallel == 1):
-                    module = self._nonfinite_module(self._batch_in_flight)
-                    if module is not None:
-                        diverged = self._diverged(
-                            f"the forward pass of step {self.step + 1} gave non-finite values (first in {module}) "
-                            f"and then failed ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
-            except Exception:  # the device itself failed: the save below, if tried, reports that
-                diverged = None
-            if diverged is not None:
-                if isinstance(err, Exception):  # e.g. the gate check's error on NaN weights: say what it is
-                    raise Diverged(diverged) from err
-                if ctx.is_main:
-                    print(f"piattn train: not saved: {diverged}", file=sys.stderr)
-                raise
-            # Only rank 0 writes, from its own state: other ranks may be stuck in a collective by now.
-            if ctx.is_main and self.sharded:
-                print(f"piattn train: stopped; not saved (with --fsdp a save gathers from every rank, which "
-                      f"could hang now); the latest checkpoint is {ckpt.read_latest(self.ckpt_root)}",
-                      file=sys.stderr)
-            elif ctx.is_main and self._updating:
-                print(f"piattn train: stopped inside an optimiser update, not saved; the latest checkpoint "
-                      f"is {ckpt.read_latest(self.ckpt_root)}", file=sys.stderr)
-            elif ctx.is_main and boundary["step"] > 0:
-                try:
-                    path = self._save(boundary, rng_of_all_ranks=False)
-                    print(f"piattn train: interrupted; saved step {boundary['step']} to {path}", file=sys.stderr)
-                except Exception as save_err:  # the original error matters more than the failed save
-                    print(f"piattn train: could not save after the interruption: {save_err}", file=sys.stderr)
+            self._on_stop(err, p.boundary)
             raise
         finally:
-            bar.close()
-            metrics.close()
+            p.bar.close()
+            p.metrics.close()
             if ctx.is_main:
                 self._plot()
-        summary["step"] = self.step
-        return summary
+        p.summary["step"] = self.step
+        return p.summary
+
+    def _one_step(self, p: _Progress) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One optimiser step (the gates captured on a logging step), counted: tokens, wall time, the boundary
+        saved if the loop is left before the next, the bar; (loss, gradient norm, lr) of the step."""
+        ctx, steps = self.ctx, self.cfg.optim.steps
+        logging = (self.step + 1) % self.cfg.run.log_every == 0 or self.step + 1 == steps
+        with self.gates.capture(enabled=logging and ctx.is_main):
+            loss, grad_norm, lr, tokens = self._train_step()
+        self._unchecked.append((self.step, loss, grad_norm, lr))
+        self.tokens_seen += tokens * ctx.world_size  # every rank takes batches of one shape
+        p.interval_tokens += tokens * ctx.world_size
+        self.wall_seconds = p.wall_base + time.perf_counter() - p.wall_start
+        p.boundary = self._boundary()
+        self._updating = False
+        p.bar.update(1)
+        return loss, grad_norm, lr
+
+    def _log_train(self, p: _Progress, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float) -> None:
+        """The training record of a logging step (after the finiteness check), with the throughput of the
+        interval since the last one; the interval starts over."""
+        ctx = self.ctx
+        self._check_finite()  # before the record: metrics.jsonl holds finite numbers only
+        seconds = time.perf_counter() - p.interval_start - p.interval_paused
+        (loss_sum,) = all_reduce_sum([float(loss)], ctx)
+        record = {"loss": loss_sum / ctx.world_size, "grad_norm": float(grad_norm), "lr": lr,
+                  "tokens_per_second": p.interval_tokens / seconds,
+                  "tokens": self.tokens_seen, "wall_seconds": self.wall_seconds,
+                  "peak_memory_bytes": peak_memory_bytes(ctx.device), **self.gates.summary()}
+        p.metrics.log(self.step, "train", record)
+        p.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_second']:,.0f}")
+        p.summary["train"] = record
+        p.interval_start, p.interval_tokens, p.interval_paused = time.perf_counter(), 0, 0.0
+
+    def _evaluate_and_save(self, p: _Progress) -> None:
+        """The periodic evaluation and checkpoint of the step just done (each on its --eval-every /
+        --save-every, and both on the last step), their time taken out of the interval's throughput."""
+        r, steps = self.cfg.run, self.cfg.optim.steps
+        paused_from = time.perf_counter()
+        if r.eval_every and (self.step % r.eval_every == 0 or self.step == steps):
+            self._check_finite()
+            self._validate_owed(p)
+        if (r.save_every and self.step % r.save_every == 0) or self.step == steps:
+            self._check_finite(weights=True)  # never a checkpoint of non-finite state
+            p.summary["checkpoint"] = self._save(p.boundary, rng_of_all_ranks=True)
+        p.interval_paused += time.perf_counter() - paused_from
+
+    def _validate_owed(self, p: _Progress) -> None:
+        """`_validate`, the boundary marked as owing it meanwhile: saved with the step if a second Ctrl-C cuts
+        the evaluation short, so the resumed run evaluates first and the record of this step is not lost."""
+        p.boundary["evaluation_owed"] = True
+        self._validate(p.metrics, p.bar, p.summary)
+        p.boundary["evaluation_owed"] = False
+
+    def _on_stop(self, err: BaseException, boundary: dict) -> None:
+        """The loop was left by `err` (an error or Ctrl-C; not `Diverged`): `Diverged` instead if the state is
+        not finite (nothing saved), else rank 0 saves `boundary`, the last completed step, where that is safe
+        (or says why not). The caller raises `err` after."""
+        ctx = self.ctx
+        try:
+            diverged = self._nonfinite(weights=True, collective=False)
+            # never with sharded weights or sequences: that forward would wait for the other ranks
+            if (diverged is None and isinstance(err, Exception) and self._batch_in_flight is not None
+                    and not self.sharded and self.cfg.run.sequence_parallel == 1):
+                module = self._nonfinite_module(self._batch_in_flight)
+                if module is not None:
+                    diverged = self._diverged(
+                        f"the forward pass of step {self.step + 1} gave non-finite values (first in {module}) "
+                        f"and then failed ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})")
+        except Exception:  # the device itself failed: the save below, if tried, reports that
+            diverged = None
+        if diverged is not None:
+            if isinstance(err, Exception):  # e.g. the gate check's error on NaN weights: say what it is
+                raise Diverged(diverged) from err
+            if ctx.is_main:
+                print(f"piattn train: not saved: {diverged}", file=sys.stderr)
+            return
+        # Only rank 0 writes, from its own state: other ranks may be stuck in a collective by now.
+        if ctx.is_main and self.sharded:
+            print(f"piattn train: stopped; not saved (with --fsdp a save gathers from every rank, which "
+                  f"could hang now); the latest checkpoint is {ckpt.read_latest(self.ckpt_root)}",
+                  file=sys.stderr)
+        elif ctx.is_main and self._updating:
+            print(f"piattn train: stopped inside an optimiser update, not saved; the latest checkpoint "
+                  f"is {ckpt.read_latest(self.ckpt_root)}", file=sys.stderr)
+        elif ctx.is_main and boundary["step"] > 0:
+            try:
+                path = self._save(boundary, rng_of_all_ranks=False)
+                print(f"piattn train: interrupted; saved step {boundary['step']} to {path}", file=sys.stderr)
+            except Exception as save_err:  # the original error matters more than the failed save
+                print(f"piattn train: could not save after the interruption: {save_err}", file=sys.stderr)
+
+
+@dataclass
+class _Progress:
+    """What one call of `Trainer.run` carries from step to step."""
+
+    metrics: MetricsWriter
+    bar: tqdm
+    boundary: dict  # the state of the last completed step: what an interruption saves (`Trainer._boundary`)
+    wall_base: float  # the run's wall seconds before this call (a resumed run's), counted on from wall_start
+    wall_start: float = field(default_factory=time.perf_counter)
+    summary: dict = field(default_factory=dict)  # what `run` returns
+    # Throughput over each logging interval, the time spent evaluating and saving taken out.
+    interval_start: float = field(default_factory=time.perf_counter)
+    interval_tokens: int = 0
+    interval_paused: float = 0.0
 
 
 def train(cfg: TrainConfig, build_task: TaskFactory, on_micro_step: MicroStepHook | None = None) -> dict:

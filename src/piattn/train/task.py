@@ -51,12 +51,26 @@ class Task(ABC):
     ("sequence_parallel": its batches can be split along the sequence; "cache": it caches what it derives
     from --data under --cache-dir; "raster": its sequences are raster-scanned images whose width its model
     config records, `image_width`, so `--period width` and the other words of the width resolve).
+
+    The task declares its report too (what `piattn eval` shows, `commands.eval`, `commands.eval_report`, which
+    name no task): `report_sections`, the tables after the main metrics; `by_position`, whether it scores
+    by target position (--position-bins, --compare, --by-copy-distance); `planned_batches`, the model calls of an
+    evaluation (the progress bar's total); and for a task scored by lag, what its reachability marks need
+    (`reach_carries`, `lags_needed`, `sinks_note`).
     """
 
     name: ClassVar[str]
     flags: ClassVar[tuple[type, ...]] = ()
     flag_notes: ClassVar[Mapping[str, str]] = {}
     capabilities: ClassVar[frozenset[str]] = frozenset()
+    # The tables `piattn eval` prints after the main metrics, by the names `commands.eval_report.SECTIONS` gives
+    # them: "lags" (accuracy by lag), "distances" (MQAR: by key–query distance, then by number of pairs),
+    # "row bands" (bits/dim by row band and by the pixel above), "classes" (accuracy by class).
+    report_sections: ClassVar[tuple[str, ...]] = ()
+    # `evaluate_by_position` and `evaluate_by_target` exist: --position-bins, --compare, --by-copy-distance apply.
+    by_position: ClassVar[bool] = False
+    # A task scored by lag: what the query must reach to answer, in the legend of the reachability marks.
+    reach_carries: ClassVar[str] = "the answer"
 
     @classmethod
     @abstractmethod
@@ -94,6 +108,31 @@ class Task(ABC):
     @abstractmethod
     def save_assets(self, directory: Path) -> None:
         """Write what the model needs beside its weights (e.g. the tokenizer) into a checkpoint folder."""
+
+    def eval_loader(self, split: str) -> EvalLoader | None:
+        """The loader `evaluate` takes this rank's batches of `split` from, None for a task that has none."""
+        return None
+
+    def planned_batches(self, split: str, max_batches: int) -> int | None:
+        """How many model calls (batches) this rank's `evaluate(model, split, max_batches)` makes, for a
+        progress bar: those of `eval_loader`; None when not known (the bar then counts without a total)."""
+        loader = self.eval_loader(split)
+        if loader is None:
+            return None
+        n = loader.batches_per_epoch
+        return n if max_batches <= 0 else min(max_batches, n)
+
+    @classmethod
+    def lags_needed(cls, cfg: TrainConfig, lags: list[int]) -> dict[int, tuple[int, ...]]:
+        """A task scored by lag: {lag: the other lags the query must reach as well to answer at that lag} (the
+        reach task: none)."""
+        return {lag: () for lag in lags}
+
+    @classmethod
+    def sinks_note(cls, sinks: int) -> str | None:
+        """A task scored by lag: None when the query is a sequence's last position, so that a lag reaching one
+        of the first `sinks` positions is marked reachable; else what the legend says of the sinks instead."""
+        return None
 
 
 def evaluation_sums(model: nn.Module, loader: EvalLoader, max_batches: int, ctx: DistContext, keys: tuple[str, ...],

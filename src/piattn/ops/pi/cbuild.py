@@ -8,9 +8,9 @@ Loading a library runs its code, so what is loaded is checked first:
   a library and its hash there. The folder is opened once and checked through its descriptor, and the
   library is hashed and handed to the loader through descriptors too (`Folder`, `_pinned`): renaming the
   folder or an ancestor after the check cannot swap in another library;
-- its name is keyed by the source, the compiler, the flags, the machine and the CPU (`-march=native`
-  compiles for this CPU's model and flags), so that a cache shared between machines never hands one CPU's
-  instructions to another;
+- its name is keyed by the source (with the files it includes, so that no change to one of them finds an old
+  build), the compiler, the flags, the machine and the CPU (`-march=native` compiles for this CPU's model and
+  flags), so that a cache shared between machines never hands one CPU's instructions to another;
 - the build writes the library and its SHA-256 (a `.sha256` sidecar) each under a temporary name and
   renames them into place, so that concurrent processes never read a half-written file (a library and a
   hash of two different builds fail the check, and the reader rebuilds); a library whose bytes do not
@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import re
 import stat
 import subprocess
 import sys
@@ -211,10 +212,37 @@ def march() -> str | None:
     return value
 
 
+# `#include "name"`: a file of the source's own (looked up beside the file that names it), not a system header.
+_LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
+
+
+def includes(text: bytes) -> list[str]:
+    """The names a C source's `#include "name"` lines give, in order (`#include <...>` and `#include __FILE__`,
+    the self-include, name none)."""
+    return [name.decode() for name in _LOCAL_INCLUDE.findall(text)]
+
+
+def sources(source: Path) -> list[Path]:
+    """`source`, then the files it includes by `#include "name"` (and they in turn), each once, in the order first
+    named: everything the library is compiled from (decode_step.c includes decode_gate.h), so that a change to any
+    of them is a change of the key (`library_path`). A name that is not a file there is left to the compiler."""
+    found, pending = [source], [source]
+    while pending:
+        current = pending.pop(0)
+        for name in includes(current.read_bytes()):
+            path = current.parent / name
+            if path.is_file() and path not in found:
+                found.append(path)
+                pending.append(path)
+    return found
+
+
 def library_path(source: Path, compiler: str, flags: Sequence[str]) -> Path:
-    """Where `source` built by `compiler` with `flags` lives: `<stem>-<key>.so` in `library_folder()`."""
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), compiler.encode(), " ".join(flags).encode(),
-                                     platform.machine().encode(), cpu_identity()])).hexdigest()[:16]
+    """Where `source` built by `compiler` with `flags` lives: `<stem>-<key>.so` in `library_folder()`, the key
+    hashed from the bytes of every file it is compiled from (`sources`), the compiler, the flags and the machine."""
+    key = hashlib.sha256(b"\0".join([*(path.read_bytes() for path in sources(source)), compiler.encode(),
+                                     " ".join(flags).encode(), platform.machine().encode(),
+                                     cpu_identity()])).hexdigest()[:16]
     return library_folder() / f"{source.stem}-{key}.so"
 
 
