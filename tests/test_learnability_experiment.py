@@ -4,7 +4,6 @@ summarised (docs/results.md §7c)."""
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,18 +12,14 @@ from piattn.analysis import design_periods, reachable_lags
 from piattn.commands.train import add_arguments
 from piattn.config import TrainConfig
 from piattn.config.training import parse_period
-from utils import load_script
+from utils import load_experiment
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def lrn():
-    sys.path.insert(0, str(ROOT / "experiments"))  # the script imports its sibling runs.py
-    try:
-        return load_script(ROOT / "experiments" / "learnability.py", "learnability_experiment")
-    finally:
-        sys.path.remove(str(ROOT / "experiments"))
+    return load_experiment("learnability.py", "learnability_experiment")
 
 
 def config(argv: list[str]) -> TrainConfig:

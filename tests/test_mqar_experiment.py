@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ from piattn.commands.train import add_arguments, checked_config
 from piattn.config import TrainConfig
 from piattn.data.mqar import spans
 from piattn.tasks import MQARTask
-from utils import load_script
+from utils import load_experiment
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "experiments" / "results" / "mqar"
@@ -22,11 +21,7 @@ RESULTS = ROOT / "experiments" / "results" / "mqar"
 
 @pytest.fixture(scope="module")
 def mq():
-    sys.path.insert(0, str(ROOT / "experiments"))  # the script imports its sibling runs.py
-    try:
-        return load_script(ROOT / "experiments" / "mqar.py", "mqar_experiment")
-    finally:
-        sys.path.remove(str(ROOT / "experiments"))
+    return load_experiment("mqar.py", "mqar_experiment")
 
 
 def test_the_committed_predictions_are_unchanged(mq):

@@ -258,6 +258,17 @@ def load_script(path: Path, name: str):
     return module
 
 
+def load_experiment(script: str, name: str):
+    """experiments/`script` loaded as `name` (`load_script`), with experiments/ on the path meanwhile: the scripts
+    import their sibling runs.py."""
+    folder = Path(__file__).resolve().parents[1] / "experiments"
+    sys.path.insert(0, str(folder))
+    try:
+        return load_script(folder / script, name)
+    finally:
+        sys.path.remove(str(folder))
+
+
 def decode_rows(q, k, v, gate, settings, *, gate_head=None, backend: str = "auto"):
     """The decoding rows of q [B, H, t, D] over the block k, v (the queries' keys last) through the plan of
     `settings` (`DecodePlan.rows`): the compiled step where it takes the call, else torch ops; with

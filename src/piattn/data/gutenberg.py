@@ -23,6 +23,7 @@ from typing import BinaryIO
 
 from ..progress import progress_bar
 from ..safe_files import Folder, atomic_writer
+from .text import file_sha256
 
 MIRROR = "https://raw.githubusercontent.com/GITenberg"
 CHUNK = 1 << 16
@@ -84,14 +85,6 @@ BOOKS = (
 )
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _open_source(book: Book, mirror: str, source: Path | None, timeout: float) -> BinaryIO:
     """A readable stream of `book`'s bytes: the file in `source`, or its pinned URL on `mirror`."""
     if source is not None:
@@ -123,7 +116,7 @@ def fetch_books(folder: str | Path, *, mirror: str = MIRROR, source: str | Path 
         todo = []
         for book in BOOKS:
             if out.exists(book.file):
-                if sha256_of(Path(out.local(book.file))) != book.sha256:
+                if file_sha256(Path(out.local(book.file))).hex() != book.sha256:
                     raise ValueError(f"{Path(folder) / book.file} exists with other content than Gutenberg "
                                      f"#{book.number} at GITenberg {book.commit[:8]}; move it away and run again")
                 done["kept"].append(book.file)
@@ -159,4 +152,4 @@ def copy_note() -> str:
             "checked by SHA-256")
 
 
-__all__ = ["BOOKS", "MIRROR", "Book", "copy_note", "fetch_books", "sha256_of"]
+__all__ = ["BOOKS", "MIRROR", "Book", "copy_note", "fetch_books"]

@@ -493,7 +493,8 @@ def load_documents(source: str, split: str | None = None) -> Documents:
     return text_documents(source, split)
 
 
-def _file_sha256(path: Path) -> bytes:
+def file_sha256(path: Path) -> bytes:
+    """The SHA-256 digest of the file at `path`, read in chunks."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
@@ -550,5 +551,5 @@ def source_fingerprint(source: str, split: str | None = None) -> str:
     for file in files:
         stat = file.stat()
         add(file.relative_to(root).as_posix() if root is not None else file.name, stat.st_size, stat.st_mtime_ns)
-        digest.update(_file_sha256(file))
+        digest.update(file_sha256(file))
     return digest.hexdigest()
