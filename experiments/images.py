@@ -177,7 +177,8 @@ def train_argv(study: Study, arm: str, seed: int) -> list[str]:
             "--n-layer", str(s["n_layer"]), "--d-model", str(s["d_model"]), "--n-head", str(s["n_head"]),
             "--d-ff", str(s["d_ff"]), "--dropout", str(s["dropout"]), "--batch-size", str(s["batch_size"]),
             "--lr", str(s["lr"]), "--warmup", str(s["warmup"]), "--steps", str(s["steps"]),
-            "--eval-every", str(s["eval_every"]), "--seed", str(seed), "--device", "cpu", "--no-progress",
+            "--eval-every", str(s["eval_every"]), "--save-every", "200", "--seed", str(seed), "--device", "cpu",
+            "--no-progress",
             "--out", str(run_dir(study, arm, seed)), *study.flags, *study.arms[arm]]
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 def train_and_test(run: Path, train_argv: list[str], eval_argv: list[str] = ()) -> dict:
     """The test metrics of `run`; trains (`piattn train` + train_argv) and scores it first unless that was done.
 
-    A run counts as done once its `eval/*_test.json` exists, so an interrupted sweep resumes where it stopped.
+    A run counts as done once its `eval/*_test.json` exists, so an interrupted sweep resumes where it stopped, a
+    run cut short from its latest checkpoint.
     """
     if not list(run.glob("eval/*_test.json")):
         start = time.perf_counter()
@@ -21,7 +22,9 @@ def train_and_test(run: Path, train_argv: list[str], eval_argv: list[str] = ()) 
         # One thread per run: the scripts run several at a time, and two-thread runs sharing a few cores
         # spend their time in OpenMP's spin-waits (several times slower).
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        subprocess.run([*piattn, *train_argv], check=True, stdout=subprocess.DEVNULL, env=env)
+        # a run cut short (the script stopped) continues from its latest checkpoint, with the same flags
+        resume = ["--resume"] if (run / "checkpoints" / "latest").exists() else []
+        subprocess.run([*piattn, *train_argv, *resume], check=True, stdout=subprocess.DEVNULL, env=env)
         subprocess.run([*piattn, "eval", "--checkpoint", str(run), "--use-stored-data", "--split", "test", *eval_argv],
                        check=True,
                        stdout=subprocess.DEVNULL, env=env)
