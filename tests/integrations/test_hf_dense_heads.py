@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 
 from test_hf import randomize_gates, tiny_llama, tokens  # noqa: E402
 
-from piattn.integrations.hf import convert_to_pi, from_pretrained_pi  # noqa: E402
+from piattn.integrations.hf import PiCache, cache_nbytes, convert_to_pi, from_pretrained_pi  # noqa: E402
 
 PI = dict(window=3, period=8, sinks=1)
 
@@ -95,3 +95,72 @@ def test_dense_heads_saved_and_reloaded(tmp_path):
     ids = tokens(1, 20)
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids, use_cache=False).logits, model(ids, use_cache=False).logits)
+
+
+@pytest.mark.parametrize("dense_heads", [{0: [1], 1: [0]}, {0: [0, 1], 1: [1]}, {1: [0, 1]}])
+@pytest.mark.parametrize("sizes", [(1,), (3, 1, 2)])
+def test_picache_with_dense_heads_decodes_as_the_full_forward(dense_heads, sizes):
+    """Token by token (and in steps of mixed sizes) after a prompt, past the ring's capacity: every position's
+    logits equal the full forward's; the cache keeps every position of the dense heads, and counts them."""
+    model = _converted(dense_heads)
+    ids = tokens(2, 40)
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        cache = PiCache(model.config)
+        prompt = 6
+        out, t, i = [model(ids[:, :prompt], cache=cache).logits[:, -1:]], prompt, 0
+        while t < ids.shape[1]:
+            n = min(sizes[i % len(sizes)], ids.shape[1] - t)
+            out.append(model(ids[:, t:t + n], cache=cache).logits)
+            t, i = t + n, i + 1
+    torch.testing.assert_close(torch.cat(out, 1), full[:, prompt - 1:], rtol=1e-10, atol=1e-10)
+    D, B, T = model.config.hidden_size // model.config.num_attention_heads, 2, ids.shape[1]
+    for index, layer in enumerate(cache.layers):
+        n_dense = len(dense_heads.get(index, ()))
+        assert layer.dense_heads == tuple(dense_heads.get(index, ()))
+        if n_dense:
+            assert layer.dense_keys.shape == (B, n_dense, T, D)
+            assert layer.dense_kv.shape[3] >= T
+        else:
+            assert layer.dense_kv is None
+        dense_bytes = 0 if layer.dense_kv is None else layer.dense_kv.nbytes
+        assert cache.nbytes_by_layer[index] == layer.kv.nbytes + dense_bytes
+    assert sum(cache.nbytes_by_layer) == cache_nbytes(cache) == cache.nbytes
+
+
+def test_picache_with_dense_heads_generates_as_dynamic_cache():
+    model = _converted({0: [1]})
+    ids = tokens(2, 12)
+    kwargs = dict(max_new_tokens=20, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
+    with torch.no_grad():
+        want = model.generate(ids, **kwargs)
+        got = model.generate(ids, cache=PiCache(model.config), **kwargs)
+    assert torch.equal(got, want)
+
+
+def test_picache_refuses_another_choice_of_dense_heads():
+    cache = PiCache(_converted({0: [1]}).config)
+    model = _converted({0: [0]})
+    with pytest.raises(ValueError, match="dense key/value heads"), torch.no_grad():
+        model(tokens(1, 5), cache=cache)
+
+
+def test_left_padding_with_dense_heads_gives_each_row_what_it_gives_alone():
+    """The dense heads read no pad; with PiCache, decoding a left-padded batch gives each row its own logits."""
+    model = _converted({0: [1], 1: [0]})
+    ids = tokens(2, 24)
+    pads = 5
+    mask = torch.ones_like(ids)
+    mask[0, :pads] = 0
+    pos = (mask.cumsum(1) - 1).clamp(min=0)  # each row's text from position 0 (RoPE in fp32 is not shift-exact)
+    with torch.no_grad():
+        alone = model(ids[:1, pads:], use_cache=False).logits
+        batch = model(ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+        torch.testing.assert_close(batch[:1, pads:], alone, rtol=1e-10, atol=1e-10)
+        cache, prompt = PiCache(model.config), 10
+        steps = [model(ids[:, :prompt], attention_mask=mask[:, :prompt], position_ids=pos[:, :prompt],
+                       cache=cache).logits[:, -1:]]
+        for t in range(prompt, ids.shape[1]):
+            steps.append(model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], position_ids=pos[:, t:t + 1],
+                               cache=cache).logits)
+    torch.testing.assert_close(torch.cat(steps, 1)[:1], alone[:, prompt - pads - 1:], rtol=1e-10, atol=1e-10)
