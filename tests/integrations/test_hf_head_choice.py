@@ -18,6 +18,7 @@ from piattn.integrations.hf import (  # noqa: E402
     convert_to_pi,
     copy_probe,
     copy_scores,
+    duo_attention_scores,
     retrieval_head_scores,
     top_dense_heads,
 )
@@ -106,3 +107,43 @@ def test_chosen_heads_convert():
     with torch.no_grad():
         torch.testing.assert_close(converted(ids, use_cache=False).logits, original(ids, use_cache=False).logits,
                                    rtol=1e-12, atol=1e-12)
+
+
+def _mixed_logits(model, ids, gates):
+    modules = [layer.self_attn for layer in model.model.layers]
+    for m, g in zip(modules, gates, strict=True):
+        m._pi_dense_mix = g
+    try:
+        with torch.no_grad():
+            return model(ids, use_cache=False).logits
+    finally:
+        for m in modules:
+            m._pi_dense_mix = None
+
+
+def test_duo_mix_is_the_pure_paths_at_zero_and_one():
+    original = tiny_llama(attn_implementation="sdpa").double()
+    model = convert_to_pi(tiny_llama().double(), window=3, period=8, sinks=1)
+    ids = copy_probe(2, 12, (0, 100), 0)
+    with torch.no_grad():
+        converted = model(ids, use_cache=False).logits
+        dense = original(ids, use_cache=False).logits
+    ones, zeros = torch.ones(2, 2, dtype=torch.float64), torch.zeros(2, 2, dtype=torch.float64)
+    torch.testing.assert_close(_mixed_logits(model, ids, ones), dense, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(_mixed_logits(model, ids, zeros), converted, rtol=1e-12, atol=1e-12)
+
+
+def test_duo_attention_scores_are_reproducible_and_pushed_toward_streaming():
+    model = convert_to_pi(tiny_llama(), window=3, period=8, sinks=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    kwargs = dict(steps=6, length=12, batch=2, lr=0.05)
+    a = duo_attention_scores(model, seed=1, **kwargs)
+    b = duo_attention_scores(model, seed=1, **kwargs)
+    assert a.shape == (2, 2) and torch.equal(a, b)
+    assert bool(((a >= 0) & (a <= 1)).all())
+    pushed = duo_attention_scores(model, seed=1, l1=10.0, **kwargs)
+    assert float(pushed.mean()) < float(a.mean())
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # the model is left as it was
+    assert all(p.requires_grad for p in model.parameters())
+    chosen = top_dense_heads(a, 0.5)
+    assert sum(map(len, chosen.values())) == 2 and chosen == top_dense_heads(b, 0.5)

@@ -214,6 +214,9 @@ def pi_attention_forward(
     operator, which runs on all heads (its outputs of the dense heads are dropped; not at all when every head
     is dense).
     """
+    mix = getattr(module, "_pi_dense_mix", None)
+    if mix is not None:
+        return _mixed_forward(module, mix, query, key, value, attention_mask, scaling, dropout, **kwargs)
     dense = dense_kv_heads(module.config, getattr(module, "layer_idx", None))
     if not dense:
         return _pi_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
@@ -241,6 +244,24 @@ def pi_attention_forward(
         return y_dense.transpose(1, 2), None
     y, _ = _pi_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     return y.index_copy(2, heads, y_dense.transpose(1, 2).to(y.dtype)), None
+
+
+def _mixed_forward(module: nn.Module, mix: torch.Tensor, query, key, value, attention_mask, scaling, dropout,
+                   **kwargs) -> tuple[torch.Tensor, None]:
+    """DuoAttention's mix (`duo_attention_scores`, which sets `module._pi_dense_mix` while it trains): each query
+    head's output is m · dense + (1 − m) · π, with m = mix [Hkv] of its key/value head. Every position in
+    key/value (no PiCache)."""
+    if getattr(module, "_pi_cache_layer", None) is not None:
+        raise ValueError("mixing dense and pi_attention heads reads every position: run it without PiCache")
+    Tq, group = query.shape[2], query.shape[1] // key.shape[1]
+    p0 = _first_query_position(attention_mask, None, kwargs.get("position_ids"), key.shape[2], Tq)
+    if key.shape[2] != p0 + Tq:
+        raise ValueError(f"mixing dense heads reads every position, but the cache gave {key.shape[2]} keys for "
+                         f"queries at {p0} … {p0 + Tq - 1}")
+    y_dense = _dense_attention(query, key, value, attention_mask, p0, scaling, dropout).transpose(1, 2)
+    y_pi, _ = _pi_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    m = mix.repeat_interleave(group).to(y_pi.dtype)[:, None]  # [H, 1]
+    return m * y_dense + (1 - m) * y_pi, None
 
 
 def _dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, p0: int,

@@ -89,3 +89,59 @@ def top_dense_heads(scores: torch.Tensor, fraction: float) -> dict[int, list[int
     for layer, head in order[:k]:
         chosen.setdefault(layer, []).append(head)
     return {layer: sorted(heads) for layer, heads in sorted(chosen.items())}
+
+
+def duo_attention_scores(model: PreTrainedModel, *, steps: int = 100, lr: float = 0.02, l1: float = 0.05,
+                         length: int = 32, batch: int = 4, seed: int = 0, vocab: tuple[int, int] | None = None,
+                         ) -> torch.Tensor:
+    """DuoAttention's choice of dense heads, for a model converted with `convert_to_pi` (none dense): one scalar
+    m ∈ [0, 1] per key/value head of each layer, whose query heads output m · dense + (1 − m) · converted,
+    trained with the model frozen on copy probes (`copy_probe`, fresh rows each step from `seed`) to keep the
+    last hidden states of the probes' second copies at those of the all-dense model (= the original), plus
+    `l1` · mean(m) pushing heads toward streaming. Adam from m = 1, clipped to [0, 1] after each step. Returns
+    the gates [L, Hkv] (higher: the head needs dense attention), for `top_dense_heads`; the same model and
+    seed give the same gates. The model's parameters, their requires_grad and its mode are restored."""
+    config = model.config
+    if getattr(config, "pi_attention", None) is None:
+        raise ValueError("duo_attention_scores needs a model converted with convert_to_pi")
+    if any(getattr(config, "pi_dense_heads", None) or ()):
+        raise ValueError("duo_attention_scores needs a conversion without dense_heads (it mixes every head)")
+    if steps < 1 or lr <= 0 or l1 < 0:
+        raise ValueError(f"need steps >= 1, lr > 0, l1 >= 0; got steps={steps}, lr={lr}, l1={l1}")
+    modules = {m.layer_idx: m for m in model.modules() if hasattr(m, "_pi_cache_layer") and hasattr(m, "layer_idx")}
+    n_layer = config.num_hidden_layers
+    n_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if sorted(modules) != list(range(n_layer)):
+        raise ValueError("found no converted attention module per layer (convert the model with convert_to_pi)")
+    device = next(model.parameters()).device
+    vocab = (0, config.vocab_size) if vocab is None else vocab
+    gates = torch.ones(n_layer, n_kv, device=device, requires_grad=True)
+    optimizer = torch.optim.Adam([gates], lr=lr)
+    frozen = [(p, p.requires_grad) for p in model.parameters()]
+    was_training = model.training
+    model.eval()
+    try:
+        for p, _ in frozen:
+            p.requires_grad_(False)
+        for step in range(steps):
+            ids = copy_probe(batch, length, vocab, seed * 1_000_003 + step).to(device)
+            with torch.no_grad():
+                for m in modules.values():
+                    m._pi_dense_mix = torch.ones(n_kv, device=device)
+                want = model(ids, output_hidden_states=True, use_cache=False).hidden_states[-1][:, length:]
+            for i, m in modules.items():
+                m._pi_dense_mix = gates[i]
+            got = model(ids, output_hidden_states=True, use_cache=False).hidden_states[-1][:, length:]
+            loss = (got - want).pow(2).mean() + l1 * gates.mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            with torch.no_grad():
+                gates.clamp_(0.0, 1.0)
+    finally:
+        for m in modules.values():
+            m._pi_dense_mix = None
+        for p, requires_grad in frozen:
+            p.requires_grad_(requires_grad)
+        model.train(was_training)
+    return gates.detach().clone()
