@@ -54,8 +54,10 @@ from ._requirement import MIN_TRANSFORMERS, check_transformers
 from .attention import ATTENTION_NAME, HFPiSettings, pi_attention_forward, pi_attention_mask, register
 from .cache import PiCache, PiCacheLayer, cache_nbytes
 from .convert import convert_to_pi, from_pretrained_pi
+from .heads import copy_probe, copy_scores, duo_attention_scores, retrieval_head_scores, top_dense_heads
 from .pretrained import find_gguf, load_gguf_model
 
 __all__ = ["ATTENTION_NAME", "MIN_TRANSFORMERS", "HFPiSettings", "PiCache", "PiCacheLayer", "cache_nbytes",
-           "check_transformers", "convert_to_pi", "find_gguf", "from_pretrained_pi", "load_gguf_model",
-           "pi_attention_forward", "pi_attention_mask", "register"]
+           "check_transformers", "convert_to_pi", "copy_probe", "copy_scores", "duo_attention_scores", "find_gguf",
+           "from_pretrained_pi", "load_gguf_model", "pi_attention_forward", "pi_attention_mask", "register",
+           "retrieval_head_scores", "top_dense_heads"]

@@ -186,6 +186,15 @@ def _thawed(x):
     return [_thawed(v) for v in x] if isinstance(x, tuple) else x
 
 
+def dense_kv_heads(config, layer: int | None) -> tuple[int, ...]:
+    """The key/value heads that `layer` keeps dense (`convert_to_pi(dense_heads=...)`, stored in
+    `config.pi_dense_heads` as one sorted list per layer), in order; () for none (or no such setting)."""
+    stored = getattr(config, "pi_dense_heads", None)
+    if not stored or layer is None:
+        return ()
+    return tuple(stored[layer])
+
+
 def pi_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -197,6 +206,95 @@ def pi_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """HF attention function: query [B, H, Tq, D], key/value [B, Hkv, Tk, D] -> ([B, Tq, H, D], None).
+
+    π-Attention (`_pi_forward`) on every head, except in a layer with dense key/value heads
+    (`dense_kv_heads`): there each dense key/value head and all its query heads (its grouped-query group)
+    run dense causal attention over every position so far (`_dense_attention`; the keys come from key/value,
+    or from a `PiCache` layer's full cache of its dense heads), and their outputs replace those of the π
+    operator, which runs on all heads (its outputs of the dense heads are dropped; not at all when every head
+    is dense).
+    """
+    mix = getattr(module, "_pi_dense_mix", None)
+    if mix is not None:
+        return _mixed_forward(module, mix, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    dense = dense_kv_heads(module.config, getattr(module, "layer_idx", None))
+    if not dense:
+        return _pi_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    B, H, Tq, D = query.shape
+    Hkv = key.shape[1]
+    group = H // Hkv
+    cache_layer = getattr(module, "_pi_cache_layer", None)
+    if cache_layer is not None and getattr(cache_layer, "dense_heads", ()):
+        if tuple(cache_layer.dense_heads) != dense:
+            raise ValueError(f"the PiCache layer keeps key/value heads {cache_layer.dense_heads} dense but the "
+                             f"model's layer has {dense}: make it with PiCache(model.config)")
+        dense_k, dense_v = cache_layer.dense_keys, cache_layer.dense_values
+    else:
+        index = torch.tensor(dense, device=key.device)
+        dense_k, dense_v = key.index_select(1, index), value.index_select(1, index)
+    p0 = _first_query_position(attention_mask, cache_layer, kwargs.get("position_ids"), dense_k.shape[2], Tq)
+    if dense_k.shape[2] != p0 + Tq:
+        raise ValueError(f"dense heads read every position, but the cache gave {dense_k.shape[2]} keys for queries "
+                         f"at {p0} … {p0 + Tq - 1}: use PiCache or DynamicCache")
+    heads = torch.tensor([h * group + j for h in dense for j in range(group)], device=query.device)
+    y_dense = _dense_attention(query.index_select(1, heads), dense_k, dense_v, attention_mask, p0, scaling, dropout)
+    if len(dense) == Hkv:
+        for name in ("_pi_cache_layer", "_pi_gate_input"):  # what the π path would have read, and forgotten
+            _forget(module, name)
+        return y_dense.transpose(1, 2), None
+    y, _ = _pi_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    return y.index_copy(2, heads, y_dense.transpose(1, 2).to(y.dtype)), None
+
+
+def _mixed_forward(module: nn.Module, mix: torch.Tensor, query, key, value, attention_mask, scaling, dropout,
+                   **kwargs) -> tuple[torch.Tensor, None]:
+    """DuoAttention's mix (`duo_attention_scores`, which sets `module._pi_dense_mix` while it trains): each query
+    head's output is m · dense + (1 − m) · π, with m = mix [Hkv] of its key/value head. Every position in
+    key/value (no PiCache)."""
+    if getattr(module, "_pi_cache_layer", None) is not None:
+        raise ValueError("mixing dense and pi_attention heads reads every position: run it without PiCache")
+    Tq, group = query.shape[2], query.shape[1] // key.shape[1]
+    p0 = _first_query_position(attention_mask, None, kwargs.get("position_ids"), key.shape[2], Tq)
+    if key.shape[2] != p0 + Tq:
+        raise ValueError(f"mixing dense heads reads every position, but the cache gave {key.shape[2]} keys for "
+                         f"queries at {p0} … {p0 + Tq - 1}")
+    y_dense = _dense_attention(query, key, value, attention_mask, p0, scaling, dropout).transpose(1, 2)
+    y_pi, _ = _pi_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    m = mix.repeat_interleave(group).to(y_pi.dtype)[:, None]  # [H, 1]
+    return m * y_dense + (1 - m) * y_pi, None
+
+
+def _dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, p0: int,
+                     scaling: float | None, dropout: float) -> torch.Tensor:
+    """Causal attention of queries at p0 … p0 + Tq − 1 [B, Hq, Tq, D] over keys/values at 0 … p0 + Tq − 1
+    [B, Hkv, Tk, D] (Hq a multiple of Hkv: query head h reads key/value head h // (Hq / Hkv)) -> [B, Hq, Tq, D].
+
+    `attention_mask`: None, or the 2D padding mask [B, Tk] (`pi_attention_mask`): pads are not read; a pad's
+    own row reads itself only (its output is never used, and a row with nothing to read would be NaN)."""
+    Hq, Tq, Tk = query.shape[1], query.shape[2], key.shape[2]
+    group = Hq // key.shape[1]
+    if group > 1:
+        key, value = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1)
+    i = torch.arange(p0, p0 + Tq, device=query.device)[:, None]
+    j = torch.arange(Tk, device=query.device)[None, :]
+    allowed = j <= i
+    if attention_mask is not None:
+        allowed = allowed & (attention_mask[:, None, None, :Tk].bool() | (j == i))
+    return nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=allowed, dropout_p=dropout,
+                                                      scale=scaling)
+
+
+def _pi_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """π-Attention on every head: query [B, H, Tq, D], key/value [B, Hkv, Tk, D] -> ([B, Tq, H, D], None).
 
     Tk > Tq when a cache supplied Tk − Tq earlier keys: those of the positions just before the queries; but
     after a PiCache layer's one-token update (its `stored_in_ring`), key/value are that layer's ring [B, Hkv,

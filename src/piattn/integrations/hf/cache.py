@@ -7,7 +7,7 @@ import torch
 from transformers import Cache
 from transformers.cache_utils import DynamicLayer
 
-from .attention import HFPiSettings
+from .attention import HFPiSettings, dense_kv_heads
 
 
 class PiCacheLayer(DynamicLayer):
@@ -37,13 +37,21 @@ class PiCacheLayer(DynamicLayer):
       new ones [B, Hkv, n + t, D] (n = min(seen, capacity); one copy, none for the first update), as a
       DynamicLayer does, and writes the last min(t, capacity) of them into the ring; `stored_in_ring` False.
       The queries of a few-token step may read positions that writing them overwrites, hence the block.
+
+    Dense heads (`dense_heads`, the layer's key/value heads that `convert_to_pi(dense_heads=...)` kept dense):
+    besides the ring, every position of those heads in `dense_kv` [2, B, len(dense_heads), size, D], grown by
+    doubling; `dense_keys`, `dense_values` [B, len(dense_heads), seen, D] are its views of the positions seen,
+    which the attention function reads for those heads. The ring keeps all heads (the π operator runs on all
+    of them), so a dense head costs its ring slots twice: capacity positions beside the seen ones.
     """
 
     is_sliding = True
     is_croppable = False  # dropped positions cannot come back
 
-    def __init__(self, capacity: int, sinks: int = 0):
+    def __init__(self, capacity: int, sinks: int = 0, dense_heads: tuple[int, ...] = ()):
         super().__init__()
+        self.dense_heads = tuple(dense_heads)
+        self.dense_kv: torch.Tensor | None = None
         self.capacity = capacity
         self.sinks = sinks
         self.cumulative_length = 0  # positions seen; the name lets CacheLayerMixin.reset zero it
@@ -80,6 +88,8 @@ class PiCacheLayer(DynamicLayer):
                                  f"like the positions this cache holds, got {tuple(new)}: a cache serves one batch of "
                                  "one model")
         seen, t = self.cumulative_length, key_states.shape[-2]
+        if self.dense_heads:
+            self._keep_dense(key_states, value_states, seen)
         if self.sinks and (self.text_start is not None or seen < self.sinks):
             self._keep_sinks(key_states, value_states)  # else no sink position can be among the new ones
         self._reserve(seen + t)
@@ -103,6 +113,36 @@ class PiCacheLayer(DynamicLayer):
         self.cumulative_length = seen + t
         self.stored_in_ring = False
         return keys, values
+
+    def _keep_dense(self, k: torch.Tensor, v: torch.Tensor, seen: int) -> None:
+        """Append the dense heads of k, v [B, Hkv, t, D] (positions seen … seen + t − 1) to `dense_kv`, doubling
+        its length when full."""
+        index = torch.tensor(self.dense_heads, device=k.device)
+        k, v = k.index_select(1, index), v.index_select(1, index)
+        B, Hd, t, D = k.shape
+        size = 0 if self.dense_kv is None else self.dense_kv.shape[3]
+        if seen + t > size:
+            kv = k.new_zeros(2, B, Hd, max(seen + t, 2 * size), D)
+            if self.dense_kv is not None:
+                kv[:, :, :, :seen] = self.dense_kv[:, :, :, :seen]
+            self.dense_kv = kv
+        self.dense_kv[0, :, :, seen:seen + t] = k
+        self.dense_kv[1, :, :, seen:seen + t] = v
+
+    @property
+    def dense_keys(self) -> torch.Tensor | None:
+        """Keys [B, len(dense_heads), seen, D] of the dense heads at every position seen (None: none stored)."""
+        return None if self.dense_kv is None else self.dense_kv[0, :, :, :self.cumulative_length]
+
+    @property
+    def dense_values(self) -> torch.Tensor | None:
+        """Values [B, len(dense_heads), seen, D] of the dense heads at every position seen."""
+        return None if self.dense_kv is None else self.dense_kv[1, :, :, :self.cumulative_length]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this layer holds now: its ring and sinks, and its dense heads' storage."""
+        return sum(t.nbytes for t in (self.kv, self.dense_kv) if t is not None)
 
     def _reserve(self, seen: int) -> None:
         """Grow the ring (doubling, at most to `capacity`) until it has a slot for each of the last
@@ -170,7 +210,7 @@ class PiCacheLayer(DynamicLayer):
 
     def reset(self) -> None:
         super().reset()
-        self.text_start = self.kv = self.sink_keys = self.sink_values = None
+        self.text_start = self.kv = self.sink_keys = self.sink_values = self.dense_kv = None
         self.stored_in_ring = False
 
     # The batch-row operations act on the one storage (keys, values and sinks are its views), and on the text
@@ -188,16 +228,22 @@ class PiCacheLayer(DynamicLayer):
         """Apply a batch-row selection pick(tensor, batch dim) to the storage and the text starts."""
         if self.kv is not None:
             self._store(pick(self.kv, 1))
+        if self.dense_kv is not None:
+            self.dense_kv = pick(self.dense_kv, 1)
         if self.text_start is not None:
             self.text_start = pick(self.text_start, 0)
 
     def offload(self) -> None:
         if self.is_initialized:
             self._store(self.kv.to("cpu", non_blocking=True))
+            if self.dense_kv is not None:
+                self.dense_kv = self.dense_kv.to("cpu", non_blocking=True)
 
     def prefetch(self) -> None:
         if self.is_initialized and self.kv.device != self.device:
             self._store(self.kv.to(self.device, non_blocking=True))
+            if self.dense_kv is not None:
+                self.dense_kv = self.dense_kv.to(self.device, non_blocking=True)
 
 
 class PiCache(Cache):
@@ -205,12 +251,17 @@ class PiCache(Cache):
     largest period, with per-head or per-layer periods) and the `sinks` first positions of each row's text,
     whatever the length.
 
+    A layer with dense key/value heads (`convert_to_pi(dense_heads=...)`) also keeps every position of those
+    heads (`PiCacheLayer`), so its memory grows with the text; `nbytes_by_layer` says what each layer holds.
+
     Pass it to `model.generate(..., cache=PiCache(model.config))` or to a forward call.
     """
 
     def __init__(self, config):
         capacities, sinks = _needs(config)
-        super().__init__(layers=[PiCacheLayer(capacity, sinks) for capacity in capacities])
+        self.dense_heads = _dense(config)
+        super().__init__(layers=[PiCacheLayer(capacity, sinks, dense)
+                                 for capacity, dense in zip(capacities, self.dense_heads, strict=True)])
         # What it was made for: (layers, ring capacity per layer, sinks).
         self.made_for = (config.num_hidden_layers, capacities, sinks)
         self._accepted = None  # the settings that `check` last accepted
@@ -234,11 +285,24 @@ class PiCache(Cache):
             raise ValueError(f"cache was made for {layers} layers, rings of {_sizes(made)} positions and {made_sinks} "
                              f"sinks, but this model has {config.num_hidden_layers} layers and needs "
                              f"{_sizes(capacities)} positions and {sinks} sinks: make it with PiCache(model.config)")
+        if _dense(config) != self.dense_heads:
+            raise ValueError(f"cache was made for dense key/value heads {self.dense_heads} per layer, but this model "
+                             f"has {_dense(config)}: make it with PiCache(model.config)")
         self._accepted = settings
 
     @property
     def nbytes(self) -> int:
         return cache_nbytes(self)
+
+    @property
+    def nbytes_by_layer(self) -> list[int]:
+        """Bytes each layer holds now (ring, sinks and dense heads); they sum to `nbytes`."""
+        return [layer.nbytes for layer in self.layers]
+
+
+def _dense(config) -> tuple[tuple[int, ...], ...]:
+    """The dense key/value heads of each layer of a converted model's config (`dense_kv_heads`)."""
+    return tuple(dense_kv_heads(config, i) for i in range(config.num_hidden_layers))
 
 
 def _needs(config) -> tuple[tuple[int, ...], int]:
@@ -253,7 +317,8 @@ def _sizes(capacities: tuple[int, ...]) -> str:
 
 
 def cache_nbytes(cache: Cache) -> int:
-    """Bytes of the keys and values a transformers `Cache` holds now (any cache type, PiCache's sinks included)."""
-    held = [(layer.keys, layer.values, getattr(layer, "sink_keys", None), getattr(layer, "sink_values", None))
-            for layer in cache.layers]
+    """Bytes of the keys and values a transformers `Cache` holds now (any cache type, PiCache's sinks and dense
+    heads included)."""
+    held = [(layer.keys, layer.values, getattr(layer, "sink_keys", None), getattr(layer, "sink_values", None),
+             getattr(layer, "dense_kv", None)) for layer in cache.layers]
     return sum(t.nbytes for tensors in held for t in tensors if t is not None)

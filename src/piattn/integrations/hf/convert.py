@@ -6,7 +6,7 @@ import json
 import logging
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from safetensors import safe_open
@@ -35,6 +35,7 @@ def convert_to_pi(
     sinks: int = PI_DEFAULTS.sinks,
     backend: str = HFPiSettings.backend,
     gate_init_alpha: float = 0.98,
+    dense_heads: Mapping[int, Iterable[int]] | None = None,
 ) -> PreTrainedModel:
     """Switch a Llama-style causal LM to π-Attention, in place; returns the model.
 
@@ -55,6 +56,12 @@ def convert_to_pi(
     resolved by `piattn.config.model.resolve_periods` and stored resolved; `PiCache` then holds each layer's
     max(window, its largest period) + 1 positions.
 
+    `dense_heads`: {layer index: key/value head indices} kept dense (causal attention over every position, as
+    in the original model); the rest of the heads are converted. Under grouped-query attention a dense key/value
+    head carries all its query heads. Stored in `config.pi_dense_heads` (one sorted list per layer; absent
+    when no head is dense, so that None or {} converts exactly as without it). Choose them by hand, or by
+    `retrieval_head_scores` and `top_dense_heads`.
+
     The other arguments are those of `piattn.pi_attention`; they are stored in `config.pi_attention`.
     Every argument is checked before the model is touched: a ValueError leaves it as it was.
     """
@@ -64,8 +71,35 @@ def convert_to_pi(
         raise ValueError(f"gate_init_alpha must lie in (0, 1), got {gate_init_alpha!r}")
     if any(hasattr(m, "pi_gate") for m in model.modules()):
         raise ValueError("model is already converted to pi_attention (its attention modules have pi_gate)")
+    dense = dense_head_lists(model.config, dense_heads)
     _attach(model, settings, gate_init_alpha)
+    if any(dense):
+        model.config.pi_dense_heads = dense
     return model
+
+
+def dense_head_lists(config, dense_heads: Mapping[int, Iterable[int]] | None) -> list[list[int]]:
+    """`dense_heads` ({layer: key/value heads}) checked against `config` (ValueError naming the argument: a layer
+    or head out of range, a head twice) as one sorted list of key/value heads per layer."""
+    n_layer = config.num_hidden_layers
+    n_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    lists: list[list[int]] = [[] for _ in range(n_layer)]
+    if dense_heads is None:
+        return lists
+    if not isinstance(dense_heads, Mapping):
+        raise ValueError(f"dense_heads must map layer index -> key/value head indices, got {dense_heads!r}")
+    for layer, heads in dense_heads.items():
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layer:
+            raise ValueError(f"dense_heads: layer {layer!r} is not a layer index in 0 … {n_layer - 1}")
+        heads = list(heads)
+        for h in heads:
+            if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < n_kv:
+                raise ValueError(f"dense_heads: layer {layer} head {h!r} is not a key/value head index in "
+                                 f"0 … {n_kv - 1}")
+        if len(set(heads)) != len(heads):
+            raise ValueError(f"dense_heads: layer {layer} lists a head twice: {heads}")
+        lists[layer] = sorted(heads)
+    return lists
 
 
 def from_pretrained_pi(path: str | os.PathLike, *, model_class=AutoModelForCausalLM, **kwargs) -> PreTrainedModel:
