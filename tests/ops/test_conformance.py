@@ -41,6 +41,8 @@ pytestmark = [
     # computed, then discarded.
     pytest.mark.filterwarnings("ignore::RuntimeWarning"),
     pytest.mark.filterwarnings("ignore:.*torch.jit.script_method.*:DeprecationWarning"),
+    # flex says once that it runs uncompiled on a CPU (tests/ops/test_flex.py checks that it says so)
+    pytest.mark.filterwarnings("ignore:backend 'flex' runs FlexAttention uncompiled on CPU:UserWarning"),
 ]
 
 UNDER_TEST = tuple(name for name in REGISTRY if name != "reference")
