@@ -85,7 +85,8 @@ def test_every_readme_line_runs_in_a_bare_clone(tmp_path):
         done = subprocess.run(words, cwd=clone, env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, f"{command}\n-> {shlex.join(words)}\n{done.stderr[-3000:]}"
         ran.append(command)
-    print(f"{len(ran)} README lines ran, {len(skipped)} skipped:")
+    size = sum(f.stat().st_size for f in clone.rglob("*") if f.is_file() and not f.is_symlink())
+    print(f"{len(ran)} README lines ran, {len(skipped)} skipped; the clone and what they wrote: {size / 2**20:.0f} MiB")
     for command, reason in skipped:
         print(f"  skipped ({reason}): {command[:100]}")
     assert len(ran) >= 15
