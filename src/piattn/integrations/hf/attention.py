@@ -232,10 +232,8 @@ def pi_attention_forward(
     else:
         index = torch.tensor(dense, device=key.device)
         dense_k, dense_v = key.index_select(1, index), value.index_select(1, index)
-    p0 = _first_query_position(attention_mask, cache_layer, kwargs.get("position_ids"), dense_k.shape[2], Tq)
-    if dense_k.shape[2] != p0 + Tq:
-        raise ValueError(f"dense heads read every position, but the cache gave {dense_k.shape[2]} keys for queries "
-                         f"at {p0} … {p0 + Tq - 1}: use PiCache or DynamicCache")
+    p0 = _every_position_read(attention_mask, cache_layer, kwargs.get("position_ids"), dense_k.shape[2], Tq,
+                              "dense heads read", ": use PiCache or DynamicCache")
     heads = torch.tensor([h * group + j for h in dense for j in range(group)], device=query.device)
     y_dense = _dense_attention(query.index_select(1, heads), dense_k, dense_v, attention_mask, p0, scaling, dropout)
     if len(dense) == Hkv:
@@ -254,10 +252,8 @@ def _mixed_forward(module: nn.Module, mix: torch.Tensor, query, key, value, atte
     if getattr(module, "_pi_cache_layer", None) is not None:
         raise ValueError("mixing dense and pi_attention heads reads every position: run it without PiCache")
     Tq, group = query.shape[2], query.shape[1] // key.shape[1]
-    p0 = _first_query_position(attention_mask, None, kwargs.get("position_ids"), key.shape[2], Tq)
-    if key.shape[2] != p0 + Tq:
-        raise ValueError(f"mixing dense heads reads every position, but the cache gave {key.shape[2]} keys for "
-                         f"queries at {p0} … {p0 + Tq - 1}")
+    p0 = _every_position_read(attention_mask, None, kwargs.get("position_ids"), key.shape[2], Tq,
+                              "mixing dense heads reads")
     y_dense = _dense_attention(query, key, value, attention_mask, p0, scaling, dropout).transpose(1, 2)
     y_pi, _ = _pi_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     m = mix.repeat_interleave(group).to(y_pi.dtype)[:, None]  # [H, 1]
@@ -399,6 +395,17 @@ def register(name: str = ATTENTION_NAME) -> None:
 def _no_padding(B: int, P: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(start, end) [B] of rows that are all text."""
     return torch.zeros(B, dtype=torch.long, device=device), torch.full((B,), P, dtype=torch.long, device=device)
+
+
+def _every_position_read(attention_mask, cache_layer, position_ids, Tk: int, Tq: int, reader: str,
+                         advice: str = "") -> int:
+    """`_first_query_position`, for attention that reads every position so far: ValueError (`reader` says who
+    reads, `advice` what to do) unless the Tk keys are exactly the positions up to the last query."""
+    p0 = _first_query_position(attention_mask, cache_layer, position_ids, Tk, Tq)
+    if Tk != p0 + Tq:
+        raise ValueError(f"{reader} every position, but the cache gave {Tk} keys for queries at {p0} … "
+                         f"{p0 + Tq - 1}{advice}")
+    return p0
 
 
 def _first_query_position(attention_mask, cache_layer, position_ids, Tk: int, Tq: int) -> int:
