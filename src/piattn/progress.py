@@ -14,9 +14,9 @@ from tqdm import tqdm
 
 
 def progress_bar(total: int | None, *, desc: str, unit: str, initial: int = 0, enabled: bool = True,
-                 file=None, iterable=None) -> tqdm:
+                 file=None, iterable=None, unit_scale: bool = False) -> tqdm:
     """A bar counting `unit`s up to `total` (None: a count without a bar), labelled `desc`; drawn on `file`
     (default stderr) where `enabled`, at most ten redraws a second. With `iterable`, iterating the bar
-    iterates it and counts each item."""
+    iterates it and counts each item. `unit_scale`: counts shown with SI prefixes (15.7MB for bytes)."""
     return tqdm(iterable, total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True, mininterval=0.1,
-                disable=not enabled, file=sys.stderr if file is None else file)
+                disable=not enabled, file=sys.stderr if file is None else file, unit_scale=unit_scale)

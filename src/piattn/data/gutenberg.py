@@ -122,8 +122,8 @@ def fetch_books(folder: str | Path, *, mirror: str = MIRROR, source: str | Path 
                 done["kept"].append(book.file)
             else:
                 todo.append(book)
-        with progress_bar(sum(b.size for b in todo), desc="books", unit="B", enabled=progress and bool(todo)) as bar:
-            bar.unit_scale = True
+        with progress_bar(sum(b.size for b in todo), desc="books", unit="B", enabled=progress and bool(todo),
+                          unit_scale=True) as bar:
             for book in todo:
                 _fetch_one(book, out, mirror, source, timeout, bar)
                 done["fetched"].append(book.file)
