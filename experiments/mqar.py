@@ -58,6 +58,7 @@ import torch
 from runs import train_and_test, write_json
 from tqdm import tqdm
 
+from piattn.analysis.report import lag_runs
 from piattn.data.mqar import distance_spread, mqar_mix
 from piattn.data.mqar import spans as lags_text
 from piattn.data.mqar import vocab_size as mqar_vocab_size
@@ -207,14 +208,8 @@ def sink_pairs(arm: str) -> int:
 
 
 def spans(distances: list[int]) -> str:
-    """[2, 3, 4, 9] -> '2–4, 9'."""
-    runs: list[list[int]] = []
-    for d in distances:
-        if runs and d == runs[-1][1] + 1:
-            runs[-1][1] = d
-        else:
-            runs.append([d, d])
-    return ", ".join(f"{a}–{b}" if a != b else f"{a}" for a, b in runs) or "none"
+    """[2, 3, 4, 9] -> '2–4, 9' ('none' for none)."""
+    return lag_runs(distances) or "none"
 
 
 def predictions() -> dict:

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 from ..safe_files import save_figure
@@ -18,6 +19,18 @@ from .reachability import (
     span_bound,
     spans_by_depth,
 )
+
+
+def lag_runs(lags: Iterable[int], *, dash: str = "–", sep: str = ", ") -> str:
+    """Lags written as runs of consecutive ones, in order: [2, 3, 4, 9] -> '2–4, 9' ("" for none); `dash` and
+    `sep` as the reader wants them ('2-4,9' is the flag syntax of `--mqar-lags`)."""
+    runs: list[list[int]] = []
+    for lag in sorted(lags):
+        if runs and lag == runs[-1][1] + 1:
+            runs[-1][1] = lag
+        else:
+            runs.append([lag, lag])
+    return sep.join(f"{a}{dash}{b}" if a != b else f"{a}" for a, b in runs)
 
 
 def default_lags(n: int, window: int, period: int) -> list[int]:

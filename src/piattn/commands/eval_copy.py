@@ -24,6 +24,7 @@ from ..analysis.copy_distance import (
     lag_classes,
     paired_class_stats,
 )
+from ..analysis.report import lag_runs
 from ..layers import attention_class, model_kinds, model_reach
 from ..train import checkpoint as ckpt
 
@@ -58,14 +59,7 @@ def checkpoint_reach(folder: Path, flag: str, max_lag: int):
 
 def lag_ranges(mask: torch.Tensor) -> str:
     """"0–20, 32–40": the lags where the bool [max_lag + 1] mask holds, as ranges ("" for none)."""
-    lags = mask.nonzero().flatten().tolist()
-    runs: list[list[int]] = []
-    for lag in lags:
-        if runs and lag == runs[-1][1] + 1:
-            runs[-1][1] = lag
-        else:
-            runs.append([lag, lag])
-    return ", ".join(f"{a}" if a == b else f"{a}–{b}" for a, b in runs)
+    return lag_runs(mask.nonzero().flatten().tolist())
 
 
 def by_copy_distance(losses_a: torch.Tensor, losses_b: torch.Tensor, windows: torch.Tensor, *,

@@ -57,6 +57,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from ..analysis.report import lag_runs
 from ..checks import is_int
 
 IGNORE = -100
@@ -336,13 +337,7 @@ def _check_scatter_fit(seq_len: int, n_pairs: int, distance_bin: tuple[int, int]
 
 def spans(distances: Iterable[int]) -> str:
     """[2, 3, 4, 9, 17, 18] -> '2-4,9,17-18': the text `piattn train --mqar-lags` reads."""
-    runs: list[list[int]] = []
-    for d in sorted(distances):
-        if runs and d == runs[-1][1] + 1:
-            runs[-1][1] = d
-        else:
-            runs.append([d, d])
-    return ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in runs)
+    return lag_runs(distances, dash="-", sep=",")
 
 
 def _scattered_queries(n_examples: int, seq_len: int, n_pairs: int, distance_bin: tuple[int, int] | None,
