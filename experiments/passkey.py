@@ -234,7 +234,9 @@ class Study:
         return train_example(self.template, self.train_stream, self.bins, seed=seed, step=index,
                              prefix=self.args.prefix)
 
-    def model(self, arm: str):
+    def model(self, arm: str, dense_heads: dict[int, list[int]] | None = None):
+        """The arm's conversion of the model (the model itself for "dense"); `dense_heads` ({layer: key/value
+        heads}) kept dense in it (`convert_to_pi`'s)."""
         if arm == "dense":
             return self.dense
         c = self.dense.config
@@ -244,7 +246,7 @@ class Study:
         with torch.random.fork_rng():
             torch.manual_seed(0)  # the gates' first layers start the same in every run of every arm
             return convert_to_pi(copy.deepcopy(self.dense), **pattern, logit_clamp=None,
-                                 gate_init_alpha=self.args.gate_alpha).eval()
+                                 gate_init_alpha=self.args.gate_alpha, dense_heads=dense_heads).eval()
 
     def layer_periods(self) -> list:
         c = self.dense.config
