@@ -200,8 +200,9 @@ def summarize(records: dict[str, dict], meta: dict) -> dict:
     for r in by_arm.get("pi", []):
         local = next((x for x in by_arm.get("local", []) if x["heads"] == r["heads"]), None)
         if local is not None:
-            comparisons[r["fraction"]] = compare_beyond(records[r["name"]]["correct"], records[local["name"]]["correct"],
-                                                        bins_of, bins, window, n_resamples=N_RESAMPLES)
+            pi_correct, local_correct = records[r["name"]]["correct"], records[local["name"]]["correct"]
+            comparisons[r["fraction"]] = compare_beyond(pi_correct, local_correct, bins_of, bins, window,
+                                                        n_resamples=N_RESAMPLES)
     return dict(settings=meta["settings"], probe=meta["probe"], scores=meta["scores"], bins=[list(b) for b in bins],
                 beyond_window_bins=sorted(beyond), pass_level=PASS, rows=rows, pi_against_local=comparisons,
                 verdict=verdict(by_arm, comparisons))
@@ -216,7 +217,8 @@ def markdown(s: dict) -> str:
              f"{a['gate_alpha']}; the dense key/value heads are those of highest retrieval score on a copy probe "
              f"({p['length']} random tokens from ids {p['vocab'][0]}–{p['vocab'][1] - 1} repeated once, {p['batch']} "
              f"rows, seed {p['seed']}). Test: docs/results.md §8c's passkeys, {a['per_bin']} examples per bin, exact "
-             f"retrieval; 'beyond' pools the bins past the window. f* = the smallest f with beyond ≥ {s['pass_level']}.",
+             "retrieval; 'beyond' pools the bins past the window. f* = the smallest f with beyond ≥ "
+             f"{s['pass_level']}.",
              "", "| run | f | dense heads | " + " | ".join(f"{lo}–{hi}" for lo, hi in bins) + " | beyond | all | s |",
              "|---" * (len(bins) + 6) + "|"]
     for r in s["rows"]:
@@ -293,7 +295,8 @@ def speed(args, hs: HeadStudy, summary: dict) -> int:
     dense = hs.study.dense
     lengths = passkey_decode.prompt_lengths(args.positions, getattr(dense.config, "max_position_embeddings", None),
                                             args.steps)
-    stream = filler_stream(f"books:{args.books}", "test", hs.study.tokenizer, max_chars=8 * max(lengths.values()) + 10_000)
+    stream = filler_stream(f"books:{args.books}", "test", hs.study.tokenizer,
+                           max_chars=8 * max(lengths.values()) + 10_000)
     prompts = {position: stream[:n] for position, n in lengths.items()}
     started = time.perf_counter()
     rows = passkey_decode.measure(models, prompts, args.steps, args.repeats, progress=not args.no_progress)
@@ -303,8 +306,8 @@ def speed(args, hs: HeadStudy, summary: dict) -> int:
                   repeats=args.repeats, threads=torch.get_num_threads(), rows=rows,
                   wall_seconds=round(time.perf_counter() - started, 1))
     lines = ["# Dense heads at f*: KV bytes and decode speed (issue 59 c, rule 2)", "",
-             f"`{result['command']}`; batch 1, {result['threads']} thread(s), {args.steps} timed steps × {args.repeats} "
-             "repeats, the arms side by side (experiments/passkey_decode.py's measurement).", "",
+             f"`{result['command']}`; batch 1, {result['threads']} thread(s), {args.steps} timed steps × "
+             f"{args.repeats} repeats, the arms side by side (experiments/passkey_decode.py's measurement).", "",
              "| arm | prompt tokens | cache bytes per sequence | tokens/s (median) |", "|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['arm']} | {r['prompt_tokens']:,} | {r['cache_bytes']:,} | {r['tokens_per_s']:.1f} |")
