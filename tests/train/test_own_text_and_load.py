@@ -11,6 +11,7 @@ import torch
 
 import piattn
 from piattn.cli import main
+from piattn.data.text import BOOK_SPLITS, is_auto_split
 from piattn.data.tokenizers import CharTokenizer
 from piattn.models import GPT, GPTConfig
 from piattn.train.checkpoint import load_weights, read_config, read_latest
@@ -91,3 +92,19 @@ def test_load_a_run_of_another_task_has_no_tokenizer(tmp_path, capsys):
     loaded = piattn.load(out)
     assert loaded.task == "reach" and loaded.tokenizer is None and not loaded.model.training
     assert loaded.config == type(loaded.config).from_dict(read_config(loaded.checkpoint)["model"])
+
+
+def test_training_on_the_books_scheme_is_not_taken_for_a_path(tmp_path, capsys):
+    """`--data books:DIR` (the README's lines) trains on the books' fixed splits: the byte-split check once took
+    "books:DIR" for a file name and refused it as missing."""
+    books = tmp_path / "books"
+    books.mkdir()
+    for names in [*BOOK_SPLITS.values(), ["emma_pg158.txt"]]:  # the held-out books and one to train on
+        for name in names:
+            title = name.removesuffix(".txt")
+            (books / name).write_text(f"*** START OF THIS PROJECT GUTENBERG EBOOK {title.upper()} ***\n\n"
+                                      f"{WORDS * 8}\n\n*** END OF THIS PROJECT GUTENBERG EBOOK {title.upper()} ***\n")
+    assert not is_auto_split(f"books:{books}")
+    assert train(f"books:{books}", tmp_path / "run", "--tokenizer", "byte") == 0
+    assert "byte split" not in capsys.readouterr().err  # the books' own splits, no 90/5/5 note
+    assert read_latest(tmp_path / "run" / "checkpoints") is not None

@@ -193,8 +193,15 @@ AUTO_SPLIT = {"train": 0.90, "validation": 0.05, "test": 0.05}
 _SNIFF = 1024  # bytes of each file checked for NUL bytes and invalid UTF-8 before anything is read
 
 
+# The loaders named by a "scheme:" prefix (`load_documents`); any other source is a path.
+SCHEMES = ("wikitext", "books", "hf")
+
+
 def is_auto_split(path: str | Path) -> bool:
-    """Whether `path` is split by bytes: a single file, or a folder with none of the split folders."""
+    """Whether `path` is split by bytes: a single file, or a folder with none of the split folders. A source
+    with a scheme (`SCHEMES`: books:, wikitext:, hf:) never is: its loader has its own splits."""
+    if isinstance(path, str) and path.partition(":")[0] in SCHEMES:
+        return False
     path = _existing(path)
     if path.is_file():
         return True
