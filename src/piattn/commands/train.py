@@ -149,9 +149,11 @@ def _validation_lines(result: dict, checkpoint: Path) -> list[str]:
 
 
 def summary_lines(summary: dict, out: Path) -> list[str]:
-    """The end of a run for a person: the step reached, the last logged training loss and speed, the mean gate
-    by layer, the validation metrics, the checkpoint and where the whole summary (summary.json) went."""
-    lines = [f"piattn train: done at step {summary.get('step')}, run folder {out}"]
+    """The end of a run for a person: the step reached (and the --stop-at that stopped it there), the last logged
+    training loss and speed, the mean gate by layer, the validation metrics, the checkpoint and where the whole
+    summary (summary.json) went."""
+    stopped = f" (--stop-at {summary['stopped_at']['condition']})" if "stopped_at" in summary else ""
+    lines = [f"piattn train: done at step {summary.get('step')}{stopped}, run folder {out}"]
     train = condensed(summary["train"]) if summary.get("train") else {}
     if train:
         parts = [f"loss {train['loss']:.4f}" if "loss" in train else None,
