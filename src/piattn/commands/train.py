@@ -18,7 +18,8 @@ value unless it may change (`--steps`, `--cache-dir`, the run group: `--eval-eve
 start; the end prints a summary for a person (the loss, speed, mean gate by layer, validation metrics,
 checkpoint), writes every number of it to RUN/summary.json (gate statistics condensed: every one is in
 RUN/metrics.jsonl) and draws RUN/metrics.png. A loss, gradient norm or weight that stops being finite
-stops the run with a one-line error, and nothing of that state is saved.
+stops the run with a one-line error, and nothing of that state is saved. `--stop-at accuracy>=0.99` ends the
+run at the first validation that meets it (that step checkpointed, `stopped_at` in summary.json).
 
 Multi-GPU: `torchrun --nproc_per_node 8 -m piattn.cli train ...` (one process per GPU, DDP). Long sequences:
 `--sequence-parallel N` splits each sequence over N ranks (--task lm, --attention pi or local; the world
