@@ -243,7 +243,7 @@ class Trainer:
         # the evaluation of the checkpoint's step was cut short (a second Ctrl-C): run it before training on
         self.evaluation_owed = False
         # the summary of the --stop-at stop at the checkpoint resumed from, when this run's condition is that one
-        self.stopped: dict | None = None
+        self.resumed_stop: dict | None = None
         # (step, loss, gradient norm, lr) of the steps since the last finiteness check (`_check_finite`)
         self._unchecked: list[tuple[int, torch.Tensor, torch.Tensor, float]] = []
         self._batch_in_flight = None
@@ -291,7 +291,7 @@ class Trainer:
         stopped = state.get("stopped")
         # stopped there by --stop-at: with the same condition the run is over, with another it trains on
         if stopped is not None and self.stop_at is not None and stopped["stopped_at"]["condition"] == str(self.stop_at):
-            self.stopped = stopped
+            self.resumed_stop = stopped
         try:
             self.loader.load_state_dict(state["loader"])
         except ValueError as err:
@@ -489,8 +489,8 @@ class Trainer:
     def _nothing_to_train(self) -> str | None:
         """Why this run trains no further (--stop-at stopped it at the checkpoint resumed from, or it is at
         --steps already), or None."""
-        if self.stopped is not None:
-            value = self.stopped["stopped_at"]["value"]
+        if self.resumed_stop is not None:
+            value = self.resumed_stop["stopped_at"]["value"]
             return (f"the run stopped at step {self.step} already: {self.stop_at.met(value)} (--stop-at); nothing "
                     "to train (another --stop-at trains on)")
         if self.step >= self.cfg.optim.steps:
@@ -548,8 +548,8 @@ class Trainer:
         with nothing left to train (at --steps, or stopped by --stop-at), that checkpoint is the run's result."""
         if self.resumed_from is None:
             return
-        if self.stopped is not None:
-            p.summary.update(self.stopped)  # the summary the run that stopped returned
+        if self.resumed_stop is not None:
+            p.summary.update(self.resumed_stop)  # the summary the run that stopped returned
         elif self.evaluation_owed and self.cfg.run.eval_every:
             self._validate_owed(p)
             # A stop met here is not written into the checkpoint (one of this step exists): the next resume
