@@ -18,7 +18,8 @@ value unless it may change (`--steps`, `--cache-dir`, the run group: `--eval-eve
 start; the end prints a summary for a person (the loss, speed, mean gate by layer, validation metrics,
 checkpoint), writes every number of it to RUN/summary.json (gate statistics condensed: every one is in
 RUN/metrics.jsonl) and draws RUN/metrics.png. A loss, gradient norm or weight that stops being finite
-stops the run with a one-line error, and nothing of that state is saved.
+stops the run with a one-line error, and nothing of that state is saved. `--stop-at accuracy>=0.99` ends the
+run at the first validation that meets it (that step checkpointed, `stopped_at` in summary.json).
 
 Multi-GPU: `torchrun --nproc_per_node 8 -m piattn.cli train ...` (one process per GPU, DDP). Long sequences:
 `--sequence-parallel N` splits each sequence over N ranks (--task lm, --attention pi or local; the world
@@ -149,9 +150,11 @@ def _validation_lines(result: dict, checkpoint: Path) -> list[str]:
 
 
 def summary_lines(summary: dict, out: Path) -> list[str]:
-    """The end of a run for a person: the step reached, the last logged training loss and speed, the mean gate
-    by layer, the validation metrics, the checkpoint and where the whole summary (summary.json) went."""
-    lines = [f"piattn train: done at step {summary.get('step')}, run folder {out}"]
+    """The end of a run for a person: the step reached (and the --stop-at that stopped it there), the last logged
+    training loss and speed, the mean gate by layer, the validation metrics, the checkpoint and where the whole
+    summary (summary.json) went."""
+    stopped = f" (--stop-at {summary['stopped_at']['condition']})" if "stopped_at" in summary else ""
+    lines = [f"piattn train: done at step {summary.get('step')}{stopped}, run folder {out}"]
     train = condensed(summary["train"]) if summary.get("train") else {}
     if train:
         parts = [f"loss {train['loss']:.4f}" if "loss" in train else None,

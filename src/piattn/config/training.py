@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import math
+import re
 import textwrap
 import typing
 from collections.abc import Iterable, Mapping
@@ -184,6 +186,48 @@ class OptimFlags:
     seed: int = flag(0, "seed of initialisation, dropout and data order", low=0)
 
 
+STOP_AT_FORM = "METRIC>=VALUE or METRIC<=VALUE (accuracy>=0.99, loss<=1.2)"
+
+
+@dataclass(frozen=True)
+class StopAt:
+    """A `--stop-at` condition: training stops after the first validation whose `metric` is >= or <= `value`."""
+
+    metric: str  # a number of the task's validation record
+    operator: str  # ">=" or "<="
+    value: float
+
+    @classmethod
+    def parse(cls, text: str) -> StopAt:
+        """'accuracy>=0.99' -> StopAt("accuracy", ">=", 0.99); a one-line ValueError naming the flag and the
+        accepted form otherwise."""
+        match = re.fullmatch(r"\s*([A-Za-z_]\w*)\s*(>=|<=)\s*(\S+)\s*", text)
+        try:
+            value = float(match[3]) if match else math.nan
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value):
+            raise ValueError(f"--stop-at must be {STOP_AT_FORM}, got {text!r}")
+        return cls(match[1], match[2], value)
+
+    def __str__(self) -> str:
+        return f"{self.metric}{self.operator}{self.value}"
+
+    def holds(self, value: float) -> bool:
+        return value >= self.value if self.operator == ">=" else value <= self.value
+
+    def met(self, value: float) -> str:
+        """The condition as met by `value`: 'validation accuracy 0.9912 >= 0.99'."""
+        return f"validation {self.metric} {value:.4f} {self.operator} {self.value}"
+
+    def check_metric(self, metrics: Iterable[str], task: str) -> None:
+        """ValueError naming the metric and those the validation of `task` reports, unless it is among them."""
+        metrics = sorted(metrics)
+        if self.metric not in metrics:
+            raise ValueError(f"--stop-at {self}: the validation of --task {task} reports no {self.metric!r}; it "
+                             f"reports {', '.join(metrics)}")
+
+
 @dataclass
 class RunFlags:
     out: str | None = flag(None, "run directory (checkpoints, metrics.jsonl, tokenizer, cache)", required=True,
@@ -208,6 +252,24 @@ class RunFlags:
     precision: str = flag("auto", "auto (bf16 on capable GPUs), fp32 or bf16", choices=PRECISIONS,
                           defines_run=False)
     progress: bool = flag(True, "progress bar", defines_run=False)
+    stop_at: str | None = flag(None, "stop after the first validation (on the --eval-every schedule) that meets "
+                               "METRIC>=VALUE or METRIC<=VALUE, a number of the task's validation record "
+                               "('accuracy>=0.99', 'loss<=1.2'): that step is checkpointed, summary.json gets "
+                               "stopped_at and the run ends as at its last step; the LR schedule stays that of "
+                               "--steps (nothing is rescaled); a stopped run resumed with the same condition trains "
+                               "no further; needs --eval-every > 0 (default: none, train every step)",
+                               defines_run=False)
+
+    def stop_condition(self) -> StopAt | None:
+        """--stop-at parsed (None when not given); ValueError for a malformed one, or one with no validation to
+        check it on."""
+        if self.stop_at is None:
+            return None
+        condition = StopAt.parse(self.stop_at)
+        if not self.eval_every:
+            raise ValueError(f"--stop-at {condition} needs --eval-every > 0: the condition is checked on the "
+                             "validations, and with --eval-every 0 the run never validates")
+        return condition
 
 
 SECTIONS = {"model": ModelFlags, "data": DataFlags, "task": TaskFlags, "optim": OptimFlags, "run": RunFlags}
@@ -319,6 +381,7 @@ class TrainConfig:
                    "attention": kinds[0] if len(kinds) == 1 else kinds}
         for section in self.sections:
             check_flags(getattr(self, section), registries, context)
+        self.run.stop_condition()
         names = (registries or {}).get("attention")
         unknown = [kind for kind in kinds if names is not None and kind not in tuple(names)]
         if unknown:

@@ -90,6 +90,7 @@ class ClassificationTask(Task):
 
     default_seq_len: ClassVar[int]  # --seq-len when it is not given
     flags = (SplitFlags,)
+    validation_metrics = ("accuracy", "loss", "examples", "tokens_per_second")
 
     def __init__(self, cfg: TrainConfig, ctx: DistContext, config: ModelConfig):
         self.cfg, self.ctx, self.config = cfg, ctx, config

@@ -104,6 +104,7 @@ class LanguageModelTask(Task):
                           "wikitext:<dir>, hf:<name>", "seq_len": f" {LM_SEQ_LEN}"}
     capabilities = frozenset({"cache", "sequence_parallel"})
     by_position = True
+    validation_metrics = ("loss", "bpb", "perplexity", "tokens", "bytes", "tokens_per_second")
 
     def __init__(self, cfg: TrainConfig, run_dir: Path, ctx: DistContext, tokenizer_dir: Path, config: GPTConfig):
         self.cfg, self.ctx, self.config = cfg, ctx, config

@@ -103,6 +103,7 @@ class MQARTask(ClassificationTask):
     flag_notes = {"seq_len": f" {default_seq_len}"}
     report_sections = ("distances",)
     reach_carries = "the key and its value"
+    validation_metrics = (*ClassificationTask.validation_metrics, "queries", "chance")
     DEFAULT_PAIRS = "8"
     DEFAULT_VOCAB = 64
 

@@ -76,6 +76,7 @@ class PixelsTask(raster.RasterTaskTraits, Task):
 
     name = "pixels"
     report_sections = ("row bands",)
+    validation_metrics = ("loss", "bits_per_dim", "pixels", "images", "pixels_per_second", "width", "height")
 
     def __init__(self, cfg: TrainConfig, ctx: DistContext, config: GPTConfig):
         self.cfg, self.ctx, self.config = cfg, ctx, config

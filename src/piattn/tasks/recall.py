@@ -52,6 +52,7 @@ class RecallTask(ClassificationTask):
     flag_notes = {"seq_len": f" {default_seq_len}"}
     report_sections = ("lags",)
     reach_carries = "the value and its marker"
+    validation_metrics = (*ClassificationTask.validation_metrics, "chance")
     DEFAULT_SYMBOLS = 8
 
     @classmethod

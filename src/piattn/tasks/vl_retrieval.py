@@ -30,7 +30,7 @@ from ..train.checkpoint import read_config
 from ..train.distributed import DistContext
 from ..train.task import Task, per_second
 from .classification import GENERATED_EVAL_SIZE, GENERATED_TRAIN_SIZE, ImageFlags, SplitFlags, split_seed
-from .ranking import retrieval_recalls
+from .ranking import KS, retrieval_recalls
 
 # (image size, patch size) when not given: small for the generated shapes, ViT-B/16's for the datasets.
 DEFAULT_SIZES = {"shapes": (32, 4), "files": (224, 16)}
@@ -81,6 +81,8 @@ class VisionLanguageTask(Task):
                   "seq_len": " (image-size / patch-size)², the image's patches",
                   "period": ": the image's patches per row, so the skip key is the patch above / below"}
     capabilities = frozenset({"raster"})  # its patches are raster-scanned: --period width counts patches per row
+    validation_metrics = (*(f"{way}_r{k}" for way in ("i2t", "t2i") for k in KS), "images", "captions",
+                          "images_per_second")
 
     def __init__(self, cfg: TrainConfig, ctx: DistContext, config: VisionLanguageConfig):
         self.cfg, self.ctx, self.config = cfg, ctx, config

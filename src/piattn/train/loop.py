@@ -18,6 +18,10 @@ norms of the steps are checked together, without a device sync per step, on logg
 evaluation, and (with the weights) before each save; when the loop is left by an error or Ctrl-C the same
 check decides whether the state may be saved (a NaN weight in a gated layer surfaces first as the gate
 check's error, which is then reported as the divergence it is).
+
+`--stop-at` ends a run early, as if its last step: at the first validation whose record meets the condition
+the step is checkpointed, with the stop's summary in its trainer state, so that a resumed run with the same
+condition trains no further and returns that summary. Rank 0's decision holds on every rank.
 """
 
 from __future__ import annotations
@@ -205,6 +209,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, build_task: TaskFactory, ctx: DistContext,
                  on_micro_step: MicroStepHook | None = None):
         self.cfg, self.ctx, self.on_micro_step = cfg, ctx, on_micro_step
+        self.stop_at = cfg.run.stop_condition()  # --stop-at, parsed once (None without it)
         self.run_dir = writable_folder(Path(cfg.run.out), "--out")
         if cfg.data.cache_dir is not None:
             writable_folder(Path(cfg.data.cache_dir), "--cache-dir")
@@ -217,6 +222,8 @@ class Trainer:
         self.amp_dtype = autocast_dtype(cfg.run.precision, ctx.device)
         seed_everything(cfg.optim.seed)
         self.task = build_task(cfg, self.run_dir, ctx, resume_from)
+        if self.stop_at is not None and self.task.validation_metrics:  # else checked at the first validation
+            self.stop_at.check_metric(self.task.validation_metrics, self.task.name)
         self.model = self.task.build_model().to(ctx.device)
         if resume_from is not None:
             ckpt.load_weights(self.model, resume_from)
@@ -235,6 +242,8 @@ class Trainer:
         self.schedule_note: str | None = None
         # the evaluation of the checkpoint's step was cut short (a second Ctrl-C): run it before training on
         self.evaluation_owed = False
+        # the summary of the --stop-at stop at the checkpoint resumed from, when this run's condition is that one
+        self.resumed_stop: dict | None = None
         # (step, loss, gradient norm, lr) of the steps since the last finiteness check (`_check_finite`)
         self._unchecked: list[tuple[int, torch.Tensor, torch.Tensor, float]] = []
         self._batch_in_flight = None
@@ -279,6 +288,10 @@ class Trainer:
             self.schedule_note = (f"--steps {stored_steps} -> {steps}: the LR of step {state['step'] + 1} is "
                                   f"{self.optimizer.param_groups[0]['lr']:.3g} on the new schedule")
         self.evaluation_owed = bool(state.get("evaluation_owed", False))
+        stopped = state.get("stopped")
+        # stopped there by --stop-at: with the same condition the run is over, with another it trains on
+        if stopped is not None and self.stop_at is not None and stopped["stopped_at"]["condition"] == str(self.stop_at):
+            self.resumed_stop = stopped
         try:
             self.loader.load_state_dict(state["loader"])
         except ValueError as err:
@@ -465,13 +478,25 @@ class Trainer:
               file=sys.stderr)
         for line in ([self.schedule_note] if self.schedule_note else []) + self.cfg.warnings():
             print(f"piattn train: {'note' if line is self.schedule_note else 'warning'}: {line}", file=sys.stderr)
-        if self.step >= self.cfg.optim.steps:
-            print(f"piattn train: the run is at step {self.step} of --steps {self.cfg.optim.steps} already; nothing "
-                  "to train (a larger --steps extends it)", file=sys.stderr)
+        done = self._nothing_to_train()
+        if done is not None:
+            print(f"piattn train: {done}", file=sys.stderr)
         owner = safe_files.foreign_owner(self.run_dir) if self.resumed_from else None
         if owner is not None:
             print(f"piattn train: warning: the run folder {self.run_dir} belongs to {owner}, not to you; the "
                   "checkpoint and settings it resumes from are theirs", file=sys.stderr)
+
+    def _nothing_to_train(self) -> str | None:
+        """Why this run trains no further (--stop-at stopped it at the checkpoint resumed from, or it is at
+        --steps already), or None."""
+        if self.resumed_stop is not None:
+            value = self.resumed_stop["stopped_at"]["value"]
+            return (f"the run stopped at step {self.step} already: {self.stop_at.met(value)} (--stop-at); nothing "
+                    "to train (another --stop-at trains on)")
+        if self.step >= self.cfg.optim.steps:
+            return (f"the run is at step {self.step} of --steps {self.cfg.optim.steps} already; nothing to train (a "
+                    "larger --steps extends it)")
+        return None
 
     def _plot(self) -> None:
         """RUN/metrics.png from metrics.jsonl (rank 0), or a line saying why there is none."""
@@ -487,7 +512,8 @@ class Trainer:
                 print(f"piattn train: curves in {path}", file=sys.stderr)
 
     def run(self) -> dict:
-        """Train to `--steps`; returns the last training and validation metrics and the final checkpoint."""
+        """Train to `--steps` (or to the validation that meets --stop-at); returns the last training and
+        validation metrics, the final checkpoint and, stopped by --stop-at, `stopped_at`."""
         r, ctx, steps = self.cfg.run, self.ctx, self.cfg.optim.steps
         if ctx.is_main:
             self._announce()
@@ -495,13 +521,10 @@ class Trainer:
                       bar=progress_bar(steps, desc="train", unit="step", initial=self.step,
                                        enabled=ctx.is_main and r.progress),
                       boundary=self._boundary(), wall_base=self.wall_seconds)
-        if self.resumed_from is not None and self.step >= steps:
-            p.summary["checkpoint"] = self.resumed_from
         try:
             with self.interrupt:
-                if self.evaluation_owed and r.eval_every:
-                    self._validate_owed(p)
-                while self.step < steps:
+                self._continue_resumed(p)
+                while self.step < steps and not p.stopped:
                     loss, grad_norm, lr = self._one_step(p)
                     if self.step % r.log_every == 0 or self.step == steps:
                         self._log_train(p, loss, grad_norm, lr)
@@ -519,6 +542,21 @@ class Trainer:
                 self._plot()
         p.summary["step"] = self.step
         return p.summary
+
+    def _continue_resumed(self, p: _Progress) -> None:
+        """Before a resumed run's next step: the evaluation its checkpoint owes (and the --stop-at it may meet);
+        with nothing left to train (at --steps, or stopped by --stop-at), that checkpoint is the run's result."""
+        if self.resumed_from is None:
+            return
+        if self.resumed_stop is not None:
+            p.summary.update(self.resumed_stop)  # the summary the run that stopped returned
+        elif self.evaluation_owed and self.cfg.run.eval_every:
+            self._validate_owed(p)
+            # A stop met here is not written into the checkpoint (one of this step exists): the next resume
+            # owes the evaluation again and stops again.
+            self._check_stop(p)
+        if p.stopped or self.step >= self.cfg.optim.steps:
+            p.summary["checkpoint"] = self.resumed_from
 
     def _one_step(self, p: _Progress) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimiser step (the gates captured on a logging step), counted: tokens, wall time, the boundary
@@ -554,13 +592,15 @@ class Trainer:
 
     def _evaluate_and_save(self, p: _Progress) -> None:
         """The periodic evaluation and checkpoint of the step just done (each on its --eval-every /
-        --save-every, and both on the last step), their time taken out of the interval's throughput."""
+        --save-every, and both on the last step; the checkpoint also where --stop-at stops the run), their time
+        taken out of the interval's throughput."""
         r, steps = self.cfg.run, self.cfg.optim.steps
         paused_from = time.perf_counter()
         if r.eval_every and (self.step % r.eval_every == 0 or self.step == steps):
             self._check_finite()
             self._validate_owed(p)
-        if (r.save_every and self.step % r.save_every == 0) or self.step == steps:
+            self._check_stop(p)
+        if p.stopped or (r.save_every and self.step % r.save_every == 0) or self.step == steps:
             self._check_finite(weights=True)  # never a checkpoint of non-finite state
             p.summary["checkpoint"] = self._save(p.boundary, rng_of_all_ranks=True)
         p.interval_paused += time.perf_counter() - paused_from
@@ -571,6 +611,31 @@ class Trainer:
         p.boundary["evaluation_owed"] = True
         self._validate(p.metrics, p.bar, p.summary)
         p.boundary["evaluation_owed"] = False
+
+    def _check_stop(self, p: _Progress) -> None:
+        """After a validation: when its record meets --stop-at, the run stops at this step (`p.stopped`): the
+        summary gets `stopped_at`, the boundary the summary (a resumed run then knows it stopped), and rank 0
+        says so in one line."""
+        if self.stop_at is None:
+            return
+        value = self._stop_value(p.summary["validation"])
+        # The tasks reduce their metrics over the ranks (or compute them alike on each), but one computed on
+        # each rank could differ in its last bit: rank 0's decision, which its summary records, holds on all.
+        (held,) = all_reduce_sum([float(self.ctx.is_main and self.stop_at.holds(value))], self.ctx)
+        if not held:
+            return
+        p.summary["stopped_at"] = {"step": self.step, "metric": self.stop_at.metric, "value": value,
+                                   "condition": str(self.stop_at)}
+        p.boundary["stopped"] = {k: p.summary[k] for k in ("train", "validation", "stopped_at") if k in p.summary}
+        if self.ctx.is_main:
+            p.bar.write(f"stopped at step {self.step}: {self.stop_at.met(value)} (--stop-at)", file=sys.stderr)
+
+    def _stop_value(self, record: dict) -> float:
+        """--stop-at's metric in a validation record; ValueError naming the numbers the record has when none
+        has that name (the same on every rank: the records have the same keys)."""
+        numbers = [k for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        self.stop_at.check_metric(numbers, self.task.name)
+        return float(record[self.stop_at.metric])
 
     def _on_stop(self, err: BaseException, boundary: dict) -> None:
         """The loop was left by `err` (an error or Ctrl-C; not `Diverged`): `Diverged` instead if the state is
@@ -625,6 +690,11 @@ class _Progress:
     interval_start: float = field(default_factory=time.perf_counter)
     interval_tokens: int = 0
     interval_paused: float = 0.0
+
+    @property
+    def stopped(self) -> bool:
+        """Whether --stop-at stopped the run (at a validation of this call, or at the checkpoint resumed from)."""
+        return "stopped_at" in self.summary
 
 
 def train(cfg: TrainConfig, build_task: TaskFactory, on_micro_step: MicroStepHook | None = None) -> dict:

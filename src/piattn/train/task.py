@@ -71,6 +71,9 @@ class Task(ABC):
     by_position: ClassVar[bool] = False
     # A task scored by lag: what the query must reach to answer, in the legend of the reachability marks.
     reach_carries: ClassVar[str] = "the answer"
+    # The numbers every record of its `evaluate` holds, so that --stop-at's metric is checked before training;
+    # empty: not declared, the metric is then checked against the first validation's record.
+    validation_metrics: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     @abstractmethod
