@@ -15,6 +15,9 @@ PARTS = {"mqar": "hybrid_stacks", "convert": "hybrid_heads"}
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
     if not argv or argv[0] not in PARTS:
         print(__doc__, file=sys.stderr)
         print(f"hybrids.py: the first argument must be one of {list(PARTS)}, got {argv[0] if argv else 'nothing'!r}",
