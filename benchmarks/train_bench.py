@@ -36,27 +36,13 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from piattn.benchmarking import command_line, machine_info, rss_kib, save_results
+from piattn.benchmarking import command_line, machine_info, rss_kib, save_results, timed_step
 from piattn.layers import ATTENTION
 from piattn.models import GPT, GPTConfig
-
-
-def timed_step(model, forward, optimizer, idx: torch.Tensor) -> float:
-    """Seconds of one training step on idx [B, T + 1] through `forward` (the model, or it compiled): loss,
-    backward, gradient clipping and AdamW on `model`'s parameters."""
-    start = time.perf_counter()
-    logits = forward(idx[:, :-1])
-    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx[:, 1:].flatten())
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return time.perf_counter() - start
 
 
 def run_case(kind: str, context: int, tokens: int, repeats: int, config: str, compiled: bool = False,

@@ -1,6 +1,7 @@
 """The hybrid study of docs/results.md §11 (issue 59), one entry per part:
 
     python experiments/hybrids.py mqar [ARGS]      # (a) MQAR in hybrid stacks: experiments/hybrid_stacks.py
+    python experiments/hybrids.py text [ARGS]      # (b) books in hybrid stacks: experiments/hybrid_text.py
     python experiments/hybrids.py convert [ARGS]   # (c) dense heads in a converted model: experiments/hybrid_heads.py
 
 ARGS go to that part's script (`python experiments/hybrids.py mqar --help`).
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-PARTS = {"mqar": "hybrid_stacks", "convert": "hybrid_heads"}
+PARTS = {"mqar": "hybrid_stacks", "text": "hybrid_text", "convert": "hybrid_heads"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -159,6 +159,19 @@ def decode_model(kind: str, config: str = "tiny"):
     return GPT(GPTConfig.from_name(config, **DECODE_KINDS[kind], vocab_size=256, dropout=0.0)).eval()
 
 
+def timed_step(model, forward, optimizer, idx: torch.Tensor) -> float:
+    """Seconds of one training step on idx [B, T + 1] through `forward` (the model, or it compiled): loss,
+    backward, gradient clipping and AdamW on `model`'s parameters."""
+    start = time.perf_counter()
+    logits = forward(idx[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx[:, 1:].flatten())
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
 def block_sizes(steps: int) -> list[int]:
     """The timed steps cut into blocks of 16 (the last one shorter): a step's time is the median of the
     blocks' means, so that a spell of a shared machine's other work touches one block, not the figure."""
