@@ -244,6 +244,9 @@ def verdicts(study: Study, summary: dict) -> list[tuple[str, str]]:
         mean = {arm: statistics.mean(whole[arm]["seeds"][s] for s in common) for arm in (a, b)}
         return study.better(mean[a], mean[b]), common
 
+    def compared(a: str, g: float) -> str:
+        return f"{a} {'better' if g >= 0 else 'worse'} by {abs(g):.3f}"
+
     if study.learns is not None and whole:
         best = max(whole, key=lambda arm: study.better(whole[arm]["mean"], 0))
         learned = study.better(whole[best]["mean"], study.learns) >= 0
@@ -258,17 +261,17 @@ def verdicts(study: Study, summary: dict) -> list[tuple[str, str]]:
             word = ("supported" if g >= m["beats"] and paired else
                     "no difference" if abs(g) < m["beats"] else "not supported")
             out.append((f"1. {pi} beats local-4 by ≥ {m['beats']}, every seed",
-                        f"{word}: {pi} better by {g:+.3f} {unit} (seeds {seeds}); better in every seed: {paired}"))
+                        f"{word}: {compared(pi, g)} {unit} (seeds {seeds}); better in every seed: {paired}"))
     pi = study.pi_arms[0]
     if {"pi-nbhd", pi} <= set(whole):
         g, seeds = gap("pi-nbhd", pi)
         out.append((f"2. pi-nbhd at least as good as {pi} (within {m['at_least_as_good']})",
-                    f"{'supported' if g >= -m['at_least_as_good'] else 'not supported'}: pi-nbhd better by "
-                    f"{g:+.3f} (seeds {seeds})"))
+                    f"{'supported' if g >= -m['at_least_as_good'] else 'not supported'}: {compared('pi-nbhd', g)} "
+                    f"(seeds {seeds})"))
     if {pi, "nbhd-2d"} <= set(whole):
         g, seeds = gap(pi, "nbhd-2d")
         out.append((f"3. {pi} within {m['close']} of nbhd-2d (or better)",
-                    f"{'supported' if g >= -m['close'] else 'not supported'}: {pi} better by {g:+.3f} "
+                    f"{'supported' if g >= -m['close'] else 'not supported'}: {compared(pi, g)} "
                     f"(seeds {seeds})"))
     if "dense" in whole and len(whole) > 1:
         worse = [a for a in whole if a != "dense" and gap(a, "dense")[0] > m["ceiling"]]
