@@ -33,6 +33,7 @@ import math
 import torch
 
 from ..config import TrainConfig
+from ..config.model import layer_fields
 from ..layers import model_kinds, model_reach
 from ..tasks import TASKS, config_class, task_class
 from ..tasks.mqar import pairs_view
@@ -151,7 +152,7 @@ def reachable_lags(model: dict, cfg: TrainConfig, lags: list[int]) -> tuple[dict
     except ValueError:  # longformer, bigbird, reformer: they declare no fixed set of lags
         return None, ("no reachability marks: the analysis has no fixed reach for "
                       f"{model.get('layers') or model['attention']} attention")
-    sinks = model.get("sinks") or 0
+    sinks = max(layer.get("sinks") or 0 for layer in layers_fields(model))  # a sink read in one layer is read
     task = task_class(cfg.task.task)
     note = task.sinks_note(sinks)
     if note is None:  # the query is the last position: lag d sits at position seq_len - 1 - d
@@ -224,14 +225,17 @@ SECTIONS = {"lags": lag_table, "distances": mqar_tables, "row bands": pixel_tabl
 
 def describe_attention(model: dict) -> str:
     """'pi attention, window 4, period 16, 2 layers' (the period as stored: an int or per-head lists)."""
-    if model.get("layers"):  # a hybrid stack: its pattern, then the windowed layers' settings
-        kinds = set(model_kinds(model))
-        parts = [f"layers {model['layers']}", *([f"window {model.get('window')}"] if kinds - {"dense"} else []),
-                 *([f"period {model.get('period')}"] if "pi" in kinds else [])]
+    if model.get("layers"):  # a hybrid stack: its pattern, then the settings its windowed layers take
+        layers = list(zip(model_kinds(model), layers_fields(model), strict=True))
+        windows = sorted({fields.get("window") for kind, fields in layers if kind != "dense"})
+        shared_period = any(kind == "pi" and fields.get("period") == model.get("period") for kind, fields in layers)
+        sinks = max(fields.get("sinks") or 0 for _, fields in layers)
+        parts = [f"layers {model['layers']}", *([f"window {', '.join(map(str, windows))}"] if windows else []),
+                 *([f"period {model.get('period')}"] if shared_period else [])]
         if model.get("nope_global"):
             parts.append("no RoPE on dense layers")
-        if model.get("sinks"):
-            parts.append(f"{model['sinks']} sinks")
+        if sinks:
+            parts.append(f"{sinks} sinks")
         return ", ".join([*parts, f"{model['n_layer']} layers"])
     parts = [f"{model['attention']} attention"]
     if model["attention"] == "neighbourhood":
@@ -245,6 +249,12 @@ def describe_attention(model: dict) -> str:
     if model.get("sinks"):
         parts.append(f"{model['sinks']} sinks")
     return ", ".join([*parts, f"{model['n_layer']} layers"])
+
+
+def layers_fields(model: dict) -> list[dict]:
+    """The fields of each layer of a model, as it takes them (`layer_fields`: the settings its pattern item gives
+    it in place of the shared ones)."""
+    return [layer_fields(model, layer) for layer in range(model["n_layer"])]
 
 
 def lag_rows(lags: list[int], reachable: dict[int, bool] | None) -> list[list[int]]:

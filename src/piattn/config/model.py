@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from ..analysis.multiscale import SCHEDULES, periods_per_layer, schedule
 from ..checks import is_int
@@ -51,9 +53,12 @@ class ModelConfig:
     Training: dropout (residual, attention and FFN, 0.1 in the paper), init_std (0.02), rope_base.
     Hybrid stacks: layers, a pattern of kinds repeated over depth ("pi*3,dense": three π layers, then a
     dense one; `parse_layers`), None: every layer `attention`; `layer_kinds()` gives one kind per layer.
-    Every layer takes the shared settings of its kind (window, sinks, its periods). nope_global: no RoPE on the
-    dense (global) layers (NoPE, as Llama 4 and Command A); a `period` schedule "cover" is designed for the π
-    layers only (a dense layer reaches every lag by itself).
+    A layer takes the shared settings of its kind (window, sinks, its periods) unless its item gives it its own
+    in parentheses: "local(window=1024)*5,dense", "pi(window=64, period=128, sinks=4)*3,dense" (keys window,
+    sinks, period, each for the kinds that take it; `layer_config(i)` is the config layer i is built from). The
+    stored `layers` is the pattern as given. nope_global: no RoPE on the dense (global) layers (NoPE, as Llama 4
+    and Command A); a `period` schedule "cover" is designed for the π layers only (a dense layer reaches every
+    lag by itself), for their one window (refused when their items give them different windows or periods).
     """
 
     n_layer: int = 12
@@ -110,16 +115,36 @@ class ModelConfig:
         if not isinstance(self.nope_global, bool):
             raise ValueError(f"nope_global must be a bool, got {self.nope_global!r}")
         kinds = self.layer_kinds()  # checks the pattern against n_layer
+        # The settings each layer's pattern item gives it in place of the shared ones ({} for most).
+        self._own = (({},) * self.n_layer if self.layers is None
+                     else tuple(item.settings for item in layer_items(self.layers, self.n_layer)))
         if is_geometry_period(self.period):
             self.period = geometry_periods(self.period, self.image_width, self.n_head)
         pi_layers = None if self.layers is None else [i for i, kind in enumerate(kinds) if kind == PI_KIND]
-        self.period = resolve_periods(self.period, window=self.window, n_layer=self.n_layer, n_head=self.n_head,
-                                      block_size=self.block_size, pi_layers=pi_layers)
+        self.period = resolve_periods(self.period, window=self._designed_window(pi_layers), n_layer=self.n_layer,
+                                      n_head=self.n_head, block_size=self.block_size, pi_layers=pi_layers)
         # Every layer's operator settings, built (and so checked) once, here: a π layer is handed its own object
-        # (`pi_settings`).
-        self._pi_layers = layer_settings(periods_per_layer(self.period, self.n_layer, self.n_head),
-                                         window=self.window, variant=self.variant, prior=self.prior,
-                                         logit_clamp=self.logit_clamp, eps=self.gate_eps, sinks=self.sinks)
+        # (`pi_settings`), with the window, sinks and period its pattern item gives it.
+        shared = layer_settings(periods_per_layer(self.period, self.n_layer, self.n_head),
+                                window=self.window, variant=self.variant, prior=self.prior,
+                                logit_clamp=self.logit_clamp, eps=self.gate_eps, sinks=self.sinks)
+        self._pi_layers = tuple(dataclasses.replace(settings, **own) if own else settings
+                                for settings, own in zip(shared, self._own, strict=True))
+
+    def _designed_window(self, pi_layers: list[int] | None) -> int:
+        """The window a period schedule is designed for: the shared one, or in a hybrid stack the one window of
+        its π layers. A "cover" schedule designs one set of periods for one window: ValueError naming `period` and
+        `layers` when the π layers' items give them different windows, or periods of their own."""
+        cover = isinstance(self.period, str) and self.period.partition(":")[0] == "cover"
+        if pi_layers is None or not cover:  # the other schedules read no window
+            return self.window
+        windows = sorted({self._own[i].get("window", self.window) for i in pi_layers})
+        if len(windows) > 1 or any("period" in self._own[i] for i in pi_layers):
+            raise ValueError(f"period {self.period!r} designs one set of periods for one window, but layers "
+                             f"{self.layers!r} gives its π layers "
+                             + (f"the windows {windows}" if len(windows) > 1 else "periods of their own")
+                             + ": give the periods (--period, or period= in the items) or one window")
+        return windows[0] if windows else self.window
 
     def layer_kinds(self) -> tuple[str, ...]:
         """The attention kind of each of the n_layer layers: `layers` expanded (`parse_layers`), or `attention`
@@ -147,16 +172,27 @@ class ModelConfig:
 
     @property
     def pi(self) -> PiSettings:
-        """The π-Attention operator settings of layer 0 (layers differ in their periods only)."""
+        """The π-Attention operator settings of layer 0 (layers differ in their periods, and in a hybrid stack in
+        the settings their pattern items give them)."""
         return self.pi_settings(0)
 
     def pi_settings(self, layer: int) -> PiSettings:
         """The π-Attention operator settings of layer `layer`: the one `PiSettings` built and checked when the
         config was made (from window, variant, prior, logit_clamp, gate_eps, sinks and that layer's n_head
-        periods, `periods_per_layer` reading every stored form), which a π layer takes whole
-        (`PiAttention.config_kwargs`). Its period is an int, or a tuple of n_head per-head periods. A config is
-        not changed once made: another is made (`dataclasses.replace`, `from_dict`), with its own settings."""
+        periods, `periods_per_layer` reading every stored form, then the window, sinks and period its pattern
+        item gives it), which a π layer takes whole (`PiAttention.config_kwargs`). Its period is an int, or a
+        tuple of n_head per-head periods. A config is not changed once made: another is made
+        (`dataclasses.replace`, `from_dict`), with its own settings."""
         return self._pi_layers[layer]
+
+    def layer_config(self, layer: int) -> ModelConfig:
+        """The config as layer `layer` takes it: this one with the window, sinks and period its pattern item
+        gives it in place of the shared ones ("local(window=16),dense": window 16 for layer 0), or this one itself
+        for a layer whose item gives none. What the layer is built from (`piattn.models.block.Block`); read only
+        layer `layer` of it (its `pi_settings(layer)` is this config's). `layer_fields` is the same for a stored
+        model's fields."""
+        own = self._own[layer]
+        return dataclasses.replace(self, **own) if own else self
 
     @classmethod
     def from_name(cls, name: str, **overrides):
@@ -193,32 +229,125 @@ def layer_settings(periods, *, window, variant, prior, logit_clamp, eps, sinks) 
 
 # The kind whose periods `resolve_periods` designs in a hybrid stack, and the global kind of `nope_global`.
 PI_KIND, GLOBAL_KIND = "pi", "dense"
-_LAYER_ITEM = re.compile(r"([A-Za-z_][A-Za-z0-9_-]*)(?:\*(\d+))?")
+# An item of a layer pattern: a kind, its own settings in parentheses, a count ("local(window=16)*2").
+_LAYER_ITEM = re.compile(r"([A-Za-z_][A-Za-z0-9_-]*)(?:\(([^()]*)\))?(?:\*(\d+))?")
+# The settings an item may give its layers, each with its lowest value: `ModelConfig` fields, taken only by the
+# kinds that take the field (the registry answers which: `check_pattern_settings`).
+LAYER_SETTINGS: dict[str, int] = {"window": 0, "sinks": 0, "period": 1}
+LAYER_SETTINGS_ALLOWED = ", ".join(f"{key} (an int >= {low})" for key, low in LAYER_SETTINGS.items())
+
+
+class LayerItem(NamedTuple):
+    """One layer of a layer pattern: its kind, the settings its item gives it in place of the shared ones
+    ({"window": 16} for "local(window=16)"; not to be changed: the layers of "kind(...)*N" share it), and the
+    item as written, for messages."""
+
+    kind: str
+    settings: Mapping[str, int]
+    text: str
 
 
 def parse_layers(pattern: str, n_layer: int) -> tuple[str, ...]:
     """A layer pattern -> the kind of each of n_layer layers: comma-separated items "kind" or "kind*N" (N
     layers of it), the whole repeated over depth ("pi*3,dense" with 8 layers: pi, pi, pi, dense, pi, pi, pi,
-    dense). One-line ValueError for an empty pattern or item, a count below 1, or a pattern whose length does
+    dense); an item may give its layers their own settings, "local(window=16)*2" (`layer_items`). One-line
+    ValueError for an empty pattern or item, a count below 1, malformed settings, or a pattern whose length does
     not divide n_layer."""
-    kinds = pattern_kinds(pattern)
-    if n_layer % len(kinds):
-        raise ValueError(f"layers {pattern!r} gives {len(kinds)} layers, which must divide n_layer ({n_layer}): "
+    return tuple(item.kind for item in layer_items(pattern, n_layer))
+
+
+def layer_items(pattern: str, n_layer: int) -> tuple[LayerItem, ...]:
+    """A layer pattern -> the `LayerItem` of each of n_layer layers, the pattern repeated over depth."""
+    items = pattern_items(pattern)
+    if n_layer % len(items):
+        raise ValueError(f"layers {pattern!r} gives {len(items)} layers, which must divide n_layer ({n_layer}): "
                          f"the pattern repeats over depth")
-    return kinds * (n_layer // len(kinds))
+    return items * (n_layer // len(items))
 
 
 def pattern_kinds(pattern: str) -> tuple[str, ...]:
     """A layer pattern's kinds, one per layer of one repeat ("pi*2,dense" -> pi, pi, dense); `parse_layers`."""
+    return tuple(item.kind for item in pattern_items(pattern))
+
+
+def pattern_items(pattern: str) -> tuple[LayerItem, ...]:
+    """A layer pattern's `LayerItem`s, one per layer of one repeat: items split on the commas outside
+    parentheses, each "kind", "kind*N", "kind(key=value, ...)" or "kind(key=value, ...)*N" with the keys of
+    LAYER_SETTINGS ("pi(window=64, period=128)*3,dense"). One-line ValueError naming `layers`, the item and what
+    it allows for anything else."""
     if not isinstance(pattern, str) or not pattern.strip():
         raise ValueError(f"layers must be a pattern of attention kinds like 'pi*3,dense', got {pattern!r}")
-    kinds: list[str] = []
-    for item in pattern.split(","):
-        match = _LAYER_ITEM.fullmatch(item.strip())
-        if match is None or (match.group(2) is not None and int(match.group(2)) < 1):
-            raise ValueError(f"layers {pattern!r}: each item must be a kind or kind*N (N >= 1), got {item.strip()!r}")
-        kinds += [match.group(1)] * int(match.group(2) or 1)
-    return tuple(kinds)
+    items: list[LayerItem] = []
+    for text in split_items(pattern):
+        match = _LAYER_ITEM.fullmatch(text)
+        if match is None or (match.group(3) is not None and int(match.group(3)) < 1):
+            raise ValueError(f"layers {pattern!r}: each item must be a kind or kind*N (N >= 1), with settings "
+                             f"kind(key=value, ...) or kind(key=value, ...)*N, got {text!r}")
+        kind, settings, count = match.group(1), match.group(2), int(match.group(3) or 1)
+        own = {} if settings is None else item_settings(pattern, text, settings)
+        items += [LayerItem(kind, own, text)] * count
+    return tuple(items)
+
+
+def split_items(pattern: str) -> list[str]:
+    """A layer pattern's items, stripped: split on the commas outside parentheses (those inside belong to the
+    item's settings). One-line ValueError for unbalanced or nested parentheses."""
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(pattern + ","):  # the comma closes the last item
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth not in (0, 1) or (i == len(pattern) and depth):
+            raise ValueError(f"layers {pattern!r}: {'nested' if depth > 1 else 'unbalanced'} parentheses; an item's "
+                             f"settings go in one pair after its kind, like 'local(window=16)*2'")
+        if char == "," and depth == 0:
+            items.append(pattern[start:i].strip())
+            start = i + 1
+    return items
+
+
+def item_settings(pattern: str, item: str, text: str) -> dict[str, int]:
+    """The settings inside an item's parentheses, "window=64, sinks=4" -> {"window": 64, "sinks": 4}. One-line
+    ValueError naming `layers` and the item for a part that is not key=value, an unknown or repeated key, or a
+    value that is not an int at least the key's lowest (LAYER_SETTINGS)."""
+    settings: dict[str, int] = {}
+    for part in text.split(","):
+        key, equals, value = (s.strip() for s in part.partition("="))
+        where = f"layers {pattern!r}, item {item!r}"
+        if not equals or key not in LAYER_SETTINGS:
+            raise ValueError(f"{where}: settings are key=value with keys {LAYER_SETTINGS_ALLOWED}, got "
+                             f"{part.strip()!r}")
+        if key in settings:
+            raise ValueError(f"{where}: {key} is given twice")
+        if not re.fullmatch(r"\d+", value) or int(value) < LAYER_SETTINGS[key]:
+            raise ValueError(f"{where}: {key} must be an int >= {LAYER_SETTINGS[key]}, got {value!r}")
+        settings[key] = int(value)
+    return settings
+
+
+def check_pattern_settings(pattern: str | None, having: Callable[[str], Iterable[str]]) -> None:
+    """ValueError naming `layers`, the item and the settings its kind takes, for an item that gives its kind a
+    setting the kind does not take ("dense(window=4)"). having(setting): the kinds that take a setting, which
+    the registry of kinds answers (`piattn.layers.kinds_with`, or a training flags' `Registry.having`), the one
+    source the flags scoped to a setting's kinds read too."""
+    if pattern is None:
+        return
+    for item in {item.text: item for item in pattern_items(pattern)}.values():
+        taking = {key: tuple(having(key)) for key in item.settings}
+        refused = [key for key in item.settings if item.kind not in taking[key]]
+        if refused:
+            takes = ", ".join(key for key in LAYER_SETTINGS if item.kind in tuple(having(key)))
+            raise ValueError(f"layers {pattern!r}, item {item.text!r}: {item.kind} takes no {refused[0]} (kinds "
+                             f"that take it: {', '.join(taking[refused[0]])}); {item.kind} takes "
+                             f"{takes or 'none of ' + ', '.join(LAYER_SETTINGS)}")
+
+
+def layer_fields(model: Mapping[str, Any], layer: int) -> dict[str, Any]:
+    """The fields of a model (`ModelConfig.to_dict()`, a checkpoint's config "model") as its layer `layer` takes
+    them: the settings its pattern item gives it (`layers`, "local(window=16),dense") in place of the shared
+    window, sinks and period; the others as they are. What the analyses of a stored model read per layer
+    (`piattn.layers.model_reach`); `ModelConfig.layer_config` is the same for a config."""
+    if not model.get("layers"):
+        return dict(model)
+    return {**model, **layer_items(model["layers"], model["n_layer"])[layer].settings}
 
 
 def global_every_pattern(every: int, attention: str) -> str:

@@ -28,12 +28,24 @@ from typing import Protocol
 
 import numpy as np
 
-from .flags import Capability, Notes, add_flags, applies, check_flags, flag, flag_fields, option_name, render_notes
+from .flags import (
+    Capability,
+    Notes,
+    Registry,
+    add_flags,
+    applies,
+    check_flags,
+    flag,
+    flag_fields,
+    option_name,
+    render_notes,
+)
 from .model import (
     GLOBAL_KIND,
     PERIOD_SCHEDULES,
     SIZES,
     ModelConfig,
+    check_pattern_settings,
     global_every_pattern,
     is_geometry_period,
     pattern_kinds,
@@ -77,7 +89,9 @@ class ModelFlags:
     dropout: float = flag(0.1, "residual, attention and FFN dropout", low=0, below=1)
     layers: str | None = flag(None, "one attention kind per layer, a pattern repeated over depth: 'pi*3,dense' "
                               "(three pi layers, then a dense one; its length divides the layers); each layer takes "
-                              "its kind's flags (default: --attention in every layer)")
+                              "its kind's flags, or its own window, sinks or period in parentheses where its kind "
+                              "takes them: 'local(window=1024)*5,dense', 'pi(window=64, period=128)*3,dense' "
+                              "(default: --attention in every layer)")
     global_every: int | None = flag(None, "every Nth layer dense, the others --attention (a --layers pattern: "
                                     "'pi*3,dense' for 4; default: no dense layer)", low=1)
     nope_global: bool = flag(False, "no rotary embedding on the dense (global) layers (NoPE)")
@@ -386,6 +400,8 @@ class TrainConfig:
         unknown = [kind for kind in kinds if names is not None and kind not in tuple(names)]
         if unknown:
             raise ValueError(f"--layers kinds must be among {sorted(names)}, got {unknown[0]!r}")
+        if isinstance(names, Registry) and names.having is not None:  # the kinds that take each setting
+            check_pattern_settings(self.model.layers, names.having)
 
     def differences(self, other: TrainConfig) -> list[tuple[str, object, object]]:
         """(flag, my value, other's value) for each run-defining flag whose values differ."""

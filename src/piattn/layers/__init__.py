@@ -13,11 +13,20 @@ from .longformer import LongformerAttention
 from .neighbourhood import NeighbourhoodAttention
 from .pi import PiAttention
 from .reformer import ReformerAttention
-from .registry import ATTENTION, attention_class, attention_registry, kinds_with, model_kinds, model_reach
+from .registry import (
+    ATTENTION,
+    attention_class,
+    attention_registry,
+    kinds_with,
+    layer_attention,
+    model_kinds,
+    model_reach,
+)
 from .sharding import sequence_parallel
 from .strided import StridedAttention
 
-__all__ = ["ATTENTION", "attention_class", "attention_registry", "kinds_with", "model_kinds", "model_reach",
+__all__ = ["ATTENTION", "attention_class", "attention_registry", "kinds_with", "layer_attention", "model_kinds",
+           "model_reach",
            "AttentionLayer", "BigBirdAttention",
            "DenseAttention", "LocalAttention", "LongformerAttention", "NeighbourhoodAttention", "PiAttention",
            "ReformerAttention", "StridedAttention", "sequence_parallel"]

@@ -23,8 +23,9 @@ import torch
 
 from ..analysis.copy_distance import Reach
 from ..analysis.multiscale import periods_per_layer
+from ..config import ModelConfig
 from ..config.flags import Registry
-from ..config.model import parse_layers
+from ..config.model import check_pattern_settings, layer_fields, parse_layers
 from .base import ATTENTION, AttentionLayer, kinds_with
 from .bigbird import BigBirdAttention
 from .dense import DenseAttention
@@ -60,6 +61,15 @@ def attention_registry() -> Registry:
     return Registry(tuple(ATTENTION), kinds_with)
 
 
+def layer_attention(cfg: ModelConfig, layer: int) -> type[AttentionLayer]:
+    """The module class of layer `layer` of a model of config `cfg` (its kind in `cfg.layer_kinds()`), once the
+    settings its pattern item gives it are known to be ones its kind takes ("dense(window=4)" is refused,
+    `check_pattern_settings` asking `kinds_with`). ValueError naming the kind or the item otherwise."""
+    kind = attention_class(cfg.layer_kinds()[layer])
+    check_pattern_settings(cfg.layers, kinds_with)
+    return kind
+
+
 def model_kinds(model: Mapping[str, Any]) -> tuple[str, ...]:
     """The attention kind of each layer of a model of settings `model` (a checkpoint's config "model"): its
     `layers` pattern expanded (`parse_layers`), or `attention` in every layer."""
@@ -71,17 +81,21 @@ def model_kinds(model: Mapping[str, Any]) -> tuple[str, ...]:
 def model_reach(model: Mapping[str, Any], max_lag: int) -> Reach:
     """The lags 0 … max_lag a model of settings `model` reaches: its kind's `lag_reach`, or for a hybrid stack
     (`layers`) the sum set of its layers' reaches, each asked of its kind as a one-layer model with that
-    layer's periods (a path takes one hop per layer, so a dense layer makes every lag reachable). ValueError
-    from a kind that declares no reach."""
+    layer's settings (`layer_fields`: the window, sinks and period its pattern item gives it) and periods (a
+    path takes one hop per layer, so a dense layer makes every lag reachable). ValueError from a kind that
+    declares no reach, or for an item that gives its kind a setting the kind does not take."""
     kinds = model_kinds(model)
     if len(set(kinds)) == 1 and not model.get("layers"):
         return attention_class(kinds[0]).lag_reach(model, max_lag)
-    schedule = periods_per_layer(model.get("period"), model["n_layer"], model["n_head"])
+    classes = [attention_class(kind) for kind in kinds]  # unknown kinds first, then what their items give them
+    check_pattern_settings(model["layers"], kinds_with)
     mask = (1 << (max_lag + 1)) - 1
     bits, span = 1, 0  # before any layer: lag 0, the query itself
-    for layer, kind in enumerate(kinds):
-        one = attention_class(kind).lag_reach(
-            {**model, "attention": kind, "layers": None, "n_layer": 1, "period": [list(schedule[layer])]}, max_lag)
+    for layer, (kind, cls) in enumerate(zip(kinds, classes, strict=True)):
+        fields = layer_fields(model, layer)
+        periods = periods_per_layer(fields.get("period"), model["n_layer"], model["n_head"])[layer]
+        one = cls.lag_reach(
+            {**fields, "attention": kind, "layers": None, "n_layer": 1, "period": [list(periods)]}, max_lag)
         span += one.span
         if bool(one.reachable.all()):
             bits = mask

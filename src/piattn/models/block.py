@@ -7,7 +7,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..decoding.cache import LayerCache
-from ..layers import attention_class
+from ..layers import layer_attention
 
 
 def dropped(drop: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
@@ -31,13 +31,15 @@ class FeedForward(nn.Module):
 
 class Block(nn.Module):
     """x + drop(attn(LN(x))), then x + ffn(LN(x)); the attention kind is layer `layer`'s of the config
-    (`cfg.layer_kinds()`: `cfg.attention`, or the kinds of a hybrid stack's `layers`), by registry name."""
+    (`cfg.layer_kinds()`: `cfg.attention`, or the kinds of a hybrid stack's `layers`), by registry name, built
+    with that layer's settings (`cfg.layer_config(layer)`: the window, sinks and period its pattern item gives
+    it, else the shared ones)."""
 
     def __init__(self, cfg: ModelConfig, *, causal: bool, layer: int = 0):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.kind = cfg.layer_kinds()[layer]
-        self.attn = attention_class(self.kind).from_config(cfg, causal=causal, layer=layer)
+        self.attn = layer_attention(cfg, layer).from_config(cfg.layer_config(layer), causal=causal, layer=layer)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.ffn = FeedForward(cfg)
         self.drop = nn.Dropout(cfg.dropout)
