@@ -73,6 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv  # the command, as run through hybrids.py or not
     try:
         args.fraction_list = [Fraction(f.strip()) for f in args.fractions.split(",") if f.strip()]
         low, high = (int(x) for x in args.probe_vocab.split("-"))
@@ -301,7 +302,7 @@ def speed(args, hs: HeadStudy, summary: dict) -> int:
     started = time.perf_counter()
     rows = passkey_decode.measure(models, prompts, args.steps, args.repeats, progress=not args.no_progress)
     result = dict(machine=machine_info(), cpu=cpu_model(),
-                  command=command_line("experiments/hybrid_heads.py", [shlex.quote(a) for a in sys.argv[1:]]),
+                  command=command_line("experiments/hybrid_heads.py", [shlex.quote(a) for a in args.argv]),
                   chosen=chosen, positions=list(lengths), prompt_tokens=list(lengths.values()), steps=args.steps,
                   repeats=args.repeats, threads=torch.get_num_threads(), rows=rows,
                   wall_seconds=round(time.perf_counter() - started, 1))

@@ -170,7 +170,7 @@ def timing(args) -> int:
     ratios = {arm: [s / base for s, base in zip(seconds[arm], seconds["local"], strict=True)]
               for arm in ("pi", "cover")}
     result = dict(machine=machine_info(), cpu=cpu_model(),
-                  command=command_line("experiments/hybrid_text.py", sys.argv[1:]),
+                  command=command_line("experiments/hybrid_text.py", args.argv),
                   budget=BUDGET, repeats=args.repeats, seconds=seconds,
                   median_seconds={a: statistics.median(s) for a, s in seconds.items()},
                   ratio_to_local={a: dict(median=statistics.median(r), low=min(r), high=max(r))
@@ -201,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=9, help="--timing: rounds (default 9)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv  # the command, as run through hybrids.py or not
     args.books = args.books.resolve()
     if args.timing:
         return timing(args)
