@@ -176,6 +176,7 @@ def test_a_stopped_run_resumed_with_another_condition_trains_on(stopped, tmp_pat
     assert steps_of(run, "train") == [1, 2, 3, 4, 5, 6] and steps_of(run, "validation") == [2, 4, 6]
 
 
+@pytest.mark.slow  # two processes under torchrun: about 9 s (make test-slow)
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch built without distributed")
 def test_two_ranks_stop_together(tmp_path):
     run = tmp_path / "run"
