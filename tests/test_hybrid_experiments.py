@@ -1,0 +1,114 @@
+"""experiments/hybrid_stacks.py and hybrid_heads.py (issue 59): the stacks each run trains, every argv a valid
+`piattn train`, and the rule's clauses read from made records as docs/results.md §11 words them."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from piattn.commands.train import add_arguments, checked_config
+from piattn.config import TrainConfig
+from utils import load_experiment
+
+
+@pytest.fixture(scope="module")
+def stacks():
+    return load_experiment("hybrid_stacks.py", "hybrid_stacks_experiment")
+
+
+@pytest.fixture(scope="module")
+def heads():
+    pytest.importorskip("transformers")
+    return load_experiment("hybrid_heads.py", "hybrid_heads_experiment")
+
+
+def checked(argv: list[str]) -> TrainConfig:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return checked_config(TrainConfig.from_args(parser.parse_args(argv[1:])))
+
+
+@pytest.mark.parametrize("layers, dense_at, pattern", [
+    (4, 3, "pi*3,dense"), (4, 1, "pi,dense,pi*2"), (4, 0, "dense,pi*3"), (8, 7, "pi*7,dense"), (3, 1, "pi,dense,pi")])
+def test_the_stack_puts_one_dense_layer_where_the_setting_says(stacks, layers, dense_at, pattern):
+    stack = stacks.Stack(layers, dense_at)
+    assert stack.pattern("pi") == pattern
+    assert stack.ratio == f"{layers - 1}:1"
+
+
+def test_every_planned_run_is_a_valid_train_command_with_its_dense_layer(stacks):
+    runs = stacks.plan()
+    assert len(runs) == len({r.key for r in runs})  # no run twice
+    for run in runs:
+        cfg = checked(stacks.train_argv(run, 1e-3, Path("unused")))
+        model = cfg.model
+        setting = stacks.SETTINGS[run.setting]
+        assert model.n_layer == setting.layers and cfg.run.stop_at == "accuracy>=0.99"
+        if run.arm == "dense":
+            assert model.attention == "dense" and model.layers is None
+        else:
+            expected = stacks.Stack(setting.layers, setting.dense_at).pattern(stacks.mqar.ARMS[run.arm].attention)
+            assert model.layers == expected
+
+
+def record(setting: str, arm: str, seed: int, steps: int | None) -> dict:
+    return dict(key=f"{setting}/{arm}/seed{seed}", setting=setting, arm=arm, seed=seed, lr=1e-3,
+                steps_to_learn=steps, accuracy=0.99 if steps else 0.5, per_distance=dict(worst=[2, 0.9]),
+                wall_seconds=1.0, validation=[])
+
+
+def test_clause_one_compares_pi_with_the_better_window_and_counts_a_run_not_learned_past_the_budget(stacks):
+    done = {}
+    for seed, (local, sinks, pi, cover) in enumerate([(2000, 1400, 1000, None), (2400, 1600, 1000, 3000),
+                                                      (None, 1800, 1200, 2000)]):
+        for arm, steps in (("local-k4", local), ("local-k4-s4", sinks), ("pi-k4-p16", pi), ("pi-k4-cover", cover)):
+            r = record("h4-last", arm, seed, steps)
+            done[r["key"]] = r
+    s = stacks.summary(done)
+    arms = s["settings"]["h4-last"]
+    assert arms["local-k4"]["median_steps"] == 2400 and not arms["local-k4"]["learns"]
+    assert arms["local-k4-s4"]["median_steps"] == 1600 and arms["local-k4-s4"]["learns"]
+    clause = s["clauses"]["h4-last"]
+    assert clause["pi-k4-p16"]["verdict"] == "π helps"  # 1000 <= 0.75 × 1600
+    assert clause["pi-k4-p16"]["ratio_to_best_window"] == 0.625
+    assert clause["pi-k4-cover"]["verdict"] == "worse"  # median 3000 (one seed past the budget: 4200) > 1.33 × 1600
+
+
+def test_clause_one_says_no_difference_within_the_band(stacks):
+    done = {}
+    for arm, steps in (("local-k4", 2000), ("local-k4-s4", 1600), ("pi-k4-p16", 1400)):
+        r = record("h4-last", arm, 0, steps)
+        done[r["key"]] = r
+    assert stacks.summary(done)["clauses"]["h4-last"]["pi-k4-p16"]["verdict"] == "no difference"
+
+
+def test_clause_two_reads_the_largest_ratio_each_arm_learns(stacks):
+    done = {}
+    for setting, steps in (("h4-last", 1000), ("h8-last", None)):
+        r = record(setting, "pi-k4-p16", 0, steps)
+        done[r["key"]] = r
+    r = record("h4-pairs8", "pi-k4-p16", 0, 3000)
+    done[r["key"]] = r
+    ratio = stacks.summary(done)["ratio"]
+    assert ratio["4"]["pi-k4-p16"] == dict(tried=["3:1", "7:1"], learned=["3:1"])
+    assert ratio["8"]["pi-k4-p16"] == dict(tried=["3:1"], learned=["3:1"])
+
+
+def heads_row(arm: str, heads: int, beyond: float) -> dict:
+    return dict(arm=arm, heads=heads, fraction=str(heads), beyond=beyond)
+
+
+@pytest.mark.parametrize("local, pi, separated, verdict", [
+    ([0.0, 0.5, 0.96], [0.0, 0.96, 0.99], False, "π helps (a smaller f*)"),
+    ([0.0, 0.5, 0.96], [0.0, 0.5, 0.97], False, "no difference"),
+    ([0.0, 0.5, 0.96], [0.0, 0.6, 0.97], True, "π helps (a smaller f separates them)"),
+    ([0.0, 0.96, 0.99], [0.0, 0.5, 0.96], False, "worse (a larger f*)"),
+    ([0.0, 0.5, 0.6], [0.0, 0.5, 0.7], False, "not reached"),
+])
+def test_rule_one_of_the_conversion_reads_f_star(heads, local, pi, separated, verdict):
+    by_arm = {"local": [heads_row("local", k, b) for k, b in zip((0, 6, 45), local, strict=True)],
+              "pi": [heads_row("pi", k, b) for k, b in zip((0, 6, 45), pi, strict=True)]}
+    comparisons = {"0": dict(low=0.0), "6": dict(low=0.05 if separated else -0.02), "45": dict(low=-0.01)}
+    assert heads.verdict(by_arm, comparisons)["verdict"] == verdict
