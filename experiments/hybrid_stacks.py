@@ -232,8 +232,9 @@ def steps_clause(arms: dict) -> dict:
         steps = arms[arm]["median_steps"]
         # at most 0.75× the better window is at most 0.75× both
         text = "π helps" if steps <= 0.75 * best_window else "worse" if steps > 1.33 * best_window else "no difference"
+        seeds = min(len(arms[a]["seeds"]) for a in (arm, "local-k4", "local-k4-s4"))
         out[arm] = dict(verdict=text, ratio_to_best_window=round(steps / best_window, 3),
-                        windows=[best_window, worst_window])
+                        windows=[best_window, worst_window], provisional=seeds < 3)
     return out
 
 
@@ -270,7 +271,9 @@ def tables(done: dict[str, dict]) -> str:
         clause = s["clauses"].get(name)
         if clause:
             lines += ["", "Clause 1 (median steps against the better of local-k4 and local-k4-s4): "
-                      + "; ".join(f"{arm} {c['verdict']} ({c['ratio_to_best_window']}×)" for arm, c in clause.items())]
+                      + "; ".join(f"{arm} {c['verdict']} ({c['ratio_to_best_window']}×"
+                                  + (", provisional: fewer than 3 seeds)" if c["provisional"] else ")")
+                                  for arm, c in clause.items())]
         lines.append("")
     if s["ratio"]:
         lines += ["### Clause 2: the ratios at which each arm learns (dense layer last)", "",
