@@ -286,13 +286,7 @@ def speed(args, hs: HeadStudy, summary: dict) -> int:
     chosen = {arm: f_star.get(arm) or "1/2" for arm in STREAMING}
     models = {"dense": hs.study.dense}
     for arm, fraction in chosen.items():
-        heads = hs.dense_heads(fraction)
-        # local + sinks as a decoder deploys it: the period at the window (passkey_decode.build_arms says why)
-        settings = hs.study.args
-        if arm == "local":
-            hs.study.args = argparse.Namespace(**{**vars(settings), "context": settings.window})
-        models[f"{arm}@f={fraction}"] = hs.study.model(arm, heads)
-        hs.study.args = settings
+        models[f"{arm}@f={fraction}"] = passkey_decode.deployed_model(hs.study, arm, hs.dense_heads(fraction))
     dense = hs.study.dense
     lengths = passkey_decode.prompt_lengths(args.positions, getattr(dense.config, "max_position_embeddings", None),
                                             args.steps)

@@ -90,13 +90,22 @@ def build_arms(dense, settings: argparse.Namespace) -> dict:
     `settings` (the same conversion, the gates seeded alike; dense is `dense` itself)."""
     study = object.__new__(passkey.Study)  # Study.model reads .dense and .args only: skip loading the examples
     study.dense, study.args = dense, settings
-    arms = {arm: study.model(arm) for arm in passkey.ARMS}
-    # local + sinks as a decoder deploys it: the study's local has the period `context` (unused by its examples
-    # of at most `context` tokens), which past that position would add a skip key and a ring of context + 1
-    # positions; with the period at the window the skip key is one of the window's and the ring holds W + 1.
+    return {arm: deployed_model(study, arm) for arm in passkey.ARMS}
+
+
+def deployed_model(study: passkey.Study, arm: str, dense_heads: dict[int, list[int]] | None = None):
+    """`study.model(arm, dense_heads)` as a decoder deploys it. Only local + sinks differs: the study's local has
+    the period `context` (unused by its examples of at most `context` tokens), which past that position would add
+    a skip key and a ring of context + 1 positions; with the period at the window the skip key is one of the
+    window's and the ring holds W + 1."""
+    if arm != "local":
+        return study.model(arm, dense_heads)
+    settings = study.args
     study.args = argparse.Namespace(**{**vars(settings), "context": settings.window})
-    arms["local"] = study.model("local")
-    return arms
+    try:
+        return study.model(arm, dense_heads)
+    finally:
+        study.args = settings
 
 
 def prompt_lengths(positions: list[int], max_positions: int | None, steps: int) -> dict[int, int]:
