@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from mqar import Arm
 from runs import train_and_test, write_json
 from tqdm import tqdm
 
@@ -37,28 +38,13 @@ BUDGET = dict(config="tiny", seq_len=1024, batch=8, steps=1000, lr=2e-3, min_lr=
 WINDOW, PERIOD = 64, 128
 
 
-@dataclasses.dataclass(frozen=True)
-class Arm:
-    attention: str
-    layers: str | None
-    period: str | None = None
-    window: int | None = WINDOW
-
-    def flags(self) -> list[str]:
-        flags = ["--attention", self.attention]
-        if self.window is not None and self.attention != "dense":
-            flags += ["--window", str(self.window)]
-        if self.period is not None:
-            flags += ["--period", self.period]
-        return flags + (["--layers", self.layers] if self.layers else [])
-
-
+# mqar.Arm: the same `piattn train` attention flags (the all-dense stack takes no window)
 ARMS = {
-    "local": Arm("local", "local*3,dense"),
-    "pi": Arm("pi", "pi*3,dense", str(PERIOD)),
-    "cover": Arm("pi", "pi*3,dense", "cover"),
-    "all-local": Arm("local", None),
-    "all-dense": Arm("dense", None),
+    "local": Arm("local", WINDOW, layers="local*3,dense"),
+    "pi": Arm("pi", WINDOW, str(PERIOD), layers="pi*3,dense"),
+    "cover": Arm("pi", WINDOW, "cover", layers="pi*3,dense"),
+    "all-local": Arm("local", WINDOW),
+    "all-dense": Arm("dense"),
 }
 HYBRIDS = ("local", "pi", "cover")
 # The rule's order: seed 0 of every arm, then seeds 1 and 2 of the hybrids.
