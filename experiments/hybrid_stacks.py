@@ -12,6 +12,7 @@ medians). The test split is scored at the last checkpoint, by distance.
     python experiments/hybrid_stacks.py --plan           # the phases' runs in order, done or not
     python experiments/hybrid_stacks.py                  # every phase in order (resumable), then the tables
     python experiments/hybrid_stacks.py --only h4-last   # one setting (or an arm, or SETTING/ARM); --limit N
+    python experiments/hybrid_stacks.py --jobs 2         # two runs of a phase at a time (one thread each)
     python experiments/hybrid_stacks.py --report         # tables and figure of the finished runs only
 
 Phase 2 of the rule, the within-reach control, is experiments/mqar.py's setting `reach`
@@ -29,8 +30,10 @@ import argparse
 import dataclasses
 import json
 import statistics
+import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mqar
@@ -96,6 +99,7 @@ class Run:
     setting: str
     arm: str
     seed: int
+    phase: int = 0  # the index of its phase in PHASES (not part of the key)
 
     @property
     def key(self) -> str:
@@ -103,7 +107,8 @@ class Run:
 
 
 def plan() -> list[Run]:
-    return [Run(name, arm, seed) for name, seeds, arms in PHASES for seed in seeds for arm in arms]
+    return [Run(name, arm, seed, phase) for phase, (name, seeds, arms) in enumerate(PHASES) for seed in seeds
+            for arm in arms]
 
 
 def selected(runs: list[Run], only: list[str] | None) -> list[Run]:
@@ -168,24 +173,34 @@ def cost(run: Run) -> float:
     return 30 + STEPS * SECONDS_PER_STEP[SETTINGS[run.setting].layers]
 
 
-def execute(runs: list[Run], results: mqar.Results, runs_dir: Path, limit: int | None) -> None:
+def execute(runs: list[Run], results: mqar.Results, runs_dir: Path, limit: int | None, jobs: int = 1) -> None:
+    """Run what is not done, at most `limit` runs, phase by phase (the rule's order: a phase finishes before the
+    next starts), `jobs` runs of a phase at a time (each one thread). Records are added in the plan's order."""
     todo = [r for r in runs if r.key not in results.done]
     todo = todo[:limit] if limit is not None else todo
     if not todo:
         return
     rates = chosen_rates()
     log = results.path.parent / "train.log"
+
+    def go(run: Run) -> tuple[Run, dict, float]:
+        start = time.perf_counter()
+        try:
+            return run, one_run(run, rates[run.arm], runs_dir), time.perf_counter() - start
+        except subprocess.CalledProcessError as err:
+            raise SystemExit(f"{run.key} failed (exit {err.returncode}); its messages are in {log}") from None
+
     with mqar.children_quiet(log) as terminal:
         bar = tqdm(total=sum(cost(r) for r in todo), file=terminal, dynamic_ncols=True,
                    bar_format="hybrid MQAR {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} estimated s at most "
                    "[{elapsed} < {remaining}]")
-        for run in todo:
-            start = time.perf_counter()
-            record = one_run(run, rates[run.arm], runs_dir)
-            results.add(record)
-            bar.update(cost(run))
-            bar.write(f"{run.key}: test accuracy {record['accuracy']:.3f}, learned at {record['steps_to_learn']} "
-                      f"({time.perf_counter() - start:.0f} s)", file=terminal)
+        for phase in sorted({r.phase for r in todo}):
+            with ThreadPoolExecutor(jobs) as pool:
+                for run, record, seconds in pool.map(go, [r for r in todo if r.phase == phase]):
+                    results.add(record)
+                    bar.update(cost(run))
+                    bar.write(f"{run.key}: test accuracy {record['accuracy']:.3f}, learned at "
+                              f"{record['steps_to_learn']} ({seconds:.0f} s)", file=terminal)
         bar.close()
 
 
@@ -342,16 +357,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", action="store_true", help="tables and figure of the finished runs; run nothing")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="settings, arms or SETTING/ARM")
     parser.add_argument("--limit", type=int, help="run at most this many of the runs not yet done")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="runs of one phase at a time, each on one thread (phases still run in order)")
     args = parser.parse_args(argv)
     if args.limit is not None and args.limit < 0:
         parser.error(f"--limit must be >= 0, got {args.limit}")
+    if args.jobs < 1:
+        parser.error(f"--jobs must be >= 1, got {args.jobs}")
     results = mqar.Results(args.out / "runs.json")
     runs = selected(plan(), args.only)
     if args.plan:
         print_plan(runs, results)
         return 0
     if not args.report:
-        execute(runs, results, args.runs, args.limit)
+        execute(runs, results, args.runs, args.limit, args.jobs)
     report(results, args.out)
     return 0
 

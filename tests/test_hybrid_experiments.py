@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -51,6 +53,34 @@ def test_every_planned_run_is_a_valid_train_command_with_its_dense_layer(stacks)
         else:
             expected = stacks.Stack(setting.layers, setting.dense_at).pattern(stacks.mqar.ARMS[run.arm].attention)
             assert model.layers == expected
+
+
+def test_jobs_run_a_phase_together_and_the_phases_in_the_rules_order(stacks, monkeypatch, tmp_path):
+    events, running, lock = [], [0], threading.Lock()
+    most = [0]
+
+    def fake_run(run, lr, runs_dir):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            events.append(("start", run.phase, run.key))
+        time.sleep(0.02)
+        with lock:
+            running[0] -= 1
+            events.append(("end", run.phase, run.key))
+        return record(run.setting, run.arm, run.seed, 1000)
+
+    monkeypatch.setattr(stacks, "one_run", fake_run)
+    monkeypatch.setattr(stacks, "chosen_rates", lambda: dict.fromkeys(stacks.mqar.ARMS, 1e-3))
+    results = stacks.mqar.Results(tmp_path / "runs.json")
+    runs = [r for r in stacks.plan() if r.phase in (1, 2)]
+    stacks.execute(runs, results, tmp_path, limit=None, jobs=3)
+    assert set(results.done) == {r.key for r in runs}
+    assert most[0] == 3  # three at a time within a phase
+    last_end_of_phase_1 = max(i for i, (what, phase, _) in enumerate(events) if what == "end" and phase == 1)
+    first_start_of_phase_2 = min(i for i, (what, phase, _) in enumerate(events) if what == "start" and phase == 2)
+    assert last_end_of_phase_1 < first_start_of_phase_2
+    assert list(results.done) == [r.key for r in runs]  # records in the plan's order
 
 
 def record(setting: str, arm: str, seed: int, steps: int | None) -> dict:
