@@ -164,3 +164,25 @@ def test_left_padding_with_dense_heads_gives_each_row_what_it_gives_alone():
             steps.append(model(ids[:, t:t + 1], attention_mask=mask[:, :t + 1], position_ids=pos[:, t:t + 1],
                                cache=cache).logits)
     torch.testing.assert_close(torch.cat(steps, 1)[:1], alone[:, prompt - pads - 1:], rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.slow  # compiling the model takes about a minute on 2 cores
+def test_mixed_heads_compiled_give_the_eager_logits_and_gradients():
+    """torch.compile over a model whose layers mix dense and π heads (graph breaks where the attention function
+    reads positions from tensors): the same logits and the same gradients as the eager model."""
+    ids = tokens(2, 24)
+    model = _converted({0: [1], 1: [0]}, dtype=torch.float32)
+    compiled = torch.compile(model)
+
+    def loss_and_grads(m):
+        model.zero_grad(set_to_none=True)
+        logits = m(ids, use_cache=False).logits
+        logits.logsumexp(-1).mean().backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want_logits, want = loss_and_grads(model)
+    got_logits, got = loss_and_grads(compiled)
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-5)
+    assert got.keys() == want.keys() and any(".pi_gate." in n for n in want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
