@@ -9,7 +9,7 @@ docs/results.md §11).
     python experiments/hybrid_text.py --report    # the table of the finished runs only
 
 Resumable: OUT/text_runs.json holds every finished run, rewritten after each; `runs.train_and_test` continues
-a run cut short from its latest checkpoint. Writes OUT/text.{json,md} and OUT/text_timing.{json,md}, OUT
+a run cut short from its latest checkpoint. Writes OUT/text.{json,md,png} and OUT/text_timing.{json,md}, OUT
 defaulting to experiments/results/hybrids/.
 """
 
@@ -127,6 +127,42 @@ def table(done: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def plot(done: dict[str, dict], path: Path) -> None:
+    """Test bits per byte of every run (a dot per seed, a dash at the mean), and validation bits per byte against
+    steps (a line per seed), per arm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = [a for a in ARMS if any(r["arm"] == a for r in done.values())]
+    if not arms:
+        return
+    colors = dict(zip(ARMS, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for i, arm in enumerate(arms):
+        rows = [r for r in done.values() if r["arm"] == arm]
+        values = [r["test_bpb"] for r in rows]
+        left.hlines(statistics.mean(values), i - 0.3, i + 0.3, color=colors[arm])
+        left.scatter([i] * len(values), values, color=colors[arm], s=14, zorder=3)
+        for k, r in enumerate(sorted(rows, key=lambda r: r["seed"])):
+            steps, bpb = zip(*r["validation"], strict=True)
+            right.plot(steps, bpb, color=colors[arm], lw=1, marker=".", label=arm if k == 0 else None)
+    every = [r["test_bpb"] for r in done.values()]
+    left.set_ylim(min(every) - 0.02, max(every) + 0.02)
+    left.set_xticks(range(len(arms)), arms, fontsize=8)
+    left.set_ylabel("test bits per byte (dots: seeds; dash: mean)")
+    right.set_xlabel("step")
+    right.set_ylabel("validation bits per byte")
+    right.legend(fontsize=7)
+    b = BUDGET
+    fig.suptitle(f"Books in hybrid stacks: 3 windowed layers + 1 dense ({b['steps']} steps, batch {b['batch']} × "
+                 f"{b['seq_len']} bytes)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 # --- cost side by side -------------------------------------------------------------------------------
 
 def timing(args) -> int:
@@ -211,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     write_json(args.out / "text.json", dict(budget=BUDGET, arms={a: dataclasses.asdict(x) for a, x in ARMS.items()},
                                             runs=list(done.values()), clause_one=clause_one(done)))
     (args.out / "text.md").write_text("# Books in hybrid stacks (experiments/hybrid_text.py)\n\n" + text + "\n")
+    plot(done, args.out / "text.png")
     print(text)
     return 0
 
