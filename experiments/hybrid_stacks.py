@@ -309,7 +309,7 @@ def plot(done: dict[str, dict], path: Path) -> None:
     names = [n for n in SETTINGS if any(r["setting"] == n for r in done.values())]
     if not names:
         return
-    fig, axes = plt.subplots(1, len(names), figsize=(4.6 * len(names), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(names), figsize=(max(6.4, 4.6 * len(names)), 3.8), squeeze=False)
     colors = dict(zip(mqar.ARMS, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
     for ax, name in zip(axes[0], names, strict=True):
         for arm in mqar.ARMS:
