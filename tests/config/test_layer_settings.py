@@ -185,11 +185,12 @@ def test_the_local_and_dense_layers_are_softmax_over_their_own_keys():
 
 
 def brute_force_reach(kinds, settings, T: int, max_lag: int) -> list[bool]:
-    """Lag d is reachable when the product of the layers' causal masks (first layer rightmost) links the last
-    query to the key d before it."""
+    """Lag d is reachable when the product of the layers' causal masks (first layer rightmost; a layer's mask
+    the union of its heads', each with its own period) links the last query to the key d before it."""
     paths = torch.eye(T, dtype=torch.int64)
-    for kind, own in zip(kinds, settings, strict=True):
-        mask = allowed_keys(kind, T, own["window"], own["period"], 0).long()
+    for layer, (kind, own) in enumerate(zip(kinds, settings, strict=True)):
+        periods = set(periods_per_layer(own["period"], len(kinds), own["n_head"])[layer])
+        mask = sum(allowed_keys(kind, T, own["window"], p, 0).long() for p in periods).clamp(max=1)
         paths = (mask @ paths).clamp(max=1)
     return [bool(paths[T - 1, T - 1 - d]) for d in range(max_lag + 1)]
 
@@ -213,16 +214,28 @@ def test_cover_is_designed_for_the_pi_layers_own_window():
     assert GPTConfig.from_dict(cfg.to_dict()).period == cfg.period
 
 
-@pytest.mark.parametrize("pattern, why", [
-    ("pi(window=3),pi,dense,dense", "gives its π layers the windows [2, 3]"),
-    ("pi(period=9),pi,dense,dense", "gives its π layers periods of their own"),
-])
-def test_cover_refuses_pi_layers_of_their_own_windows_or_periods(pattern, why):
+@pytest.mark.parametrize("pattern", ["pi(window=3),pi,local,pi(window=5)", "pi,pi(window=6)*3"])
+def test_cover_over_pi_layers_of_their_own_windows_is_designed_for_the_narrowest_and_covers(pattern):
+    """SMALL's window is 2: the design is cover's for window 2 over the π layers, and the stack with its real
+    (wider) windows reaches every lag up to the target, by a brute-force mask product."""
+    target = 40
+    cfg = GPTConfig(n_layer=4, layers=pattern, **{**SMALL, "period": f"cover:{target}"})
+    kinds = cfg.layer_kinds()
+    pi_layers = [i for i, kind in enumerate(kinds) if kind == "pi"]
+    designed = schedule("cover", 2, len(pi_layers), 2, target=target)
+    assert [cfg.period[i] for i in pi_layers] == [list(h) for h in designed]
+    layers = [layer_fields(cfg.to_dict(), i) for i in range(4)]
+    assert all(brute_force_reach(kinds, layers, T=64, max_lag=target))
+    assert all(model_reach(cfg.to_dict(), target).reachable.tolist())
+
+
+def test_cover_refuses_pi_layers_of_their_own_periods():
+    pattern = "pi(period=9),pi,dense,dense"
     with pytest.raises(ValueError) as refused:
         GPTConfig(n_layer=4, layers=pattern, **{**SMALL, "period": "cover"})
-    assert str(refused.value) == (f"period 'cover' designs one set of periods for one window, but layers "
-                                  f"{pattern!r} {why}: give the periods (--period, or period= in the items) or "
-                                  f"one window")
+    assert str(refused.value) == (f"period 'cover' designs the periods of the π layers, but layers {pattern!r} "
+                                  "gives them periods of their own: give the periods (--period, or period= in the "
+                                  "items) or the schedule, not both")
 
 
 @pytest.mark.parametrize("prompt, max_positions", [(1, None), (5, 24)])
@@ -280,7 +293,7 @@ def test_train_eval_resume_load_with_own_windows(tmp_path, capsys):
 @pytest.mark.parametrize("layers, flags, words", [
     ("dense(window=4),local", [], "layers 'dense(window=4),local', item 'dense(window=4)': dense takes no window"),
     ("local(period=8),local", [], "local takes no period"),
-    ("pi(window=2)*2,pi", ["--period", "cover"], "designs one set of periods for one window"),
+    ("pi(period=9)*2,pi", ["--period", "cover"], "gives them periods of their own"),
     ("pi(window=2", [], "unbalanced parentheses"),
 ])
 def test_train_refuses_in_one_line(tmp_path, capsys, layers, flags, words):

@@ -132,19 +132,19 @@ class ModelConfig:
                                 for settings, own in zip(shared, self._own, strict=True))
 
     def _designed_window(self, pi_layers: list[int] | None) -> int:
-        """The window a period schedule is designed for: the shared one, or in a hybrid stack the one window of
-        its π layers. A "cover" schedule designs one set of periods for one window: ValueError naming `period` and
-        `layers` when the π layers' items give them different windows, or periods of their own."""
+        """The window a period schedule is designed for: the shared one, or in a hybrid stack the narrowest
+        window of its π layers. A "cover" design for the narrowest window covers its target whatever wider
+        windows the other π layers have: a wider window only adds lags to a layer's hops, so the sum set over
+        the layers only grows. ValueError naming `period` and `layers` when the π layers' items give them
+        periods of their own (a designed schedule and given periods cannot both hold)."""
         cover = isinstance(self.period, str) and self.period.partition(":")[0] == "cover"
         if pi_layers is None or not cover:  # the other schedules read no window
             return self.window
-        windows = sorted({self._own[i].get("window", self.window) for i in pi_layers})
-        if len(windows) > 1 or any("period" in self._own[i] for i in pi_layers):
-            raise ValueError(f"period {self.period!r} designs one set of periods for one window, but layers "
-                             f"{self.layers!r} gives its π layers "
-                             + (f"the windows {windows}" if len(windows) > 1 else "periods of their own")
-                             + ": give the periods (--period, or period= in the items) or one window")
-        return windows[0] if windows else self.window
+        if any("period" in self._own[i] for i in pi_layers):
+            raise ValueError(f"period {self.period!r} designs the periods of the π layers, but layers "
+                             f"{self.layers!r} gives them periods of their own: give the periods (--period, or "
+                             "period= in the items) or the schedule, not both")
+        return min((self._own[i].get("window", self.window) for i in pi_layers), default=self.window)
 
     def layer_kinds(self) -> tuple[str, ...]:
         """The attention kind of each of the n_layer layers: `layers` expanded (`parse_layers`), or `attention`
