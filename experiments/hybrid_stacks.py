@@ -299,8 +299,22 @@ def tables(done: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def pooled_by_distance(rows: list[dict], least: int = 20) -> tuple[list[int], list[float]]:
+    """Test accuracy by key–query distance over the runs `rows` (their queries pooled), at the distances with at
+    least `least` pooled queries."""
+    right: dict[int, float] = {}
+    asked: dict[int, int] = {}
+    for r in rows:
+        for d, n in r["queries_by_distance"].items():
+            asked[int(d)] = asked.get(int(d), 0) + n
+            right[int(d)] = right.get(int(d), 0.0) + n * r["accuracy_by_distance"][d]
+    distances = sorted(d for d, n in asked.items() if n >= least)
+    return distances, [right[d] / asked[d] for d in distances]
+
+
 def plot(done: dict[str, dict], path: Path) -> None:
-    """Validation accuracy against steps, per arm (a line per seed), one panel per setting."""
+    """Per setting (a column): validation accuracy against steps, a line per run; below, test accuracy by
+    key–query distance, each arm's seeds pooled."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -309,20 +323,29 @@ def plot(done: dict[str, dict], path: Path) -> None:
     names = [n for n in SETTINGS if any(r["setting"] == n for r in done.values())]
     if not names:
         return
-    fig, axes = plt.subplots(1, len(names), figsize=(max(6.4, 4.6 * len(names)), 3.8), squeeze=False)
+    fig, axes = plt.subplots(2, len(names), figsize=(max(6.4, 4.6 * len(names)), 7.2), squeeze=False)
     colors = dict(zip(mqar.ARMS, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
-    for ax, name in zip(axes[0], names, strict=True):
+    for column, name in enumerate(names):
+        curves, by_distance = axes[0][column], axes[1][column]
         for arm in mqar.ARMS:
-            for k, r in enumerate(runs_of(done, name, arm)):
+            rows = runs_of(done, name, arm)
+            for k, r in enumerate(rows):
                 steps, accuracy = zip(*r["validation"], strict=True) if r["validation"] else ((), ())
-                ax.plot(steps, accuracy, color=colors[arm], lw=1, alpha=0.8, label=arm if k == 0 else None)
-        ax.axhline(TARGET, color="grey", ls=":", lw=0.8)
-        ax.set_ylim(0, 1.02)
-        ax.set_xlabel("step")
+                curves.plot(steps, accuracy, color=colors[arm], lw=1, alpha=0.8, label=arm if k == 0 else None)
+            if rows:
+                by_distance.plot(*pooled_by_distance(rows), color=colors[arm], lw=1, marker=".", ms=3,
+                                 label=f"{arm} ({len(rows)} seeds)")
+        curves.axhline(TARGET, color="grey", ls=":", lw=0.8)
+        curves.set_ylim(0, 1.02)
+        curves.set_xlabel("step")
         st = SETTINGS[name]
-        ax.set_title(f"{name}: {st.layers} layers ({st.ratio}), {st.pairs} pairs", fontsize=9)
+        curves.set_title(f"{name}: {st.layers} layers ({st.ratio}), {st.pairs} pairs", fontsize=9)
+        by_distance.set_ylim(0, 1.02)
+        by_distance.set_xlabel("key–query distance (tokens)")
     axes[0][0].set_ylabel("validation accuracy")
+    axes[1][0].set_ylabel("test accuracy (seeds pooled)")
     axes[0][-1].legend(fontsize=7, loc="lower right")
+    axes[1][-1].legend(fontsize=7, loc="lower left")
     fig.suptitle(f"MQAR in hybrid stacks: windowed layers + one dense layer (dotted: {TARGET})", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
