@@ -33,7 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import mqar
@@ -175,7 +175,8 @@ def cost(run: Run) -> float:
 
 def execute(runs: list[Run], results: mqar.Results, runs_dir: Path, limit: int | None, jobs: int = 1) -> None:
     """Run what is not done, at most `limit` runs, phase by phase (the rule's order: a phase finishes before the
-    next starts), `jobs` runs of a phase at a time (each one thread). Records are added in the plan's order."""
+    next starts), `jobs` runs of a phase at a time (each one thread). Each run's record is kept (OUT/runs.json
+    rewritten) as soon as it ends."""
     todo = [r for r in runs if r.key not in results.done]
     todo = todo[:limit] if limit is not None else todo
     if not todo:
@@ -196,7 +197,9 @@ def execute(runs: list[Run], results: mqar.Results, runs_dir: Path, limit: int |
                    "[{elapsed} < {remaining}]")
         for phase in sorted({r.phase for r in todo}):
             with ThreadPoolExecutor(jobs) as pool:
-                for run, record, seconds in pool.map(go, [r for r in todo if r.phase == phase]):
+                futures = [pool.submit(go, r) for r in todo if r.phase == phase]
+                for future in as_completed(futures):  # each record kept as soon as its run ends
+                    run, record, seconds = future.result()
                     results.add(record)
                     bar.update(cost(run))
                     bar.write(f"{run.key}: test accuracy {record['accuracy']:.3f}, learned at "

@@ -80,7 +80,6 @@ def test_jobs_run_a_phase_together_and_the_phases_in_the_rules_order(stacks, mon
     last_end_of_phase_1 = max(i for i, (what, phase, _) in enumerate(events) if what == "end" and phase == 1)
     first_start_of_phase_2 = min(i for i, (what, phase, _) in enumerate(events) if what == "start" and phase == 2)
     assert last_end_of_phase_1 < first_start_of_phase_2
-    assert list(results.done) == [r.key for r in runs]  # records in the plan's order
 
 
 def record(setting: str, arm: str, seed: int, steps: int | None) -> dict:
