@@ -30,14 +30,12 @@ import argparse
 import dataclasses
 import json
 import statistics
-import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 import mqar
-from runs import train_and_test, write_json
+from runs import timed_or_exit, train_and_test, write_json
 from tqdm import tqdm
 
 STEPS = 4000
@@ -99,7 +97,7 @@ class Run:
     setting: str
     arm: str
     seed: int
-    phase: int = 0  # the index of its phase in PHASES (not part of the key)
+    phase: int  # the index of its phase in PHASES (not part of the key)
 
     @property
     def key(self) -> str:
@@ -185,11 +183,7 @@ def execute(runs: list[Run], results: mqar.Results, runs_dir: Path, limit: int |
     log = results.path.parent / "train.log"
 
     def go(run: Run) -> tuple[Run, dict, float]:
-        start = time.perf_counter()
-        try:
-            return run, one_run(run, rates[run.arm], runs_dir), time.perf_counter() - start
-        except subprocess.CalledProcessError as err:
-            raise SystemExit(f"{run.key} failed (exit {err.returncode}); its messages are in {log}") from None
+        return run, *timed_or_exit(run.key, log, lambda: one_run(run, rates[run.arm], runs_dir))
 
     with mqar.children_quiet(log) as terminal:
         bar = tqdm(total=sum(cost(r) for r in todo), file=terminal, dynamic_ncols=True,

@@ -48,14 +48,12 @@ import functools
 import json
 import os
 import statistics
-import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from runs import train_and_test, write_json
+from runs import timed_or_exit, train_and_test, write_json
 from tqdm import tqdm
 
 from piattn.analysis.report import lag_runs
@@ -392,12 +390,7 @@ def execute(runs: list[Run], results: Results, runs_dir: Path, jobs: int, limit:
 
             def go(job):
                 run, lr = job
-                start = time.perf_counter()
-                try:
-                    return run, one_run(run, lr, runs_dir), time.perf_counter() - start
-                except subprocess.CalledProcessError as err:
-                    raise SystemExit(f"{run.key(lr)} failed (exit {err.returncode}); its messages are in "
-                                     f"{log}") from None
+                return run, *timed_or_exit(run.key(lr), log, lambda: one_run(run, lr, runs_dir))
 
             with ThreadPoolExecutor(jobs) as pool:
                 for run, record, seconds in pool.map(go, ready):

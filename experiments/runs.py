@@ -32,6 +32,17 @@ def train_and_test(run: Path, train_argv: list[str], eval_argv: list[str] = ()) 
     return json.loads(next(run.glob("eval/*_test.json")).read_text())
 
 
+def timed_or_exit(key: str, log: Path, call):
+    """(call(), its seconds): one run of a script that runs several at a time. A trainer or evaluator that fails
+    (`train_and_test`'s CalledProcessError) stops the script with one line naming the run and the log that holds
+    its messages."""
+    start = time.perf_counter()
+    try:
+        return call(), time.perf_counter() - start
+    except subprocess.CalledProcessError as err:
+        raise SystemExit(f"{key} failed (exit {err.returncode}); its messages are in {log}") from None
+
+
 def write_json(path: Path, data) -> None:
     """`data` as JSON at `path`, through a temporary file renamed over it: never a half-written file."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -64,7 +65,7 @@ def test_jobs_run_a_phase_together_and_the_phases_in_the_rules_order(stacks, mon
             running[0] += 1
             most[0] = max(most[0], running[0])
             events.append(("start", run.phase, run.key))
-        time.sleep(0.02)
+        time.sleep(0.1)  # long enough that three start before the first ends, on a loaded machine too
         with lock:
             running[0] -= 1
             events.append(("end", run.phase, run.key))
@@ -80,6 +81,20 @@ def test_jobs_run_a_phase_together_and_the_phases_in_the_rules_order(stacks, mon
     last_end_of_phase_1 = max(i for i, (what, phase, _) in enumerate(events) if what == "end" and phase == 1)
     first_start_of_phase_2 = min(i for i, (what, phase, _) in enumerate(events) if what == "start" and phase == 2)
     assert last_end_of_phase_1 < first_start_of_phase_2
+
+
+def test_a_failed_run_stops_the_script_naming_the_run_and_its_log(stacks, monkeypatch, tmp_path):
+    def failing_run(run, lr, runs_dir):
+        raise subprocess.CalledProcessError(3, ["piattn", "train"])
+
+    monkeypatch.setattr(stacks, "one_run", failing_run)
+    monkeypatch.setattr(stacks, "chosen_rates", lambda: dict.fromkeys(stacks.mqar.ARMS, 1e-3))
+    results = stacks.mqar.Results(tmp_path / "runs.json")
+    run = stacks.plan()[0]
+    with pytest.raises(SystemExit) as stopped:
+        stacks.execute([run], results, tmp_path, limit=None)
+    assert str(stopped.value) == f"{run.key} failed (exit 3); its messages are in {tmp_path / 'train.log'}"
+    assert not results.done
 
 
 def record(setting: str, arm: str, seed: int, steps: int | None) -> dict:
