@@ -42,9 +42,11 @@ demo: $(DEMO_STAMP)
 
 # -n auto: one pytest worker per core (pytest-xdist); the suite's tests are independent of their order.
 # --dist loadgroup: a file marked xdist_group runs on one worker, so its costly module fixture runs once.
+# PYTHONDONTWRITEBYTECODE cleared: where the environment sets it, every interpreter the tests start (torchrun
+# ranks, scripts, ~60 children) compiled piattn's sources again, and each worker rewrote every test module's asserts.
 test: $(TEST_STAMP)
 	@echo "running the tests (one worker per core; about 5 minutes on 2 cores; dots appear once workers start)"
-	$(PY) -m pytest -q -m "not slow" -n auto --dist loadgroup
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -m "not slow" -n auto --dist loadgroup
 
 test-slow: $(TEST_STAMP)
 	$(PY) -m pytest -q -m "slow"
