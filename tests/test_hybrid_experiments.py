@@ -128,6 +128,18 @@ def test_clause_one_says_no_difference_within_the_band(stacks):
     assert stacks.summary(done)["clauses"]["h4-last"]["pi-k4-p16"]["verdict"] == "no difference"
 
 
+def test_clause_one_is_provisional_until_the_seeds_its_phase_planned_are_in(stacks):
+    """h8-last's phase runs seeds 0 and 1: two seeds judge it; h4-last's runs 0–2: two seeds do not."""
+    for setting, provisional in (("h8-last", False), ("h4-last", True)):
+        done = {}
+        for seed in (0, 1):
+            for arm, steps in (("local-k4", None), ("local-k4-s4", 2000), ("pi-k4-p16", None)):
+                r = record(setting, arm, seed, steps)
+                done[r["key"]] = r
+        clause = stacks.summary(done)["clauses"][setting]["pi-k4-p16"]
+        assert clause["verdict"] == "worse" and clause["provisional"] is provisional, setting
+
+
 def test_clause_two_reads_the_largest_ratio_each_arm_learns(stacks):
     done = {}
     for setting, steps in (("h4-last", 1000), ("h8-last", None)):
