@@ -171,7 +171,7 @@ def builds(request, tmp_path_factory) -> list[Build]:
     kept in pytest's cache folder (.pytest_cache/d/cross-arch, shared by xdist's workers), else for the session."""
     if cbuild.missing_features(HOST_LEVEL, cbuild.cpu_features()):
         pytest.skip(f"this CPU cannot run {HOST_LEVEL} code")
-    cache = request.config.cache
+    cache = getattr(request.config, "cache", None)  # absent under `-p no:cacheprovider`
     root = cache.mkdir("cross-arch") if cache is not None else tmp_path_factory.mktemp("cross-arch")
     targets = [(HOST_LEVEL, HOST_CC, HOST_LEVEL, ()), *((f"aarch64-{level}", CROSS_CC, level, (QEMU,))
                                                       for level in AARCH64_LEVELS)]
