@@ -1,6 +1,6 @@
-"""MQAR in hybrid stacks: windowed layers (local, local + sinks, π, multi-scale π, a wide window) with one dense
-layer, against an all-dense stack; steps-to-learn, the windowed:dense ratio at which each still learns, accuracy
-by distance (issue 59, part (a); the rule in docs/results.md §11).
+"""MQAR in hybrid stacks: windowed layers (local, local + sinks, π, multi-scale π, a wide window, π + sinks) with
+one dense layer, against an all-dense stack; steps-to-learn, the windowed:dense ratio at which each still learns,
+accuracy by distance (issue 59, part (a); the rule in docs/results.md §11).
 
 The MQAR study's task and recipe (experiments/mqar.py's TASK, its arms' windowed patterns, each arm at the rate
 its main-setting sweep chose, read from that study's runs.json), with the pattern of the windowed arm in every
@@ -79,12 +79,21 @@ SETTINGS = {
     "h4-second": Stack(4, 1),
 }
 WINDOWED = tuple(a for a in mqar.ARMS if a != DENSE)
-# The rule's phases, in order: (setting, seeds, arms). Phase 2, the within-reach control, runs in mqar.py.
+# The rule's amendment (docs/results.md §11, set before its runs): π with local + sinks' 4 sinks, so that the
+# skip key is the only difference from the field's window. Not an arm of the MQAR study: it trains at the rate
+# of the arm named here, whose sweep chose it (π's, 3e-3, which local + sinks' sweep chose too).
+HYBRID_ONLY = {"pi-k4-p16-s4": (mqar.Arm("pi", 4, 16, sinks=4), "pi-k4-p16")}
+ARMS = {**mqar.ARMS, **{name: arm for name, (arm, _) in HYBRID_ONLY.items()}}
+PI_ARMS = ("pi-k4-p16", "pi-k4-cover", *HYBRID_ONLY)  # the arms clause 1 sets against the windows
+# The rule's phases, in order: (setting, seeds, arms). Phase 2, the within-reach control, runs in mqar.py. The
+# amendment's two settings run after phase 4, before the dense layer moves (h4-second) and the extra seeds.
 PHASES = (
     ("h4-last", (0, 1, 2), (*WINDOWED, DENSE)),
     ("h8-last", (0, 1), WINDOWED),
     ("h4-pairs8", (0, 1), WINDOWED),
     ("h8-pairs8", (0, 1), WINDOWED),
+    ("h4-last", (0, 1, 2), tuple(HYBRID_ONLY)),
+    ("h8-last", (0, 1), tuple(HYBRID_ONLY)),
     ("h4-second", (0, 1, 2), WINDOWED),
     ("h4-last", (3, 4), WINDOWED),
 )
@@ -112,10 +121,10 @@ def plan() -> list[Run]:
 def selected(runs: list[Run], only: list[str] | None) -> list[Run]:
     if not only:
         return runs
-    known = {*SETTINGS, *mqar.ARMS, *(f"{s}/{a}" for s in SETTINGS for a in mqar.ARMS)}
+    known = {*SETTINGS, *ARMS, *(f"{s}/{a}" for s in SETTINGS for a in ARMS)}
     unknown = [n for n in only if n not in known]
     if unknown:
-        raise SystemExit(f"--only: unknown {unknown}; use settings {list(SETTINGS)}, arms {list(mqar.ARMS)} or "
+        raise SystemExit(f"--only: unknown {unknown}; use settings {list(SETTINGS)}, arms {list(ARMS)} or "
                          "SETTING/ARM")
     return [r for r in runs if {r.setting, r.arm, f"{r.setting}/{r.arm}"} & set(only)]
 
@@ -124,6 +133,7 @@ def chosen_rates() -> dict[str, float]:
     """Each arm's rate from the MQAR study's main-setting sweep (its runs.json): one home for the fact."""
     done = mqar.Results(Path(mqar.__file__).parent / "results" / "mqar" / "runs.json").done
     rates = {arm: mqar.chosen_lr(done, arm) for arm in mqar.ARMS}
+    rates.update({arm: rates[source] for arm, (_, source) in HYBRID_ONLY.items()})
     missing = [arm for arm, lr in rates.items() if lr is None]
     if missing:
         raise SystemExit(f"the MQAR study's sweep has not chosen a rate for {missing}: run experiments/mqar.py "
@@ -133,7 +143,7 @@ def chosen_rates() -> dict[str, float]:
 
 def arm_flags(run: Run) -> list[str]:
     """The arm's `piattn train` flags in the setting: the windowed pattern around the dense layer, or dense."""
-    arm = mqar.ARMS[run.arm]
+    arm = ARMS[run.arm]
     if run.arm == DENSE:
         return arm.flags()
     return dataclasses.replace(arm, layers=SETTINGS[run.setting].pattern(arm.attention)).flags()
@@ -216,7 +226,7 @@ def summary(done: dict[str, dict]) -> dict:
     out: dict = {"settings": {}, "clauses": {}}
     for name in SETTINGS:
         arms = {}
-        for arm in mqar.ARMS:
+        for arm in ARMS:
             rows = runs_of(done, name, arm)
             if rows:
                 arms[arm] = dict(seeds=[r["seed"] for r in rows], steps_to_learn=[r["steps_to_learn"] for r in rows],
@@ -238,14 +248,14 @@ def first_phase_seeds(setting: str) -> int:
 
 
 def steps_clause(arms: dict, planned_seeds: int) -> dict:
-    """Clause 1: π's (or cover's) median steps-to-learn against the better of local-k4 and local-k4-s4;
+    """Clause 1: each π arm's (PI_ARMS) median steps-to-learn against the better of local-k4 and local-k4-s4;
     provisional while any of the three has fewer than `planned_seeds` seeds."""
     windows = [arms[a]["median_steps"] for a in ("local-k4", "local-k4-s4") if a in arms]
     if len(windows) < 2:
         return {}
     best_window, worst_window = min(windows), max(windows)
     out = {}
-    for arm in ("pi-k4-p16", "pi-k4-cover"):
+    for arm in PI_ARMS:
         if arm not in arms:
             continue
         steps = arms[arm]["median_steps"]
@@ -262,7 +272,7 @@ def ratio_clause(settings: dict) -> dict:
     out = {}
     for pairs in ("4", "8"):
         names = [n for n, s in SETTINGS.items() if s.pairs == pairs and s.dense_at == s.layers - 1 and n in settings]
-        for arm in mqar.ARMS:
+        for arm in ARMS:
             learned = [SETTINGS[n].ratio for n in names if arm in settings[n] and settings[n][arm]["learns"]]
             tried = [SETTINGS[n].ratio for n in names if arm in settings[n]]
             if tried:
@@ -328,10 +338,10 @@ def plot(done: dict[str, dict], path: Path) -> None:
     if not names:
         return
     fig, axes = plt.subplots(2, len(names), figsize=(max(6.4, 4.6 * len(names)), 7.2), squeeze=False)
-    colors = dict(zip(mqar.ARMS, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    colors = dict(zip(ARMS, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
     for column, name in enumerate(names):
         curves, by_distance = axes[0][column], axes[1][column]
-        for arm in mqar.ARMS:
+        for arm in ARMS:
             rows = runs_of(done, name, arm)
             for k, r in enumerate(rows):
                 steps, accuracy = zip(*r["validation"], strict=True) if r["validation"] else ((), ())

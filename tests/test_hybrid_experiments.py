@@ -52,8 +52,23 @@ def test_every_planned_run_is_a_valid_train_command_with_its_dense_layer(stacks)
         if run.arm == "dense":
             assert model.attention == "dense" and model.layers is None
         else:
-            expected = stacks.Stack(setting.layers, setting.dense_at).pattern(stacks.mqar.ARMS[run.arm].attention)
+            expected = stacks.Stack(setting.layers, setting.dense_at).pattern(stacks.ARMS[run.arm].attention)
             assert model.layers == expected
+
+
+def test_the_amendments_pi_with_sinks_runs_after_the_eight_pair_phases_at_its_borrowed_rate(stacks, monkeypatch):
+    """π + sinks differs from local + sinks by the skip key alone; it trains at π's chosen rate, and its
+    settings run after h8-pairs8 and before h4-second."""
+    runs = [r for r in stacks.plan() if r.arm == "pi-k4-p16-s4"]
+    assert [(r.setting, r.seed) for r in runs] == [("h4-last", 0), ("h4-last", 1), ("h4-last", 2), ("h8-last", 0),
+                                                   ("h8-last", 1)]
+    phase_of = {r.setting: r.phase for r in stacks.plan() if r.arm == "local-k4"}
+    assert phase_of["h8-pairs8"] < min(r.phase for r in runs) <= max(r.phase for r in runs) < phase_of["h4-second"]
+    argv = stacks.train_argv(runs[0], 3e-3, Path("unused"))
+    assert " ".join(stacks.arm_flags(runs[0])) == "--attention pi --window 4 --period 16 --layers pi*3,dense --sinks 4"
+    assert checked(argv).model.sinks == 4
+    monkeypatch.setattr(stacks.mqar, "chosen_lr", lambda done, arm: {"pi-k4-p16": 3e-3}.get(arm, 1e-3))
+    assert stacks.chosen_rates()["pi-k4-p16-s4"] == 3e-3
 
 
 def test_jobs_run_a_phase_together_and_the_phases_in_the_rules_order(stacks, monkeypatch, tmp_path):
@@ -72,7 +87,7 @@ def test_jobs_run_a_phase_together_and_the_phases_in_the_rules_order(stacks, mon
         return record(run.setting, run.arm, run.seed, 1000)
 
     monkeypatch.setattr(stacks, "one_run", fake_run)
-    monkeypatch.setattr(stacks, "chosen_rates", lambda: dict.fromkeys(stacks.mqar.ARMS, 1e-3))
+    monkeypatch.setattr(stacks, "chosen_rates", lambda: dict.fromkeys(stacks.ARMS, 1e-3))
     results = stacks.mqar.Results(tmp_path / "runs.json")
     runs = [r for r in stacks.plan() if r.phase in (1, 2)]
     stacks.execute(runs, results, tmp_path, limit=None, jobs=3)
@@ -88,7 +103,7 @@ def test_a_failed_run_stops_the_script_naming_the_run_and_its_log(stacks, monkey
         raise subprocess.CalledProcessError(3, ["piattn", "train"])
 
     monkeypatch.setattr(stacks, "one_run", failing_run)
-    monkeypatch.setattr(stacks, "chosen_rates", lambda: dict.fromkeys(stacks.mqar.ARMS, 1e-3))
+    monkeypatch.setattr(stacks, "chosen_rates", lambda: dict.fromkeys(stacks.ARMS, 1e-3))
     results = stacks.mqar.Results(tmp_path / "runs.json")
     run = stacks.plan()[0]
     with pytest.raises(SystemExit) as stopped:
@@ -138,6 +153,14 @@ def test_clause_one_is_provisional_until_the_seeds_its_phase_planned_are_in(stac
                 done[r["key"]] = r
         clause = stacks.summary(done)["clauses"][setting]["pi-k4-p16"]
         assert clause["verdict"] == "worse" and clause["provisional"] is provisional, setting
+
+
+def test_clause_one_judges_pi_with_sinks_as_it_judges_pi(stacks):
+    done = {}
+    for arm, steps in (("local-k4", 2000), ("local-k4-s4", 1600), ("pi-k4-p16-s4", 1000)):
+        r = record("h8-last", arm, 0, steps)
+        done[r["key"]] = r
+    assert stacks.summary(done)["clauses"]["h8-last"]["pi-k4-p16-s4"]["verdict"] == "π helps"
 
 
 def test_clause_two_reads_the_largest_ratio_each_arm_learns(stacks):
