@@ -135,31 +135,27 @@ def test_clause_one_compares_pi_with_the_better_window_and_counts_a_run_not_lear
     assert clause["pi-k4-cover"]["verdict"] == "worse"  # median 3000 (one seed past the budget: 4200) > 1.33 × 1600
 
 
+def made(setting: str, seeds, steps_by_arm: dict[str, int | None]) -> dict[str, dict]:
+    """Records of every arm of `steps_by_arm` in `setting`, each seed learning at the same step (None: not)."""
+    rows = (record(setting, arm, seed, steps) for seed in seeds for arm, steps in steps_by_arm.items())
+    return {r["key"]: r for r in rows}
+
+
 def test_clause_one_says_no_difference_within_the_band(stacks):
-    done = {}
-    for arm, steps in (("local-k4", 2000), ("local-k4-s4", 1600), ("pi-k4-p16", 1400)):
-        r = record("h4-last", arm, 0, steps)
-        done[r["key"]] = r
+    done = made("h4-last", (0,), {"local-k4": 2000, "local-k4-s4": 1600, "pi-k4-p16": 1400})
     assert stacks.summary(done)["clauses"]["h4-last"]["pi-k4-p16"]["verdict"] == "no difference"
 
 
 def test_clause_one_is_provisional_until_the_seeds_its_phase_planned_are_in(stacks):
     """h8-last's phase runs seeds 0 and 1: two seeds judge it; h4-last's runs 0–2: two seeds do not."""
     for setting, provisional in (("h8-last", False), ("h4-last", True)):
-        done = {}
-        for seed in (0, 1):
-            for arm, steps in (("local-k4", None), ("local-k4-s4", 2000), ("pi-k4-p16", None)):
-                r = record(setting, arm, seed, steps)
-                done[r["key"]] = r
+        done = made(setting, (0, 1), {"local-k4": None, "local-k4-s4": 2000, "pi-k4-p16": None})
         clause = stacks.summary(done)["clauses"][setting]["pi-k4-p16"]
         assert clause["verdict"] == "worse" and clause["provisional"] is provisional, setting
 
 
 def test_clause_one_judges_pi_with_sinks_as_it_judges_pi(stacks):
-    done = {}
-    for arm, steps in (("local-k4", 2000), ("local-k4-s4", 1600), ("pi-k4-p16-s4", 1000)):
-        r = record("h8-last", arm, 0, steps)
-        done[r["key"]] = r
+    done = made("h8-last", (0,), {"local-k4": 2000, "local-k4-s4": 1600, "pi-k4-p16-s4": 1000})
     assert stacks.summary(done)["clauses"]["h8-last"]["pi-k4-p16-s4"]["verdict"] == "π helps"
 
 
