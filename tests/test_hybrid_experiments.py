@@ -160,12 +160,8 @@ def test_clause_one_judges_pi_with_sinks_as_it_judges_pi(stacks):
 
 
 def test_clause_two_reads_the_largest_ratio_each_arm_learns(stacks):
-    done = {}
-    for setting, steps in (("h4-last", 1000), ("h8-last", None)):
-        r = record(setting, "pi-k4-p16", 0, steps)
-        done[r["key"]] = r
-    r = record("h4-pairs8", "pi-k4-p16", 0, 3000)
-    done[r["key"]] = r
+    done = {**made("h4-last", (0,), {"pi-k4-p16": 1000}), **made("h8-last", (0,), {"pi-k4-p16": None}),
+            **made("h4-pairs8", (0,), {"pi-k4-p16": 3000})}
     ratio = stacks.summary(done)["ratio"]
     assert ratio["4"]["pi-k4-p16"] == dict(tried=["3:1", "7:1"], learned=["3:1"])
     assert ratio["8"]["pi-k4-p16"] == dict(tried=["3:1"], learned=["3:1"])
