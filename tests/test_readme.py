@@ -135,6 +135,8 @@ def script_help() -> dict[str, tuple[int, str]]:
     return {script: tuple(result) for script, result in json.loads(done.stdout.splitlines()[-1]).items()}
 
 
+# One pytest worker runs these cases (make test: --dist loadgroup), so `script_help` runs every script once.
+@pytest.mark.xdist_group("readme_script_help")
 @pytest.mark.parametrize("args", SCRIPTS, ids=[" ".join(a[:2]) for a in SCRIPTS])
 def test_script_offers_its_flags(args):
     script, flags = ROOT / args[0], {a.split("=")[0] for a in args[1:] if a.startswith("--")}

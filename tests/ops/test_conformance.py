@@ -76,12 +76,16 @@ def check(backend: str, inputs, *, grad: bool, seed: int = 0, **kwargs):
 
 # Triton's bidirectional core (make test): partial tiles, a skip inside the window, its wide band.
 TRITON_BIDIR_CORE = ("odd", "period<window", "widest")
+# Triton's backward core: every variant on the partial tiles, both gated variants where the tiles of the
+# bidirectional core differ, one gated variant on each other shape (the two take turns); the rest forward.
+TRITON_BACKWARD_CORE = {"odd": VARIANTS, "period<window": GATED_VARIANTS, "widest": GATED_VARIANTS}
+TRITON_GATED_BY_SHAPE = {shape: GATED_VARIANTS[i % 2] for i, shape in enumerate(SHAPES)}
 
 
 def _shape_core(backend, shape, variant, causal, pass_):
     if backend == "triton":  # "backward" compares the forward too; bidirectional on the shapes whose tiles differ
-        return (pass_ == "backward") == (variant in GATED_VARIANTS or shape == "odd") and (
-            causal or shape in TRITON_BIDIR_CORE)
+        backward = variant in TRITON_BACKWARD_CORE.get(shape, (TRITON_GATED_BY_SHAPE[shape],))
+        return (pass_ == "backward") == backward and (causal or shape in TRITON_BIDIR_CORE)
     # flex: a compile per shape, pattern and kind of variant ("fixed" reuses "adaptive"'s); every variant on
     # the multi-block shape causal, a skip in both directions, and "separate" with no skip branch.
     return shape == "blocks" and (causal or variant in ("adaptive", "fixed")) or (
@@ -195,6 +199,8 @@ def test_random_shapes(backend):
 # A non-finite input value may only reach the outputs that read it (docs/design.md).
 
 NONFINITE_SHAPES = {"T40": (40, 4, 16), "wide": (70, 20, 30)}  # (T, window, period): a skip; windows > 16 rows
+# Triton's core (make test): each variant once and each poisoned input once; the other pairs are slow.
+TRITON_NONFINITE_CORE = {"adaptive": "k", "separate": "gate", "fixed": "q", "union": "v"}
 # Backends whose calls keep a bad value in the rows that read it; flex's kernels alone do not (see below).
 CONTAINED = tuple(name for name, b in REGISTRY.items() if b.contains_nonfinite)  # all but flex
 
@@ -232,7 +238,8 @@ def _call(backend, q, k, v, gate, **kw):
 
 
 @pytest.mark.parametrize(*backend_matrix(
-    CONTAINED, lambda backend, shape, variant, causal, which, value: shape == "T40" and value == "nan" and causal,
+    CONTAINED, lambda backend, shape, variant, causal, which, value: (
+        shape == "T40" and value == "nan" and causal and TRITON_NONFINITE_CORE[variant] == which),
     shape=tuple(NONFINITE_SHAPES), variant=VARIANTS, causal=(True, False), which=("q", "k", "v", "gate"),
     value=("nan", "inf")))
 def test_nonfinite_stays_local(backend, shape, variant, causal, which, value):

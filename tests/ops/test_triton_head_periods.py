@@ -184,7 +184,7 @@ def test_one_launch_per_kernel(monkeypatch, nan_poison):
     compare_to_exact(ref, got, exact_run(inputs, grad=True, period=PERIODS, causal=True, variant="adaptive", **KW))
 
 
-@pytest.mark.parametrize("dropout_p", (0.0, 0.3))
+@pytest.mark.parametrize(*cases("dropout_p", ((0.0, 0.3),), lambda dropout_p: dropout_p > 0))
 def test_nonfinite_gradients_fall_back_per_period_group(dropout_p):
     """A NaN in v: the forward kernel keeps it in the rows that read it, and the gradients come from "torch",
     run per period group on the group's heads (with each head's dropout mask): equal, NaN for NaN, to
@@ -205,7 +205,8 @@ def test_nonfinite_gradients_fall_back_per_period_group(dropout_p):
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
-@pytest.mark.parametrize(("variant", "dropout_p"), [("adaptive", 0.0), ("separate", 0.2)])
+@pytest.mark.parametrize(*cases("variant,dropout_p", (("adaptive", "separate"), (0.0, 0.2)),
+                                lambda variant, dropout_p: (variant, dropout_p) == ("separate", 0.2)))
 def test_compiles_to_one_operator_call(variant, dropout_p):
     """Under torch.compile the periods cross as the operators' `periods`: one piattn::pi_triton_fwd and one
     _bwd in the graphs for every head, and eager's numbers exactly."""
