@@ -76,6 +76,7 @@ def test_bad_arguments_are_refused_by_name(profile, tmp_path, capsys, args, name
     assert named in capsys.readouterr().err
 
 
+@pytest.mark.slow  # seconds of perf sampling a model; classing the samples by library is checked below
 def test_perf_samples_land_in_the_libraries(profile):
     """Where perf can sample here: half a second of π's steps, its samples split over the libraries (the shares
     add up to the whole, and the interpreter and the compiled step each took some)."""

@@ -266,7 +266,7 @@ def test_ring_step_refuses_every_inconsistent_call_in_one_line(case):
 
 
 @needs_cc
-def test_the_c_step_checks_every_size_itself(tmp_path):
+def test_the_c_step_checks_every_size_itself(tmp_path, built_library):  # the child loads a copy: no build
     """The C function called straight through ctypes with what Python would refuse: it returns an error code
     (1 sizes, 2 slot, 3 kind, 4 prior) having read nothing. Before: H_kv > H divided by zero (SIGFPE), and
     a slot past N was read."""
@@ -347,12 +347,10 @@ def _verified(path) -> bool:
 
 
 @needs_cc
-def test_a_new_library_folder_is_private_and_the_library_carries_its_hash(tmp_path):
-    done = _child(LOAD, tmp_path)  # a fresh folder: this test builds its own
-    assert done.returncode == 0 and done.stdout.strip() == "None", done.stderr[-2000:]
-    path = _library(tmp_path)
-    assert stat.S_IMODE(os.stat(tmp_path / "native").st_mode) == 0o700
-    assert _verified(path)
+def test_a_new_library_folder_is_private_and_the_library_carries_its_hash(built_once):
+    """`built_once` is a fresh folder's first build (the child that made it loaded it: no warning)."""
+    assert stat.S_IMODE(os.stat(built_once / "native").st_mode) == 0o700
+    assert _verified(_library(built_once))
 
 
 @needs_cc
@@ -451,7 +449,7 @@ def test_a_folder_of_another_user_is_refused(tmp_path, monkeypatch):
 # Finding 4: the gate's hidden row no longer lives on the C stack.
 
 @needs_cc
-def test_a_wide_gate_decodes_in_a_thread_with_a_small_stack(tmp_path):
+def test_a_wide_gate_decodes_in_a_thread_with_a_small_stack(tmp_path, built_library):  # loads a copy: no build
     """n_hidden = 40 000 in fp64 is 320 KB: before, on a 256 KiB thread stack, SIGSEGV."""
     done = _child("""
         import threading, torch

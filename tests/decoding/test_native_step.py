@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -298,13 +299,16 @@ def _build_in(tmp_path, **env):
     return done.stdout.strip(), done.stderr
 
 
-def test_the_library_is_built_once_per_cache_and_reused(tmp_path):
+def test_the_library_is_built_once_per_cache_and_reused(tmp_path, monkeypatch):
     out, _ = _build_in(tmp_path)
     assert out == "None"
     built = list((tmp_path / "native").glob("decode_step-*.so"))
     assert len(built) == 1 and not list((tmp_path / "native").glob("tmp*"))
     stamp = built[0].stat().st_mtime_ns
-    assert _build_in(tmp_path)[0] == "None"
+    monkeypatch.setenv("PIATTN_CACHE", str(tmp_path))  # a second load, in this process: the same file
+    monkeypatch.delenv("PIATTN_NATIVE", raising=False)
+    monkeypatch.setattr(native, "_state", {})
+    assert native.unavailable() is None
     assert built[0].stat().st_mtime_ns == stamp
 
 
@@ -319,12 +323,20 @@ def test_the_step_is_built_for_this_cpu_first_or_for_the_pinned_level_alone(monk
     assert "march" not in " ".join(native._FLAGS)  # the instruction set comes from the flag sets alone
 
 
-def test_without_a_compiler_decoding_warns_once_and_falls_back(tmp_path):
-    out, err = _build_in(tmp_path, CC="/nonexistent/cc")
-    assert out.startswith("could not build decode_step.c with '/nonexistent/cc'")
-    assert "RuntimeWarning" in err and "PIATTN_NATIVE=0" in err
-    out, err = _build_in(tmp_path, PIATTN_NATIVE="0")
-    assert out == "disabled by PIATTN_NATIVE=0" and "Warning" not in err
+def test_without_a_compiler_decoding_warns_once_and_falls_back(tmp_path, monkeypatch):
+    monkeypatch.setenv("PIATTN_CACHE", str(tmp_path))  # in this process, its library state set aside
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.delenv("PIATTN_NATIVE", raising=False)
+    monkeypatch.setattr(native, "_state", {})
+    with pytest.warns(RuntimeWarning, match="PIATTN_NATIVE=0") as caught:
+        assert native.unavailable().startswith("could not build decode_step.c with '/nonexistent/cc'")
+        assert native.unavailable().startswith("could not build")  # asked again: no second warning
+    assert len(caught) == 1
+    monkeypatch.setenv("PIATTN_NATIVE", "0")
+    monkeypatch.setattr(native, "_state", {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native.unavailable() == "disabled by PIATTN_NATIVE=0"
 
 
 def test_decoding_without_the_compiled_step_gives_the_same_tokens(monkeypatch):

@@ -76,6 +76,7 @@ def test_fsdp_checkpoints_have_the_plain_format(fsdp_run, reference):
             torch.testing.assert_close(g["state"][i][key], w["state"][i][key], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # a second process group's run (seconds); the checkpoint's format is checked above
 def test_an_fsdp_checkpoint_resumes_on_one_process_without_fsdp(fsdp_sequence_parallel_run, reference, corpus,
                                                                 tmp_path):
     """Written by 2 ranks with --fsdp sharing each sequence (1 data-parallel replica), resumed by 1 plain
@@ -85,13 +86,19 @@ def test_an_fsdp_checkpoint_resumes_on_one_process_without_fsdp(fsdp_sequence_pa
     assert_same_training(run, reference)
 
 
+def test_an_fsdp_checkpoint_of_two_replicas_is_refused_on_one_process(fsdp_run, corpus, tmp_path):
+    """One process would take other batches per step than the 2 replicas that wrote it: refused, as without
+    --fsdp."""
+    run = stopped_at(fsdp_run, 2, tmp_path / "run")
+    with pytest.raises(ValueError, match="saved with 2 data-parallel replica"):
+        train_config(parse(common_args(corpus, run, "--batch-size", "1", "--resume")))
+
+
 @pytest.mark.slow  # a combination of what the other tests cover one at a time; seconds of process groups
 def test_an_fsdp_checkpoint_resumes_under_ddp(fsdp_run, reference, corpus, tmp_path):
     """Written by 2 replicas with --fsdp, resumed by 2 replicas without it (DDP); (one process would take
     other batches per step and is refused, as without --fsdp)."""
     run = stopped_at(fsdp_run, 2, tmp_path / "run")
-    with pytest.raises(ValueError, match="saved with 2 data-parallel replica"):
-        train_config(parse(common_args(corpus, run, "--batch-size", "1", "--resume")))
     done = torchrun(2, common_args(corpus, run, "--batch-size", "1", "--resume"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert_same_training(run, reference)
