@@ -339,13 +339,14 @@ def plot(done: dict[str, dict], path: Path) -> None:
         return
     fig, axes = plt.subplots(2, len(names), figsize=(max(6.4, 4.6 * len(names)), 7.2), squeeze=False)
     colors = dict(zip(ARMS, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    handles = {}  # arm -> its first curve: one legend for the whole figure, every arm that ran somewhere
     for column, name in enumerate(names):
         curves, by_distance = axes[0][column], axes[1][column]
         for arm in ARMS:
             rows = runs_of(done, name, arm)
-            for k, r in enumerate(rows):
+            for r in rows:
                 steps, accuracy = zip(*r["validation"], strict=True) if r["validation"] else ((), ())
-                curves.plot(steps, accuracy, color=colors[arm], lw=1, alpha=0.8, label=arm if k == 0 else None)
+                handles.setdefault(arm, curves.plot(steps, accuracy, color=colors[arm], lw=1, alpha=0.8)[0])
             if rows:
                 by_distance.plot(*pooled_by_distance(rows), color=colors[arm], lw=1, marker=".", ms=3,
                                  label=f"{arm} ({len(rows)} seeds)")
@@ -358,10 +359,11 @@ def plot(done: dict[str, dict], path: Path) -> None:
         by_distance.set_xlabel("key–query distance (tokens)")
     axes[0][0].set_ylabel("validation accuracy")
     axes[1][0].set_ylabel("test accuracy (seeds pooled)")
-    axes[0][-1].legend(fontsize=7, loc="lower right")
-    axes[1][-1].legend(fontsize=7, loc="lower left")
-    fig.suptitle(f"MQAR in hybrid stacks: windowed layers + one dense layer (dotted: {TARGET})", fontsize=9)
-    fig.tight_layout()
+    for row in axes[1]:  # each setting's own seed counts
+        row.legend(fontsize=6, loc="lower left")
+    fig.legend(handles.values(), handles.keys(), loc="upper right", ncol=len(handles), fontsize=7)
+    fig.suptitle(f"MQAR in hybrid stacks: windowed layers + one dense layer (dotted: {TARGET})", fontsize=9, x=0.3)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
