@@ -10,10 +10,17 @@ read lies that far back, beyond the window; `top_dense_heads` takes the top roun
 probe's seed. Scored on passkey.py's test (its examples, bins and exact retrieval), the dense model in the
 same harness as the ceiling. f*(arm) = the smallest f whose retrieval beyond the window is >= PASS.
 
+`--choose duo` keeps DuoAttention's heads instead (§11 (c), amendment): per streaming arm, the gates
+`duo_attention_scores` trains on that arm's conversion (the model frozen, copy probes of the same settings,
+`--duo-steps`), the top round(90 f) by gate, equal gates ordered by the retrieval score. Its records go to
+heads_duo_runs/ and its summary to heads_duo.{json,md,png}; the gates of each arm are kept in
+heads_duo_runs/gates_<arm>.json (computed once, then read).
+
     python experiments/hybrid_heads.py                  # every run (resumable: scores kept every 16 examples)
     python experiments/hybrid_heads.py --only 'pi/*'    # a subset (fnmatch on run names)
     python experiments/hybrid_heads.py --summary-only   # the tables and the figure from the records
     python experiments/hybrid_heads.py --speed          # KV bytes at 8K and decode tokens/s at each arm's f*
+    python experiments/hybrid_heads.py --choose duo --fractions 1/16,1/8,1/4,1/2   # DuoAttention's heads
 
 Records (committed, a few KB a run) under experiments/results/hybrids/heads_runs/; the summary in
 experiments/results/hybrids/heads.{json,md,png}; `--speed` writes heads_speed.{json,md}.
@@ -37,11 +44,13 @@ from tqdm import tqdm
 
 from piattn.benchmarking import command_line, cpu_model, machine_info, save_results
 from piattn.data.passkey import bins_beyond, compare_beyond, filler_stream, summarize_scores
-from piattn.integrations.hf.heads import retrieval_head_scores, top_dense_heads
+from piattn.integrations.hf.heads import duo_attention_scores, retrieval_head_scores, top_dense_heads
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "experiments" / "results" / "hybrids"
 STREAMING = ("local", "pi")  # passkey.py's arms: local + sinks, π + sinks
+CHOICES = ("retrieval", "duo")
+DUO_LR, DUO_L1 = 0.02, 0.05  # duo_attention_scores' defaults, written into the records
 LABELS = {"dense": "dense (the original)", "local": "local + sinks", "pi": "π + sinks"}
 PASS = 0.95
 N_RESAMPLES = 2000
@@ -60,8 +69,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--probe-rows", type=int, default=4)
     p.add_argument("--probe-seed", type=int, default=0)
     p.add_argument("--probe-vocab", default="1000-20000", help="LOW-HIGH: the probe's token ids (default 1000-20000)")
-    p.add_argument("--records", type=Path, default=OUT / "heads_runs")
-    p.add_argument("--out", type=Path, default=OUT / "heads")
+    p.add_argument("--choose", choices=CHOICES, default="retrieval",
+                   help="which heads stay dense: the top retrieval scores (default) or DuoAttention's trained gates")
+    p.add_argument("--duo-steps", type=int, default=100, help="--choose duo: the gates' training steps (default 100)")
+    p.add_argument("--records", type=Path, default=None,
+                   help="the runs' records (default experiments/results/hybrids/heads_runs, or heads_duo_runs)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="the summary's path less suffix (default experiments/results/hybrids/heads, or heads_duo)")
     p.add_argument("--only", default=None, help="comma-separated fnmatch patterns of run names to do")
     p.add_argument("--limit", type=int, default=None, help="do at most this many runs in this call")
     p.add_argument("--summary-only", action="store_true")
@@ -82,7 +96,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                 f"{args.probe_vocab!r}")
     if not args.fraction_list or any(not 0 <= f <= 1 for f in args.fraction_list):
         p.error(f"--fractions must lie in [0, 1], got {args.fractions!r}")
+    if args.duo_steps < 1:
+        p.error(f"--duo-steps must be at least 1, got {args.duo_steps}")
     args.vocab = (low, high)
+    stem = "heads" if args.choose == "retrieval" else "heads_duo"
+    args.records = args.records or OUT / f"{stem}_runs"
+    args.out = args.out or OUT / stem
     return args
 
 
@@ -93,7 +112,11 @@ def passkey_settings(args) -> argparse.Namespace:
 
 
 def probe_settings(args) -> dict:
-    return dict(length=args.probe_length, batch=args.probe_rows, seed=args.probe_seed, vocab=list(args.vocab))
+    """The copy probe's settings, and with `--choose duo` the gates' training (what the chosen heads depend on)."""
+    probe = dict(length=args.probe_length, batch=args.probe_rows, seed=args.probe_seed, vocab=list(args.vocab))
+    if args.choose == "duo":
+        probe.update(choose="duo", duo_steps=args.duo_steps, duo_lr=DUO_LR, duo_l1=DUO_L1)
+    return probe
 
 
 def run_name(arm: str, heads: int) -> str:
@@ -114,7 +137,8 @@ def all_runs(args, n_heads: int) -> list[dict]:
 
 
 class HeadStudy:
-    """passkey.py's study (model, examples) and the retrieval scores of the model's key/value heads."""
+    """passkey.py's study (model, examples), the retrieval scores of the model's key/value heads and, with
+    `--choose duo`, each streaming arm's DuoAttention gates (trained on first need, then read from the records)."""
 
     def __init__(self, args):
         self.args = args
@@ -123,20 +147,43 @@ class HeadStudy:
         probe = probe_settings(args)
         self.scores = retrieval_head_scores(self.study.dense, length=probe["length"], batch=probe["batch"],
                                             seed=probe["seed"], vocab=tuple(probe["vocab"]))
+        self._gates: dict[str, torch.Tensor] = {}
 
     @property
     def n_heads(self) -> int:
         return self.scores.numel()
 
-    def dense_heads(self, fraction: str) -> dict[int, list[int]]:
+    def gates(self, arm: str) -> torch.Tensor:
+        """[L, Hkv] DuoAttention's gates for `arm`'s conversion (no dense heads), trained once and kept."""
+        if arm not in self._gates:
+            probe, path = probe_settings(self.args), self.args.records / f"gates_{arm}.json"
+            settings = dict(passkey.settings_of(self.settings, "zero-shot"), probe=probe, arm=arm)
+            kept = passkey.load_checked(path, settings, as_json=True)
+            if kept is None:
+                started = time.perf_counter()
+                gates = duo_attention_scores(self.study.model(arm, None), steps=probe["duo_steps"], lr=probe["duo_lr"],
+                                             l1=probe["duo_l1"], length=probe["length"], batch=probe["batch"],
+                                             seed=probe["seed"], vocab=tuple(probe["vocab"]),
+                                             progress=not self.args.no_progress)
+                kept = dict(settings=settings, gates=gates.tolist(),
+                            seconds=round(time.perf_counter() - started, 1))
+                passkey.atomic_write(path, kept, as_json=True)
+            self._gates[arm] = torch.tensor(kept["gates"])
+        return self._gates[arm]
+
+    def dense_heads(self, arm: str, fraction: str) -> dict[int, list[int]]:
+        if self.args.choose == "duo":
+            return top_dense_heads(self.gates(arm), float(Fraction(fraction)), tiebreak=self.scores)
         return top_dense_heads(self.scores, float(Fraction(fraction)))
 
     def model(self, run: dict):
-        return self.study.model(run["arm"], None if run["arm"] == "dense" else self.dense_heads(run["fraction"]))
+        if run["arm"] == "dense":
+            return self.study.model("dense", None)
+        return self.study.model(run["arm"], self.dense_heads(run["arm"], run["fraction"]))
 
     def run_settings(self, run: dict) -> dict:
         """What a run's scores depend on: the test, the probe, the arm and the heads kept dense."""
-        heads = {} if run["arm"] == "dense" else self.dense_heads(run["fraction"])
+        heads = {} if run["arm"] == "dense" else self.dense_heads(run["arm"], run["fraction"])
         return dict(passkey.settings_of(self.settings, "zero-shot"), probe=probe_settings(self.args), arm=run["arm"],
                     fraction=run["fraction"], dense_heads={str(k): v for k, v in heads.items()})
 
@@ -209,13 +256,23 @@ def summarize(records: dict[str, dict], meta: dict) -> dict:
                 verdict=verdict(by_arm, comparisons))
 
 
+def chosen_by(probe: dict) -> str:
+    """How the dense heads were chosen, in words, from the probe settings of the records."""
+    if probe.get("choose") == "duo":
+        return (f"highest DuoAttention gate (`duo_attention_scores` on each arm's own conversion, {probe['duo_steps']} "
+                f"steps, lr {probe['duo_lr']}, L1 {probe['duo_l1']}; equal gates ordered by retrieval score), trained "
+                "and scored")
+    return "highest retrieval score"
+
+
 def markdown(s: dict) -> str:
     a, p = s["settings"], s["probe"]
     bins = [tuple(b) for b in s["bins"]]
     lines = ["# Dense heads in a converted SmolLM2-135M: passkey retrieval by the share of dense heads (issue 59 c)",
-             "", f"`python experiments/hybrid_heads.py` (resumable; `--summary-only` rewrites this). Zero-shot "
+             "", f"`python experiments/hybrid_heads.py{' --choose duo' if p.get('choose') else ''}` (resumable; "
+             "`--summary-only` rewrites this). Zero-shot "
              f"conversions: window {a['window']}, π = {a['period']} (π arm), {a['sinks']} sinks, gates at α = "
-             f"{a['gate_alpha']}; the dense key/value heads are those of highest retrieval score on a copy probe "
+             f"{a['gate_alpha']}; the dense key/value heads are those of {chosen_by(p)} on a copy probe "
              f"({p['length']} random tokens from ids {p['vocab'][0]}–{p['vocab'][1] - 1} repeated once, {p['batch']} "
              f"rows, seed {p['seed']}). Test: docs/results.md §8c's passkeys, {a['per_bin']} examples per bin, exact "
              "retrieval; 'beyond' pools the bins past the window. f* = the smallest f with beyond ≥ "
@@ -253,7 +310,8 @@ def plot(s: dict, path: Path) -> None:
     if dense:
         ax.axhline(dense[0]["beyond"], color="black", linestyle="-", linewidth=1, label="dense (all heads)")
     ax.axhline(s["pass_level"], color="grey", linestyle=":", label=f"pass level {s['pass_level']}")
-    ax.set_xlabel("dense key/value heads (of 90), by retrieval score")
+    by = "DuoAttention gate" if s["probe"].get("choose") == "duo" else "retrieval score"
+    ax.set_xlabel(f"dense key/value heads (of 90), by {by}")
     ax.set_ylabel(f"passkey retrieval beyond the window of {s['settings']['window']}")
     ax.set_ylim(-0.03, 1.05)
     ax.set_title("SmolLM2-135M, zero-shot: dense heads beside streaming ones")
@@ -286,7 +344,7 @@ def speed(args, hs: HeadStudy, summary: dict) -> int:
     chosen = {arm: f_star.get(arm) or "1/2" for arm in STREAMING}
     models = {"dense": hs.study.dense}
     for arm, fraction in chosen.items():
-        models[f"{arm}@f={fraction}"] = passkey_decode.deployed_model(hs.study, arm, hs.dense_heads(fraction))
+        models[f"{arm}@f={fraction}"] = passkey_decode.deployed_model(hs.study, arm, hs.dense_heads(arm, fraction))
     dense = hs.study.dense
     lengths = passkey_decode.prompt_lengths(args.positions, getattr(dense.config, "max_position_embeddings", None),
                                             args.steps)

@@ -183,3 +183,29 @@ def test_rule_one_of_the_conversion_reads_f_star(heads, local, pi, separated, ve
               "pi": [heads_row("pi", k, b) for k, b in zip((0, 6, 45), pi, strict=True)]}
     comparisons = {"0": dict(low=0.0), "6": dict(low=0.05 if separated else -0.02), "45": dict(low=-0.01)}
     assert heads.verdict(by_arm, comparisons)["verdict"] == verdict
+
+
+def test_the_duo_choice_keeps_its_own_records_and_leaves_the_retrieval_records_valid(heads):
+    retrieval = heads.parse_args([])
+    duo = heads.parse_args(["--choose", "duo", "--duo-steps", "7"])
+    assert retrieval.records.name == "heads_runs" and retrieval.out.name == "heads"
+    assert duo.records.name == "heads_duo_runs" and duo.out.name == "heads_duo"
+    # the retrieval study's records were written with exactly these probe settings: adding keys would refuse them
+    assert heads.probe_settings(retrieval) == dict(length=256, batch=4, seed=0, vocab=[1000, 20000])
+    assert heads.probe_settings(duo) == dict(heads.probe_settings(retrieval), choose="duo", duo_steps=7,
+                                             duo_lr=heads.DUO_LR, duo_l1=heads.DUO_L1)
+    with pytest.raises(SystemExit):
+        heads.parse_args(["--choose", "attention-mass"])
+
+
+def test_the_duo_choice_ranks_each_arms_gates_and_orders_equal_gates_by_retrieval_score(heads):
+    import torch
+
+    study = heads.HeadStudy.__new__(heads.HeadStudy)  # no model: the ranking reads only the scores and gates
+    study.args = heads.parse_args(["--choose", "duo"])
+    study.scores = torch.tensor([[0.1, 0.3], [0.7, 0.9]])
+    study._gates = {"local": torch.tensor([[1.0, 1.0], [1.0, 0.0]]), "pi": torch.tensor([[0.0, 1.0], [0.5, 0.2]])}
+    assert study.dense_heads("local", "1/4") == {1: [0]}
+    assert study.dense_heads("pi", "1/2") == {0: [1], 1: [0]}
+    study.args = heads.parse_args([])
+    assert study.dense_heads("pi", "1/4") == {1: [1]}  # the retrieval choice ignores the gates

@@ -98,6 +98,16 @@ def test_ties_go_to_the_lower_layer_then_head():
         top_dense_heads(scores, 1.5)
 
 
+def test_a_tiebreak_orders_equal_scores_before_the_layer_does():
+    gates = torch.tensor([[1.0, 1.0], [1.0, 0.2]])  # three heads clamped at 1, as DuoAttention's gates are
+    retrieval = torch.tensor([[0.1, 0.3], [0.7, 0.9]])
+    assert top_dense_heads(gates, 0.25, tiebreak=retrieval) == {1: [0]}  # not {0: [0]}: the tie goes to 0.7
+    assert top_dense_heads(gates, 0.5, tiebreak=retrieval) == {0: [1], 1: [0]}
+    assert top_dense_heads(gates, 0.75, tiebreak=retrieval) == {0: [0, 1], 1: [0]}  # the tiebreak never outranks
+    with pytest.raises(ValueError, match="tiebreak"):
+        top_dense_heads(gates, 0.5, tiebreak=retrieval[:1])
+
+
 def test_chosen_heads_convert():
     """The chosen heads go straight into convert_to_pi; at fraction 1 the conversion is the original model."""
     original = tiny_llama(attn_implementation="sdpa").double()

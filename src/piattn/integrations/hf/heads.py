@@ -8,6 +8,8 @@ import math
 import torch
 from transformers import PreTrainedModel
 
+from ...progress import progress_bar
+
 
 def copy_probe(batch: int, length: int, vocab: tuple[int, int], seed: int) -> torch.Tensor:
     """[batch, 2·length] token ids: `length` random tokens in vocab[0] … vocab[1] − 1 (from `seed`), twice."""
@@ -72,19 +74,25 @@ def retrieval_head_scores(model: PreTrainedModel, *, length: int = 64, batch: in
     return copy_scores(out.attentions, length, n_kv, measure)
 
 
-def top_dense_heads(scores: torch.Tensor, fraction: float) -> dict[int, list[int]]:
+def top_dense_heads(scores: torch.Tensor, fraction: float, tiebreak: torch.Tensor | None = None,
+                    ) -> dict[int, list[int]]:
     """The round(fraction · L · Hkv) key/value heads of highest score [L, Hkv] as `convert_to_pi`'s
-    `dense_heads` ({layer: sorted heads}, only layers with any); ties go to the lower layer, then the lower
-    head, so the choice is a function of the scores alone. fraction 0 keeps none dense, 1 all."""
+    `dense_heads` ({layer: sorted heads}, only layers with any). Equal scores go to the higher `tiebreak`
+    [L, Hkv] if given (DuoAttention's gates clamp many heads at exactly 1, so a second score orders those),
+    then to the lower layer, then the lower head, so the choice is a function of the scores alone. fraction 0
+    keeps none dense, 1 all."""
     if not 0.0 <= fraction <= 1.0 or math.isnan(fraction):
         raise ValueError(f"fraction must lie in [0, 1], got {fraction!r}")
     if scores.dim() != 2:
         raise ValueError(f"scores must be [layers, key/value heads], got shape {tuple(scores.shape)}")
+    if tiebreak is not None and tiebreak.shape != scores.shape:
+        raise ValueError(f"tiebreak must have the shape of scores {tuple(scores.shape)}, got {tuple(tiebreak.shape)}")
     L, Hkv = scores.shape
     k = round(fraction * L * Hkv)
     values = scores.detach().cpu().double().tolist()
+    second = (torch.zeros(L, Hkv) if tiebreak is None else tiebreak).detach().cpu().double().tolist()
     order = sorted(((layer, head) for layer in range(L) for head in range(Hkv)),
-                   key=lambda lh: (-values[lh[0]][lh[1]], lh[0], lh[1]))
+                   key=lambda lh: (-values[lh[0]][lh[1]], -second[lh[0]][lh[1]], lh[0], lh[1]))
     chosen: dict[int, list[int]] = {}
     for layer, head in order[:k]:
         chosen.setdefault(layer, []).append(head)
@@ -93,14 +101,15 @@ def top_dense_heads(scores: torch.Tensor, fraction: float) -> dict[int, list[int
 
 def duo_attention_scores(model: PreTrainedModel, *, steps: int = 100, lr: float = 0.02, l1: float = 0.05,
                          length: int = 32, batch: int = 4, seed: int = 0, vocab: tuple[int, int] | None = None,
-                         ) -> torch.Tensor:
+                         progress: bool = False) -> torch.Tensor:
     """DuoAttention's choice of dense heads, for a model converted with `convert_to_pi` (none dense): one scalar
     m ∈ [0, 1] per key/value head of each layer, whose query heads output m · dense + (1 − m) · converted,
     trained with the model frozen on copy probes (`copy_probe`, fresh rows each step from `seed`) to keep the
     last hidden states of the probes' second copies at those of the all-dense model (= the original), plus
     `l1` · mean(m) pushing heads toward streaming. Adam from m = 1, clipped to [0, 1] after each step. Returns
     the gates [L, Hkv] (higher: the head needs dense attention), for `top_dense_heads`; the same model and
-    seed give the same gates. The model's parameters, their requires_grad and its mode are restored."""
+    seed give the same gates. The model's parameters, their requires_grad and its mode are restored.
+    `progress`: a bar over the steps (each is two forwards and a backward of the whole model)."""
     config = model.config
     if getattr(config, "pi_attention", None) is None:
         raise ValueError("duo_attention_scores needs a model converted with convert_to_pi")
@@ -123,7 +132,8 @@ def duo_attention_scores(model: PreTrainedModel, *, steps: int = 100, lr: float 
     try:
         for p, _ in frozen:
             p.requires_grad_(False)
-        for step in range(steps):
+        for step in progress_bar(steps, desc="DuoAttention gates", unit="step", enabled=progress,
+                                 iterable=range(steps)):
             ids = copy_probe(batch, length, vocab, seed * 1_000_003 + step).to(device)
             with torch.no_grad():
                 for m in modules.values():
