@@ -72,6 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--choose", choices=CHOICES, default="retrieval",
                    help="which heads stay dense: the top retrieval scores (default) or DuoAttention's trained gates")
     p.add_argument("--duo-steps", type=int, default=100, help="--choose duo: the gates' training steps (default 100)")
+    p.add_argument("--duo-gates-of", choices=STREAMING, default=None,
+                   help="--choose duo: every arm keeps the heads that this arm's gates chose (a control that fixes "
+                        "the heads and varies only the streaming kind; read from RECORDS/gates_<arm>.json)")
     p.add_argument("--records", type=Path, default=None,
                    help="the runs' records (default experiments/results/hybrids/heads_runs, or heads_duo_runs)")
     p.add_argument("--out", type=Path, default=None,
@@ -98,6 +101,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--fractions must lie in [0, 1], got {args.fractions!r}")
     if args.duo_steps < 1:
         p.error(f"--duo-steps must be at least 1, got {args.duo_steps}")
+    if args.duo_gates_of and args.choose != "duo":
+        p.error("--duo-gates-of needs --choose duo")
     args.vocab = (low, high)
     stem = "heads" if args.choose == "retrieval" else "heads_duo"
     args.records = args.records or OUT / f"{stem}_runs"
@@ -116,6 +121,8 @@ def probe_settings(args) -> dict:
     probe = dict(length=args.probe_length, batch=args.probe_rows, seed=args.probe_seed, vocab=list(args.vocab))
     if args.choose == "duo":
         probe.update(choose="duo", duo_steps=args.duo_steps, duo_lr=DUO_LR, duo_l1=DUO_L1)
+        if args.duo_gates_of:
+            probe.update(gates_of=args.duo_gates_of)
     return probe
 
 
@@ -156,7 +163,8 @@ class HeadStudy:
     def gates(self, arm: str) -> torch.Tensor:
         """[L, Hkv] DuoAttention's gates for `arm`'s conversion (no dense heads), trained once and kept."""
         if arm not in self._gates:
-            probe, path = probe_settings(self.args), self.args.records / f"gates_{arm}.json"
+            probe = {k: v for k, v in probe_settings(self.args).items() if k != "gates_of"}
+            path = self.args.records / f"gates_{arm}.json"
             settings = dict(passkey.settings_of(self.settings, "zero-shot"), probe=probe, arm=arm)
             kept = passkey.load_checked(path, settings, as_json=True)
             if kept is None:
@@ -173,7 +181,8 @@ class HeadStudy:
 
     def dense_heads(self, arm: str, fraction: str) -> dict[int, list[int]]:
         if self.args.choose == "duo":
-            return top_dense_heads(self.gates(arm), float(Fraction(fraction)), tiebreak=self.scores)
+            gates = self.gates(self.args.duo_gates_of or arm)
+            return top_dense_heads(gates, float(Fraction(fraction)), tiebreak=self.scores)
         return top_dense_heads(self.scores, float(Fraction(fraction)))
 
     def model(self, run: dict):
@@ -259,7 +268,9 @@ def summarize(records: dict[str, dict], meta: dict) -> dict:
 def chosen_by(probe: dict) -> str:
     """How the dense heads were chosen, in words, from the probe settings of the records."""
     if probe.get("choose") == "duo":
-        return (f"highest DuoAttention gate (`duo_attention_scores` on each arm's own conversion, {probe['duo_steps']} "
+        whose = f"the {LABELS[probe['gates_of']]} conversion, for every arm" if probe.get("gates_of") else \
+            "each arm's own conversion"
+        return (f"highest DuoAttention gate (`duo_attention_scores` on {whose}, {probe['duo_steps']} "
                 f"steps, lr {probe['duo_lr']}, L1 {probe['duo_l1']}; equal gates ordered by retrieval score), trained "
                 "and scored")
     return "highest retrieval score"
@@ -284,7 +295,9 @@ def markdown(s: dict) -> str:
         lines.append(f"| {r['name']} | {r['fraction']} | {r['heads']} | {cells} | {r['beyond']:.3f} | "
                      f"{r['accuracy']:.3f} | {r['seconds']:.0f} |")
     if s["pi_against_local"]:
-        lines += ["", "π + sinks against local + sinks at the same dense heads, beyond the window (paired bootstrap "
+        same = "number of dense heads, each arm its own," if p.get("choose") == "duo" and not p.get("gates_of") \
+            else "dense heads"
+        lines += ["", f"π + sinks against local + sinks at the same {same} beyond the window (paired bootstrap "
                   "within bins, 95 %):", "", "| f | π | local | difference [95 % interval] |", "|---|---|---|---|"]
         for f, c in s["pi_against_local"].items():
             lines.append(f"| {f} | {c['accuracy']:.3f} | {c['reference_accuracy']:.3f} | {c['difference']:+.3f} "

@@ -207,5 +207,10 @@ def test_the_duo_choice_ranks_each_arms_gates_and_orders_equal_gates_by_retrieva
     study._gates = {"local": torch.tensor([[1.0, 1.0], [1.0, 0.0]]), "pi": torch.tensor([[0.0, 1.0], [0.5, 0.2]])}
     assert study.dense_heads("local", "1/4") == {1: [0]}
     assert study.dense_heads("pi", "1/2") == {0: [1], 1: [0]}
+    study.args = heads.parse_args(["--choose", "duo", "--duo-gates-of", "pi"])  # the control: π's heads for both
+    assert study.dense_heads("local", "1/2") == study.dense_heads("pi", "1/2") == {0: [1], 1: [0]}
+    assert heads.probe_settings(study.args)["gates_of"] == "pi"  # its records are not the own-gates runs'
     study.args = heads.parse_args([])
     assert study.dense_heads("pi", "1/4") == {1: [1]}  # the retrieval choice ignores the gates
+    with pytest.raises(SystemExit):
+        heads.parse_args(["--duo-gates-of", "pi"])  # without --choose duo there are no gates to take
