@@ -323,8 +323,11 @@ def plot(s: dict, path: Path) -> None:
     if dense:
         ax.axhline(dense[0]["beyond"], color="black", linestyle="-", linewidth=1, label="dense (all heads)")
     ax.axhline(s["pass_level"], color="grey", linestyle=":", label=f"pass level {s['pass_level']}")
-    by = "DuoAttention gate" if s["probe"].get("choose") == "duo" else "retrieval score"
-    ax.set_xlabel(f"dense key/value heads (of 90), by {by}")
+    probe = s["probe"]
+    by = ("retrieval score" if probe.get("choose") != "duo" else
+          f"the DuoAttention gates of the {LABELS[probe['gates_of']]} conversion" if probe.get("gates_of") else
+          "each arm's own DuoAttention gates (other heads per arm)")
+    ax.set_xlabel(f"dense key/value heads (of 90), by {by}", fontsize=9)
     ax.set_ylabel(f"passkey retrieval beyond the window of {s['settings']['window']}")
     ax.set_ylim(-0.03, 1.05)
     ax.set_title("SmolLM2-135M, zero-shot: dense heads beside streaming ones")
