@@ -99,17 +99,19 @@ def test_mentioned_piattn_flags_exist(args):
     assert not unknown, f"`piattn {args[0]}` has no {unknown}"
 
 
-# Every script's `--help` in one child interpreter (torch and the rest imported once, not once per script):
+# Every script's `--help` in one child interpreter (torch and the rest imported once, not once per script),
+# after the subcommand where a command names one (`experiments/hybrids.py convert --help` is hybrid_heads.py's):
 # runpy runs each as __main__ with its stdout captured, its folder first on sys.path as `python SCRIPT` has
 # it, and its sibling modules forgotten afterwards (two folders may hold modules of one name); argparse's
 # --help ends in SystemExit(0).
 HELP_ALL = """
 import contextlib, io, json, os, runpy, sys, traceback
-out, path = {}, [p for p in sys.path if p not in ("", ".")]
-for script in sys.argv[1:]:
+out, path = [], [p for p in sys.path if p not in ("", ".")]
+for argv in json.loads(sys.argv[1]):
+    script = argv[0]
     folder = os.path.abspath(os.path.dirname(script))
     text, code = io.StringIO(), 0
-    sys.argv, sys.path[:] = [script, "--help"], [folder, *path]
+    sys.argv, sys.path[:] = [*argv, "--help"], [folder, *path]
     try:
         with contextlib.redirect_stdout(text):
             runpy.run_path(script, run_name="__main__")
@@ -120,19 +122,25 @@ for script in sys.argv[1:]:
     for name, module in list(sys.modules.items()):
         if os.path.dirname(os.path.abspath(getattr(module, "__file__", None) or "/")) == folder:
             del sys.modules[name]
-    out[script] = [code, text.getvalue()]
+    out.append([argv, code, text.getvalue()])
 print(json.dumps(out))
 """
 
 
+def help_argv(args: list[str]) -> tuple[str, ...]:
+    """What a quoted command's `--help` follows: the script, and its subcommand if the command names one."""
+    return tuple(args[:2]) if len(args) > 1 and not args[1].startswith("-") and "/" not in args[1] else (args[0],)
+
+
 @functools.cache
-def script_help() -> dict[str, tuple[int, str]]:
-    """{script: (exit code, what `python SCRIPT --help` printed)} for every script the docs quote."""
-    scripts = sorted({args[0] for args in SCRIPTS if (ROOT / args[0]).is_file()})
-    done = subprocess.run([sys.executable, "-c", HELP_ALL, *scripts], capture_output=True, text=True, cwd=ROOT,
-                          env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"}, timeout=300)
+def script_help() -> dict[tuple[str, ...], tuple[int, str]]:
+    """{(script, [subcommand]): (exit code, what `python SCRIPT [SUBCOMMAND] --help` printed)} for every command
+    the docs quote."""
+    argvs = sorted({help_argv(args) for args in SCRIPTS if (ROOT / args[0]).is_file()})
+    done = subprocess.run([sys.executable, "-c", HELP_ALL, json.dumps(argvs)], capture_output=True, text=True,
+                          cwd=ROOT, env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"}, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    return {script: tuple(result) for script, result in json.loads(done.stdout.splitlines()[-1]).items()}
+    return {tuple(argv): (code, text) for argv, code, text in json.loads(done.stdout.splitlines()[-1])}
 
 
 # One pytest worker runs these cases (make test: --dist loadgroup), so `script_help` runs every script once.
@@ -141,7 +149,7 @@ def script_help() -> dict[str, tuple[int, str]]:
 def test_script_offers_its_flags(args):
     script, flags = ROOT / args[0], {a.split("=")[0] for a in args[1:] if a.startswith("--")}
     assert script.is_file(), f"{args[0]} does not exist"
-    code, shown = script_help()[args[0]]
+    code, shown = script_help()[help_argv(args)]
     assert code == 0, shown[-500:]
     unknown = sorted(f for f in flags if f not in shown)
     assert not unknown, f"{args[0]} offers no {unknown}"
