@@ -76,9 +76,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="--choose duo: every arm keeps the heads that this arm's gates chose (a control that fixes "
                         "the heads and varies only the streaming kind; read from RECORDS/gates_<arm>.json)")
     p.add_argument("--records", type=Path, default=None,
-                   help="the runs' records (default experiments/results/hybrids/heads_runs, or heads_duo_runs)")
+                   help="the runs' records (default experiments/results/hybrids/heads_runs, heads_duo_runs or "
+                        "heads_duo_<arm>_gates_runs)")
     p.add_argument("--out", type=Path, default=None,
-                   help="the summary's path less suffix (default experiments/results/hybrids/heads, or heads_duo)")
+                   help="the summary's path less suffix (default experiments/results/hybrids/heads, heads_duo or "
+                        "heads_duo_<arm>_gates)")
     p.add_argument("--only", default=None, help="comma-separated fnmatch patterns of run names to do")
     p.add_argument("--limit", type=int, default=None, help="do at most this many runs in this call")
     p.add_argument("--summary-only", action="store_true")
@@ -104,7 +106,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.duo_gates_of and args.choose != "duo":
         p.error("--duo-gates-of needs --choose duo")
     args.vocab = (low, high)
-    stem = "heads" if args.choose == "retrieval" else "heads_duo"
+    stem = "heads" if args.choose == "retrieval" else f"heads_duo_{args.duo_gates_of}_gates" if args.duo_gates_of \
+        else "heads_duo"
     args.records = args.records or OUT / f"{stem}_runs"
     args.out = args.out or OUT / stem
     return args
@@ -265,6 +268,13 @@ def summarize(records: dict[str, dict], meta: dict) -> dict:
                 verdict=verdict(by_arm, comparisons))
 
 
+def choice_flags(probe: dict) -> str:
+    """The command-line flags that chose the heads of these records ("" for the retrieval score)."""
+    if probe.get("choose") != "duo":
+        return ""
+    return " --choose duo" + (f" --duo-gates-of {probe['gates_of']}" if probe.get("gates_of") else "")
+
+
 def chosen_by(probe: dict) -> str:
     """How the dense heads were chosen, in words, from the probe settings of the records."""
     if probe.get("choose") == "duo":
@@ -280,7 +290,7 @@ def markdown(s: dict) -> str:
     a, p = s["settings"], s["probe"]
     bins = [tuple(b) for b in s["bins"]]
     lines = ["# Dense heads in a converted SmolLM2-135M: passkey retrieval by the share of dense heads (issue 59 c)",
-             "", f"`python experiments/hybrid_heads.py{' --choose duo' if p.get('choose') else ''}` (resumable; "
+             "", f"`python experiments/hybrid_heads.py{choice_flags(p)}` (resumable; "
              "`--summary-only` rewrites this). Zero-shot "
              f"conversions: window {a['window']}, π = {a['period']} (π arm), {a['sinks']} sinks, gates at α = "
              f"{a['gate_alpha']}; the dense key/value heads are those of {chosen_by(p)} on a copy probe "

@@ -190,6 +190,8 @@ def test_the_duo_choice_keeps_its_own_records_and_leaves_the_retrieval_records_v
     duo = heads.parse_args(["--choose", "duo", "--duo-steps", "7"])
     assert retrieval.records.name == "heads_runs" and retrieval.out.name == "heads"
     assert duo.records.name == "heads_duo_runs" and duo.out.name == "heads_duo"
+    control = heads.parse_args(["--choose", "duo", "--duo-gates-of", "pi"])
+    assert control.records.name == "heads_duo_pi_gates_runs" and control.out.name == "heads_duo_pi_gates"
     # the retrieval study's records were written with exactly these probe settings: adding keys would refuse them
     assert heads.probe_settings(retrieval) == dict(length=256, batch=4, seed=0, vocab=[1000, 20000])
     assert heads.probe_settings(duo) == dict(heads.probe_settings(retrieval), choose="duo", duo_steps=7,
